@@ -1,0 +1,334 @@
+"""The `diagnose` job: before any training, measure the trainer/engine gap β for a model and a precision
+contract, and say how much of PPO's trust region it eats.
+
+Steps: sample completions with an engine in `engine_dtype` (its own decode-path log-probs, logp_engine),
+re-score the same tokens with each trainer recipe (logp), and compare token by token at α = 0, where
+log r = logp − logp_engine = β. Figures are defined in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .engine import LocalEngine, Rollout, SamplingParams
+from .metrics import mismatch_stats
+from .models import BUNDLED_NAME, load_model
+from .numerics import dtype_name, parse_dtype
+from .prompts import bundled_prompts, encode_prompts, read_prompts
+from .recipes import RECIPES, apply_recipe, get_recipe, resolve_matmul
+from .scoring import score
+
+
+class ConfigError(ValueError):
+    """An invalid diagnose setting; the message says which and what is allowed."""
+
+
+@dataclass
+class DiagnoseConfig:
+    """Everything that determines a diagnose run (written verbatim into the JSON output)."""
+
+    model: str = BUNDLED_NAME
+    """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', a local directory or a hub id."""
+    trainer: list[str] = field(default_factory=lambda: list(RECIPES))
+    """trainer precision recipes to compare against the engine (see recipes.RECIPES)."""
+    engine_dtype: str = "bf16"
+    """dtype the inference engine samples in (bf16, fp16 or fp32)."""
+    epsilon: float = 0.2
+    """PPO clip ε_low: the ratio's lower bound is 1 − ε_low."""
+    epsilon_high: float | None = None
+    """PPO clip ε_high (DAPO's clip-higher); defaults to `epsilon`."""
+    n: int = 64
+    """number of completions to sample (prompts are reused in order if n exceeds the prompt set)."""
+    max_tokens: int = 48
+    """maximum completion length in tokens."""
+    temperature: float = 1.0
+    """sampling temperature; trainer log-probs are computed at the same temperature."""
+    top_p: float = 1.0
+    """engine top-p; β is measured on full-vocabulary log-probs either way."""
+    top_k: int = 0
+    """engine top-k (0 = off)."""
+    seed: int = 0
+    """seed of the engine's sampler."""
+    prompts: str | None = None
+    """file of prompts (one per line, or JSONL with a "prompt" field); default: the bundled 64 prompts."""
+    batch_size: int = 64
+    """sequences per engine / scoring batch (decode is bound by reading the weights: bigger batches are cheaper per token)."""
+    seq_mask_cap: float = 3.0
+    """cap C of TRL's sequence_mask: sequences with exp(Σβ) > C would be dropped."""
+    matmul: str = "auto"
+    """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
+
+    def __post_init__(self):
+        if isinstance(self.trainer, str):
+            self.trainer = [t.strip() for t in self.trainer.split(",") if t.strip()]
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+    def validate(self) -> None:
+        if not self.trainer:
+            raise ConfigError("--trainer is empty: give one or more of " + ", ".join(RECIPES))
+        for name in self.trainer:
+            get_recipe(name)
+        try:
+            parse_dtype(self.engine_dtype)
+        except ValueError as e:
+            raise ConfigError(f"--engine-dtype: {e}") from None
+        for flag, eps in (("--epsilon", self.epsilon), ("--epsilon-high", self.epsilon_high)):
+            if not (0 < eps < 1):
+                raise ConfigError(f"{flag} must be in (0, 1), got {eps}: e.g. 0.2 for PPO's usual trust region")
+        if self.n < 1:
+            raise ConfigError(f"--n must be at least 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.seq_mask_cap <= 1:
+            raise ConfigError(f"--seq-mask-cap must be > 1, got {self.seq_mask_cap}")
+        try:
+            SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+            resolve_matmul(self.matmul)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "cpu_threads": str(torch.get_num_threads()),
+    }
+
+
+class _NoProgress:
+    """Stand-in for rich.progress.Progress when no console is given (library use, tests)."""
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(console):
+    if console is None:
+        return _NoProgress()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+
+def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
+    """Run the diagnose job and return every figure as a JSON-ready dict (see `write_json`)."""
+    cfg.validate()
+    say = console.print if console is not None else (lambda *a, **k: None)
+    prompts_text = read_prompts(cfg.prompts) if cfg.prompts else bundled_prompts()
+    lm = load_model(cfg.model, progress=say)
+    tok = lm.tokenizer
+    prompt_ids = encode_prompts(tok, prompts_text)
+    for text, ids in zip(prompts_text, prompt_ids):
+        if len(ids) + cfg.max_tokens > lm.context_length:
+            raise ConfigError(
+                f"a prompt of {len(ids)} tokens plus --max-tokens {cfg.max_tokens} exceeds the model's context of "
+                f"{lm.context_length} tokens ({text[:40]!r}...): shorten the prompt or lower --max-tokens"
+            )
+    prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)]
+    engine_dtype = parse_dtype(cfg.engine_dtype)
+    matmul = resolve_matmul(cfg.matmul)
+    stop = tuple(t for t in {tok.eos_token_id} if t is not None)
+    batches = [prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
+
+    results: dict[str, dict] = {}
+    with _progress(console) as progress:
+        engine = LocalEngine(lm.model, engine_dtype, matmul=matmul)
+        task = progress.add_task(f"sampling ({cfg.engine_dtype} engine)", total=cfg.n)
+        rollouts: list[Rollout] = []
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches):
+            params = SamplingParams(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed + i, stop)
+            rollouts.append(engine.generate(batch, params))
+            progress.advance(task, len(batch))
+        engine_seconds = time.perf_counter() - t0
+        del engine
+        packed = [r.pack(tok.pad_token_id) for r in rollouts]
+        n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)
+        engine_all = _concat([p["logp_engine"] for p in packed])  # [n, T]
+        mask_all = _concat([p["completion_mask"] for p in packed])  # [n, T]
+
+        per_token: dict[str, dict[str, list]] = {}
+        for name in cfg.trainer:
+            recipe = get_recipe(name)
+            task = progress.add_task(f"scoring ({name})", total=len(packed))
+            t0 = time.perf_counter()
+            model = apply_recipe(lm.model, recipe, matmul=matmul)
+            logp, ent = [], []
+            for p in packed:
+                s = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"], temperature=cfg.temperature)
+                logp.append(s.logp), ent.append(s.entropy)
+                progress.advance(task)
+            del model
+            seconds = time.perf_counter() - t0
+            logp_all, ent_all = _concat(logp), _concat(ent)  # [n, T]
+            stats = mismatch_stats(logp_all, engine_all, mask_all, cfg.epsilon, cfg.epsilon_high, cfg.seq_mask_cap)
+            stats["seconds"] = seconds
+            results[name] = stats
+            beta = (logp_all - engine_all)[mask_all]
+            per_token[name] = {"beta": _round(beta), "entropy": _round(ent_all[mask_all])}
+
+    seq_index, position = _token_index(mask_all)
+    out = {
+        "config": asdict(cfg),
+        "versions": _versions(),
+        "model": {
+            "name": lm.name, "source": lm.source, "parameters": sum(p.numel() for p in lm.model.parameters()),
+            "layers": getattr(lm.model.config, "num_hidden_layers", None), "vocab": lm.model.get_input_embeddings().weight.shape[0],
+        },
+        "engine": {
+            "kind": "local", "dtype": dtype_name(engine_dtype), "matmul": matmul, "sequences": cfg.n, "tokens": n_sampled,
+            "seconds": engine_seconds, "tokens_per_s": n_sampled / engine_seconds,
+        },
+        "trust_region": {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high,
+                         "log_low": math.log1p(-cfg.epsilon), "log_high": math.log1p(cfg.epsilon_high)},
+        "recipes": results,
+        "tokens": {
+            "sequence": seq_index, "position": position, "logp_engine": _round(engine_all[mask_all]),
+            "per_recipe": per_token,
+        },
+    }
+    out["verdict"] = verdict(out)
+    return out
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Stack [B_i, T_i] batches into one [ΣB_i, max T_i] tensor, right-padding with zeros."""
+    T = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, T - t.shape[1])) for t in tensors])
+
+
+def _round(x: torch.Tensor, digits: int = 6) -> list[float | None]:
+    return [round(v, digits) if math.isfinite(v) else None for v in x.double().tolist()]
+
+
+def _token_index(mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """For each True of mask [B, T]: its row and its position within the row's completion."""
+    rows, cols = mask.nonzero(as_tuple=True)
+    first = mask.float().argmax(-1)  # [B] first completion column
+    return rows.tolist(), (cols - first[rows]).tolist()
+
+
+def verdict(result: dict) -> str:
+    """One paragraph: which recipe has the smallest gap and what the figures mean for PPO clipping."""
+    recs = result["recipes"]
+    eng = result["engine"]["dtype"]
+    eps = result["config"]["epsilon"]
+    usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
+    if not usable:
+        return "No completion tokens were scored: raise --max-tokens or --n."
+    best = min(usable, key=lambda k: (usable[k]["nonfinite"] > 0, usable[k]["beta_abs_mean"]))
+    worst = max(usable, key=lambda k: usable[k]["outside_trust_region"])
+    w, b = usable[worst], usable[best]
+    parts = [
+        f"Smallest gap against the {eng} engine: {best} (mean |β| {b['beta_abs_mean']:.4f}, "
+        f"{100 * b['outside_trust_region']:.2f}% of tokens outside [1-ε, 1+ε] at ε={eps:g})."
+    ]
+    if w["outside_trust_region"] > 0:
+        parts.append(
+            f"With a {worst} trainer, {100 * w['outside_trust_region']:.2f}% of tokens leave the trust region before the "
+            f"policy has moved ({100 * w['outside_below']:.2f}% below, {100 * w['outside_above']:.2f}% above): in PPO/GRPO "
+            f"each of them gets zero gradient whenever its advantage has the matching sign (phantom clipping)"
+            + (f", and low-probability tokens (p < 0.1) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident ones (p > 0.9)."
+               if math.isfinite(w["lowp_highp_ratio"]) else ".")
+        )
+        parts.append(
+            f"Change: train in {best} (match the engine's precision), or compute the clip ratio from a {eng} shadow "
+            f"forward, or widen ε until |β| fits."
+        )
+    else:
+        parts.append(f"No recipe pushes a token outside the trust region at ε={eps:g}: precision alone will not cause phantom clipping here.")
+    bad = [k for k, v in recs.items() if v["nonfinite"]]
+    if bad:
+        listed = ", ".join(f"{k} ({recs[k]['nonfinite']})" for k in bad)
+        parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
+    return " ".join(parts)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Write `result` to `path` atomically (temp file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, allow_nan=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+TOKEN_COLUMNS = ["tokens", "nonfinite", "beta_mean", "beta_abs_mean", "beta_abs_p50", "beta_abs_p90", "beta_abs_p99",
+                 "beta_abs_max", "outside_trust_region", "outside_below", "outside_above"]
+SHAPE_COLUMNS = ["beta_abs_mean_lowp", "beta_abs_mean_highp", "lowp_highp_ratio", "seq_logratio_mean",
+                 "seq_product_ratio_median", "seq_geo_ratio_mean", "seq_mask_drop_share", "kl_k1", "kl_k2", "kl_k3",
+                 "chi2", "ess_token", "ess_seq"]
+PERCENT = {"outside_trust_region", "outside_below", "outside_above", "seq_mask_drop_share"}
+
+
+def _fmt(key: str, v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    if key in PERCENT:
+        return f"{100 * v:.2f}%"
+    return f"{v:.3g}" if abs(v) >= 1e-2 or v == 0 else f"{v:.1e}"
+
+
+def _table(title: str, rows: list[str], cols: list[str], cell) -> "Table":
+    from rich.table import Table
+
+    from rich import box
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    table.add_column("", style="bold", no_wrap=True, max_width=19)
+    for c in cols:
+        table.add_column(c, justify="right", overflow="fold", min_width=8)
+    for r in rows:
+        table.add_row(r, *(cell(r, c) for c in cols))
+    return table
+
+
+def render(result: dict, console) -> None:
+    """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
+    e = result["engine"]
+    console.print(
+        f"[bold]phantomclip diagnose[/] {result['model']['name']}: {e['sequences']} completions, {e['tokens']} tokens "
+        f"sampled by a {e['dtype']} engine ({e['matmul']} matmul, {e['tokens_per_s']:.0f} tok/s); "
+        f"ε_low={result['trust_region']['epsilon_low']:g}, ε_high={result['trust_region']['epsilon_high']:g}"
+    )
+    recs = result["recipes"]
+    titles = ("β = logp − logp_engine per token, at α = 0", "where β lives: probability buckets, sequences, divergences")
+    for title, cols in zip(titles, (TOKEN_COLUMNS, SHAPE_COLUMNS)):
+        if console.width >= 16 + 14 * len(cols):
+            console.print(_table(title, list(recs), cols, lambda r, c: _fmt(c, recs[r][c])))
+        else:
+            console.print(_table(title, cols, list(recs), lambda c, r: _fmt(c, recs[r][c])))
+    console.print(f"[bold]verdict:[/] {result['verdict']}")

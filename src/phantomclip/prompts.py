@@ -1,0 +1,53 @@
+"""Prompt sets: the bundled 64 short prompts, or a user's file (one prompt per line, or JSONL with "prompt")."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+
+class PromptError(ValueError):
+    """A prompts file that is missing, empty or malformed."""
+
+
+def bundled_prompts() -> list[str]:
+    """The 64 varied short prompts shipped with the package."""
+    text = resources.files("phantomclip").joinpath("data/prompts.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from `path`: JSONL (each line an object with a string "prompt") or plain text, one per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"prompts file {path} does not exist: give a text file (one prompt per line) or JSONL")
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise PromptError(f"prompts file {path} is not UTF-8 text: save it as UTF-8") from None
+    if not lines:
+        raise PromptError(f"prompts file {path} is empty: put one prompt per line")
+    if not lines[0].lstrip().startswith("{"):
+        return [line.strip() for line in lines]
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{path}, non-empty line {i}: not valid JSON ({e.msg}): one object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptError(f'{path}, non-empty line {i}: needs a non-empty string field "prompt"')
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids per prompt, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        out = []
+        for p in prompts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        return out
+    return [tokenizer(p).input_ids for p in prompts]

@@ -1,0 +1,201 @@
+"""Precision recipes: how a trainer (or an engine) turns fp32 master weights into a forward pass.
+
+One table, `RECIPES`, defines them all; adding a recipe is one entry. Every recipe starts from the same
+fp32 master weights, as a real trainer does, so differences between recipes are differences in numerics only.
+
+Matmul kernels. Low-precision matmuls on GPUs (and CPUs with AMX / AVX512-BF16) take bf16/fp16 inputs,
+accumulate in fp32 and round the output once. CPUs without native support (AVX2 only) run PyTorch's bf16
+and fp16 matmuls 7-8x slower than fp32. There we *emulate* the same arithmetic: round inputs and weights to
+the low dtype, multiply in fp32 (the products of two bf16 or fp16 numbers are exact in fp32), round the
+output to the low dtype. Measured on this project's CPU (tests/test_recipes.py): the result differs from
+PyTorch's native kernel only by summation order (about 0.01-0.2% of outputs by one ulp), while the
+bf16-vs-fp32 gap this tool measures is orders of magnitude larger. `matmul="native"` forces PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One way to run a forward pass from fp32 master weights."""
+
+    name: str
+    weight_dtype: torch.dtype
+    """dtype the body's parameters are stored in."""
+    autocast_dtype: torch.dtype | None = None
+    """if set, run the forward under torch.autocast to this dtype (weights stay in `weight_dtype`)."""
+    fp32_modules: tuple[str, ...] = ()
+    """module roles kept in fp32 with fp32 inputs (see `MODULE_ROLES`): e.g. ('lm_head', 'final_norm')."""
+    doc: str = field(default="", compare=False)
+    """one line for `--help` and the report."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype the body's matmuls produce."""
+        return self.autocast_dtype or self.weight_dtype
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in [
+        Recipe("fp32", torch.float32, doc="fp32 weights, fp32 forward (a typical fp32 trainer)"),
+        Recipe("bf16", torch.bfloat16, doc="bf16 weights, bf16 forward (a typical engine, or a pure-bf16 trainer)"),
+        Recipe("fp16", torch.float16, doc="fp16 weights, fp16 forward (Qi et al. 2025: fp16 on both sides)"),
+        Recipe(
+            "bf16-autocast",
+            torch.float32,
+            autocast_dtype=torch.bfloat16,
+            doc="fp32 master weights, bf16 autocast forward (TRL with bf16=True)",
+        ),
+        Recipe(
+            "fp32-head",
+            torch.bfloat16,
+            fp32_modules=("final_norm", "lm_head"),
+            doc="bf16 body, final norm and lm_head in fp32 (MiniMax-M1; TRL cast_lm_head_to_fp32)",
+        ),
+    ]
+}
+
+
+class RecipeError(ValueError):
+    """A recipe, dtype or module role that does not exist, or a model it cannot be applied to."""
+
+
+def get_recipe(name: str) -> Recipe:
+    """Look up a recipe by name; the error lists the valid names."""
+    if name not in RECIPES:
+        raise RecipeError(f"unknown recipe {name!r}: use one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def engine_recipe(dtype: torch.dtype) -> Recipe:
+    """The plain recipe an engine of this dtype runs (weights and compute in `dtype`)."""
+    return next(r for r in RECIPES.values() if r.weight_dtype == dtype and not r.autocast_dtype and not r.fp32_modules)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
+    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
+        mod = getattr(base, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise RecipeError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f under {type(base).__name__})")
+
+
+def _lm_head(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise RecipeError(f"cannot find the output head of {type(model).__name__} (get_output_embeddings() is None)")
+    return head
+
+
+MODULE_ROLES = {"lm_head": _lm_head, "final_norm": _final_norm}
+"""Role name -> function finding that module in a Hugging Face causal LM."""
+
+
+def _cast_inputs_pre_hook(dtype: torch.dtype):
+    def hook(module, args, kwargs):
+        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+# ------------------------------------------------------------------------------------ matmul kernels
+
+
+@functools.cache
+def native_low_precision_cpu() -> bool:
+    """True if this CPU has native bf16 matmul support (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_matmul(matmul: str, device: torch.device | str = "cpu") -> str:
+    """'auto' -> 'native' on CUDA or a CPU with native bf16, else 'emulated'."""
+    if matmul not in ("auto", "native", "emulated"):
+        raise RecipeError(f"unknown matmul mode {matmul!r}: use auto, native or emulated")
+    if matmul != "auto":
+        return matmul
+    return "native" if torch.device(device).type != "cpu" or native_low_precision_cpu() else "emulated"
+
+
+def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward with low-precision inputs: fp32 products and accumulation, one rounding at the end."""
+    device = x.device.type
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+    if low == torch.float32:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+    # Cache the fp32 image of the low-precision weight; refresh when the weight is modified in place.
+    key = (self.weight.data_ptr(), self.weight._version, low)
+    if getattr(self, "_pc_key", None) != key:
+        self._pc_w32 = self.weight.detach().to(low).float()
+        self._pc_b32 = None if self.bias is None else self.bias.detach().to(low).float()
+        self._pc_key = key
+    with torch.autocast(device, enabled=False):
+        out = F.linear(x.to(low).float(), self._pc_w32, self._pc_b32)  # [..., out] fp32, exact products
+    return out.to(low)
+
+
+def use_emulated_matmul(model: nn.Module) -> nn.Module:
+    """Route every nn.Linear of `model` through `_emulated_linear_forward` (in place; inference only)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            mod.forward = types.MethodType(_emulated_linear_forward, mod)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ applying
+
+
+@torch.no_grad()
+def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.Module:
+    """A copy of `master` (fp32 weights) laid out for `recipe`; `master` is left untouched.
+
+    Use the result's forward inside `forward_context(recipe)`.
+    """
+    model = copy.deepcopy(master)
+    if recipe.fp32_modules:
+        for role in recipe.fp32_modules:
+            if role not in MODULE_ROLES:
+                raise RecipeError(f"unknown module role {role!r}: use one of {', '.join(MODULE_ROLES)}")
+        head = _lm_head(model)
+        if "lm_head" in recipe.fp32_modules and head.weight is model.get_input_embeddings().weight:
+            # Tied embeddings: give the head its own fp32 copy so the embedding can go to bf16 alone.
+            head.weight = nn.Parameter(head.weight.detach().clone())
+    model.to(recipe.weight_dtype)
+    for role in recipe.fp32_modules:
+        mod = MODULE_ROLES[role](model)
+        # Copy fp32 master values back (the .to() above rounded them) and feed the module fp32 inputs.
+        src = MODULE_ROLES[role](master)
+        mod.to(torch.float32)
+        for p, p_master in zip(mod.parameters(), src.parameters()):
+            p.copy_(p_master)
+        mod.register_forward_pre_hook(_cast_inputs_pre_hook(torch.float32), with_kwargs=True)
+    if resolve_matmul(matmul, next(model.parameters()).device) == "emulated":
+        use_emulated_matmul(model)
+    return model.eval()
+
+
+def forward_context(recipe: Recipe, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
+    """torch.autocast for autocast recipes, a no-op context otherwise."""
+    if recipe.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=recipe.autocast_dtype)

@@ -1,0 +1,117 @@
+"""Per-token log-probabilities and entropies of given token ids, under a precision recipe.
+
+Convention: logp[b, t] = log p(input_ids[b, t] | input_ids[b, :t]), so position 0 is never scored.
+The logits come out of the model in the recipe's compute dtype (bf16 logits for a bf16 trainer, as in
+TRL and vLLM) and are upcast to fp32 before the log-softmax. Instead of the naive
+`model(ids).logits.float().log_softmax(-1).gather(...)`, which holds [B, T, V] fp32 logits and a second
+[B, T, V] for the log-softmax (B*T*V*4 bytes each: 400 MB for 8 x 256 tokens and vocab 49,152), we run the
+decoder body once, keep only the hidden states at the scored positions, and apply the head in chunks of
+`chunk_size` rows: peak memory is chunk_size x V fp32, and unscored positions (prompts, padding) never
+reach the 49,152-wide head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .recipes import Recipe, forward_context
+
+
+@dataclass
+class Scores:
+    """Per-token results, aligned with input_ids; zero where not scored."""
+
+    logp: torch.Tensor  # [B, T] fp32
+    entropy: torch.Tensor  # [B, T] fp32
+    mask: torch.Tensor  # [B, T] bool: positions that were scored
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left padding does not shift RoPE: [B, T] long."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings()
+    if body is None or head is None:
+        raise ValueError(f"{type(model).__name__} has no decoder body / output head to score with")
+    return body, head
+
+
+def _softcap(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    # Gemma-2 style final logit soft-capping lives in the CausalLM forward, not in the head module.
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log p(target) and entropy from [N, V] logits of any dtype: ([N], [N])."""
+    z = logits.float()  # [N, V]
+    lse = torch.logsumexp(z, dim=-1)  # [N]
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # [N]
+    p = torch.exp(z - lse[:, None])  # [N, V]
+    # H = -sum p log p = lse - sum p z; 0 * (-inf) is 0 for tokens masked out with -inf.
+    entropy = lse - torch.nan_to_num(p * z, nan=0.0).sum(-1)  # [N]
+    return logp, entropy
+
+
+@torch.no_grad()
+def score(
+    model: nn.Module,
+    recipe: Recipe,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> Scores:
+    """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
+
+    input_ids, attention_mask, score_mask: [B, T]; score_mask defaults to attention_mask minus position 0.
+    `model` must already be laid out for `recipe` (see recipes.apply_recipe).
+    """
+    B, T = input_ids.shape
+    if score_mask is None:
+        score_mask = attention_mask.bool().clone()
+    score_mask = score_mask.bool().clone()
+    score_mask[:, 0] = False  # nothing predicts the first token
+    body, head = _body_and_head(model)
+    device = input_ids.device
+    with forward_context(recipe, device):
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).last_hidden_state  # [B, T, H]
+        # The hidden state at t-1 predicts token t.
+        pred_mask = torch.zeros_like(score_mask)
+        pred_mask[:, :-1] = score_mask[:, 1:]
+        h = hidden[pred_mask]  # [N, H]
+        targets = input_ids[score_mask]  # [N]
+        logp = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
+        entropy = torch.empty_like(logp)
+        for s in range(0, targets.shape[0], chunk_size):
+            logits = _softcap(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
+            if temperature != 1.0:
+                logits = logits.float() / temperature
+            logp[s : s + chunk_size], entropy[s : s + chunk_size] = logprobs_from_logits(logits, targets[s : s + chunk_size])
+    out_logp = torch.zeros(B, T, dtype=torch.float32, device=device)
+    out_ent = torch.zeros_like(out_logp)
+    out_logp[score_mask] = logp
+    out_ent[score_mask] = entropy
+    return Scores(out_logp, out_ent, score_mask)
+
+
+@torch.no_grad()
+def naive_logprobs(model: nn.Module, recipe: Recipe, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reference path: full logits, fp32 log-softmax over the whole [B, T, V] tensor: [B, T] (position 0 = 0)."""
+    with forward_context(recipe, input_ids.device):
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits  # [B, T, V]
+    logp = logits.float().log_softmax(-1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1) * attention_mask

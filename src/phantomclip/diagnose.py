@@ -308,7 +308,7 @@ def _table(title: str, rows: list[str], cols: list[str], cell) -> "Table":
     from rich import box
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    table.add_column("", style="bold", no_wrap=True, max_width=19)
+    table.add_column("", style="bold", no_wrap=True, max_width=20)
     for c in cols:
         table.add_column(c, justify="right", overflow="fold", min_width=8)
     for r in rows:

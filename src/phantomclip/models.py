@@ -62,7 +62,8 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    for name in ("accelerate", "huggingface_hub"):  # retry warnings would bury our one-line error
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def bundled_gguf_path() -> Path:

@@ -71,14 +71,14 @@ def score(
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
-    input_ids, attention_mask, score_mask: [B, T]; score_mask defaults to attention_mask minus position 0.
+    input_ids, attention_mask, score_mask: [B, T]; score_mask defaults to every real token after a row's first.
     `model` must already be laid out for `recipe` (see recipes.apply_recipe).
     """
     B, T = input_ids.shape
-    if score_mask is None:
-        score_mask = attention_mask.bool().clone()
-    score_mask = score_mask.bool().clone()
-    score_mask[:, 0] = False  # nothing predicts the first token
+    # A token can be scored only if the position before it is a real token (not padding, not column -1).
+    has_context = torch.zeros_like(attention_mask, dtype=torch.bool)
+    has_context[:, 1:] = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    score_mask = has_context if score_mask is None else score_mask.bool() & has_context
     body, head = _body_and_head(model)
     device = input_ids.device
     with forward_context(recipe, device):

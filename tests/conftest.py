@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A 2-layer random Llama with the byte tokenizer (init std 0.3: peaked enough to show a gap)."""
+    from phantomclip.models import load_model
+
+    return load_model("tiny-random:0")
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny):
+    from phantomclip.prompts import bundled_prompts, encode_prompts
+
+    return encode_prompts(tiny.tokenizer, bundled_prompts()[:6])
+
+
+def report(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Max / mean absolute difference, for assertion messages."""
+    d = (a.double() - b.double()).abs()
+    return f"{name}: max |diff| {d.max().item():.3e}, mean |diff| {d.mean().item():.3e} over {d.numel()} values"

@@ -1,0 +1,100 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from phantomclip.cli import main
+
+TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12"]
+
+
+def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
+    out = tmp_path / "sub" / "d.json"
+    assert main(TINY + ["--trainer", "fp32,bf16,fp16", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for word in ("beta_abs_mean", "outside_trust_region", "kl_k3", "ess_token", "verdict:", "fp16"):
+        assert word in printed
+    d = json.loads(out.read_text())
+    assert list(d["recipes"]) == ["fp32", "bf16", "fp16"]
+    assert d["config"]["epsilon"] == 0.2 and d["config"]["seed"] == 0 and d["config"]["trainer"] == ["fp32", "bf16", "fp16"]
+    assert {"torch", "transformers", "phantomclip"} <= set(d["versions"])
+    n = d["engine"]["tokens"]
+    assert 6 <= n <= 6 * 12 and d["engine"]["dtype"] == "bf16"
+    tok = d["tokens"]
+    assert len(tok["sequence"]) == len(tok["position"]) == len(tok["logp_engine"]) == n
+    assert sorted(set(tok["sequence"])) == list(range(6)) and min(tok["position"]) == 0
+    for name, stats in d["recipes"].items():
+        assert stats["tokens"] == n and stats["nonfinite"] == 0
+        beta = tok["per_recipe"][name]["beta"]
+        assert len(beta) == n and len(tok["per_recipe"][name]["entropy"]) == n
+        # the summary figures are the per-token arrays, summarised
+        assert stats["beta_mean"] == pytest.approx(sum(beta) / n, abs=1e-6)
+        assert stats["beta_abs_max"] == pytest.approx(max(abs(b) for b in beta), abs=1e-6)
+        outside = sum(b < math.log(0.8) or b > math.log(1.2) for b in beta) / n
+        assert stats["outside_trust_region"] == pytest.approx(outside)
+    # a bf16 trainer against a bf16 engine sees a much smaller gap than fp32 does (tiny model: kernels agree)
+    assert d["recipes"]["bf16"]["beta_abs_mean"] < d["recipes"]["fp32"]["beta_abs_mean"] / 3
+    assert "Smallest gap against the bf16 engine: bf16" in d["verdict"]
+
+
+def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main(TINY + ["--trainer", "fp32", "--engine-dtype", "fp32", "--json", str(out)]) == 0
+    stats = json.loads(out.read_text())["recipes"]["fp32"]
+    assert stats["beta_abs_max"] < 1e-4 and stats["outside_trust_region"] == 0
+    printed = " ".join(capsys.readouterr().out.split())  # undo the console's word wrap
+    assert "No recipe pushes a token outside the trust region" in printed
+
+
+def _bad(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
+    assert "unknown recipe 'int8'" in _bad(TINY + ["--trainer", "fp32,int8"], capsys)
+    assert "unknown dtype 'fp8'" in _bad(TINY + ["--engine-dtype", "fp8"], capsys)
+    assert "--epsilon must be in (0, 1)" in _bad(TINY + ["--epsilon", "1.5"], capsys)
+    assert "--epsilon must be in (0, 1)" in _bad(TINY + ["--epsilon", "0"], capsys)
+    assert "--n must be at least 1" in _bad(TINY + ["--n", "0"], capsys)
+    assert "does not exist" in _bad(["diagnose", "--model", str(tmp_path / "missing")], capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert "is empty" in _bad(TINY + ["--prompts", str(empty)], capsys)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "x"}\n{oops\n')
+    assert "not valid JSON" in _bad(TINY + ["--prompts", str(broken)], capsys)
+    long = tmp_path / "long.txt"
+    long.write_text("x" * 600 + "\n")  # 600 byte tokens > the tiny model's 512 positions
+    assert "exceeds the model's context of 512" in _bad(TINY + ["--prompts", str(long)], capsys)
+
+
+def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
+    from phantomclip.models import tiny_tokenizer
+
+    tiny.model.save_pretrained(tmp_path)
+    tok = tiny_tokenizer()
+    tok.add_tokens([f"<x{i}>" for i in range(80)])
+    tok.save_pretrained(tmp_path)
+    assert "tokens but the model embeds only 320" in _bad(["diagnose", "--model", str(tmp_path)], capsys)
+    _offline(monkeypatch)
+    assert "cannot load model" in _bad(["diagnose", "--model", "nobody-xyz/none"], capsys)
+
+
+def test_real_process_bad_input_has_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "phantomclip.cli", "diagnose", "--epsilon", "2"], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be in (0, 1), got 2.0: e.g. 0.2 for PPO's usual trust region"
+
+
+def _offline(monkeypatch):
+    """Offline mode as a user without network sets it (HF_HUB_OFFLINE is read once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+
+from conftest import report
+from phantomclip.engine import LocalEngine, Rollout, SamplingParams, sample_next_token
+from phantomclip.recipes import apply_recipe, get_recipe
+from phantomclip.scoring import score
+
+
+def test_sample_next_token_is_seeded_and_returns_exact_logprobs():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    a = sample_next_token(logits, torch.Generator().manual_seed(7))
+    b = sample_next_token(logits, torch.Generator().manual_seed(7))
+    assert torch.equal(a[0], b[0])
+    expected = torch.log_softmax(logits, -1).gather(-1, a[0][:, None]).squeeze(-1)
+    assert torch.allclose(a[1], expected) and torch.allclose(a[2], expected)  # no truncation: processed == raw
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = torch.log(probs).expand(20000, 4)
+    tok, _, _ = sample_next_token(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=4).float() / 20000
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], probs[:3], atol=0.015), freq
+
+
+def test_top_k_top_p_kept_set_and_processed_logprob():
+    # p = [0.5, 0.3, 0.15, 0.05]. top_p = 0.7 keeps {0, 1} (mass before token 1 is 0.5 < 0.7; before token 2 is
+    # 0.8 >= 0.7). Processed log-prob of token 0 = log(0.5 / 0.8); raw stays log 0.5.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(2000, 4)
+    tok, raw, proc = sample_next_token(logits, torch.Generator().manual_seed(0), top_p=0.7)
+    assert set(tok.tolist()) == {0, 1}
+    zero = tok == 0
+    assert torch.allclose(raw[zero], torch.tensor(math.log(0.5)))
+    assert torch.allclose(proc[zero], torch.tensor(math.log(0.5 / 0.8)))
+    # top_k = 3 keeps {0, 1, 2}: S = 0.95
+    tok, raw, proc = sample_next_token(logits, torch.Generator().manual_seed(0), top_k=3)
+    assert set(tok.tolist()) == {0, 1, 2}
+    assert torch.allclose(proc - raw, torch.full_like(raw, -math.log(0.95)), atol=1e-6)
+    # temperature 2: log softmax(z / 2)
+    tok, raw, _ = sample_next_token(logits[:5], torch.Generator().manual_seed(0), temperature=2.0)
+    assert torch.allclose(raw, torch.log_softmax(logits[:5] / 2, -1).gather(-1, tok[:, None]).squeeze(-1))
+
+
+def _engine_vs_scorer(tiny, prompts, dtype, params):
+    engine = LocalEngine(tiny.model, dtype)
+    ro = engine.generate(prompts, params)
+    batch = ro.pack(tiny.tokenizer.pad_token_id)
+    recipe = get_recipe("fp32")
+    s = score(apply_recipe(tiny.model, recipe), recipe, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    m = batch["completion_mask"]
+    assert torch.equal(s.mask, m)
+    return ro, s.logp[m], batch["logp_engine"][m]
+
+
+def test_fp32_engine_decode_matches_fp32_prefill_scorer(tiny, tiny_prompts):
+    ro, logp, logp_engine = _engine_vs_scorer(tiny, tiny_prompts, torch.float32, SamplingParams(max_tokens=24, seed=3))
+    assert logp.numel() == 6 * 24
+    assert torch.allclose(logp, logp_engine, atol=1e-4), report("fp32 decode vs prefill", logp, logp_engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_engine_differs_from_fp32_by_a_bounded_amount(tiny, tiny_prompts, dtype):
+    _, logp, logp_engine = _engine_vs_scorer(tiny, tiny_prompts, dtype, SamplingParams(max_tokens=24, seed=3))
+    gap = (logp - logp_engine).abs()
+    # tiny-random (init std 0.3) gives mean |β| ~0.05 in bf16 and ~0.008 in fp16 against fp32.
+    assert 1e-4 < gap.mean().item() < 0.2, report(str(dtype), logp, logp_engine)
+    assert gap.max().item() < 2.0
+    if dtype == torch.bfloat16:  # bf16 keeps 3 fewer mantissa bits than fp16: a larger gap
+        _, lp16, le16 = _engine_vs_scorer(tiny, tiny_prompts, torch.float16, SamplingParams(max_tokens=24, seed=3))
+        assert gap.mean() > (lp16 - le16).abs().mean()
+
+
+def test_generate_is_deterministic_and_stops_on_stop_tokens(tiny, tiny_prompts):
+    engine = LocalEngine(tiny.model, torch.bfloat16)
+    p = SamplingParams(max_tokens=40, seed=11, stop_token_ids=(tiny.tokenizer.eos_token_id,))
+    a, b = engine.generate(tiny_prompts, p), engine.generate(tiny_prompts, p)
+    assert a.completion_ids == b.completion_ids and a.logp_engine == b.logp_engine
+    c = engine.generate(tiny_prompts, SamplingParams(max_tokens=40, seed=12))
+    assert c.completion_ids != a.completion_ids
+    # Stop on whatever token row 0 sampled third: that row must end right there, keeping the stop token.
+    stop = a.completion_ids[0][2]
+    d = engine.generate(tiny_prompts, SamplingParams(max_tokens=40, seed=11, stop_token_ids=(stop,)))
+    first = d.completion_ids[0].index(stop)
+    assert len(d.completion_ids[0]) == first + 1 and d.finished[0]
+    for ids, fin, lp in zip(d.completion_ids, d.finished, d.logp_engine):
+        assert len(lp) == len(ids)
+        assert fin == (stop in ids) and (not fin or ids.index(stop) == len(ids) - 1)
+        assert fin or len(ids) == 40
+
+
+def test_pack_layout():
+    ro = Rollout([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]])
+    b = ro.pack(pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b["completion_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert torch.allclose(b["logp_engine"][1, 3:], torch.tensor([-0.3, -0.4, -0.5]))
+
+
+def test_weight_sync_moves_the_engine(tiny, tiny_prompts):
+    import copy
+
+    master = copy.deepcopy(tiny.model)
+    engine = LocalEngine(master, torch.bfloat16)
+    p = SamplingParams(max_tokens=8, seed=0)
+    before = engine.generate(tiny_prompts[:2], p)
+    with torch.no_grad():
+        for w in master.parameters():
+            w.mul_(1.5)
+    assert engine.generate(tiny_prompts[:2], p).logp_engine == before.logp_engine  # not synced yet
+    engine.load_weights(master)
+    assert engine.model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(engine.model.lm_head.weight, master.lm_head.weight.to(torch.bfloat16))
+    assert engine.generate(tiny_prompts[:2], p).logp_engine != before.logp_engine
+
+
+def test_bad_sampling_params():
+    for kw in ({"max_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import report
+from phantomclip.recipes import RECIPES, RecipeError, apply_recipe, forward_context, get_recipe, use_emulated_matmul
+from phantomclip.scoring import score
+
+
+def _param_dtypes(model):
+    return {p.dtype for p in model.parameters()}
+
+
+@pytest.mark.parametrize("matmul", ["native", "emulated"])
+def test_recipes_really_run_in_their_dtypes(tiny, matmul):
+    master = tiny.model
+    assert _param_dtypes(apply_recipe(master, get_recipe("fp32"), matmul)) == {torch.float32}
+    assert _param_dtypes(apply_recipe(master, get_recipe("bf16"), matmul)) == {torch.bfloat16}
+    assert _param_dtypes(apply_recipe(master, get_recipe("fp16"), matmul)) == {torch.float16}
+    assert _param_dtypes(apply_recipe(master, get_recipe("bf16-autocast"), matmul)) == {torch.float32}
+    head = apply_recipe(master, get_recipe("fp32-head"), matmul)
+    assert head.lm_head.weight.dtype == torch.float32 and head.model.norm.weight.dtype == torch.float32
+    assert head.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert head.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    # the tied head was given its own copy, holding the exact fp32 master values
+    assert head.lm_head.weight is not head.model.embed_tokens.weight
+    assert torch.equal(head.lm_head.weight, master.lm_head.weight)
+    assert master.lm_head.weight.dtype == torch.float32  # the master is never modified
+
+
+def test_forward_outputs_have_the_recipe_dtype(tiny):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    seen = {}
+    for name in ("fp32", "bf16", "fp16", "bf16-autocast", "fp32-head"):
+        recipe = get_recipe(name)
+        model = apply_recipe(tiny.model, recipe, "emulated")
+        with torch.no_grad(), forward_context(recipe):
+            hidden = model.model(input_ids=ids).last_hidden_state
+            seen[name] = (hidden.dtype, model.lm_head(hidden).dtype)
+    assert seen["fp32"] == (torch.float32, torch.float32)
+    assert seen["bf16"] == (torch.bfloat16, torch.bfloat16)
+    assert seen["fp16"] == (torch.float16, torch.float16)
+    assert seen["bf16-autocast"][1] == torch.bfloat16  # autocast: fp32 weights, bf16 matmul outputs
+    assert seen["fp32-head"] == (torch.float32, torch.float32)  # fp32 final norm and head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_linear_matches_native_kernel(dtype):
+    # Products of two bf16/fp16 numbers are exact in fp32, so emulation differs from a native kernel only by the
+    # order of fp32 additions: at most one unit in the last place of the low-precision output, on few outputs.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g).to(dtype)
+    lin = torch.nn.Linear(256, 512, bias=True).to(dtype)
+    native = F.linear(x, lin.weight, lin.bias).float()
+    emulated = use_emulated_matmul(lin)(x).float()
+    assert emulated.dtype == torch.float32 and lin(x).dtype == dtype
+    rel = ((native - emulated).abs() / native.abs().clamp_min(1e-3))
+    ulp_rel = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    assert rel.max().item() <= 2 * ulp_rel, report("native vs emulated", native, emulated)
+    assert (native != emulated).float().mean().item() < 0.02
+
+
+def test_emulated_scoring_close_to_native_compared_to_the_gap(tiny, tiny_prompts):
+    ids = torch.tensor([tiny_prompts[0]])
+    attn = torch.ones_like(ids)
+    r32, r16 = get_recipe("fp32"), get_recipe("bf16")
+    lp32 = score(apply_recipe(tiny.model, r32), r32, ids, attn).logp
+    native = score(apply_recipe(tiny.model, r16, "native"), r16, ids, attn).logp
+    emulated = score(apply_recipe(tiny.model, r16, "emulated"), r16, ids, attn).logp
+    gap = (native - lp32).abs().mean().item()
+    kernel = (native - emulated).abs().mean().item()
+    assert gap > 1e-3, report("bf16 vs fp32", native, lp32)
+    assert kernel < gap / 3, f"emulation error {kernel:.2e} vs precision gap {gap:.2e}"
+
+
+def test_emulated_weight_cache_follows_in_place_updates():
+    lin = use_emulated_matmul(torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16))
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    before = lin(x).clone()
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    assert torch.allclose(lin(x).float(), before.float() + 4, atol=0.05)
+
+
+def test_unknown_recipe_lists_valid_names():
+    with pytest.raises(RecipeError, match="fp32, bf16, fp16, bf16-autocast, fp32-head"):
+        get_recipe("int4")
+    assert set(RECIPES) == {"fp32", "bf16", "fp16", "bf16-autocast", "fp32-head"}

@@ -255,10 +255,7 @@ def verdict(result: dict) -> str:
             + (f", and low-probability tokens (p < 0.1) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident ones (p > 0.9)."
                if math.isfinite(w["lowp_highp_ratio"]) else ".")
         )
-        parts.append(
-            f"Change: train in {best} (match the engine's precision), or compute the clip ratio from a {eng} shadow "
-            f"forward, or widen ε until |β| fits."
-        )
+        parts.append(_advice(usable, best, eng))
     else:
         parts.append(f"No recipe pushes a token outside the trust region at ε={eps:g}: precision alone will not cause phantom clipping here.")
     bad = [k for k, v in recs.items() if v["nonfinite"]]
@@ -266,6 +263,25 @@ def verdict(result: dict) -> str:
         listed = ", ".join(f"{k} ({recs[k]['nonfinite']})" for k in bad)
         parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
     return " ".join(parts)
+
+
+def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
+    """What to change, from the figures: is matching the engine's dtype the lever, or is β kernel noise?"""
+    b = recs[best]
+    # |β| <= m for every token needs 1 + ε_high >= e^m and 1 - ε_low <= e^-m.
+    m = b["beta_abs_max"]
+    widen = f"ε_high ≥ {math.expm1(m):.2f} and ε_low ≥ {-math.expm1(-m):.2f} keep every measured token inside"
+    if get_recipe(best).compute_dtype == parse_dtype(eng):
+        return (f"Change: train with {best}, which matches the engine's {eng} arithmetic; else compute the clip ratio from "
+                f"a {eng} shadow forward, or widen ε ({widen}).")
+    same = next((k for k in recs if get_recipe(k).compute_dtype == parse_dtype(eng)), None)
+    if same is not None and recs[same]["beta_abs_mean"] >= 0.8 * b["beta_abs_mean"]:
+        return (f"Matching the engine's dtype does not help here: a {same} trainer still differs from the {eng} engine by "
+                f"mean |β| {recs[same]['beta_abs_mean']:.4f} (same dtype, different kernels: one prefill pass against "
+                f"token-by-token decode), as much as {best}. β is {eng} rounding noise amplified through the network, "
+                f"so the clip must tolerate it: widen ε ({widen}), or correct with importance sampling (TIS/MIS), "
+                f"or sample in a wider dtype.")
+    return (f"Change: train with {best}; or compute the clip ratio from a {eng} shadow forward, or widen ε ({widen}).")
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -8,7 +8,7 @@ gets on this CPU). Throughput = 8*256 / seconds, median of timed repeats after o
 are timed alternately so machine noise hits both alike. Roofline: fp32 (and native bf16) GFLOP/s of a
 2048^3 matmul; share = tokens/s * 269e6 FLOP/token / peak (emulated bf16 multiplies in fp32: fp32 peak).
 Peak memory: each (path, dtype) in a fresh subprocess (`--one PATH DTYPE`): RSS with the model ready, then the
-RSS high-water mark is reset (/proc/self/clear_refs) so ru_maxrss after the step covers the step alone.
+RSS high-water mark VmHWM is reset (/proc/self/clear_refs) so VmHWM after the step covers the step alone.
 
     python bench/bench_scoring.py [--quick]
 """
@@ -25,10 +25,11 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from phantomclip.models import load_model
 from phantomclip.recipes import RECIPES, apply_recipe
-from phantomclip.scoring import naive_logprobs, score
+from phantomclip.scoring import _body_and_head, logprobs_from_logits, naive_logprobs, score
 
 B, T, FLOP_PER_TOKEN = 8, 256, 269e6
 
@@ -45,9 +46,9 @@ def run_path(path: str, model, recipe, ids, attn) -> torch.Tensor:
     return naive_logprobs(model, recipe, ids, attn)
 
 
-def rss_kib() -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def one(path: str, dtype: str) -> None:
@@ -59,12 +60,13 @@ def one(path: str, dtype: str) -> None:
     ids, attn = batch()
     with torch.no_grad():  # build the emulated matmul's cached fp32 weight images: part of the model, not the step
         model(input_ids=ids[:1, :4], attention_mask=attn[:1, :4], use_cache=False)
-    after_load = rss_kib()
+    after_load = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the RSS high-water mark (ru_maxrss follows it)
+        f.write("5")  # reset the RSS high-water mark VmHWM
     run_path(path, model, recipe, ids, attn)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"after_load_kib": after_load, "peak_kib": peak}))
+    # VmHWM, not ru_maxrss: ru_maxrss also keeps the RSS of threads that exited during loading (the load peak).
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"after_load_kib": after_load, "peak_kib": status_kib("VmHWM"), "ru_maxrss_kib": ru}))
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -77,9 +79,26 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def gflops(dtype: torch.dtype, repeats: int = 5) -> float:
+    """2048^3 matmul in nn.Linear's layout (F.linear: x @ w.T). torch.mm(a, b) in bf16 takes a far slower path here."""
     a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    torch.mm(a, b)
-    return 2 * 2048**3 / statistics.median(timed(lambda: torch.mm(a, b), repeats)) / 1e9
+    F.linear(a, b)
+    return 2 * 2048**3 / statistics.median(timed(lambda: F.linear(a, b), repeats)) / 1e9
+
+
+@torch.no_grad()
+def breakdown(model, ids, attn, repeats: int) -> dict[str, float]:
+    """Seconds (median) of the parts: decoder body, head on all rows, naive post-processing, ours post-processing."""
+    body, head = _body_and_head(model)
+    h = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state.reshape(B * T, -1)  # [BT, H]
+    logits, tgt = head(h), ids.reshape(-1)  # [BT, V]
+    parts = {
+        "body": lambda: body(input_ids=ids, attention_mask=attn, use_cache=False),
+        "head (all rows)": lambda: head(h),
+        "naive post: float+log_softmax+gather": lambda: logits.float().log_softmax(-1).gather(-1, tgt[:, None]),
+        "ours post: logp+entropy, chunks of 256": lambda: [logprobs_from_logits(logits[s : s + 256], tgt[s : s + 256])
+                                                           for s in range(0, B * T, 256)],
+    }
+    return {k: statistics.median(timed(f, repeats)) for k, f in parts.items()}
 
 
 def main() -> None:
@@ -94,7 +113,7 @@ def main() -> None:
     peak32, peak16 = gflops(torch.float32), gflops(torch.bfloat16, 3)
     master = load_model("smollm2-135m", progress=lambda *a: None).model
     ids, attn = batch()
-    rows, speed = [], {}
+    rows, speed, parts = [], {}, {}
     for dtype in ("fp32", "bf16"):
         recipe = RECIPES[dtype]
         model = apply_recipe(master, recipe, matmul="emulated")
@@ -107,6 +126,7 @@ def main() -> None:
         for p, ts in times.items():
             speed[p, dtype] = B * T / statistics.median(ts)
             rows.append((p, dtype, "emulated" if dtype == "bf16" else "fp32", speed[p, dtype], peak32, diff))
+        parts[dtype] = breakdown(model, ids, attn, max(reps // 2, 1))
         del model
     model = apply_recipe(master, RECIPES["bf16"], matmul="native")
     run_path("naive", model, RECIPES["bf16"], ids, attn)
@@ -115,19 +135,21 @@ def main() -> None:
     rows.append(("naive", "bf16", "native", speed["naive-native", "bf16"], peak16, float("nan")))
     del model, master
 
-    print(f"matmul 2048^3: fp32 {peak32:.1f} GFLOP/s, native bf16 {peak16:.1f} GFLOP/s ({peak32 / peak16:.1f}x slower)\n")
+    print(f"matmul 2048^3 (F.linear): fp32 {peak32:.1f} GFLOP/s, native bf16 {peak16:.1f} GFLOP/s ({peak32 / peak16:.1f}x slower)\n")
     print("| path | dtype | matmul | tokens/s | relative to naive (fp32 / emulated kernels) | share of roofline | max abs diff ours-naive |")
     print("|---|---|---|---:|---:|---:|---:|")
     for p, dtype, mm, tps, peak, diff in rows:
-        ratio = tps / speed["naive", dtype]
         roof = f"{100 * tps * FLOP_PER_TOKEN / (peak * 1e9):.0f}% of {'fp32' if mm != 'native' else 'bf16'} peak"
         d = "-" if diff != diff else f"{diff:.2e}"
-        print(f"| {p} | {dtype} | {mm} | {tps:.0f} | {ratio:.2f}x | {roof} | {d} |")
+        print(f"| {p} | {dtype} | {mm} | {tps:.0f} | {tps / speed['naive', dtype]:.2f}x | {roof} | {d} |")
     for dtype, target in (("fp32", 1.0), ("bf16", 1.3)):
         r = speed["ours", dtype] / speed["naive", dtype]
         print(f"\n{dtype}: ours/naive = {r:.2f}x (target >= {target}x: {'met' if r >= target else 'NOT met'})", end="")
-    r = speed["ours", "bf16"] / speed["naive-native", "bf16"]
-    print(f"\nbf16: ours (emulated) / naive native = {r:.1f}x\n")
+    print(f"\nbf16: ours (emulated) / naive native = {speed['ours', 'bf16'] / speed['naive-native', 'bf16']:.1f}x\n")
+    print("| part (seconds, median) | fp32 | bf16 emulated |\n|---|---:|---:|")
+    for k in parts["fp32"]:
+        print(f"| {k} | {parts['fp32'][k]:.2f} | {parts['bf16'][k]:.2f} |")
+    print()
 
     print("| path | dtype | RSS model ready (MiB) | peak RSS (MiB) | increment (MiB) |")
     print("|---|---|---:|---:|---:|")

@@ -1,0 +1,238 @@
+"""The GRPO objective and rollout corrections as pure functions: tensors in, (loss, stats) out.
+
+Nothing here reads trainer state. Each loss aggregation and each rollout correction is one small function in a
+registry (`AGGREGATIONS`, `CORRECTIONS`), so adding a variant is adding one function. The per-token masks that
+a function used (clipped low / high, masked) are returned with the loss, so metrics never recompute them in a
+slightly different way.
+
+Names: `logp` is the current policy (with grad), `logp_old` the log-probs the ratio is taken against (the engine's
+in asynchronous GRPO, the trainer's own at rollout time in TRL's synchronous default), `logp_engine` what the
+engine reported when sampling. Shapes: B sequences, T completion positions, mask [B, T].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group's std when `scale_rewards`.
+
+    rewards: [N] with N = groups * group_size, groups contiguous. Returns [N]. (Shao et al. 2024, DeepSeekMath;
+    Dr. GRPO, Liu et al. 2025, drops the std division: scale_rewards=False.)
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.view(-1, group_size).double()  # [G, g]
+    adv = r - r.mean(-1, keepdim=True)
+    if scale_rewards:
+        std = r.std(-1, keepdim=True)  # unbiased, as TRL
+        adv = torch.where(std > 0, adv / (std + eps), torch.zeros_like(adv))  # a constant group teaches nothing
+    return adv.view(-1).to(rewards.dtype)
+
+
+def log_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """Per-token log ratio [B, T], or GSPO's sequence-level one: the masked mean over the sequence, broadcast [B, 1]."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":  # Zheng et al. 2025 (GSPO): geometric mean of the token ratios
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1)
+    raise ValueError(f"unknown importance sampling level {level!r}: use token or sequence")
+
+
+@dataclass
+class SurrogateOut:
+    per_token_loss: torch.Tensor  # [B, T]
+    clipped_low: torch.Tensor  # [B, T] bool: A < 0 and r < 1 - eps_low (gradient zero)
+    clipped_high: torch.Tensor  # [B, T] bool: A > 0 and r > 1 + eps_high (gradient zero)
+
+
+def clipped_surrogate(
+    log_w: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> SurrogateOut:
+    """PPO's −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) per token (Schulman et al. 2017). ε = inf disables the clip.
+
+    log_w: [B, T] or [B, 1]; advantages: [B]. The gradient is exactly zero where the clipped branch wins,
+    which happens only for A > 0, r > 1+ε_high and for A < 0, r < 1−ε_low.
+    """
+    adv = advantages[:, None]  # [B, 1]
+    r = torch.exp(log_w)  # [B, T]
+    r_clip = torch.clamp(r, 1 - eps_low, 1 + eps_high) if math.isfinite(eps_high) else r
+    per_token = -torch.min(r * adv, r_clip * adv)  # [B, T]
+    with torch.no_grad():
+        clipped_low = ((r < 1 - eps_low) & (adv < 0)).expand_as(per_token)
+        clipped_high = ((r > 1 + eps_high) & (adv > 0)).expand_as(per_token)
+    return SurrogateOut(per_token, clipped_low, clipped_high)
+
+
+# -------------------------------------------------------------------------------------------- aggregations
+
+
+def _agg_grpo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Mean over each sequence's tokens, then over sequences (the original GRPO; length-biased)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+
+
+def _agg_dapo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Mean over all tokens of the batch (DAPO, Yu et al. 2025)."""
+    return (per_token * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _agg_dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Sum over tokens divided by a constant, B x max completion length (Dr. GRPO, Liu et al. 2025)."""
+    return (per_token * mask).sum() / (per_token.shape[0] * max_len)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "grpo": _agg_grpo,
+    "dapo": _agg_dapo,
+    "dr_grpo": _agg_dr_grpo,
+}
+
+
+# -------------------------------------------------------------------------------------- rollout corrections
+
+
+@dataclass(frozen=True)
+class CorrectionParams:
+    """Settings of a rollout correction (TRL's vllm_importance_sampling_* names where they exist)."""
+
+    cap: float = 3.0
+    """C: token/sequence ratios above C are truncated to C (`*_truncate`) or masked (`*_mask`)."""
+    clip_min: float = 0.0
+    """`*_mask` modes also mask ratios below this (0 = one-sided, as TRL's default)."""
+    icepop_low: float = 0.5
+    """IcePop: tokens whose ratio is below this are masked."""
+    icepop_high: float = 2.0
+    """IcePop: tokens whose ratio is above this are masked."""
+
+
+def _token_log_is(logp_old: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (logp_old - logp_engine) * mask  # [B, T]
+
+
+def _seq_log_is(logp_old, logp_engine, mask) -> torch.Tensor:
+    return _token_log_is(logp_old, logp_engine, mask).sum(-1, keepdim=True)  # [B, 1]: log Π r_t (TRL's sequence modes)
+
+
+def _corr_none(lo, le, m, p):
+    return torch.ones_like(lo), torch.zeros_like(m, dtype=torch.bool)
+
+
+def _corr_token_truncate(lo, le, m, p):
+    """TIS (Yao et al. 2025): weight min(r, C) per token."""
+    return torch.exp(_token_log_is(lo, le, m)).clamp(max=p.cap), torch.zeros_like(m, dtype=torch.bool)
+
+
+def _corr_token_mask(lo, le, m, p):
+    """MIS: weight r per token, zero where r > C (or r < clip_min)."""
+    r = torch.exp(_token_log_is(lo, le, m))
+    masked = (r > p.cap) | (r < p.clip_min)
+    return r.masked_fill(masked, 0.0), masked & m.bool()
+
+
+def _corr_sequence_truncate(lo, le, m, p):
+    """Sequence-level TIS: one weight min(Π r_t, C) for every token of the sequence."""
+    w = torch.exp(_seq_log_is(lo, le, m)).clamp(max=p.cap)
+    return w.expand_as(lo), torch.zeros_like(m, dtype=torch.bool)
+
+
+def _corr_sequence_mask(lo, le, m, p):
+    """Sequence-level MIS (TRL's default): weight Π r_t, whole sequence masked where it exceeds C."""
+    w = torch.exp(_seq_log_is(lo, le, m))  # [B, 1]
+    masked = (w > p.cap) | (w < p.clip_min)
+    return w.masked_fill(masked, 0.0).expand_as(lo), masked.expand_as(lo) & m.bool()
+
+
+def _corr_icepop(lo, le, m, p):
+    """IcePop (Ring-1T): two-sided token masking, no reweighting: drop tokens with r outside [low, high]."""
+    r = torch.exp(_token_log_is(lo, le, m))
+    masked = (r < p.icepop_low) | (r > p.icepop_high)
+    return (~masked).to(lo.dtype), masked & m.bool()
+
+
+CORRECTIONS: dict[str, Callable] = {
+    "none": _corr_none,
+    "token_truncate": _corr_token_truncate,
+    "token_mask": _corr_token_mask,
+    "sequence_truncate": _corr_sequence_truncate,
+    "sequence_mask": _corr_sequence_mask,
+    "icepop": _corr_icepop,
+}
+
+
+def rollout_correction(
+    logp_old: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, mode: str = "none",
+    params: CorrectionParams = CorrectionParams(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B, T], masked [B, T] bool) correcting for sampling from the engine instead of the trainer.
+
+    The ratio is taken between `logp_old` (the trainer's log-probs at rollout time, no grad) and `logp_engine`.
+    """
+    if mode not in CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}: use one of {', '.join(CORRECTIONS)}")
+    with torch.no_grad():
+        return CORRECTIONS[mode](logp_old.detach(), logp_engine, mask, params)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor  # scalar, with grad
+    clipped_low: torch.Tensor  # [B, T] bool
+    clipped_high: torch.Tensor  # [B, T] bool
+    masked: torch.Tensor  # [B, T] bool, removed by the rollout correction
+    is_weight: torch.Tensor  # [B, T] rollout-correction weight
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    loss_type: str = "dapo",
+    level: str = "token",
+    max_len: int | None = None,
+    is_weight: torch.Tensor | None = None,
+    clip_log_ratio: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    logp_ref: torch.Tensor | None = None,
+) -> LossOut:
+    """The clipped GRPO objective.
+
+    `clip_log_ratio` (optional, no grad) replaces the log ratio *in the clip decision only*: the loss becomes
+    −min(r·A, clip(r·k, …)/k·A) with k = exp(clip_log_ratio − log r) detached, i.e. the token is clipped exactly
+    where exp(clip_log_ratio) leaves the trust region, while the gradient still flows through `logp`
+    (the shadow-ratio intervention: clip on α only). KL to a reference uses the k3 estimator (DeepSeekMath).
+    """
+    if loss_type not in AGGREGATIONS:
+        raise ValueError(f"unknown loss type {loss_type!r}: use one of {', '.join(AGGREGATIONS)}")
+    mask_f = mask.to(logp.dtype)
+    log_w = log_importance_weights(logp - logp_old, mask_f, level)  # [B, T] or [B, 1]
+    if clip_log_ratio is not None:
+        # Shift the ratio so its value equals exp(clip_log_ratio) but its gradient is d r: the clip then fires on
+        # the shadow ratio. (r·k with k = exp(c − log r).detach() has value e^c and gradient k·dr.)
+        c = log_importance_weights(clip_log_ratio, mask_f, level)
+        shift = (c - log_w).detach()
+        sur = clipped_surrogate(log_w + shift, advantages, eps_low, eps_high)
+        per_token = sur.per_token_loss * torch.exp(-shift)  # undo k so the unclipped branch equals r·A
+    else:
+        sur = clipped_surrogate(log_w, advantages, eps_low, eps_high)
+        per_token = sur.per_token_loss
+    per_token = per_token.expand_as(logp)
+    weight = torch.ones_like(logp) if is_weight is None else is_weight
+    per_token = per_token * weight
+    if kl_coef:
+        d = (logp_ref - logp)  # [B, T]
+        per_token = per_token + kl_coef * (torch.exp(d) - d - 1)
+    loss = AGGREGATIONS[loss_type](per_token, mask_f, max_len or logp.shape[1])
+    m = mask.bool()
+    return LossOut(loss, sur.clipped_low & m, sur.clipped_high & m, (weight == 0) & m, weight)

@@ -25,3 +25,11 @@ def report(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
     """Max / mean absolute difference, for assertion messages."""
     d = (a.double() - b.double()).abs()
     return f"{name}: max |diff| {d.max().item():.3e}, mean |diff| {d.mean().item():.3e} over {d.numel()} values"
+
+
+def offline(monkeypatch) -> None:
+    """Offline mode as a user without network sets it (HF_HUB_OFFLINE is read once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

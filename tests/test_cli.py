@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from conftest import offline
+
 from phantomclip.cli import main
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12"]
@@ -82,7 +84,7 @@ def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
     tok.add_tokens([f"<x{i}>" for i in range(80)])
     tok.save_pretrained(tmp_path)
     assert "tokens but the model embeds only 320" in _bad(["diagnose", "--model", str(tmp_path)], capsys)
-    _offline(monkeypatch)
+    offline(monkeypatch)
     assert "cannot load model" in _bad(["diagnose", "--model", "nobody-xyz/none"], capsys)
 
 
@@ -92,9 +94,60 @@ def test_real_process_bad_input_has_no_traceback():
     assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be in (0, 1), got 2.0: e.g. 0.2 for PPO's usual trust region"
 
 
-def _offline(monkeypatch):
-    """Offline mode as a user without network sets it (HF_HUB_OFFLINE is read once, at import)."""
-    import huggingface_hub.constants
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+def test_more_bad_inputs(tmp_path, capsys):
+    assert "temperature must be > 0" in _bad(TINY + ["--temperature", "0"], capsys)
+    assert "top_p must be in (0, 1]" in _bad(TINY + ["--top-p", "2"], capsys)
+    assert "--batch-size must be at least 1" in _bad(TINY + ["--batch-size", "0"], capsys)
+    assert "--seed must be in [0, 2^63)" in _bad(TINY + ["--seed", str(10**23)], capsys)
+    assert "is a directory" in _bad(TINY + ["--json", str(tmp_path)], capsys)
+    assert "is a directory" in _bad(TINY + ["--prompts", str(tmp_path)], capsys)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    assert "is not UTF-8" in _bad(TINY + ["--prompts", str(latin)], capsys)
+    assert "0 < INIT_STD <= 1" in _bad(["diagnose", "--model", "tiny-random:0:20"], capsys)
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("[]")
+    assert "cannot load model" in _bad(["diagnose", "--model", str(broken)], capsys)
+
+
+def test_bom_jsonl_prompts_and_positions(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('\ufeff{"prompt": "hello there"}\n{"prompt": "count to three"}\n', encoding="utf-8")
+    out = tmp_path / "d.json"
+    assert main(TINY[:-4] + ["--n", "2", "--max-tokens", "10", "--trainer", "fp32", "--prompts", str(prompts), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    seqs, pos = d["tokens"]["sequence"], d["tokens"]["position"]
+    for s in set(seqs):  # positions run 0..len-1 inside each completion
+        assert [p for q, p in zip(seqs, pos) if q == s] == list(range(seqs.count(s)))
+    ent = d["tokens"]["per_recipe"]["fp32"]["entropy"]
+    assert all(0 < e < math.log(320) for e in ent)  # a 320-token vocabulary bounds the entropy
+
+
+def test_nonfinite_logprobs_are_counted_not_fatal(tmp_path, capsys, monkeypatch):
+    """An fp16 overflow (simulated: inf on the first scored token of each row) is reported, and JSON stays strict."""
+    import torch
+
+    import phantomclip.diagnose as diag
+
+    real_score = diag.score
+
+    def overflowing(model, recipe, *args, **kw):
+        s = real_score(model, recipe, *args, **kw)
+        if recipe.name == "fp16":
+            first = s.mask.float().argmax(-1)
+            s.logp[torch.arange(len(first)), first] = float("inf")
+        return s
+
+    monkeypatch.setattr(diag, "score", overflowing)
+    out = tmp_path / "d.json"
+    assert main(TINY + ["--trainer", "fp32,fp16", "--json", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    text = out.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    d = json.loads(text)
+    assert d["recipes"]["fp16"]["nonfinite"] == 6 and d["recipes"]["fp32"]["nonfinite"] == 0
+    assert d["recipes"]["fp16"]["tokens"] == d["recipes"]["fp32"]["tokens"] - 6
+    assert d["tokens"]["per_recipe"]["fp16"]["beta"].count(None) == 6
+    assert "Non-finite log-probs (overflow) in: fp16 (6)" in printed

@@ -18,6 +18,18 @@ def test_sample_next_token_is_seeded_and_returns_exact_logprobs():
     assert torch.allclose(a[1], expected) and torch.allclose(a[2], expected)  # no truncation: processed == raw
 
 
+def test_tiny_tail_probabilities_keep_their_own_cdf_step():
+    # One dominant logit: the tail tokens have p ~ 1e-9 each; an fp32 CDF would erase their steps.
+    logits = torch.full((1, 1000), -20.0)
+    logits[0, 0] = 0.0
+    probs = torch.softmax(logits.double(), -1)[0]
+    cdf = torch.cumsum(probs, 0)
+    assert (cdf[1:] > cdf[:-1]).all()  # fp64: every token has a non-empty interval
+    tok, lp, _ = sample_next_token(logits.expand(50000, 1000), torch.Generator().manual_seed(0))
+    assert torch.isfinite(lp).all()
+    assert (tok != 0).sum().item() <= 5  # expected 50000 * 999 * 2e-9 ~ 1e-1
+
+
 def test_sampling_frequencies_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = torch.log(probs).expand(20000, 4)
@@ -40,6 +52,9 @@ def test_top_k_top_p_kept_set_and_processed_logprob():
     tok, raw, proc = sample_next_token(logits, torch.Generator().manual_seed(0), top_k=3)
     assert set(tok.tolist()) == {0, 1, 2}
     assert torch.allclose(proc - raw, torch.full_like(raw, -math.log(0.95)), atol=1e-6)
+    # both: top-k first (k=2 -> renormalised [0.625, 0.375]), then top-p 0.6 on that -> only token 0, S = 0.5
+    tok, raw, proc = sample_next_token(logits[:200], torch.Generator().manual_seed(0), top_k=2, top_p=0.6)
+    assert set(tok.tolist()) == {0} and torch.allclose(proc, torch.zeros(200), atol=1e-6)
     # temperature 2: log softmax(z / 2)
     tok, raw, _ = sample_next_token(logits[:5], torch.Generator().manual_seed(0), temperature=2.0)
     assert torch.allclose(raw, torch.log_softmax(logits[:5] / 2, -1).gather(-1, tok[:, None]).squeeze(-1))

@@ -108,3 +108,23 @@ def test_rollout_corrections_hand_worked():
     assert w["none"][0].tolist() == [[1, 1], [1, 1]]
     with pytest.raises(ValueError, match="token_truncate"):
         rollout_correction(logp_old, logp_engine, mask, "bogus")
+
+
+def test_one_sided_infinite_epsilon_keeps_the_other_clip():
+    log_w = torch.log(torch.tensor([[0.5, 3.0]]))
+    low = clipped_surrogate(log_w, torch.tensor([-1.0]), 0.2, math.inf)
+    assert low.clipped_low.tolist() == [[True, False]]
+    assert low.per_token_loss.tolist()[0] == pytest.approx([0.8, 3.0])  # max(r, clip r) with clip range [0.8, inf)
+
+
+def test_nan_at_padding_does_not_leak():
+    logp = torch.tensor([[0.0, float("nan")]])
+    mask = torch.tensor([[1, 0]])
+    for t in AGGREGATIONS:
+        out = grpo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), mask, loss_type=t, level="sequence")
+        assert torch.isfinite(out.loss), t
+
+
+def test_kl_needs_reference():
+    with pytest.raises(ValueError, match="logp_ref"):
+        grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), kl_coef=0.1)

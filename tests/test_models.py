@@ -1,6 +1,9 @@
+import copy
 import os
 
 import pytest
+
+from conftest import offline
 import torch
 
 from phantomclip.models import ModelError, atomic_save_dir, load_model, tiny_tokenizer
@@ -26,8 +29,8 @@ def test_bad_specs_and_paths(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_unknown_hub_id_offline(monkeypatch):
-    _offline(monkeypatch)
+def test_unknown_hub_idoffline(monkeypatch):
+    offline(monkeypatch)
     with pytest.raises(ModelError, match="cannot load model 'phantomclip-test/no-such-model'"):
         load_model("phantomclip-test/no-such-model")
 
@@ -62,11 +65,33 @@ def test_atomic_save_dir_leaves_nothing_on_interruption(tmp_path):
     assert os.listdir(target.parent) == ["model"]
 
 
-def test_bundled_model_first_load_is_atomic_and_cached(tmp_path, monkeypatch):
-    """The real SmolLM2-135M GGUF: an interrupted first load leaves no cache; the next one builds it."""
+def _fake_gguf(monkeypatch, tmp_path, tiny):
+    """Stand in for the GGUF path and transformers' GGUF reader with the tiny model (fast)."""
+    import transformers
+
+    import phantomclip.models as models
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(models, "bundled_gguf_path", lambda: fake)
+    real_model, real_tok = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
+
+    def model_loader(path, *a, gguf_file=None, **k):
+        return copy.deepcopy(tiny.model) if gguf_file else real_model(path, *a, **k)
+
+    def tok_loader(path, *a, gguf_file=None, **k):
+        return tiny.tokenizer if gguf_file else real_tok(path, *a, **k)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_loader)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tok_loader)
+
+
+def test_interrupted_first_load_leaves_no_cache(tmp_path, monkeypatch, tiny):
     from transformers import PreTrainedTokenizerBase
 
-    monkeypatch.setenv("PHANTOMCLIP_CACHE", str(tmp_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PHANTOMCLIP_CACHE", str(cache))
+    _fake_gguf(monkeypatch, tmp_path, tiny)
     real_save = PreTrainedTokenizerBase.save_pretrained
 
     def interrupted(self, *a, **k):  # the model weights are already written when this fires
@@ -75,22 +100,32 @@ def test_bundled_model_first_load_is_atomic_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_model("smollm2-135m", progress=lambda *a: None)
-    assert os.listdir(tmp_path) == []  # no half-written cache, no temp dir
+    assert os.listdir(cache) == []  # no half-written cache, no temp dir
     monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", real_save)
+    first = load_model("smollm2-135m", progress=lambda *a: None)
+    assert os.listdir(cache) == ["smollm2-135m-dense-v1"]
+    again = load_model("smollm2-135m", progress=lambda *a: None)
+    for (name, p), q in zip(first.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch, tiny):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PHANTOMCLIP_CACHE", str(blocker / "cache"))
+    _fake_gguf(monkeypatch, tmp_path, tiny)
+    with pytest.raises(ModelError, match="set PHANTOMCLIP_CACHE to a writable directory"):
+        load_model("smollm2-135m", progress=lambda *a: None)
+
+
+def test_real_bundled_model(tmp_path, monkeypatch):
+    """The one test that reads the real SmolLM2-135M GGUF (about 30 s): shape, tying, cache round trip."""
+    monkeypatch.setenv("PHANTOMCLIP_CACHE", str(tmp_path))
     first = load_model("smollm2-135m", progress=lambda *a: None)
     cfg = first.model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.model_type) == (30, 576, 49152, "llama")
     assert first.model.lm_head.weight is first.model.model.embed_tokens.weight  # tied
-    assert os.listdir(tmp_path) == ["smollm2-135m-dense-v1"]
     again = load_model("smollm2-135m", progress=lambda *a: None)  # from the dense cache
     for (name, p), q in zip(first.model.named_parameters(), again.model.parameters()):
         assert torch.equal(p, q), name
     assert again.tokenizer("Hello world").input_ids == first.tokenizer("Hello world").input_ids
-
-
-def _offline(monkeypatch):
-    """Offline mode as a user without network sets it (HF_HUB_OFFLINE is read once, at import)."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

@@ -28,6 +28,15 @@ def test_recipes_really_run_in_their_dtypes(tiny, matmul):
     assert master.lm_head.weight.dtype == torch.float32  # the master is never modified
 
 
+def test_rope_frequencies_stay_fp32(tiny):
+    # from_pretrained(dtype=bf16) and vLLM keep inv_freq in fp32; a bf16 inv_freq adds a position-dependent error.
+    for name in ("bf16", "fp16", "fp32-head"):
+        model = apply_recipe(tiny.model, get_recipe(name))
+        bufs = {n: b for n, b in model.named_buffers() if "inv_freq" in n}
+        assert bufs and all(b.dtype == torch.float32 for b in bufs.values()), name
+        assert torch.equal(bufs["model.rotary_emb.inv_freq"], tiny.model.model.rotary_emb.inv_freq)
+
+
 def test_forward_outputs_have_the_recipe_dtype(tiny):
     ids = torch.tensor([[5, 6, 7, 8]])
     seen = {}
@@ -52,8 +61,9 @@ def test_emulated_linear_matches_native_kernel(dtype):
     x = torch.randn(64, 256, generator=g).to(dtype)
     lin = torch.nn.Linear(256, 512, bias=True).to(dtype)
     native = F.linear(x, lin.weight, lin.bias).float()
-    emulated = use_emulated_matmul(lin)(x).float()
-    assert emulated.dtype == torch.float32 and lin(x).dtype == dtype
+    out = use_emulated_matmul(lin)(x)
+    assert out.dtype == dtype  # the emulated kernel still hands back the low-precision dtype
+    emulated = out.float()
     rel = ((native - emulated).abs() / native.abs().clamp_min(1e-3))
     ulp_rel = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
     assert rel.max().item() <= 2 * ulp_rel, report("native vs emulated", native, emulated)

@@ -2,23 +2,14 @@ import pytest
 import torch
 
 from conftest import report
+from phantomclip.engine import left_pad
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.scoring import logprobs_from_logits, naive_logprobs, score
 
 
-def _left_padded(prompts, pad):
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad)
-    attn = torch.zeros(len(prompts), T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-        attn[b, T - len(p):] = 1
-    return ids, attn
-
-
 @pytest.mark.parametrize("chunk", [1, 7, 256])
 def test_chunked_matches_naive_fp32(tiny, tiny_prompts, chunk):
-    ids, attn = _left_padded(tiny_prompts, tiny.tokenizer.pad_token_id)
+    ids, attn = left_pad(tiny_prompts, tiny.tokenizer.pad_token_id)
     recipe = get_recipe("fp32")
     model = apply_recipe(tiny.model, recipe)
     s = score(model, recipe, ids, attn, chunk_size=chunk)
@@ -32,7 +23,7 @@ def test_chunked_matches_naive_fp32(tiny, tiny_prompts, chunk):
 @pytest.mark.parametrize("name", ["bf16", "fp32-head", "bf16-autocast"])
 def test_chunked_matches_naive_low_precision(tiny, tiny_prompts, name):
     # Same model, same kernels: only the log-softmax path differs (both upcast logits to fp32).
-    ids, attn = _left_padded(tiny_prompts, tiny.tokenizer.pad_token_id)
+    ids, attn = left_pad(tiny_prompts, tiny.tokenizer.pad_token_id)
     recipe = get_recipe(name)
     model = apply_recipe(tiny.model, recipe)
     s = score(model, recipe, ids, attn)
@@ -44,7 +35,7 @@ def test_left_padding_does_not_change_scores(tiny, tiny_prompts):
     recipe = get_recipe("fp32")
     model = apply_recipe(tiny.model, recipe)
     alone = score(model, recipe, torch.tensor([tiny_prompts[0]]), torch.ones(1, len(tiny_prompts[0]), dtype=torch.long))
-    ids, attn = _left_padded(tiny_prompts, tiny.tokenizer.pad_token_id)
+    ids, attn = left_pad(tiny_prompts, tiny.tokenizer.pad_token_id)
     batched = score(model, recipe, ids, attn)
     row = batched.logp[0][batched.mask[0]]
     assert torch.allclose(row, alone.logp[0][alone.mask[0]], atol=1e-5), report("padded vs alone", row, alone.logp[0][alone.mask[0]])

@@ -31,7 +31,8 @@ def _diagnose_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per engine/scoring batch (default {d.batch_size})")
+    p.add_argument("--seq-mask-cap", type=float, default=d.seq_mask_cap, help="cap C of TRL's sequence_mask for seq_mask_drop_share (default 3.0)")
     p.add_argument("--prompts", default=None, help="prompts file: one per line, or JSONL with a 'prompt' field (default: 64 bundled prompts)")
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "native", "emulated"], help="low-precision matmul kernels (see README)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure and the per-token arrays to PATH")
@@ -40,15 +41,17 @@ def _diagnose_parser(sub) -> None:
 def _run_diagnose(args) -> int:
     from rich.console import Console
 
-    from .diagnose import DiagnoseConfig, render, run_diagnose, write_json
+    from .diagnose import DiagnoseConfig, check_output_path, render, run_diagnose, write_json
 
     cfg = DiagnoseConfig(
         model=args.model, trainer=args.trainer, engine_dtype=args.engine_dtype, epsilon=args.epsilon,
         epsilon_high=args.epsilon_high, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, prompts=args.prompts,
-        matmul=args.matmul,
+        matmul=args.matmul, seq_mask_cap=args.seq_mask_cap,
     )
     cfg.validate()  # fail on bad flags before loading anything
+    if args.json:
+        check_output_path(args.json)
     out = Console()
     result = run_diagnose(cfg, console=Console(stderr=True))
     render(result, out)

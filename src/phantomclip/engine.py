@@ -70,23 +70,34 @@ class Rollout:
         Returns input_ids, attention_mask, completion_mask [B, T] and logp_engine(_processed) [B, T], whose
         value at t is the engine's log-prob of input_ids[:, t] (0 outside completions).
         """
-        P = max(len(p) for p in self.prompt_ids)
+        prompt_ids, prompt_attn = left_pad(self.prompt_ids, pad_id)  # [B, P]
+        B, P = prompt_ids.shape
         L = max(max((len(c) for c in self.completion_ids), default=0), 1)
-        B = len(self.prompt_ids)
-        ids = torch.full((B, P + L), pad_id, dtype=torch.long)
-        attn = torch.zeros(B, P + L, dtype=torch.long)
+        ids = torch.cat([prompt_ids, torch.full((B, L), pad_id, dtype=torch.long)], dim=1)  # [B, P + L]
+        attn = torch.cat([prompt_attn, torch.zeros(B, L, dtype=torch.long)], dim=1)
         comp = torch.zeros(B, P + L, dtype=torch.bool)
         lp = torch.zeros(B, P + L)
         lpp = torch.zeros(B, P + L)
-        for b, (p, c) in enumerate(zip(self.prompt_ids, self.completion_ids)):
-            ids[b, P - len(p) : P] = torch.tensor(p)
-            attn[b, P - len(p) : P + len(c)] = 1
+        for b, c in enumerate(self.completion_ids):
             if c:
                 ids[b, P : P + len(c)] = torch.tensor(c)
+                attn[b, P : P + len(c)] = 1
                 comp[b, P : P + len(c)] = True
                 lp[b, P : P + len(c)] = torch.tensor(self.logp_engine[b])
                 lpp[b, P : P + len(c)] = torch.tensor(self.logp_engine_processed[b])
         return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "logp_engine": lp, "logp_engine_processed": lpp}
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [B, W], attention_mask [B, W]) right-aligned, W = the longest list."""
+    W = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), W), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), W, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        if seq:
+            ids[b, W - len(seq) :] = torch.tensor(seq)
+            attn[b, W - len(seq) :] = 1
+    return ids, attn
 
 
 class Engine(Protocol):
@@ -107,22 +118,24 @@ def sample_next_token(
     """
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
     logp_kept = logp_all
-    if top_k > 0 or top_p < 1:
-        keep = torch.ones_like(logp_all, dtype=torch.bool)
-        if top_k > 0 and top_k < logp_all.shape[-1]:
-            kth = torch.topk(logp_all, top_k, dim=-1).values[:, -1:]  # [B, 1]
-            keep &= logp_all >= kth
-        if top_p < 1:
-            sorted_lp, order = torch.sort(logp_all, dim=-1, descending=True)  # [B, V]
-            mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # [B, V]
-            keep_sorted = mass_before < top_p  # the top token always stays (mass_before = 0)
-            keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
-        logp_kept = torch.log_softmax(logp_all.masked_fill(~keep, float("-inf")), dim=-1)  # [B, V]
-    # Inverse-CDF sampling: one uniform per row. (torch.multinomial draws an exponential per vocabulary entry,
-    # ~20 ms per step for 16 x 49,152 on a CPU core, as much as a third of a decode step.)
-    cdf = torch.cumsum(logp_kept.exp(), dim=-1)  # [B, V]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]  # [B, 1]
-    token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)  # [B]
+    if top_k > 0 and top_k < logp_all.shape[-1]:
+        kth = torch.topk(logp_all, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logp_kept = torch.log_softmax(logp_kept.masked_fill(logp_kept < kth, float("-inf")), dim=-1)
+    if top_p < 1:
+        # Applied after top-k, on the renormalised top-k distribution (as vLLM and transformers do).
+        sorted_lp, order = torch.sort(logp_kept, dim=-1, descending=True)  # [B, V]
+        mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # [B, V]
+        keep = torch.zeros_like(logp_kept, dtype=torch.bool).scatter(-1, order, mass_before < top_p)  # top token always kept
+        logp_kept = torch.log_softmax(logp_kept.masked_fill(~keep, float("-inf")), dim=-1)
+    # Inverse-CDF sampling with one uniform per row. (torch.multinomial draws an exponential per vocabulary
+    # entry: ~20 ms per step for 16 x 49,152 on a CPU core, a third of a decode step.) The CDF is built in fp64
+    # so that tail tokens of 1e-9 probability keep their own step instead of vanishing in fp32 rounding.
+    probs = logp_kept.double().exp()  # [B, V]
+    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]  # [B, 1]
+    token = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [B]
+    last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [B]
+    token = torch.minimum(token, last_nonzero)  # u rounding up to the total must not pick a zero-mass token
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1), logp_kept.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -150,13 +163,10 @@ class LocalEngine:
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        B, P = len(prompts), max(len(p) for p in prompts)
         pad = params.stop_token_ids[0] if params.stop_token_ids else 0
-        ids = torch.full((B, P), pad, dtype=torch.long)
-        attn = torch.zeros(B, P + params.max_tokens, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, P - len(p) :] = torch.tensor(p)
-            attn[b, P - len(p) : P] = 1
+        ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
+        B, P = ids.shape
+        attn = torch.cat([prompt_attn, torch.zeros(B, params.max_tokens, dtype=torch.long)], dim=1)  # [B, P + max]
         gen = torch.Generator().manual_seed(params.seed)
         stop = torch.tensor(params.stop_token_ids or [-1])
         cache = DynamicCache()

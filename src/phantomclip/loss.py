@@ -12,7 +12,6 @@ engine reported when sampling. Shapes: B sequences, T completion positions, mask
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,12 +34,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool
     return adv.view(-1).to(rewards.dtype)
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x where mask, 0 elsewhere; unlike x * mask, a NaN/inf at a padded position cannot leak in."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
 def log_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
     """Per-token log ratio [B, T], or GSPO's sequence-level one: the masked mean over the sequence, broadcast [B, 1]."""
     if level == "token":
         return log_ratio
     if level == "sequence":  # Zheng et al. 2025 (GSPO): geometric mean of the token ratios
-        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1)
+        return (_masked(log_ratio, mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1)
     raise ValueError(f"unknown importance sampling level {level!r}: use token or sequence")
 
 
@@ -61,7 +65,7 @@ def clipped_surrogate(
     """
     adv = advantages[:, None]  # [B, 1]
     r = torch.exp(log_w)  # [B, T]
-    r_clip = torch.clamp(r, 1 - eps_low, 1 + eps_high) if math.isfinite(eps_high) else r
+    r_clip = torch.clamp(r, 1 - eps_low, 1 + eps_high)  # infinite ε: an infinite bound, no clip on that side
     per_token = -torch.min(r * adv, r_clip * adv)  # [B, T]
     with torch.no_grad():
         clipped_low = ((r < 1 - eps_low) & (adv < 0)).expand_as(per_token)
@@ -74,17 +78,17 @@ def clipped_surrogate(
 
 def _agg_grpo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
     """Mean over each sequence's tokens, then over sequences (the original GRPO; length-biased)."""
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+    return (_masked(per_token, mask).sum(-1) / mask.sum(-1).clamp_min(1)).mean()
 
 
 def _agg_dapo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
     """Mean over all tokens of the batch (DAPO, Yu et al. 2025)."""
-    return (per_token * mask).sum() / mask.sum().clamp_min(1)
+    return _masked(per_token, mask).sum() / mask.sum().clamp_min(1)
 
 
 def _agg_dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
     """Sum over tokens divided by a constant, B x max completion length (Dr. GRPO, Liu et al. 2025)."""
-    return (per_token * mask).sum() / (per_token.shape[0] * max_len)
+    return _masked(per_token, mask).sum() / (per_token.shape[0] * max_len)
 
 
 AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
@@ -112,7 +116,7 @@ class CorrectionParams:
 
 
 def _token_log_is(logp_old: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (logp_old - logp_engine) * mask  # [B, T]
+    return _masked(logp_old - logp_engine, mask)  # [B, T]
 
 
 def _seq_log_is(logp_old, logp_engine, mask) -> torch.Tensor:
@@ -202,6 +206,7 @@ def grpo_loss(
     level: str = "token",
     max_len: int | None = None,
     is_weight: torch.Tensor | None = None,
+    is_masked: torch.Tensor | None = None,
     clip_log_ratio: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     logp_ref: torch.Tensor | None = None,
@@ -211,8 +216,12 @@ def grpo_loss(
     `clip_log_ratio` (optional, no grad) replaces the log ratio *in the clip decision only*: the loss becomes
     −min(r·A, clip(r·k, …)/k·A) with k = exp(clip_log_ratio − log r) detached, i.e. the token is clipped exactly
     where exp(clip_log_ratio) leaves the trust region, while the gradient still flows through `logp`
-    (the shadow-ratio intervention: clip on α only). KL to a reference uses the k3 estimator (DeepSeekMath).
+    (the shadow-ratio intervention: clip on α only). On clipped tokens the loss *value* is then clip(r')·A·r/r',
+    not PPO's clip(r)·A; the gradient, zero there, is what matters. `is_weight`/`is_masked` come from
+    `rollout_correction`. KL to a reference uses the k3 estimator (DeepSeekMath).
     """
+    if kl_coef and logp_ref is None:
+        raise ValueError("kl_coef > 0 needs logp_ref, the reference model's log-probs")
     if loss_type not in AGGREGATIONS:
         raise ValueError(f"unknown loss type {loss_type!r}: use one of {', '.join(AGGREGATIONS)}")
     mask_f = mask.to(logp.dtype)
@@ -235,4 +244,5 @@ def grpo_loss(
         per_token = per_token + kl_coef * (torch.exp(d) - d - 1)
     loss = AGGREGATIONS[loss_type](per_token, mask_f, max_len or logp.shape[1])
     m = mask.bool()
-    return LossOut(loss, sur.clipped_low & m, sur.clipped_high & m, (weight == 0) & m, weight)
+    masked = torch.zeros_like(m) if is_masked is None else is_masked.bool() & m
+    return LossOut(loss, sur.clipped_low & m, sur.clipped_high & m, masked, weight)

@@ -119,14 +119,18 @@ def load_bundled(progress=print) -> LoadedModel:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The dequantised weights are ordinary fp32 tensors; drop the GGUF marker so they can be saved.
-        del model.config.quantization_config
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.hf_quantizer = None
 
         def write(tmp: Path) -> None:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
 
-        atomic_save_dir(target, write)
+        try:
+            atomic_save_dir(target, write)
+        except OSError as e:
+            raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): set PHANTOMCLIP_CACHE to a writable directory") from None
     model, tok = _load_dense(target)
     return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})")
 
@@ -163,11 +167,14 @@ def load_tiny(spec: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     parts = spec.split(":")
+    seed = 0
     try:
         seed = int(parts[1]) if len(parts) > 1 and parts[1] else 0
         init_std = float(parts[2]) if len(parts) > 2 else 0.3
     except ValueError:
-        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]], e.g. tiny-random:0:0.3") from None
+        init_std = -1.0
+    if not 0 < init_std <= 1:
+        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, e.g. tiny-random:0:0.3")
     tok = tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -196,7 +203,7 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
             raise ModelError(f"model path {spec} does not exist: give a model directory, a hub id, or {BUNDLED_NAME}")
         try:
             model, tok = _load_dense(path if path.exists() else spec)
-        except (OSError, ValueError) as e:  # hub ids that cannot be reached offline end here
+        except Exception as e:  # unreachable hub ids, broken config.json, unsupported architectures end here
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelError(
                 f"cannot load model {spec!r} ({first[:160]}): give a local directory, or a hub id with network access"

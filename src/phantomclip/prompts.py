@@ -20,12 +20,17 @@ def bundled_prompts() -> list[str]:
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from `path`: JSONL (each line an object with a string "prompt") or plain text, one per line."""
     path = Path(path)
+    if path.is_dir():
+        raise PromptError(f"prompts file {path} is a directory: give a text file (one prompt per line) or JSONL")
     if not path.is_file():
         raise PromptError(f"prompts file {path} does not exist: give a text file (one prompt per line) or JSONL")
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # utf-8-sig: a byte-order mark must not hide the JSON object on the first line
+        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     except UnicodeDecodeError:
         raise PromptError(f"prompts file {path} is not UTF-8 text: save it as UTF-8") from None
+    except OSError as e:
+        raise PromptError(f"cannot read prompts file {path} ({e.strerror}): check its permissions") from None
     if not lines:
         raise PromptError(f"prompts file {path} is empty: put one prompt per line")
     if not lines[0].lstrip().startswith("{"):

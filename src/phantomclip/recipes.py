@@ -86,8 +86,16 @@ def engine_recipe(dtype: torch.dtype) -> Recipe:
 # ---------------------------------------------------------------------------------------------- modules
 
 
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder without the head (model.model for Llama-style models): its output is the final hidden state."""
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(body, nn.Module):
+        raise RecipeError(f"cannot find the decoder body of {type(model).__name__} (no attribute base_model_prefix)")
+    return body
+
+
 def _final_norm(model: nn.Module) -> nn.Module:
-    base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
+    base = decoder_body(model)
     for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
         mod = getattr(base, name, None)
         if isinstance(mod, nn.Module):
@@ -95,14 +103,14 @@ def _final_norm(model: nn.Module) -> nn.Module:
     raise RecipeError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f under {type(base).__name__})")
 
 
-def _lm_head(model: nn.Module) -> nn.Module:
+def lm_head(model: nn.Module) -> nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         raise RecipeError(f"cannot find the output head of {type(model).__name__} (get_output_embeddings() is None)")
     return head
 
 
-MODULE_ROLES = {"lm_head": _lm_head, "final_norm": _final_norm}
+MODULE_ROLES = {"lm_head": lm_head, "final_norm": _final_norm}
 """Role name -> function finding that module in a Hugging Face causal LM."""
 
 
@@ -176,11 +184,18 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
         for role in recipe.fp32_modules:
             if role not in MODULE_ROLES:
                 raise RecipeError(f"unknown module role {role!r}: use one of {', '.join(MODULE_ROLES)}")
-        head = _lm_head(model)
+        head = lm_head(model)
         if "lm_head" in recipe.fp32_modules and head.weight is model.get_input_embeddings().weight:
             # Tied embeddings: give the head its own fp32 copy so the embedding can go to bf16 alone.
             head.weight = nn.Parameter(head.weight.detach().clone())
     model.to(recipe.weight_dtype)
+    # Buffers such as RoPE's inv_freq stay in fp32, as from_pretrained(dtype=bf16) and vLLM keep them: casting
+    # them would add a position-dependent error no real engine or trainer has.
+    master_buffers = dict(master.named_buffers())
+    for name, buf in model.named_buffers():
+        src = master_buffers.get(name)
+        if src is not None and src.is_floating_point():
+            _set_buffer(model, name, src.clone())
     for role in recipe.fp32_modules:
         mod = MODULE_ROLES[role](model)
         # Copy fp32 master values back (the .to() above rounded them) and feed the module fp32 inputs.
@@ -192,6 +207,12 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
     if resolve_matmul(matmul, next(model.parameters()).device) == "emulated":
         use_emulated_matmul(model)
     return model.eval()
+
+
+def _set_buffer(model: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = dotted.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._buffers[leaf] = value
 
 
 def forward_context(recipe: Recipe, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:

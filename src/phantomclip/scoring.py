@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .recipes import Recipe, forward_context
+from .recipes import Recipe, decoder_body, forward_context, lm_head
 
 
 @dataclass
@@ -34,17 +34,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings()
-    if body is None or head is None:
-        raise ValueError(f"{type(model).__name__} has no decoder body / output head to score with")
-    return body, head
-
-
-def _softcap(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    # Gemma-2 style final logit soft-capping lives in the CausalLM forward, not in the head module.
-    cap = getattr(model.config, "final_logit_softcapping", None)
+def _final_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """What some CausalLM forwards do to the head's output (the engine runs the full forward, so must we)."""
+    cfg = model.config
+    if getattr(cfg, "logit_scale", None) not in (None, 1.0):  # Cohere
+        logits = logits * cfg.logit_scale
+    if getattr(cfg, "logits_scaling", None) not in (None, 1.0):  # Granite
+        logits = logits / cfg.logits_scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2 / 3
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
@@ -79,7 +76,7 @@ def score(
     has_context = torch.zeros_like(attention_mask, dtype=torch.bool)
     has_context[:, 1:] = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     score_mask = has_context if score_mask is None else score_mask.bool() & has_context
-    body, head = _body_and_head(model)
+    body, head = decoder_body(model), lm_head(model)
     device = input_ids.device
     with forward_context(recipe, device):
         hidden = body(
@@ -94,7 +91,7 @@ def score(
         logp = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
         entropy = torch.empty_like(logp)
         for s in range(0, targets.shape[0], chunk_size):
-            logits = _softcap(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
+            logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
             if temperature != 1.0:
                 logits = logits.float() / temperature
             logp[s : s + chunk_size], entropy[s : s + chunk_size] = logprobs_from_logits(logits, targets[s : s + chunk_size])

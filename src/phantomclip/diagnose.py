@@ -12,7 +12,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from .models import BUNDLED_NAME, load_model
 from .numerics import dtype_name, parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
 from .recipes import RECIPES, apply_recipe, get_recipe, resolve_matmul
+from .runs import atomic_write_bytes
 from .scoring import score
 
 
@@ -330,21 +330,7 @@ def check_output_path(path: str | Path) -> None:
 
 def write_json(result: dict, path: str | Path) -> None:
     """Write `result` to `path` atomically (temp file in the same directory, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_json_safe(result), f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(Path(path), json.dumps(_json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------------- rendering

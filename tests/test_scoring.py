@@ -54,3 +54,13 @@ def test_entropy_and_logp_from_logits_hand_worked():
     _, ent = logprobs_from_logits(z, torch.zeros(3, dtype=torch.long))
     ref = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
     assert torch.allclose(ent, ref, atol=1e-5)
+
+
+def test_logprob_only_path_matches_the_entropy_path(tiny, tiny_prompts):
+    ids, attn = left_pad(tiny_prompts, tiny.tokenizer.pad_token_id)
+    recipe = get_recipe("bf16")
+    model = apply_recipe(tiny.model, recipe)
+    full = score(model, recipe, ids, attn, chunk_size=5)
+    lean = score(model, recipe, ids, attn, chunk_size=5, entropy=False)
+    assert torch.allclose(full.logp, lean.logp, atol=1e-5), report("logsumexp vs log_softmax", full.logp, lean.logp)
+    assert (lean.entropy == 0).all() and (full.entropy[full.mask] > 0).all()

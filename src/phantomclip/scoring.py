@@ -6,8 +6,8 @@ TRL and vLLM) and are upcast to fp32 before the log-softmax. Instead of the naiv
 `model(ids).logits.float().log_softmax(-1).gather(...)`, which holds [B, T, V] fp32 logits and a second
 [B, T, V] for the log-softmax (B*T*V*4 bytes each: 400 MB for 8 x 256 tokens and vocab 49,152), we run the
 decoder body once, keep only the hidden states at the scored positions, and apply the head in chunks of
-`chunk_size` rows: peak memory is chunk_size x V fp32, and unscored positions (prompts, padding) never
-reach the 49,152-wide head.
+`chunk_size` rows: peak memory is a few chunk_size x V fp32 temporaries (log-softmax, its exp for the
+entropy), and unscored positions (prompts, padding) never reach the 49,152-wide head.
 """
 
 from __future__ import annotations
@@ -45,15 +45,17 @@ def _final_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 log p(target) and entropy from [N, V] logits of any dtype: ([N], [N])."""
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 log p(target) [N] and entropy [N] (None if not asked) from finite [N, V] logits of any dtype."""
     z = logits.float()  # [N, V]
-    lse = torch.logsumexp(z, dim=-1)  # [N]
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # [N]
-    p = torch.exp(z - lse[:, None])  # [N, V]
-    # H = -sum p log p = lse - sum p z; 0 * (-inf) is 0 for tokens masked out with -inf.
-    entropy = lse - torch.nan_to_num(p * z, nan=0.0).sum(-1)  # [N]
-    return logp, entropy
+    if not with_entropy:  # no [N, V] output at all: logsumexp reduces, gather picks
+        return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1), None
+    logp_all = torch.log_softmax(z, dim=-1)  # [N, V]
+    # H = -sum p log p, as a row-wise dot product (no third [N, V] temporary)
+    entropy = -torch.linalg.vecdot(logp_all.exp(), logp_all)  # [N]
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 @torch.no_grad()
@@ -63,8 +65,9 @@ def score(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     score_mask: torch.Tensor | None = None,
-    chunk_size: int = 256,
+    chunk_size: int = 128,
     temperature: float = 1.0,
+    entropy: bool = True,
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
@@ -89,16 +92,18 @@ def score(
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
         logp = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
-        entropy = torch.empty_like(logp)
+        ent = torch.zeros_like(logp)
         for s in range(0, targets.shape[0], chunk_size):
             logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
             if temperature != 1.0:
                 logits = logits.float() / temperature
-            logp[s : s + chunk_size], entropy[s : s + chunk_size] = logprobs_from_logits(logits, targets[s : s + chunk_size])
+            logp[s : s + chunk_size], e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)
+            if e is not None:
+                ent[s : s + chunk_size] = e
     out_logp = torch.zeros(B, T, dtype=torch.float32, device=device)
     out_ent = torch.zeros_like(out_logp)
     out_logp[score_mask] = logp
-    out_ent[score_mask] = entropy
+    out_ent[score_mask] = ent
     return Scores(out_logp, out_ent, score_mask)
 
 

@@ -182,8 +182,7 @@ class LocalEngine:
             tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
-            live = ~done
-            attn[:, P + step] = live.long()
+            attn[:, P + step] = (~done).long()  # a row that stopped earlier gets no more tokens
             done = done | torch.isin(tok, stop)
             if bool(done.all()) or step == params.max_tokens - 1:
                 break
@@ -200,5 +199,5 @@ class LocalEngine:
             completion_ids=[tok_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine=[lp_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine_processed=[lpp_t[b, : lengths[b]].tolist() for b in range(B)],
-            finished=[bool(torch.isin(tok_t[b, : lengths[b]], stop).any()) for b in range(B)],
+            finished=done.tolist(),  # a row is done exactly when it sampled a stop token
         )

@@ -9,13 +9,14 @@ path in its own dtype, exactly as an inference engine's do. Sampling is a pure f
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from .recipes import apply_recipe, engine_recipe
+from .recipes import Recipe, apply_recipe, engine_recipe
 from .scoring import position_ids_from_mask
 
 
@@ -142,20 +143,22 @@ def sample_next_token(
 class LocalEngine:
     """In-process batched sampler with a KV cache, running a Hugging Face causal LM in one dtype."""
 
-    def __init__(self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto"):
-        self.dtype = dtype
+    def __init__(self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto", recipe: Recipe | None = None):
+        """`recipe` (default: plain `dtype`) lets the engine keep some modules in fp32, e.g. 'fp32-head'."""
+        self.recipe = recipe or engine_recipe(dtype)
+        self.dtype = self.recipe.weight_dtype
         self.matmul = matmul
-        self.model = apply_recipe(master, engine_recipe(dtype), matmul=matmul)
+        self.model = apply_recipe(master, self.recipe, matmul=matmul)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params else "cache"
 
-    @torch.no_grad()
-    def load_weights(self, master: nn.Module) -> None:
-        """Weight sync: cast the fp32 master weights into this engine's dtype, in place."""
-        own = dict(self.model.named_parameters())
-        for name, p in master.named_parameters():
-            if name in own:
-                own[name].copy_(p)
+    def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor]) -> float:
+        """Weight sync: cast fp32 master weights (a model or a state dict) into this engine's layout, in place.
+
+        Returns the share of parameter values that changed in the engine's precision: an update smaller than
+        half a bf16 spacing is invisible to a bf16 engine (boundary crossings, numerics.steps_to_cross).
+        """
+        return sync_weights(self.model, weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
@@ -201,3 +204,21 @@ class LocalEngine:
             logp_engine_processed=[lpp_t[b, : lengths[b]].tolist() for b in range(B)],
             finished=done.tolist(),  # a row is done exactly when it sampled a stop token
         )
+
+
+@torch.no_grad()
+def sync_weights(model: nn.Module, weights: nn.Module | Mapping[str, torch.Tensor]) -> float:
+    """Copy `weights` into `model`'s parameters of the same name, each cast to that parameter's dtype.
+
+    Names missing from `weights` are left alone (tied weights appear once). Returns the share of the copied
+    values that changed.
+    """
+    source = weights.state_dict() if isinstance(weights, nn.Module) else weights
+    changed, total = 0, 0
+    for name, p in model.named_parameters():
+        if name in source:
+            new = source[name].to(p.dtype)
+            changed += (p != new).sum().item()
+            total += p.numel()
+            p.copy_(new)
+    return changed / max(total, 1)

@@ -151,7 +151,13 @@ def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
     if low == torch.float32:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-    # Cache the fp32 image of the low-precision weight; refresh when the weight is modified in place.
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        # Training: the same arithmetic, differentiable (the cast's gradient passes straight through to the
+        # fp32 master weight, as in mixed-precision training). No cache: the weight changes every step.
+        b32 = None if self.bias is None else self.bias.to(low).float()
+        with torch.autocast(device, enabled=False):
+            return F.linear(x.to(low).float(), self.weight.to(low).float(), b32).to(low)
+    # Inference: cache the fp32 image of the low-precision weight; refresh when the weight is modified in place.
     key = (self.weight.data_ptr(), self.weight._version, low)
     if getattr(self, "_pc_key", None) != key:
         self._pc_w32 = self.weight.detach().to(low).float()
@@ -163,7 +169,7 @@ def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_emulated_matmul(model: nn.Module) -> nn.Module:
-    """Route every nn.Linear of `model` through `_emulated_linear_forward` (in place; inference only)."""
+    """Route every nn.Linear of `model` through `_emulated_linear_forward` (in place)."""
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
             mod.forward = types.MethodType(_emulated_linear_forward, mod)

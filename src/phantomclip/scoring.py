@@ -58,7 +58,6 @@ def logprobs_from_logits(
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-@torch.no_grad()
 def score(
     model: nn.Module,
     recipe: Recipe,
@@ -68,12 +67,19 @@ def score(
     chunk_size: int = 128,
     temperature: float = 1.0,
     entropy: bool = True,
+    grad: bool = False,
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
     input_ids, attention_mask, score_mask: [B, T]; score_mask defaults to every real token after a row's first.
-    `model` must already be laid out for `recipe` (see recipes.apply_recipe).
+    `model` must already be laid out for `recipe` (see recipes.apply_recipe). With `grad=True` the log-probs
+    carry the graph back to the model's parameters (the trainer's forward); otherwise nothing is recorded.
     """
+    with torch.set_grad_enabled(grad):
+        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy)
+
+
+def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy) -> Scores:
     B, T = input_ids.shape
     # A token can be scored only if the position before it is a real token (not padding, not column -1).
     has_context = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -91,19 +97,19 @@ def score(
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
-        ent = torch.zeros_like(logp)
+        logps, ents = [], []
         for s in range(0, targets.shape[0], chunk_size):
             logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
             if temperature != 1.0:
                 logits = logits.float() / temperature
-            logp[s : s + chunk_size], e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)
-            if e is not None:
-                ent[s : s + chunk_size] = e
-    out_logp = torch.zeros(B, T, dtype=torch.float32, device=device)
-    out_ent = torch.zeros_like(out_logp)
-    out_logp[score_mask] = logp
-    out_ent[score_mask] = ent
+            with torch.autocast(device.type, enabled=False):  # the loss maths in fp32 (autocast would run vecdot in bf16)
+                lp, e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)  # [c], [c] or None
+            logps.append(lp)
+            ents.append(e if e is not None else torch.zeros_like(lp))
+    empty = torch.zeros(0, device=device)
+    logp, ent = (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)  # [N]
+    out_logp = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, logp)  # [B, T]
+    out_ent = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, ent.detach())
     return Scores(out_logp, out_ent, score_mask)
 
 

@@ -1,4 +1,4 @@
-"""Command line: `phantomclip diagnose ...`. Bad input exits with status 2 and one line, never a traceback."""
+"""Command line: `phantomclip diagnose | train | experiment sanity`. Bad input exits with status 2 and one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -61,20 +61,148 @@ def _run_diagnose(args) -> int:
     return 0
 
 
+def field_docs(cls) -> dict[str, str]:
+    """A dataclass's attribute docstrings (the string under each field), read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """One --flag per dataclass field, typed from its default, with the field's docstring as help."""
+    import dataclasses
+
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        if isinstance(default, bool):
+            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+        elif isinstance(default, (int, float)):
+            parser.add_argument(flag, type=type(default), default=default, help=help_text)
+        elif "float" in str(f.type):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, default=default, help=help_text)
+
+
+def _config_from_args(cls, args, **overrides):
+    import dataclasses
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})
+
+
+def _train_parser(sub) -> None:
+    from .trainer import TrainConfig
+
+    p = sub.add_parser(
+        "train", help="asynchronous GRPO that logs α (policy change) and β (precision gap) separately",
+        description="Train with GRPO: an engine samples with weights --staleness steps old, the trainer takes one "
+        "clipped-surrogate step per batch, and every step logs log r = α + β and the phantom-clip rate.",
+    )
+    add_config_args(p, TrainConfig)
+    p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<intervention>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--list-interventions", action="store_true", help="list the interventions and exit")
+
+
+def _run_train(args) -> int:
+    import time
+
+    from rich.console import Console
+
+    from .trainer import INTERVENTIONS, TrainConfig, TrainConfigError, train
+
+    if args.list_interventions:
+        for name, iv in INTERVENTIONS.items():
+            print(f"{name:14s} {iv.doc}")
+        return 0
+    cfg = _config_from_args(TrainConfig, args)
+    cfg.validate()
+    if args.resume and not args.out:
+        raise TrainConfigError("--resume needs --out, the run directory to continue")
+    out = args.out or f"runs/{cfg.task}-{cfg.intervention.replace(',', '+')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    err = Console(stderr=True)
+    result = train(cfg, out=out, resume=args.resume, console=err)
+    last = result.metrics[-1] if result.metrics else {}
+    state = "stopped (checkpoint written; --resume continues)" if result.interrupted else "done"
+    err.print(f"{state}: {len(result.metrics)}/{cfg.steps} steps in {out}; last reward {last.get('reward/mean', float('nan')):.2f}, "
+              f"mean length {last.get('completion/length_mean', float('nan')):.1f}")
+    return 130 if result.interrupted else 0
+
+
+def _experiment_parser(sub) -> None:
+    from .trainer import TrainConfig
+
+    p = sub.add_parser("experiment", help="named experiment matrices (sanity: the reference analysis's experiment)")
+    esub = p.add_subparsers(dest="experiment", required=True)
+    s = esub.add_parser(
+        "sanity", help="baseline and every intervention on reward = −length, same seeds and budget, plus an ε sweep",
+        description="Runs the baseline (trainer/engine precision as given) and each intervention, then an ε sweep for "
+        "the baseline and match-bf16, and prints a comparison table (also summary.md / summary.json in --out).",
+    )
+    add_config_args(s, TrainConfig, skip=("intervention",))
+    s.add_argument("--out", default="runs/sanity", help="experiment directory (default: runs/sanity); rerun to continue")
+    s.add_argument("--only", default=None, help="comma-separated run names to run (default: all)")
+
+
+def _run_experiment(args) -> int:
+    from rich.console import Console
+
+    from .experiments import render_summary, run_sanity
+    from .trainer import TrainConfig
+
+    cfg = _config_from_args(TrainConfig, args)
+    cfg.validate()
+    only = _split_run_names(args.only) if args.only else None
+    rows = run_sanity(cfg, args.out, only=only, console=Console(stderr=True))
+    render_summary(rows, Console())
+    print(f"wrote {args.out}/summary.md and summary.json")
+    return 0
+
+
+def _split_run_names(text: str) -> list[str]:
+    """'none,shadow-ratio,none,epsilon=0.1' -> ['none', 'shadow-ratio', 'none,epsilon=0.1'] (run names hold commas)."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part.startswith("epsilon=") and names:
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
     _diagnose_parser(sub)
+    _train_parser(sub)
+    _experiment_parser(sub)
     args = parser.parse_args(argv)
     # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
     from .diagnose import ConfigError
     from .models import ModelError
     from .prompts import PromptError
     from .recipes import RecipeError
+    from .runs import RunError
+    from .tasks import TaskError
+    from .trainer import TrainConfigError
 
+    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment}
     try:
-        return {"diagnose": _run_diagnose}[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError) as e:
+        return commands[args.command](args)
+    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError) as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

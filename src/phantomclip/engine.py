@@ -65,6 +65,11 @@ class Rollout:
     finished: list[bool] = field(default_factory=list)
     """True where the sequence ended on a stop token, False where it hit max_tokens."""
 
+    @property
+    def prompt_width(self) -> int:
+        """P: `pack` puts the left-padded prompts in columns :P and the completions in P:."""
+        return max(len(p) for p in self.prompt_ids)
+
     def pack(self, pad_id: int) -> dict[str, torch.Tensor]:
         """Prompt + completion in one padded batch: prompts left-padded, completions right-padded.
 
@@ -72,7 +77,7 @@ class Rollout:
         value at t is the engine's log-prob of input_ids[:, t] (0 outside completions).
         """
         prompt_ids, prompt_attn = left_pad(self.prompt_ids, pad_id)  # [B, P]
-        B, P = prompt_ids.shape
+        B, P = prompt_ids.shape  # P == self.prompt_width
         L = max(max((len(c) for c in self.completion_ids), default=0), 1)
         ids = torch.cat([prompt_ids, torch.full((B, L), pad_id, dtype=torch.long)], dim=1)  # [B, P + L]
         attn = torch.cat([prompt_attn, torch.zeros(B, L, dtype=torch.long)], dim=1)

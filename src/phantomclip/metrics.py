@@ -30,8 +30,9 @@ def _quantile(x: torch.Tensor, q: float) -> float:
 
 
 def trust_region_split(log_ratio: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(below, above) bool masks: r < 1 − ε_low and r > 1 + ε_high, compared in log space."""
-    return log_ratio < math.log1p(-eps_low), log_ratio > math.log1p(eps_high)
+    """(below, above) bool masks: r < 1 − ε_low and r > 1 + ε_high, compared in log space (ε = inf: no bound)."""
+    low = math.log1p(-eps_low) if eps_low < 1 else -math.inf
+    return log_ratio < low, log_ratio > math.log1p(eps_high)
 
 
 def phantom_clip_mask(
@@ -132,3 +133,59 @@ def mismatch_stats(
         adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
         stats["phantom_clip_rate"] = _mean(phantom_clip_mask(beta, adv[ok], eps_low, eps_high).double())
     return stats
+
+
+def _corr(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation; NaN when either side is constant or empty."""
+    if x.numel() < 2:
+        return float("nan")
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = (x.square().sum() * y.square().sum()).sqrt()
+    return (x * y).sum().div(denom).item() if denom > 0 else float("nan")
+
+
+def alpha_beta_stats(
+    logp: torch.Tensor,
+    logp_shadow: torch.Tensor,
+    logp_engine: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    zeroed_by_clip: torch.Tensor,
+    masked: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> dict[str, float]:
+    """One training step's decomposition log r = α + β and its clip accounting (keys in docs/metrics.md).
+
+    α = logp_shadow − logp_engine (real policy change, in the engine's precision), β = logp − logp_shadow
+    (trainer vs engine precision on the same weights); both in float64, where the differences of fp32
+    log-probs are exact for all but extreme magnitudes, so mean α + mean β = mean log r to rounding (~1e-16).
+    `zeroed_by_clip` is the loss's own clip mask (from whatever ratio it clipped on), `masked` the rollout
+    correction's; a clipped token is phantom-clipped when the clip on α alone would not have fired.
+    logp*, mask, zeroed_by_clip, masked: [B, T]; advantages: [B].
+    """
+    m = mask.bool()
+    adv = advantages[:, None].expand_as(logp)[m].double()  # [N]
+    alpha = (logp_shadow.double() - logp_engine.double())[m]  # [N]
+    beta = (logp.detach().double() - logp_shadow.double())[m]  # [N]
+    log_r = (logp.detach().double() - logp_engine.double())[m]  # [N]
+    alpha_clips = phantom_clip_mask(alpha, adv, eps_low, eps_high)  # would the clip fire on α alone?
+    clipped = zeroed_by_clip.bool()[m]
+    zeroed = clipped | masked.bool()[m]
+    b_below, b_above = trust_region_split(beta, eps_low, eps_high)
+    abs_adv = adv.abs()
+    return {
+        "mismatch/log_ratio_mean": _mean(log_r),
+        "mismatch/alpha_mean": _mean(alpha),
+        "mismatch/alpha_abs_mean": _mean(alpha.abs()),
+        "mismatch/beta_mean": _mean(beta),
+        "mismatch/beta_abs_mean": _mean(beta.abs()),
+        "mismatch/beta_abs_p99": _quantile(beta.abs(), 0.99),
+        "mismatch/beta_outside_trust_region": _mean((b_below | b_above).double()),
+        "mismatch/corr_beta_adv": _corr(beta, adv),
+        "clip/rate": _mean(clipped.double()),
+        "clip/phantom_rate": _mean((clipped & ~alpha_clips).double()),
+        "clip/real_rate": _mean((clipped & alpha_clips).double()),
+        "clip/masked_rate": _mean(masked.bool()[m].double()),
+        "clip/zeroed_adv_share": (abs_adv[zeroed].sum() / abs_adv.sum()).item() if abs_adv.sum() > 0 else float("nan"),
+    }

@@ -1,0 +1,619 @@
+"""Asynchronous GRPO with the α/β decomposition: every step says how much of the PPO ratio is real policy change.
+
+The loop, top to bottom (`train`):
+  1. A producer thread samples batch k with the engine holding the weights of `staleness` steps ago
+     (θ_{k−s}, cast to the engine's dtype at weight sync), scores nothing else, and queues the rollout.
+  2. The trainer computes rewards and group advantages, its own log-probs `logp` (grad, trainer recipe),
+     and the shadow log-probs `logp_shadow` (current weights in the engine's recipe, no grad).
+  3. log r = logp − logp_old is clipped as PPO does; by default logp_old = logp_engine (asynchronous GRPO,
+     as TRL's AsyncGRPOTrainer), so log r = α + β with α = logp_shadow − logp_engine, β = logp − logp_shadow.
+  4. One optimizer step on the fp32 master weights; the new weights are published to the producer.
+
+How this departs from GRPO as published (Shao et al. 2024): one gradient step per batch (no PPO epochs),
+token-mean loss ("dapo") by default, no KL term, and the old log-probs come from the engine, not the trainer,
+unless `recompute-old` asks for TRL's synchronous default.
+
+Interventions (`INTERVENTIONS`) are small dicts of changes to a `Plan`, composable with ',' and checked for
+conflicts; the loss itself is `loss.grpo_loss`, a pure function.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .engine import LocalEngine, Rollout, SamplingParams, sync_weights
+from .loss import AGGREGATIONS, CORRECTIONS, CorrectionParams, group_advantages, grpo_loss, rollout_correction
+from .metrics import alpha_beta_stats
+from .numerics import boundary_crossing_share
+from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
+from .runs import RunDir
+
+EXPERIMENT_LR = 3e-5
+RESUME_MAY_CHANGE = ("steps", "versions", "checkpoint_every", "samples_per_step")
+"""config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
+
+
+class TrainConfigError(ValueError):
+    """A training configuration that cannot run (bad value, unknown name, conflicting interventions)."""
+
+
+@dataclass
+class TrainConfig:
+    """One GRPO run. Every field is a `phantomclip train` flag (underscores become dashes)."""
+
+    model: str = "smollm2-135m"
+    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', a model directory or a hub id."""
+    task: str = "neglen"
+    """reward task: neglen (reward = −length), target-length or add; ignored when --reward is given."""
+    reward: str | None = None
+    """a user reward 'module:function' taking (prompts, completions, completion_ids) -> list of floats."""
+    trainer: str = "fp32"
+    """trainer precision recipe (fp32, bf16, fp16, bf16-autocast, fp32-head) before interventions."""
+    engine_dtype: str = "bf16"
+    """engine dtype (bf16, fp16, fp32) before interventions."""
+    intervention: str = "none"
+    """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or epsilon=0.3."""
+    epsilon: float = 0.2
+    """PPO clip ε_low."""
+    epsilon_high: float | None = None
+    """PPO clip ε_high (default: epsilon)."""
+    steps: int = 40
+    """optimizer steps (one batch each)."""
+    prompts_per_step: int = 1
+    """distinct prompts per batch."""
+    group_size: int = 8
+    """completions per prompt (GRPO group, at least 2)."""
+    max_tokens: int = 32
+    """max completion tokens."""
+    temperature: float = 1.0
+    """sampling temperature."""
+    lr: float = EXPERIMENT_LR
+    """AdamW learning rate. TRL's default 1e-6 barely moves the bundled model in a CPU budget of a few dozen
+    steps; 3e-5 shows learning within them (README: 'Why these defaults')."""
+    max_grad_norm: float = 1.0
+    """gradient norm clip."""
+    loss_type: str = "dapo"
+    """loss aggregation: grpo, dapo (token mean) or dr_grpo."""
+    importance_level: str = "token"
+    """PPO ratio per token, or per sequence (GSPO geometric mean)."""
+    scale_rewards: bool = True
+    """divide advantages by the group std (off = Dr. GRPO)."""
+    staleness: int = 1
+    """the engine samples with weights this many steps old (0 = on-policy)."""
+    correction_cap: float = 3.0
+    """cap C of the truncate / mask rollout corrections."""
+    seed: int = 0
+    """seeds prompt choice and sampling: a run is deterministic for a seed."""
+    checkpoint_every: int = 10
+    """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
+    samples_per_step: int = 2
+    """completions per step written to samples.jsonl."""
+    prompts: str | None = None
+    """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
+    matmul: str = "auto"
+    """low-precision matmul kernels: auto, native or emulated (see README)."""
+
+    def validate(self) -> None:
+        checks = [
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.group_size >= 2, f"--group-size must be >= 2 (GRPO compares completions of one prompt), got {self.group_size}"),
+            (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
+            (self.staleness >= 0, f"--staleness must be >= 0 (0 = on-policy), got {self.staleness}"),
+            (self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
+            (self.epsilon > 0, f"--epsilon must be > 0, got {self.epsilon}"),
+            (self.epsilon_high is None or self.epsilon_high > 0, f"--epsilon-high must be > 0, got {self.epsilon_high}"),
+            (self.loss_type in AGGREGATIONS, f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
+            (self.importance_level in ("token", "sequence"), f"unknown --importance-level {self.importance_level!r}: use token or sequence"),
+            (self.trainer in RECIPES, f"unknown --trainer {self.trainer!r}: use one of {', '.join(RECIPES)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainConfigError(message)
+        resolve_plan(self)
+
+
+# ------------------------------------------------------------------------------------------ interventions
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does once its interventions are applied."""
+
+    trainer_recipe: str
+    engine_recipe: str
+    ratio_against: str = "engine"
+    """logp_old of the PPO ratio: 'engine' (async GRPO), 'trainer_old' (trainer at the rollout's weights) or 'self' (r = 1)."""
+    clip_on: str = "full"
+    """'full': clip on log r = α + β; 'shadow': clip on α alone (gradient still through logp)."""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    correction: str = "none"
+    """rollout correction mode (loss.CORRECTIONS), weights from logp_old (or the current logp) vs logp_engine."""
+    loss_scaling: bool = False
+    """dynamic loss scaling (fp16 gradients underflow without it)."""
+
+
+@dataclass(frozen=True)
+class Intervention:
+    doc: str
+    changes: Callable[[str | None], dict]
+    """argument (the X of 'name=X', or None) -> Plan fields to set."""
+
+
+def _epsilon(arg: str | None) -> dict:
+    try:
+        eps = float(arg or "")
+    except ValueError:
+        raise TrainConfigError(f"intervention epsilon=X needs a number, got {arg!r}") from None
+    if not eps > 0:
+        raise TrainConfigError(f"intervention epsilon=X needs X > 0, got {eps}")
+    return {"eps_low": eps, "eps_high": eps}
+
+
+def _correction(arg: str | None) -> dict:
+    if arg not in CORRECTIONS:
+        raise TrainConfigError(f"intervention correction=MODE: unknown mode {arg!r}; use one of {', '.join(CORRECTIONS)}")
+    return {"correction": arg}
+
+
+INTERVENTIONS: dict[str, Intervention] = {
+    "none": Intervention("baseline: nothing changed", lambda a: {}),
+    "match-bf16": Intervention("trainer in bf16, like the bf16 engine", lambda a: {"trainer_recipe": "bf16", "engine_recipe": "bf16"}),
+    "fp16": Intervention("trainer and engine in fp16 (Qi et al. 2025), with dynamic loss scaling",
+                         lambda a: {"trainer_recipe": "fp16", "engine_recipe": "fp16", "loss_scaling": True}),
+    "autocast": Intervention("trainer in bf16 autocast over fp32 master weights (TRL bf16=True)", lambda a: {"trainer_recipe": "bf16-autocast"}),
+    "fp32-head": Intervention("final norm and lm_head in fp32 on both sides, bf16 bodies (MiniMax-M1)",
+                              lambda a: {"trainer_recipe": "fp32-head", "engine_recipe": "fp32-head"}),
+    "shadow-ratio": Intervention("clip on α = logp_shadow − logp_engine; the gradient still flows through logp", lambda a: {"clip_on": "shadow"}),
+    "recompute-old": Intervention("logp_old recomputed by the trainer at the rollout's weights (TRL's synchronous default)",
+                                  lambda a: {"ratio_against": "trainer_old"}),
+    "force-r1": Intervention("ratio forced to 1 (exp(logp − logp.detach())): plain policy gradient, no clip", lambda a: {"ratio_against": "self"}),
+    "no-clip": Intervention("ε = ∞: β stays in the ratio but never clips", lambda a: {"eps_low": math.inf, "eps_high": math.inf}),
+    "tis": Intervention("token-level truncated importance sampling, min(π/μ, C) (Yao et al. 2025)", lambda a: {"correction": "token_truncate"}),
+    "mis": Intervention("sequence-level masked importance sampling, TRL's default sequence_mask", lambda a: {"correction": "sequence_mask"}),
+    "icepop": Intervention("IcePop: mask tokens whose π/μ is outside [0.5, 2] (Ring-1T)", lambda a: {"correction": "icepop"}),
+    "epsilon": Intervention("epsilon=X: clip range ε_low = ε_high = X", _epsilon),
+    "correction": Intervention("correction=MODE: any rollout correction of loss.CORRECTIONS", _correction),
+}
+
+
+def resolve_plan(cfg: TrainConfig) -> Plan:
+    """The config's precision contract with its interventions applied, left to right; conflicts are refused."""
+    plan = Plan(
+        trainer_recipe=cfg.trainer, engine_recipe=_engine_recipe_name(cfg.engine_dtype), eps_low=cfg.epsilon,
+        eps_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high,
+    )
+    set_by: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in cfg.intervention.split(","))):
+        name, _, arg = item.partition("=")
+        if name not in INTERVENTIONS:
+            raise TrainConfigError(f"unknown intervention {name!r}: use one of {', '.join(INTERVENTIONS)}")
+        for key, value in INTERVENTIONS[name].changes(arg or None).items():
+            if key in set_by and getattr(plan, key) != value:
+                raise TrainConfigError(f"interventions {set_by[key]} and {item} conflict (both set {key})")
+            set_by[key] = item
+            plan = replace(plan, **{key: value})
+    if plan.clip_on == "shadow" and plan.ratio_against != "engine":
+        raise TrainConfigError("shadow-ratio clips on logp_shadow − logp_engine: it cannot be combined with recompute-old or force-r1")
+    return plan
+
+
+def _engine_recipe_name(dtype: str) -> str:
+    from .numerics import parse_dtype
+
+    try:
+        return engine_recipe(parse_dtype(dtype)).name
+    except (ValueError, StopIteration):
+        raise TrainConfigError(f"unknown --engine-dtype {dtype!r}: use bf16, fp16 or fp32") from None
+
+
+# ------------------------------------------------------------------------------------------ components
+
+
+class TrainerForward:
+    """The trainer's differentiable forward: fp32 master weights cast into the recipe's layout on every call.
+
+    The optimizer owns the fp32 master (as in mixed-precision training); the cast is part of the graph, so
+    gradients reach the master in fp32 whatever the recipe computes in.
+    """
+
+    def __init__(self, master: nn.Module, recipe: Recipe, matmul: str):
+        self.master, self.recipe = master, recipe
+        plain_fp32 = recipe.weight_dtype == torch.float32 and not recipe.autocast_dtype and not recipe.fp32_modules
+        self.layout = master if plain_fp32 else apply_recipe(master, recipe, matmul=matmul)
+        by_name = master.state_dict(keep_vars=True)  # tied weights appear under both names
+        self.sources = {name: by_name[name] for name, _ in self.layout.named_parameters()}
+        self.dtypes = {name: p.dtype for name, p in self.layout.named_parameters()}
+
+    def logprobs(self, packed: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
+        """[B, T] log-probs of the packed batch's completion tokens (0 elsewhere)."""
+        from torch.func import functional_call
+
+        from .scoring import score
+
+        args = (packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
+        if self.layout is self.master:
+            return score(self.master, self.recipe, *args, entropy=False, grad=grad).logp
+        with torch.set_grad_enabled(grad):
+            params = {name: src.to(self.dtypes[name]) for name, src in self.sources.items()}
+        scorer = _Scorer(self.layout, self.recipe, grad)
+        return functional_call(scorer, {f"model.{k}": v for k, v in params.items()}, args)
+
+
+class _Scorer(nn.Module):
+    """`score` as a module, so torch.func.functional_call can run it with substituted parameters."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, grad: bool):
+        super().__init__()
+        self.model, self.recipe, self.grad = model, recipe, grad
+
+    def forward(self, input_ids, attention_mask, completion_mask):
+        from .scoring import score
+
+        return score(self.model, self.recipe, input_ids, attention_mask, completion_mask, entropy=False, grad=self.grad).logp
+
+
+@dataclass
+class Batch:
+    """One rollout batch as the producer hands it over."""
+
+    step: int
+    prompts: list[str]
+    rollout: Rollout
+    weights_version: int
+    """the engine sampled with θ_{weights_version}."""
+    logp_old: torch.Tensor | None
+    """[B, T] trainer log-probs at θ_{weights_version} (recompute-old only)."""
+    generate_s: float
+
+
+class RolloutProducer:
+    """Runs `make_batch(k, version, weights)` for k = first..last−1 in a background thread, at most
+    max(1, staleness) batches ahead. Batch k waits for weights version max(0, k − staleness), which the trainer
+    publishes after step version − 1: so the content of every batch is fixed by (seed, k), not by timing."""
+
+    def __init__(self, make_batch: Callable[[int, int, dict], Batch], first: int, last: int, staleness: int):
+        self.make_batch, self.first, self.last, self.staleness = make_batch, first, last, staleness
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._cond = threading.Condition()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, staleness))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    def start(self) -> RolloutProducer:
+        self._thread.start()
+        return self
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        with self._cond:
+            self._weights[version] = weights
+            self._cond.notify_all()
+
+    def get(self) -> Batch:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the rollout producer stopped without a batch") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        while self._thread.is_alive():
+            try:
+                self._queue.get_nowait()  # unblock a put
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)
+
+    def _run(self) -> None:
+        try:
+            for k in range(self.first, self.last):
+                version = max(0, k - self.staleness)
+                with self._cond:
+                    while version not in self._weights and not self._stop.is_set():
+                        self._cond.wait(timeout=0.5)
+                    if self._stop.is_set():
+                        return
+                    weights = self._weights[version]
+                    for v in [v for v in self._weights if v < version]:
+                        del self._weights[v]
+                self._put(self.make_batch(k, version, weights))
+        except BaseException as e:  # handed to the trainer, which re-raises it in the main thread
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter (tied ones under each name), for the engine to load later."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+@dataclass
+class TrainResult:
+    metrics: list[dict]
+    run_dir: Path | None
+    interrupted: bool = False
+
+
+def run_config(cfg: TrainConfig) -> dict:
+    """config.json: every field, the resolved plan, versions. Resume compares this (minus steps/versions)."""
+    import transformers
+
+    from . import __version__
+
+    return {
+        **asdict(cfg), "plan": asdict(resolve_plan(cfg)),
+        "versions": {"phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def train(
+    cfg: TrainConfig, out: str | Path | None = None, resume: bool = False, console=None,
+    on_step: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Run GRPO as configured; log to `out` (a run directory) if given. Ctrl-C stops after the current step
+    with a checkpoint (a second Ctrl-C aborts at once; the last periodic checkpoint stays valid)."""
+    from .diagnose import stop_token_ids
+    from .models import load_model
+    from .prompts import bundled_prompts, encode_prompts, read_prompts
+    from .tasks import get_task, load_reward
+
+    cfg.validate()
+    plan = resolve_plan(cfg)
+    task = get_task(cfg.task)
+    reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
+    config = run_config(cfg)
+    run, ckpt = None, None
+    if out is not None:
+        if resume:
+            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE)
+        else:
+            run = RunDir.create(out, config)
+    lm = load_model(cfg.model)
+    master = lm.model.float().eval()
+    if cfg.prompts:
+        pool = read_prompts(cfg.prompts)
+    else:
+        pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
+    pool_ids = encode_prompts(lm.tokenizer, pool)
+    stops = stop_token_ids(lm)
+
+    optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.loss_scaling)
+    start, snapshots = 0, {}
+    if ckpt is not None:
+        master.load_state_dict(ckpt["master"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        start, snapshots = ckpt["step"], ckpt["snapshots"]
+    snapshots[start] = snapshot(master)
+
+    trainer_recipe, shadow_recipe = get_recipe(plan.trainer_recipe), get_recipe(plan.engine_recipe)
+    policy = TrainerForward(master, trainer_recipe, cfg.matmul)
+    shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
+    engine = LocalEngine(master, recipe=shadow_recipe, matmul=cfg.matmul)
+    old_policy = apply_recipe(master, trainer_recipe, matmul=cfg.matmul) if plan.ratio_against == "trainer_old" else None
+    engine_version = [-1]
+
+    def make_batch(k: int, version: int, weights: dict) -> Batch:
+        """Producer thread: sync the engine to θ_version if needed, sample batch k."""
+        t0 = time.perf_counter()
+        if engine_version[0] != version:
+            engine.load_weights(weights)
+            engine_version[0] = version
+        rng = random.Random(cfg.seed * 1_000_003 + k)
+        chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
+        prompt_ids = [pool_ids[i] for i in chosen for _ in range(cfg.group_size)]
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 7919 + k, stop_token_ids=stops)
+        rollout = engine.generate(prompt_ids, params)
+        logp_old = None
+        if old_policy is not None:
+            sync_weights(old_policy, weights)
+            logp_old = _completion_logprobs(old_policy, trainer_recipe, rollout.pack(stops[0] if stops else 0), rollout.prompt_width)
+        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, version, logp_old,
+                     time.perf_counter() - t0)
+
+    producer = RolloutProducer(make_batch, start, cfg.steps, cfg.staleness)
+    for version in sorted(snapshots):
+        producer.publish(version, snapshots[version])
+    producer.start()
+
+    stop_requested = _GracefulStop()
+    metrics: list[dict] = list(run.metrics()) if run else []
+    done = start
+    progress = _progress(console, cfg.steps, start)
+    try:
+        with stop_requested, progress:
+            for k in range(start, cfg.steps):
+                t0 = time.perf_counter()
+                batch = producer.get()
+                t_wait = time.perf_counter() - t0
+                row = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops)
+                snapshots[k + 1] = snapshot(master)
+                # What the engine will see of this update at its next sync (bf16 hides updates below ~|w|/256).
+                row["sync/changed_share"] = boundary_crossing_share(snapshots[k], snapshots[k + 1], engine.dtype)
+                producer.publish(k + 1, snapshots[k + 1])
+                for v in [v for v in snapshots if v < k + 1 - cfg.staleness]:
+                    del snapshots[v]
+                row.update({"task/converged": bool(task.converged(row)), "time/wait_s": t_wait, "time/step_s": time.perf_counter() - t0})
+                metrics.append(row)
+                done = k + 1
+                if run:
+                    run.log_metrics(row)
+                    run.log_samples(_samples(batch, row, lm.tokenizer, cfg.samples_per_step))
+                    if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop_requested.flag:
+                        _save(run, done, master, optimizer, scaler, snapshots, cfg.staleness)
+                progress.advance(row)
+                if on_step:
+                    on_step(row)
+                if stop_requested.flag:
+                    return TrainResult(metrics, run.path if run else None, interrupted=True)
+    finally:
+        producer.close()
+    return TrainResult(metrics, run.path if run else None)
+
+
+def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int) -> torch.Tensor:
+    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch)."""
+    from .scoring import score
+
+    return score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], entropy=False).logp[:, P:]
+
+
+def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops) -> dict:
+    from .tasks import compute_rewards
+
+    timings = {"time/generate_s": batch.generate_s}
+    rollout = batch.rollout
+    completions = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
+    rewards = torch.tensor(compute_rewards(reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
+    packed = rollout.pack(stops[0] if stops else 0)
+    P = rollout.prompt_width
+    mask = packed["completion_mask"][:, P:]  # [B, L]
+    logp_engine = packed["logp_engine"][:, P:]  # [B, L]
+
+    t0 = time.perf_counter()
+    sync_weights(shadow, policy.master)  # the shadow: current weights in the engine's precision
+    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P)  # [B, L]
+    timings["time/shadow_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    logp = policy.logprobs(packed)[:, P:]  # [B, L], with grad
+    logp_old = {"engine": logp_engine, "trainer_old": batch.logp_old, "self": logp.detach()}[plan.ratio_against]
+    # Rollout corrections weigh by π_trainer(θ_old) / μ_engine: the recomputed old log-probs when there are
+    # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).
+    is_ref = batch.logp_old if batch.logp_old is not None else logp.detach()
+    is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction, CorrectionParams(cap=cfg.correction_cap))
+    clip_log_ratio = (logp_shadow - logp_engine) if plan.clip_on == "shadow" else None  # α
+    out = grpo_loss(
+        logp, logp_old, advantages, mask, plan.eps_low, plan.eps_high, cfg.loss_type, cfg.importance_level,
+        max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked, clip_log_ratio=clip_log_ratio,
+    )
+    scaler.scale(out.loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.master.parameters(), cfg.max_grad_norm)
+    scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    timings["time/train_s"] = time.perf_counter() - t0
+
+    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
+    return {
+        "step": batch.step + 1,
+        "reward/mean": rewards.double().mean().item(),
+        "reward/std": rewards.double().std().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/stopped_share": sum(rollout.finished) / len(rollout.finished),
+        **alpha_beta_stats(logp, logp_shadow, logp_engine, mask, advantages, out.clipped_low | out.clipped_high,
+                           out.masked, plan.eps_low, plan.eps_high),
+        "train/loss": out.loss.item(),
+        "train/grad_norm": grad_norm.item(),
+        "train/loss_scale": scaler.get_scale() if plan.loss_scaling else 1.0,
+        "sync/weights_lag": batch.step - batch.weights_version,
+        **timings,
+    }
+
+
+def _samples(batch: Batch, row: dict, tokenizer, n: int) -> dict:
+    ids = batch.rollout.completion_ids[:n]
+    return {"step": row["step"], "samples": [
+        {"prompt": p, "completion": tokenizer.decode(c, skip_special_tokens=False), "length": len(c)}
+        for p, c in zip(batch.prompts[:n], ids)
+    ]}
+
+
+def _save(run: RunDir, step: int, master, optimizer, scaler, snapshots: dict, staleness: int) -> None:
+    """Everything the next steps depend on: weights, optimizer, loss scale, and the weight versions that
+    batches step.. step+staleness−1 will be sampled with."""
+    keep = {v: w for v, w in snapshots.items() if step - staleness <= v < step}
+    run.save_checkpoint({"step": step, "master": master.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict(), "snapshots": keep})
+
+
+class _GracefulStop:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second: KeyboardInterrupt as usual.
+    Only in the main thread (signal handlers cannot be installed elsewhere)."""
+
+    def __init__(self):
+        self.flag = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        print("\nstopping after this step with a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+class _progress:
+    """A rich progress bar with reward, length and phantom-clip rate; silent without a console."""
+
+    def __init__(self, console, total: int, start: int):
+        self.console, self.total, self.start = console, total, start
+        self._bar = None
+
+    def __enter__(self):
+        if self.console is not None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[info]}"), console=self.console)
+            self._bar.__enter__()
+            self._task = self._bar.add_task("train", total=self.total, completed=self.start, info="")
+        return self
+
+    def advance(self, row: dict) -> None:
+        if self._bar is not None:
+            info = (f"reward {row['reward/mean']:.2f}  len {row['completion/length_mean']:.1f}  "
+                    f"phantom {100 * row['clip/phantom_rate']:.1f}%  |β| {row['mismatch/beta_abs_mean']:.4f}")
+            self._bar.update(self._task, advance=1, info=info)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False
+
+
+__all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "TrainerForward", "resolve_plan", "train"]

@@ -1,0 +1,233 @@
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import report
+from phantomclip.metrics import alpha_beta_stats
+from phantomclip.recipes import apply_recipe, get_recipe
+from phantomclip.runs import read_jsonl
+from phantomclip.scoring import score
+from phantomclip.tasks import TaskError
+from phantomclip.trainer import INTERVENTIONS, TrainConfig, TrainConfigError, TrainerForward, resolve_plan, train
+
+# tiny-random:30 stops on its own in ~9% of 8-token completions: enough signal for reward = -length.
+TINY = dict(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3)
+
+
+def _numbers(rows: list[dict]) -> list[dict]:
+    """Metrics without wall-clock timings (the only part two identical runs may differ in)."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    nan_eq = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
+    return len(a) == len(b) and all(r.keys() == s.keys() and all(nan_eq(r[k], s[k]) for k in r) for r, s in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------ interventions
+
+
+def test_interventions_set_the_plan():
+    base = TrainConfig()
+    assert resolve_plan(base).trainer_recipe == "fp32" and resolve_plan(base).engine_recipe == "bf16"
+    p = resolve_plan(TrainConfig(intervention="fp16"))
+    assert (p.trainer_recipe, p.engine_recipe, p.loss_scaling) == ("fp16", "fp16", True)
+    p = resolve_plan(TrainConfig(intervention="shadow-ratio, epsilon=0.3, tis"))
+    assert (p.clip_on, p.eps_low, p.eps_high, p.correction) == ("shadow", 0.3, 0.3, "token_truncate")
+    assert resolve_plan(TrainConfig(intervention="no-clip")).eps_high == math.inf
+    assert resolve_plan(TrainConfig(intervention="force-r1")).ratio_against == "self"
+    assert resolve_plan(TrainConfig(epsilon=0.1, epsilon_high=0.28)).eps_high == 0.28
+
+
+@pytest.mark.parametrize(
+    "intervention, message",
+    [
+        ("warp-drive", "unknown intervention 'warp-drive'"),
+        ("match-bf16,fp16", "match-bf16 and fp16 conflict"),
+        ("shadow-ratio,force-r1", "cannot be combined"),
+        ("epsilon=abc", "needs a number"),
+        ("epsilon=-1", "X > 0"),
+        ("correction=sideways", "unknown mode 'sideways'"),
+    ],
+)
+def test_bad_interventions_are_refused(intervention, message):
+    with pytest.raises(TrainConfigError, match=message):
+        TrainConfig(intervention=intervention).validate()
+
+
+@pytest.mark.parametrize("field, value", [("staleness", -1), ("group_size", 1), ("engine_dtype", "fp8"), ("trainer", "int4")])
+def test_bad_config_values_are_refused(field, value):
+    with pytest.raises(TrainConfigError):
+        TrainConfig(**{field: value}).validate()
+
+
+# ------------------------------------------------------------------------------------------ decomposition
+
+
+def test_alpha_beta_stats_on_constructed_tensors():
+    # ε = 0.2: log bounds log 0.8 = -0.223, log 1.2 = 0.182. Four tokens of one sequence with A = +1:
+    #   token 0: α = 0,    β = 0.3   -> log r = 0.3 > 0.182: clipped, α alone would not clip -> phantom
+    #   token 1: α = 0.25, β = 0.0   -> clipped, α alone clips                              -> real
+    #   token 2: α = 0.1,  β = 0.05  -> log r = 0.15 inside: not clipped
+    #   token 3: padding (mask 0), values must not count
+    logp_engine = torch.tensor([[-1.0, -2.0, -0.5, -7.0]])
+    alpha = torch.tensor([[0.0, 0.25, 0.1, 0.0]])
+    beta = torch.tensor([[0.3, 0.0, 0.05, 5.0]])
+    logp_shadow = logp_engine + alpha
+    logp = logp_shadow + beta
+    mask = torch.tensor([[True, True, True, False]])
+    log_r = logp - logp_engine
+    clipped = (log_r > math.log(1.2)) & mask
+    s = alpha_beta_stats(logp, logp_shadow, logp_engine, mask, torch.tensor([1.0]), clipped, torch.zeros_like(mask), 0.2, 0.2)
+    assert s["clip/rate"] == pytest.approx(2 / 3)
+    assert s["clip/phantom_rate"] == pytest.approx(1 / 3)
+    assert s["clip/real_rate"] == pytest.approx(1 / 3)
+    assert s["mismatch/beta_mean"] == pytest.approx((0.3 + 0.0 + 0.05) / 3, abs=1e-7)
+    assert s["mismatch/alpha_mean"] == pytest.approx((0.0 + 0.25 + 0.1) / 3, abs=1e-7)
+    assert s["mismatch/beta_outside_trust_region"] == pytest.approx(1 / 3)
+    assert s["clip/zeroed_adv_share"] == pytest.approx(2 / 3)  # |A| = 1 on each of 3 tokens, 2 zeroed
+    assert s["mismatch/alpha_mean"] + s["mismatch/beta_mean"] == pytest.approx(s["mismatch/log_ratio_mean"], abs=1e-15)
+
+
+def test_trainer_forward_equals_the_inference_path_and_reaches_the_master(tiny, tiny_prompts):
+    """The differentiable cast path (uncached emulated matmul) gives the same log-probs as the cached
+    inference path, and its gradient lands on the fp32 master weights."""
+    from phantomclip.engine import LocalEngine, SamplingParams
+
+    master = tiny.model
+    rollout = LocalEngine(master, torch.float32).generate(tiny_prompts, SamplingParams(max_tokens=6, seed=3))
+    packed = rollout.pack(0)
+    for name in ("bf16", "bf16-autocast", "fp32-head", "fp16"):
+        recipe = get_recipe(name)
+        fwd = TrainerForward(master, recipe, "emulated")
+        logp = fwd.logprobs(packed)
+        ref = score(apply_recipe(master, recipe, "emulated"), recipe, packed["input_ids"], packed["attention_mask"],
+                    packed["completion_mask"], entropy=False).logp
+        assert torch.equal(logp.detach(), ref), report(name, logp.detach(), ref)
+        (-logp.sum()).backward()
+        grads = [p.grad for p in master.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), name
+        assert all(g.dtype == torch.float32 for g in grads)
+        assert sum(g.abs().sum().item() for g in grads) > 0
+        master.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+@pytest.mark.parametrize("intervention", [n for n in INTERVENTIONS if n not in ("epsilon", "correction")] + ["epsilon=0.1"])
+def test_every_intervention_runs_with_finite_metrics(intervention):
+    rows = train(TrainConfig(**TINY, steps=5, intervention=intervention)).metrics
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    skip = {"mismatch/corr_beta_adv", "clip/zeroed_adv_share"}  # NaN by definition in some steps
+    for r in rows:
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and k not in skip and not math.isfinite(v)}
+        assert not bad, (intervention, r["step"], bad)
+        # α + β = log r in the logged numbers (float64 differences of the same fp32 log-probs)
+        assert r["mismatch/alpha_mean"] + r["mismatch/beta_mean"] == pytest.approx(r["mismatch/log_ratio_mean"], abs=1e-12)
+    if intervention in ("force-r1", "no-clip", "shadow-ratio"):
+        assert all(r["clip/phantom_rate"] == 0 for r in rows)  # β never decides a clip
+    if intervention == "force-r1":
+        assert all(r["clip/rate"] == 0 for r in rows)
+    if intervention in ("match-bf16", "fp16"):
+        assert all(r["mismatch/beta_abs_mean"] < 1e-6 for r in rows)  # same recipe on both sides: shadow == trainer
+
+
+def test_neglen_converges_on_the_tiny_model_with_force_r1():
+    """A real learning check: from ~8 tokens the policy learns to stop at once (mean length <= 2)."""
+    rows = train(TrainConfig(**TINY, steps=30, intervention="force-r1")).metrics
+    lengths = [round(r["completion/length_mean"], 1) for r in rows]
+    assert lengths[0] > 7, lengths
+    converged = [r["step"] for r in rows if r["task/converged"]]
+    assert converged and converged[0] <= 30, lengths
+
+
+def test_small_updates_are_invisible_to_the_bf16_engine(tmp_path, monkeypatch):
+    """sync/changed_share: with lr 1e-9 no bf16 weight moves (an update must reach half a bf16 spacing, about
+    |w|/256); with lr 3e-3 most do. (A reward that varies from the first step, so every step has a gradient.)"""
+    (tmp_path / "varied.py").write_text("def first_token(prompts, completions, ids):\n    return [float(i[0] % 7) for i in ids]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(**TINY, steps=3, staleness=0, reward="varied:first_token")
+    tiny_lr = train(TrainConfig(**{**vars(cfg), "lr": 1e-9})).metrics
+    big_lr = train(cfg).metrics
+    assert all(r["train/grad_norm"] > 0 for r in tiny_lr + big_lr)
+    # Only weights within ~256 lr of zero can move: here exactly the zero-initialised padding row of the tied
+    # embedding (64 values, counted under both names), against more than half of all weights with lr 3e-3.
+    from phantomclip.models import load_model
+
+    sd = {k: v for k, v in load_model(TINY["model"]).model.state_dict().items() if v.is_floating_point()}
+    zero_share = sum(int((v == 0).sum()) for v in sd.values()) / sum(v.numel() for v in sd.values())
+    assert 0 < zero_share < 2e-3
+    shares = [r["sync/changed_share"] for r in tiny_lr]
+    assert shares[0] == zero_share and all(0 < x <= zero_share for x in shares), (shares, zero_share)
+    assert all(r["sync/changed_share"] > 0.5 for r in big_lr), [r["sync/changed_share"] for r in big_lr]
+
+
+def test_staleness_sets_the_weights_lag():
+    rows = train(TrainConfig(**TINY, steps=4, staleness=2)).metrics
+    assert [r["sync/weights_lag"] for r in rows] == [0, 1, 2, 2]  # batch k is sampled with θ_max(0, k-2)
+
+
+def test_same_seed_same_run_and_resume_equals_uninterrupted(tmp_path):
+    cfg = TrainConfig(**TINY, steps=5, staleness=1, checkpoint_every=2, intervention="recompute-old")
+    full = train(cfg, out=tmp_path / "full").metrics
+    again = train(cfg).metrics
+    assert _same(_numbers(full), _numbers(again))
+    first = train(TrainConfig(**{**vars(cfg), "steps": 3}), out=tmp_path / "split").metrics
+    assert len(first) == 3
+    resumed = train(cfg, out=tmp_path / "split", resume=True).metrics
+    assert _same(_numbers(resumed), _numbers(full)), (_numbers(resumed)[-1], _numbers(full)[-1])
+    assert _same(_numbers(read_jsonl(tmp_path / "split" / "metrics.jsonl")), _numbers(full))
+
+
+def test_a_failing_reward_names_the_function_and_keeps_the_run_valid(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards.py").write_text("def wrong_length(prompts, completions, ids):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match="wrong_length returned 1 values for 16"):
+        train(TrainConfig(**TINY, steps=2, reward="bad_rewards:wrong_length"), out=tmp_path / "run")
+    assert (tmp_path / "run" / "config.json").exists()
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
+
+
+def _cli(out, *extra) -> list[str]:
+    return [sys.executable, "-m", "phantomclip.cli", "train", "--model", TINY["model"], "--max-tokens", "8",
+            "--prompts-per-step", "2", "--lr", "3e-3", "--steps", "40", "--checkpoint-every", "3", "--out", str(out), *extra]
+
+
+def _wait_for_lines(path, n, proc, timeout=120):
+    start = time.time()
+    while time.time() - start < timeout:
+        if len(read_jsonl(path)) >= n or proc.poll() is not None:
+            return
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_killed_or_interrupted_run_resumes_to_the_same_numbers(tmp_path, sig):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_cli(tmp_path / "run"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_lines(tmp_path / "run" / "metrics.jsonl", 5, proc)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    steps_logged = len(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert ckpt["step"] == steps_logged  # Ctrl-C: checkpoint at the last finished step
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        assert ckpt["step"] % 3 == 0 and ckpt["step"] <= steps_logged  # at most the steps since it are lost
+    resumed = subprocess.run(_cli(tmp_path / "run", "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    full = subprocess.run(_cli(tmp_path / "full"), env=env, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr
+    a = _numbers(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    b = _numbers(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    assert _same(a, b)

@@ -108,7 +108,7 @@ class CorrectionParams:
     cap: float = 3.0
     """C: token/sequence ratios above C are truncated to C (`*_truncate`) or masked (`*_mask`)."""
     clip_min: float = 0.0
-    """`*_mask` modes also mask ratios below this (0 = one-sided, as TRL's default)."""
+    """`*_mask` modes also mask ratios below this, `*_truncate` modes raise them to it (0 = one-sided, TRL's default)."""
     icepop_low: float = 0.5
     """IcePop: tokens whose ratio is below this are masked."""
     icepop_high: float = 2.0
@@ -129,7 +129,7 @@ def _corr_none(lo, le, m, p):
 
 def _corr_token_truncate(lo, le, m, p):
     """TIS (Yao et al. 2025): weight min(r, C) per token."""
-    return torch.exp(_token_log_is(lo, le, m)).clamp(max=p.cap), torch.zeros_like(m, dtype=torch.bool)
+    return torch.exp(_token_log_is(lo, le, m)).clamp(min=p.clip_min, max=p.cap), torch.zeros_like(m, dtype=torch.bool)
 
 
 def _corr_token_mask(lo, le, m, p):
@@ -141,7 +141,7 @@ def _corr_token_mask(lo, le, m, p):
 
 def _corr_sequence_truncate(lo, le, m, p):
     """Sequence-level TIS: one weight min(Π r_t, C) for every token of the sequence."""
-    w = torch.exp(_seq_log_is(lo, le, m)).clamp(max=p.cap)
+    w = torch.exp(_seq_log_is(lo, le, m)).clamp(min=p.clip_min, max=p.cap)
     return w.expand_as(lo), torch.zeros_like(m, dtype=torch.bool)
 
 

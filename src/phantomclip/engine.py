@@ -157,13 +157,13 @@ class LocalEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params else "cache"
 
-    def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor]) -> float:
+    def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: cast fp32 master weights (a model or a state dict) into this engine's layout, in place.
 
         Returns the share of parameter values that changed in the engine's precision: an update smaller than
         half a bf16 spacing is invisible to a bf16 engine (boundary crossings, numerics.steps_to_cross).
         """
-        return sync_weights(self.model, weights)
+        return sync_weights(self.model, weights, count_changes)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
@@ -212,18 +212,21 @@ class LocalEngine:
 
 
 @torch.no_grad()
-def sync_weights(model: nn.Module, weights: nn.Module | Mapping[str, torch.Tensor]) -> float:
+def sync_weights(model: nn.Module, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
     """Copy `weights` into `model`'s parameters of the same name, each cast to that parameter's dtype.
 
     Names missing from `weights` are left alone (tied weights appear once). Returns the share of the copied
-    values that changed.
+    values that changed (NaN when `count_changes` is off, which saves a comparison pass).
     """
     source = weights.state_dict() if isinstance(weights, nn.Module) else weights
     changed, total = 0, 0
     for name, p in model.named_parameters():
         if name in source:
-            new = source[name].to(p.dtype)
-            changed += (p != new).sum().item()
+            if count_changes:
+                new = source[name].to(p.dtype)
+                changed += (p != new).sum().item()
+                p.copy_(new)
+            else:
+                p.copy_(source[name])
             total += p.numel()
-            p.copy_(new)
-    return changed / max(total, 1)
+    return changed / max(total, 1) if count_changes else float("nan")

@@ -35,7 +35,6 @@ from torch import nn
 from .engine import LocalEngine, Rollout, SamplingParams, sync_weights
 from .loss import AGGREGATIONS, CORRECTIONS, CorrectionParams, group_advantages, grpo_loss, rollout_correction
 from .metrics import alpha_beta_stats
-from .numerics import boundary_crossing_share
 from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
 from .runs import RunDir
 
@@ -351,9 +350,19 @@ class RolloutProducer:
                 continue
 
 
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of every parameter (tied ones under each name), for the engine to load later."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+def snapshot(model: nn.Module, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A detached copy of every floating-point weight (tied ones under each name), for the engine to load later.
+
+    `reuse`: an older snapshot nobody reads any more; its buffers are overwritten instead of allocating 4 bytes
+    per parameter again (fresh allocations page-fault: 0.8 s against 0.1 s for the bundled model here).
+    """
+    with torch.no_grad():
+        if reuse is not None:
+            for k, v in model.state_dict().items():
+                if k in reuse:
+                    reuse[k].copy_(v)
+            return reuse
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -409,7 +418,8 @@ def train(
     pool_ids = encode_prompts(lm.tokenizer, pool)
     stops = stop_token_ids(lm)
 
-    optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    # fused: one kernel over all parameters (0.05 s per step on the bundled model against 0.7 s for foreach)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     scaler = torch.amp.GradScaler("cpu", enabled=plan.loss_scaling)
     start, snapshots = 0, {}
     if ckpt is not None:
@@ -430,7 +440,7 @@ def train(
         """Producer thread: sync the engine to θ_version if needed, sample batch k."""
         t0 = time.perf_counter()
         if engine_version[0] != version:
-            engine.load_weights(weights)
+            engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
             engine_version[0] = version
         rng = random.Random(cfg.seed * 1_000_003 + k)
         chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
@@ -439,7 +449,7 @@ def train(
         rollout = engine.generate(prompt_ids, params)
         logp_old = None
         if old_policy is not None:
-            sync_weights(old_policy, weights)
+            sync_weights(old_policy, weights, count_changes=False)
             logp_old = _completion_logprobs(old_policy, trainer_recipe, rollout.pack(stops[0] if stops else 0), rollout.prompt_width)
         return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, version, logp_old,
                      time.perf_counter() - t0)
@@ -460,12 +470,14 @@ def train(
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
                 row = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops)
-                snapshots[k + 1] = snapshot(master)
-                # What the engine will see of this update at its next sync (bf16 hides updates below ~|w|/256).
-                row["sync/changed_share"] = boundary_crossing_share(snapshots[k], snapshots[k + 1], engine.dtype)
-                producer.publish(k + 1, snapshots[k + 1])
-                for v in [v for v in snapshots if v < k + 1 - cfg.staleness]:
+                # Versions below k+1-s are done with: batches up to k (consumed) used them, later ones use newer
+                # ones. So the oldest one's buffers can take the new snapshot.
+                stale = [v for v in snapshots if v < k + 1 - cfg.staleness]
+                free = snapshots.pop(stale[0]) if stale else None
+                for v in stale[1:]:
                     del snapshots[v]
+                snapshots[k + 1] = snapshot(master, reuse=free)
+                producer.publish(k + 1, snapshots[k + 1])
                 row.update({"task/converged": bool(task.converged(row)), "time/wait_s": t_wait, "time/step_s": time.perf_counter() - t0})
                 metrics.append(row)
                 done = k + 1
@@ -505,7 +517,6 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
-    sync_weights(shadow, policy.master)  # the shadow: current weights in the engine's precision
     logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P)  # [B, L]
     timings["time/shadow_s"] = time.perf_counter() - t0
 
@@ -526,8 +537,13 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.master.parameters(), cfg.max_grad_norm)
     scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: reallocating them costs 0.6 s here
     timings["time/train_s"] = time.perf_counter() - t0
+    # The shadow (current weights in the engine's precision) follows the update now. The share of its values
+    # that changed is what the engine sees of this update at its next sync: bf16 hides steps below ~|w|/256.
+    t0 = time.perf_counter()
+    changed_share = sync_weights(shadow, policy.master)
+    timings["time/sync_s"] = time.perf_counter() - t0
 
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
     return {
@@ -541,6 +557,7 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
         "train/loss": out.loss.item(),
         "train/grad_norm": grad_norm.item(),
         "train/loss_scale": scaler.get_scale() if plan.loss_scaling else 1.0,
+        "sync/changed_share": changed_share,
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
     }

@@ -12,7 +12,7 @@ from conftest import report
 from phantomclip.metrics import alpha_beta_stats
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.runs import read_jsonl
-from phantomclip.scoring import score
+from phantomclip.scoring import score, score_completions
 from phantomclip.tasks import TaskError
 from phantomclip.trainer import INTERVENTIONS, TrainConfig, TrainConfigError, TrainerForward, resolve_plan, train
 
@@ -95,20 +95,40 @@ def test_alpha_beta_stats_on_constructed_tensors():
     assert s["mismatch/alpha_mean"] + s["mismatch/beta_mean"] == pytest.approx(s["mismatch/log_ratio_mean"], abs=1e-15)
 
 
+def _grouped_rollout(tiny, tiny_prompts, group=3):
+    from phantomclip.engine import LocalEngine, SamplingParams
+
+    prompts = [p for p in tiny_prompts[:2] for _ in range(group)]  # two groups of 3, prompts of different lengths
+    return LocalEngine(tiny.model, torch.float32).generate(prompts, SamplingParams(max_tokens=6, seed=3))
+
+
+def test_shared_prompt_scoring_matches_whole_rows(tiny, tiny_prompts):
+    """score_completions (each group's prompt run once, KV cache repeated) against score() on whole rows."""
+    rollout = _grouped_rollout(tiny, tiny_prompts)
+    packed, P = rollout.pack(0), rollout.prompt_width
+    for name, tol in (("fp32", 1e-5), ("bf16", 0.1)):
+        recipe = get_recipe(name)
+        model = apply_recipe(tiny.model, recipe, "emulated")
+        shared = score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, 3)
+        whole = score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"]).logp[:, P:]
+        m = packed["completion_mask"][:, P:]
+        assert torch.equal(shared[~m], torch.zeros_like(shared[~m]))
+        d = (shared - whole)[m].abs()
+        assert d.max() <= tol and (name == "fp32" or d.mean() < 0.02), report(name, shared[m], whole[m])
+
+
 def test_trainer_forward_equals_the_inference_path_and_reaches_the_master(tiny, tiny_prompts):
     """The differentiable cast path (uncached emulated matmul) gives the same log-probs as the cached
     inference path, and its gradient lands on the fp32 master weights."""
-    from phantomclip.engine import LocalEngine, SamplingParams
-
     master = tiny.model
-    rollout = LocalEngine(master, torch.float32).generate(tiny_prompts, SamplingParams(max_tokens=6, seed=3))
-    packed = rollout.pack(0)
-    for name in ("bf16", "bf16-autocast", "fp32-head", "fp16"):
+    rollout = _grouped_rollout(tiny, tiny_prompts)
+    packed, P = rollout.pack(0), rollout.prompt_width
+    for name in ("bf16", "bf16-autocast", "fp32-head", "fp16", "fp32"):
         recipe = get_recipe(name)
         fwd = TrainerForward(master, recipe, "emulated")
-        logp = fwd.logprobs(packed)
-        ref = score(apply_recipe(master, recipe, "emulated"), recipe, packed["input_ids"], packed["attention_mask"],
-                    packed["completion_mask"], entropy=False).logp
+        logp = fwd.logprobs(packed, P, 3)
+        ref = score_completions(apply_recipe(master, recipe, "emulated"), recipe, packed["input_ids"], packed["attention_mask"],
+                                packed["completion_mask"], P, 3)
         assert torch.equal(logp.detach(), ref), report(name, logp.detach(), ref)
         (-logp.sum()).backward()
         grads = [p.grad for p in master.parameters()]
@@ -116,6 +136,24 @@ def test_trainer_forward_equals_the_inference_path_and_reaches_the_master(tiny, 
         assert all(g.dtype == torch.float32 for g in grads)
         assert sum(g.abs().sum().item() for g in grads) > 0
         master.zero_grad(set_to_none=True)
+
+
+def test_shared_prompt_gradient_matches_whole_rows(tiny, tiny_prompts):
+    """The gradient through the repeated KV cache equals the gradient of scoring whole rows (fp32)."""
+    master = tiny.model
+    rollout = _grouped_rollout(tiny, tiny_prompts)
+    packed, P = rollout.pack(0), rollout.prompt_width
+    recipe = get_recipe("fp32")
+    grads = []
+    for shared in (True, False):
+        if shared:
+            logp = score_completions(master, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, 3, grad=True)
+        else:
+            logp = score(master, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], grad=True).logp
+        (-logp.sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in master.parameters()]))
+        master.zero_grad(set_to_none=True)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5), report("grad", grads[0], grads[1])
 
 
 # ------------------------------------------------------------------------------------------ runs

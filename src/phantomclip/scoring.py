@@ -97,20 +97,72 @@ def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, tem
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logps, ents = [], []
-        for s in range(0, targets.shape[0], chunk_size):
-            logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
-            if temperature != 1.0:
-                logits = logits.float() / temperature
-            with torch.autocast(device.type, enabled=False):  # the loss maths in fp32 (autocast would run vecdot in bf16)
-                lp, e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)  # [c], [c] or None
-            logps.append(lp)
-            ents.append(e if e is not None else torch.zeros_like(lp))
-    empty = torch.zeros(0, device=device)
-    logp, ent = (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)  # [N]
+        logp, ent = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy)  # [N], [N]
     out_logp = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, logp)  # [B, T]
     out_ent = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, ent.detach())
     return Scores(out_logp, out_ent, score_mask)
+
+
+def _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head on hidden states h [N, H] in chunks of `chunk_size` rows: fp32 log p(target) [N], entropy [N]
+    (zeros unless asked)."""
+    logps, ents = [], []
+    for s in range(0, targets.shape[0], chunk_size):
+        logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
+        if temperature != 1.0:
+            logits = logits.float() / temperature
+        with torch.autocast(h.device.type, enabled=False):  # the loss maths in fp32 (autocast would run vecdot in bf16)
+            lp, e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)  # [c], [c] or None
+        logps.append(lp)
+        ents.append(e if e is not None else torch.zeros_like(lp))
+    if not logps:
+        return torch.zeros(0, device=h.device), torch.zeros(0, device=h.device)
+    return torch.cat(logps), torch.cat(ents)
+
+
+def score_completions(
+    model: nn.Module,
+    recipe: Recipe,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    prompt_width: int,
+    group_size: int = 1,
+    chunk_size: int = 128,
+    grad: bool = False,
+) -> torch.Tensor:
+    """Log-probs [B, L] of the completion tokens of a packed batch (`Rollout.pack`: prompts in columns :P,
+    completions in P:), running each group's prompt once.
+
+    GRPO samples `group_size` completions per prompt, in consecutive rows. The prompt is run once per group and
+    its KV cache repeated over the group's rows (with its gradient, when `grad`), then the completions run
+    against it: the prompt's share of the compute falls by a factor of group_size (the bundled model's chat
+    prompts are about half of each row). Same maths as `score` on the whole rows; the matmul shapes differ, so
+    values differ by rounding (about 1e-6 in fp32; one rounding step now and then in bf16).
+    """
+    from transformers import DynamicCache
+
+    B, P = input_ids.shape[0], prompt_width
+    if B % group_size:
+        raise ValueError(f"{B} rows do not split into groups of {group_size}")
+    prompt_ids, prompt_mask = input_ids[::group_size, :P], attention_mask[::group_size, :P]  # [G, P]
+    comp_ids, comp_mask = input_ids[:, P:], completion_mask[:, P:].bool()  # [B, L]
+    body, head = decoder_body(model), lm_head(model)
+    with torch.set_grad_enabled(grad), forward_context(recipe, input_ids.device):
+        cache = DynamicCache()
+        prompt_out = body(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # [G, P, H]
+        cache.batch_repeat_interleave(group_size)  # [B, heads, P, d] per layer
+        comp_hidden = body(
+            input_ids=comp_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)[:, P:],
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # [B, L, H]
+        # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
+        pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
+        logp, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, 1.0, False)  # [N]
+    return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 
 @torch.no_grad()

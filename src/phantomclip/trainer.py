@@ -238,32 +238,31 @@ class TrainerForward:
         self.sources = {name: by_name[name] for name, _ in self.layout.named_parameters()}
         self.dtypes = {name: p.dtype for name, p in self.layout.named_parameters()}
 
-    def logprobs(self, packed: dict[str, torch.Tensor], grad: bool = True) -> torch.Tensor:
-        """[B, T] log-probs of the packed batch's completion tokens (0 elsewhere)."""
+    def logprobs(self, packed: dict[str, torch.Tensor], prompt_width: int, group_size: int, grad: bool = True) -> torch.Tensor:
+        """[B, L] log-probs of the packed batch's completion tokens (0 at padding)."""
         from torch.func import functional_call
 
-        from .scoring import score
-
+        scorer = _Scorer(self.layout, self.recipe, prompt_width, group_size, grad)
         args = (packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
         if self.layout is self.master:
-            return score(self.master, self.recipe, *args, entropy=False, grad=grad).logp
+            return scorer(*args)
         with torch.set_grad_enabled(grad):
-            params = {name: src.to(self.dtypes[name]) for name, src in self.sources.items()}
-        scorer = _Scorer(self.layout, self.recipe, grad)
-        return functional_call(scorer, {f"model.{k}": v for k, v in params.items()}, args)
+            params = {f"model.{name}": src.to(self.dtypes[name]) for name, src in self.sources.items()}
+        return functional_call(scorer, params, args)
 
 
 class _Scorer(nn.Module):
-    """`score` as a module, so torch.func.functional_call can run it with substituted parameters."""
+    """`score_completions` as a module, so torch.func.functional_call can run it with substituted parameters."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe, grad: bool):
+    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool):
         super().__init__()
-        self.model, self.recipe, self.grad = model, recipe, grad
+        self.model, self.recipe, self.prompt_width, self.group_size, self.grad = model, recipe, prompt_width, group_size, grad
 
     def forward(self, input_ids, attention_mask, completion_mask):
-        from .scoring import score
+        from .scoring import score_completions
 
-        return score(self.model, self.recipe, input_ids, attention_mask, completion_mask, entropy=False, grad=self.grad).logp
+        return score_completions(self.model, self.recipe, input_ids, attention_mask, completion_mask, self.prompt_width,
+                                 self.group_size, grad=self.grad)
 
 
 @dataclass
@@ -450,7 +449,8 @@ def train(
         logp_old = None
         if old_policy is not None:
             sync_weights(old_policy, weights, count_changes=False)
-            logp_old = _completion_logprobs(old_policy, trainer_recipe, rollout.pack(stops[0] if stops else 0), rollout.prompt_width)
+            packed = rollout.pack(stops[0] if stops else 0)
+            logp_old = _completion_logprobs(old_policy, trainer_recipe, packed, rollout.prompt_width, cfg.group_size)
         return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, version, logp_old,
                      time.perf_counter() - t0)
 
@@ -496,11 +496,11 @@ def train(
     return TrainResult(metrics, run.path if run else None)
 
 
-def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int) -> torch.Tensor:
+def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, group_size: int) -> torch.Tensor:
     """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch)."""
-    from .scoring import score
+    from .scoring import score_completions
 
-    return score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], entropy=False).logp[:, P:]
+    return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, group_size)
 
 
 def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops) -> dict:
@@ -517,11 +517,11 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
-    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P)  # [B, L]
+    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P, cfg.group_size)  # [B, L]
     timings["time/shadow_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    logp = policy.logprobs(packed)[:, P:]  # [B, L], with grad
+    logp = policy.logprobs(packed, P, cfg.group_size)  # [B, L], with grad
     logp_old = {"engine": logp_engine, "trainer_old": batch.logp_old, "self": logp.detach()}[plan.ratio_against]
     # Rollout corrections weigh by π_trainer(θ_old) / μ_engine: the recomputed old log-probs when there are
     # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).

@@ -1,0 +1,106 @@
+"""One GRPO step, ours against TRL's GRPOTrainer, on the bundled model (fp32 trainer, CPU), in the same process.
+
+Workload (issue 3): one prompt x group of 8, up to 32 completion tokens, reward = -completion length; then a
+larger batch, 8 prompts x 8. Both trainers get the same prompts (conversational, the model's chat template),
+learning rate 3e-5, one optimizer step per batch, no KL term. TRL generates with Hugging Face `generate`
+in fp32 (its CPU default without vLLM); ours samples with its bf16 engine in a background thread
+(staleness 1) or on-policy (staleness 0).
+
+Step time: TRL from a callback (on_step_begin -> on_step_end, generation included); ours is `time/step_s`
+(the trainer's wall time per step, waiting for the rollout included). The first step of each run is a warm-up
+and is left out; medians over the rest.
+
+    python bench/bench_trainer.py [--steps 4] [--large-steps 2] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(2)
+
+
+def trl_steps(prompts: list[str], group: int, steps: int) -> list[float]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from phantomclip.models import load_model
+
+    lm = load_model("smollm2-135m")
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    def neglen(completions, completion_ids, **kw):
+        return [-float(len(c)) for c in completion_ids]
+
+    n = len(prompts) * group
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts] * (group * (steps + 1))})
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=n, num_generations=group, max_completion_length=32,
+            learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1, report_to=[],
+            save_strategy="no", temperature=1.0, beta=0.0, loss_type="dapo", shuffle_dataset=False,
+        )
+        trainer = GRPOTrainer(model=lm.model, args=args, reward_funcs=neglen, train_dataset=ds,
+                              processing_class=lm.tokenizer, callbacks=[Clock()])
+        trainer.train()
+    return times[1:]
+
+
+def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tuple[list[float], list[float]]:
+    from phantomclip.trainer import TrainConfig, train
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "prompts.txt"
+        path.write_text("\n".join(prompts) + "\n")
+        cfg = TrainConfig(steps=steps + 1, prompts_per_step=len(prompts), group_size=group, max_tokens=32,
+                          staleness=staleness, prompts=str(path), lr=3e-5)
+        rows = train(cfg).metrics[1:]
+    return [r["time/step_s"] for r in rows], [r["time/shadow_s"] / r["time/step_s"] for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--large-steps", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from phantomclip.prompts import bundled_prompts
+
+    pool = bundled_prompts()
+    for label, prompts, steps, repeats in (("1 prompt x 8", pool[:1], args.steps, args.repeats),
+                                           ("8 prompts x 8", pool[:8], args.large_steps, 1)):
+        results: dict[str, list[float]] = {"TRL GRPOTrainer": [], "ours, staleness 1": [], "ours, staleness 0": []}
+        overhead: list[float] = []
+        for _ in range(repeats):  # alternate, so both see the same machine noise
+            results["TRL GRPOTrainer"] += trl_steps(prompts, 8, steps)
+            for s in (1, 0):
+                t, o = our_steps(prompts, 8, steps, s)
+                results[f"ours, staleness {s}"] += t
+                overhead += o
+        trl = statistics.median(results["TRL GRPOTrainer"])
+        print(f"\n{label}, up to 32 tokens, fp32 trainer (median s/step over {len(results['TRL GRPOTrainer'])} steps each)")
+        print("| trainer | s/step (median) | all steps | speed-up vs TRL |")
+        print("|---|---:|---|---:|")
+        for name, ts in results.items():
+            med = statistics.median(ts)
+            print(f"| {name} | {med:.2f} | {', '.join(f'{t:.1f}' for t in ts)} | {trl / med:.2f}x |")
+        print(f"shadow forward share of our step (median): {100 * statistics.median(overhead):.0f}%")
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,7 @@ import torch
 torch.set_num_threads(2)
 
 
-def trl_steps(prompts: list[str], group: int, steps: int) -> list[float]:
+def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -53,14 +53,16 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> list[float]:
             output_dir=out, per_device_train_batch_size=n, num_generations=group, max_completion_length=32,
             learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1, report_to=[],
             save_strategy="no", temperature=1.0, beta=0.0, loss_type="dapo", shuffle_dataset=False,
+            lr_scheduler_type="constant",
         )
         trainer = GRPOTrainer(model=lm.model, args=args, reward_funcs=neglen, train_dataset=ds,
                               processing_class=lm.tokenizer, callbacks=[Clock()])
         trainer.train()
-    return times[1:]
+        lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    return times[1:], lengths[1:]
 
 
-def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tuple[list[float], list[float]]:
+def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tuple[list[float], list[float], list[float]]:
     from phantomclip.trainer import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as d:
@@ -69,7 +71,8 @@ def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tup
         cfg = TrainConfig(steps=steps + 1, prompts_per_step=len(prompts), group_size=group, max_tokens=32,
                           staleness=staleness, prompts=str(path), lr=3e-5)
         rows = train(cfg).metrics[1:]
-    return [r["time/step_s"] for r in rows], [r["time/shadow_s"] / r["time/step_s"] for r in rows]
+    return ([r["time/step_s"] for r in rows], [r["completion/length_mean"] for r in rows],
+            [r["time/shadow_s"] / r["time/step_s"] for r in rows])
 
 
 def main() -> None:
@@ -83,21 +86,29 @@ def main() -> None:
     pool = bundled_prompts()
     for label, prompts, steps, repeats in (("1 prompt x 8", pool[:1], args.steps, args.repeats),
                                            ("8 prompts x 8", pool[:8], args.large_steps, 1)):
-        results: dict[str, list[float]] = {"TRL GRPOTrainer": [], "ours, staleness 1": [], "ours, staleness 0": []}
+        names = ("TRL GRPOTrainer", "ours, staleness 1", "ours, staleness 0")
+        times: dict[str, list[float]] = {n: [] for n in names}
+        lengths: dict[str, list[float]] = {n: [] for n in names}
         overhead: list[float] = []
         for _ in range(repeats):  # alternate, so both see the same machine noise
-            results["TRL GRPOTrainer"] += trl_steps(prompts, 8, steps)
-            for s in (1, 0):
-                t, o = our_steps(prompts, 8, steps, s)
-                results[f"ours, staleness {s}"] += t
+            t, n = trl_steps(prompts, 8, steps)
+            times[names[0]] += t
+            lengths[names[0]] += n
+            for s, name in ((1, names[1]), (0, names[2])):
+                t, n, o = our_steps(prompts, 8, steps, s)
+                times[name] += t
+                lengths[name] += n
                 overhead += o
-        trl = statistics.median(results["TRL GRPOTrainer"])
-        print(f"\n{label}, up to 32 tokens, fp32 trainer (median s/step over {len(results['TRL GRPOTrainer'])} steps each)")
-        print("| trainer | s/step (median) | all steps | speed-up vs TRL |")
-        print("|---|---:|---|---:|")
-        for name, ts in results.items():
-            med = statistics.median(ts)
-            print(f"| {name} | {med:.2f} | {', '.join(f'{t:.1f}' for t in ts)} | {trl / med:.2f}x |")
+        # Completion lengths are sampled, so they differ between runs: tokens/s puts the work on one scale.
+        rate = {n: sum(ln * len(prompts) * 8 for ln in lengths[n]) / sum(times[n]) for n in names}
+        trl = statistics.median(times[names[0]])
+        print(f"\n{label}, up to 32 tokens, fp32 trainer ({len(times[names[0]])} timed steps each)")
+        print("| trainer | s/step (median) | all steps (s) | mean completion length | completion tokens/s | speed-up vs TRL, s/step | speed-up vs TRL, tokens/s |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        for n in names:
+            med = statistics.median(times[n])
+            print(f"| {n} | {med:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {statistics.mean(lengths[n]):.1f} | "
+                  f"{rate[n]:.1f} | {trl / med:.2f}x | {rate[n] / rate[names[0]]:.2f}x |")
         print(f"shadow forward share of our step (median): {100 * statistics.median(overhead):.0f}%")
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}")
 

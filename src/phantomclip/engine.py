@@ -8,7 +8,6 @@ path in its own dtype, exactly as an inference engine's do. Sampling is a pure f
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from .recipes import Recipe, apply_recipe, engine_recipe
-from .scoring import position_ids_from_mask
+from .scoring import cache_kwarg, position_ids_from_mask
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,7 @@ class LocalEngine:
         self.dtype = self.recipe.weight_dtype
         self.matmul = matmul
         self.model = apply_recipe(master, self.recipe, matmul=matmul)
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "past_key_values" if "past_key_values" in params else "cache"
+        self._cache_kw = cache_kwarg(self.model)
 
     def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: cast fp32 master weights (a model or a state dict) into this engine's layout, in place.

@@ -34,6 +34,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def cache_kwarg(module: nn.Module) -> str:
+    """Name of the KV-cache argument of a Hugging Face forward: `cache` in transformers 5.x, `past_key_values` before."""
+    import inspect
+
+    return "past_key_values" if "past_key_values" in inspect.signature(module.forward).parameters else "cache"
+
+
 def _final_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """What some CausalLM forwards do to the head's output (the engine runs the full forward, so must we)."""
     cfg = model.config
@@ -149,15 +156,15 @@ def score_completions(
     comp_ids, comp_mask = input_ids[:, P:], completion_mask[:, P:].bool()  # [B, L]
     body, head = decoder_body(model), lm_head(model)
     with torch.set_grad_enabled(grad), forward_context(recipe, input_ids.device):
-        cache = DynamicCache()
+        cache, kw = DynamicCache(), cache_kwarg(body)
         prompt_out = body(
             input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-            past_key_values=cache, use_cache=True,
+            use_cache=True, **{kw: cache},
         ).last_hidden_state  # [G, P, H]
         cache.batch_repeat_interleave(group_size)  # [B, heads, P, d] per layer
         comp_hidden = body(
             input_ids=comp_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)[:, P:],
-            past_key_values=cache, use_cache=True,
+            use_cache=True, **{kw: cache},
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]

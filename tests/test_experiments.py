@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from phantomclip.cli import _split_run_names, main
+from phantomclip.experiments import SANITY_INTERVENTIONS, sanity_runs, summarize
+from phantomclip.trainer import TrainConfig, TrainConfigError
+
+TINY = ["--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3"]
+
+
+def test_sanity_matrix_names_and_configs():
+    runs = sanity_runs(TrainConfig())
+    assert list(runs)[: len(SANITY_INTERVENTIONS)] == list(SANITY_INTERVENTIONS)
+    # the ε sweep adds 0.05, 0.1, 0.3 for the baseline and match-bf16 (0.2 is the base run itself)
+    assert [n for n in runs if "epsilon" in n] == [f"{a},epsilon={e}" for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.3)]
+    assert runs["match-bf16,epsilon=0.1"].intervention == "match-bf16,epsilon=0.1"
+    with pytest.raises(TrainConfigError, match="unknown run"):
+        sanity_runs(TrainConfig(), only=["none", "warp"])
+
+
+def test_summarize_hand_worked():
+    rows = [{"step": i, "task/converged": i >= 3, "reward/mean": -float(10 - i), "completion/length_mean": float(10 - i),
+             "clip/phantom_rate": 0.1 * (i <= 2), "clip/rate": 0.2, "mismatch/beta_abs_mean": 0.03, "time/step_s": 2.0}
+            for i in range(1, 8)]
+    s = summarize("none", rows, 7)
+    assert s["steps_to_converge"] == 3 and s["converged"]
+    assert s["final_reward"] == pytest.approx(-(5 + 4 + 3) / 3)  # steps 5, 6, 7
+    assert s["phantom_rate_first5"] == pytest.approx(0.1 * 2 / 5)  # steps 1 and 2 of the first 5
+    assert s["wall_s"] == 14.0
+
+
+def test_split_run_names():
+    assert _split_run_names("none,shadow-ratio,none,epsilon=0.1") == ["none", "shadow-ratio", "none,epsilon=0.1"]
+
+
+def test_experiment_sanity_on_tiny_runs_and_continues(tmp_path, capsys):
+    args = ["experiment", "sanity", *TINY, "--steps", "3", "--out", str(tmp_path), "--only", "none,force-r1,none,epsilon=0.1"]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["none", "force-r1", "none,epsilon=0.1"]
+    assert all(r["steps_run"] == 3 for r in summary["runs"])
+    table = (tmp_path / "summary.md").read_text()
+    assert "| force-r1 |" in table and "not converged in 3" in table
+    first = (tmp_path / "none" / "metrics.jsonl").read_text()
+    assert main(args) == 0  # finished runs are read back, not rerun
+    assert (tmp_path / "none" / "metrics.jsonl").read_text() == first
+    assert main(["experiment", "sanity", *TINY, "--steps", "4", "--out", str(tmp_path), "--only", "none"]) == 0
+    assert len((tmp_path / "none" / "metrics.jsonl").read_text().splitlines()) == 4  # a bigger budget resumes
+
+
+def _bad(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_train_bad_inputs_exit_2(tmp_path, capsys):
+    assert "unknown task 'nope'" in _bad(["train", *TINY, "--task", "nope", "--out", str(tmp_path / "a")], capsys)
+    assert "--staleness must be >= 0" in _bad(["train", "--staleness", "-1"], capsys)
+    assert "--group-size must be >= 2" in _bad(["train", "--group-size", "1"], capsys)
+    assert "unknown intervention" in _bad(["train", "--intervention", "magic"], capsys)
+    assert "cannot import nosuchmodule" in _bad(["train", *TINY, "--reward", "nosuchmodule:f", "--out", str(tmp_path / "b")], capsys)
+    assert "write it as module:function" in _bad(["train", *TINY, "--reward", "justaname", "--out", str(tmp_path / "c")], capsys)
+    assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")]) == 0
+    capsys.readouterr()
+    assert "lr: 0.003 -> 0.001" in _bad(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2", "--out", str(tmp_path / "r"), "--resume"], capsys)
+    assert "already holds a run" in _bad(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
+    assert "holds no run to resume" in _bad(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)

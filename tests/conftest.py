@@ -33,3 +33,14 @@ def offline(monkeypatch) -> None:
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def bad_cli(args: list[str], capsys) -> str:
+    """Run the CLI on bad input: exit code 2, one line on stderr, no traceback. Returns the line."""
+    from phantomclip.cli import main
+
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import offline
+from conftest import bad_cli, offline
 
 from phantomclip.cli import main
 
@@ -50,30 +50,22 @@ def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys):
     assert "No recipe pushes a token outside the trust region" in printed
 
 
-def _bad(args, capsys):
-    code = main(args)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    return err
-
-
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
-    assert "unknown recipe 'int8'" in _bad(TINY + ["--trainer", "fp32,int8"], capsys)
-    assert "unknown dtype 'fp8'" in _bad(TINY + ["--engine-dtype", "fp8"], capsys)
-    assert "--epsilon must be in (0, 1)" in _bad(TINY + ["--epsilon", "1.5"], capsys)
-    assert "--epsilon must be in (0, 1)" in _bad(TINY + ["--epsilon", "0"], capsys)
-    assert "--n must be at least 1" in _bad(TINY + ["--n", "0"], capsys)
-    assert "does not exist" in _bad(["diagnose", "--model", str(tmp_path / "missing")], capsys)
+    assert "unknown recipe 'int8'" in bad_cli(TINY + ["--trainer", "fp32,int8"], capsys)
+    assert "unknown dtype 'fp8'" in bad_cli(TINY + ["--engine-dtype", "fp8"], capsys)
+    assert "--epsilon must be in (0, 1)" in bad_cli(TINY + ["--epsilon", "1.5"], capsys)
+    assert "--epsilon must be in (0, 1)" in bad_cli(TINY + ["--epsilon", "0"], capsys)
+    assert "--n must be at least 1" in bad_cli(TINY + ["--n", "0"], capsys)
+    assert "does not exist" in bad_cli(["diagnose", "--model", str(tmp_path / "missing")], capsys)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    assert "is empty" in _bad(TINY + ["--prompts", str(empty)], capsys)
+    assert "is empty" in bad_cli(TINY + ["--prompts", str(empty)], capsys)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "x"}\n{oops\n')
-    assert "not valid JSON" in _bad(TINY + ["--prompts", str(broken)], capsys)
+    assert "not valid JSON" in bad_cli(TINY + ["--prompts", str(broken)], capsys)
     long = tmp_path / "long.txt"
     long.write_text("x" * 600 + "\n")  # 600 byte tokens > the tiny model's 512 positions
-    assert "exceeds the model's context of 512" in _bad(TINY + ["--prompts", str(long)], capsys)
+    assert "exceeds the model's context of 512" in bad_cli(TINY + ["--prompts", str(long)], capsys)
 
 
 def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
@@ -83,9 +75,9 @@ def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
     tok = tiny_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(80)])
     tok.save_pretrained(tmp_path)
-    assert "tokens but the model embeds only 320" in _bad(["diagnose", "--model", str(tmp_path)], capsys)
+    assert "tokens but the model embeds only 320" in bad_cli(["diagnose", "--model", str(tmp_path)], capsys)
     offline(monkeypatch)
-    assert "cannot load model" in _bad(["diagnose", "--model", "nobody-xyz/none"], capsys)
+    assert "cannot load model" in bad_cli(["diagnose", "--model", "nobody-xyz/none"], capsys)
 
 
 def test_real_process_bad_input_has_no_traceback():
@@ -96,20 +88,20 @@ def test_real_process_bad_input_has_no_traceback():
 
 
 def test_more_bad_inputs(tmp_path, capsys):
-    assert "temperature must be > 0" in _bad(TINY + ["--temperature", "0"], capsys)
-    assert "top_p must be in (0, 1]" in _bad(TINY + ["--top-p", "2"], capsys)
-    assert "--batch-size must be at least 1" in _bad(TINY + ["--batch-size", "0"], capsys)
-    assert "--seed must be in [0, 2^63)" in _bad(TINY + ["--seed", str(10**23)], capsys)
-    assert "is a directory" in _bad(TINY + ["--json", str(tmp_path)], capsys)
-    assert "is a directory" in _bad(TINY + ["--prompts", str(tmp_path)], capsys)
+    assert "temperature must be > 0" in bad_cli(TINY + ["--temperature", "0"], capsys)
+    assert "top_p must be in (0, 1]" in bad_cli(TINY + ["--top-p", "2"], capsys)
+    assert "--batch-size must be at least 1" in bad_cli(TINY + ["--batch-size", "0"], capsys)
+    assert "--seed must be in [0, 2^63)" in bad_cli(TINY + ["--seed", str(10**23)], capsys)
+    assert "is a directory" in bad_cli(TINY + ["--json", str(tmp_path)], capsys)
+    assert "is a directory" in bad_cli(TINY + ["--prompts", str(tmp_path)], capsys)
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9\n".encode("latin-1"))
-    assert "is not UTF-8" in _bad(TINY + ["--prompts", str(latin)], capsys)
-    assert "0 < INIT_STD <= 1" in _bad(["diagnose", "--model", "tiny-random:0:20"], capsys)
+    assert "is not UTF-8" in bad_cli(TINY + ["--prompts", str(latin)], capsys)
+    assert "0 < INIT_STD <= 1" in bad_cli(["diagnose", "--model", "tiny-random:0:20"], capsys)
     broken = tmp_path / "model"
     broken.mkdir()
     (broken / "config.json").write_text("[]")
-    assert "cannot load model" in _bad(["diagnose", "--model", str(broken)], capsys)
+    assert "cannot load model" in bad_cli(["diagnose", "--model", str(broken)], capsys)
 
 
 def test_bom_jsonl_prompts_and_positions(tmp_path):

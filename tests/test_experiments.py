@@ -2,6 +2,8 @@ import json
 
 import pytest
 
+from conftest import bad_cli
+
 from phantomclip.cli import _split_run_names, main
 from phantomclip.experiments import SANITY_INTERVENTIONS, sanity_runs, summarize
 from phantomclip.trainer import TrainConfig, TrainConfigError
@@ -49,23 +51,15 @@ def test_experiment_sanity_on_tiny_runs_and_continues(tmp_path, capsys):
     assert len((tmp_path / "none" / "metrics.jsonl").read_text().splitlines()) == 4  # a bigger budget resumes
 
 
-def _bad(args, capsys):
-    code = main(args)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    return err
-
-
 def test_train_bad_inputs_exit_2(tmp_path, capsys):
-    assert "unknown task 'nope'" in _bad(["train", *TINY, "--task", "nope", "--out", str(tmp_path / "a")], capsys)
-    assert "--staleness must be >= 0" in _bad(["train", "--staleness", "-1"], capsys)
-    assert "--group-size must be >= 2" in _bad(["train", "--group-size", "1"], capsys)
-    assert "unknown intervention" in _bad(["train", "--intervention", "magic"], capsys)
-    assert "cannot import nosuchmodule" in _bad(["train", *TINY, "--reward", "nosuchmodule:f", "--out", str(tmp_path / "b")], capsys)
-    assert "write it as module:function" in _bad(["train", *TINY, "--reward", "justaname", "--out", str(tmp_path / "c")], capsys)
+    assert "unknown task 'nope'" in bad_cli(["train", *TINY, "--task", "nope", "--out", str(tmp_path / "a")], capsys)
+    assert "--staleness must be >= 0" in bad_cli(["train", "--staleness", "-1"], capsys)
+    assert "--group-size must be >= 2" in bad_cli(["train", "--group-size", "1"], capsys)
+    assert "unknown intervention" in bad_cli(["train", "--intervention", "magic"], capsys)
+    assert "cannot import nosuchmodule" in bad_cli(["train", *TINY, "--reward", "nosuchmodule:f", "--out", str(tmp_path / "b")], capsys)
+    assert "write it as module:function" in bad_cli(["train", *TINY, "--reward", "justaname", "--out", str(tmp_path / "c")], capsys)
     assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")]) == 0
     capsys.readouterr()
-    assert "lr: 0.003 -> 0.001" in _bad(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2", "--out", str(tmp_path / "r"), "--resume"], capsys)
-    assert "already holds a run" in _bad(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
-    assert "holds no run to resume" in _bad(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
+    assert "lr: 0.003 -> 0.001" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2", "--out", str(tmp_path / "r"), "--resume"], capsys)
+    assert "already holds a run" in bad_cli(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
+    assert "holds no run to resume" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)

@@ -63,3 +63,15 @@ def test_train_bad_inputs_exit_2(tmp_path, capsys):
     assert "lr: 0.003 -> 0.001" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2", "--out", str(tmp_path / "r"), "--resume"], capsys)
     assert "already holds a run" in bad_cli(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
     assert "holds no run to resume" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
+
+
+def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
+    from phantomclip.experiments import run_sanity
+
+    base = TrainConfig(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3, steps=40, stop_after_converged=3)
+    rows = run_sanity(base, tmp_path, only=["force-r1"])
+    r = rows[0]
+    assert r["converged"] and r["steps_run"] == r["steps_to_converge"] + 2 < 40  # converged on 3 steps in a row
+    before = (tmp_path / "force-r1" / "metrics.jsonl").read_text()
+    run_sanity(base, tmp_path, only=["force-r1"])  # finished early counts as finished: nothing is rerun
+    assert (tmp_path / "force-r1" / "metrics.jsonl").read_text() == before

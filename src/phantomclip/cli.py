@@ -1,9 +1,10 @@
-"""Command line: `phantomclip diagnose | train | experiment sanity`. Bad input exits with status 2 and one line, never a traceback."""
+"""Command line: `phantomclip diagnose | train | experiment sanity | trace`. Bad input exits with status 2 and one line, never a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .recipes import RECIPES
 
@@ -75,8 +76,9 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One --flag per dataclass field, typed from its default, with the field's docstring as help."""
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+    """One --flag per dataclass field, typed from its default, with the field's docstring as help.
+    `defaults` overrides some fields' defaults for this command."""
     import dataclasses
 
     docs = field_docs(cls)
@@ -84,7 +86,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default = (defaults or {}).get(f.name, f.default)
         help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
@@ -152,7 +154,9 @@ def _experiment_parser(sub) -> None:
         description="Runs the baseline (trainer/engine precision as given) and each intervention, then an ε sweep for "
         "the baseline and match-bf16, and prints a comparison table (also summary.md / summary.json in --out).",
     )
-    add_config_args(s, TrainConfig, skip=("intervention",))
+    from .experiments import SANITY_DEFAULTS
+
+    add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS)
     s.add_argument("--out", default="runs/sanity", help="experiment directory (default: runs/sanity); rerun to continue")
     s.add_argument("--only", default=None, help="comma-separated run names to run (default: all)")
 
@@ -183,12 +187,45 @@ def _split_run_names(text: str) -> list[str]:
     return names
 
 
+def _trace_parser(sub) -> None:
+    from .trace import TraceConfig
+
+    p = sub.add_parser("trace", help="where β is born: error along depth, first-order link, weights vs compute, what-if recipes",
+                       description="Run a recipe and a reference on the same tokens with forward hooks and report where their "
+                       "outputs diverge, how logit errors become log-prob errors, and which modules kept in fp32 remove most of β.")
+    add_config_args(p, TraceConfig)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
+
+
+def _run_trace(args) -> int:
+    import json as jsonlib
+
+    from rich.console import Console
+
+    from .diagnose import check_output_path
+    from .runs import atomic_write_bytes
+    from .trace import TraceConfig, render, run_trace
+
+    cfg = _config_from_args(TraceConfig, args)
+    cfg.validate()
+    if args.json:
+        check_output_path(args.json)
+    result = run_trace(cfg, console=Console(stderr=True))
+    render(result, Console())
+    if args.json:
+        clean = jsonlib.loads(jsonlib.dumps(result), parse_constant=lambda c: None)  # NaN/Infinity -> null
+        atomic_write_bytes(Path(args.json), jsonlib.dumps(clean, indent=1).encode())
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
     _diagnose_parser(sub)
     _train_parser(sub)
     _experiment_parser(sub)
+    _trace_parser(sub)
     args = parser.parse_args(argv)
     # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
     from .diagnose import ConfigError
@@ -197,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     from .recipes import RecipeError
     from .runs import RunError
     from .tasks import TaskError
+    from .trace import TraceError
     from .trainer import TrainConfigError
 
-    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment}
+    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace}
     try:
         return commands[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError) as e:
+    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError) as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

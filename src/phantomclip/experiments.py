@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .runs import RunDir, atomic_write_bytes
-from .trainer import TrainConfig, TrainConfigError, train
+from .trainer import TrainConfig, TrainConfigError, finished_early, train
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",
@@ -21,6 +21,9 @@ SANITY_INTERVENTIONS = (
 )
 EPSILON_SWEEP = (0.05, 0.1, 0.2, 0.3)
 SWEPT = ("none", "match-bf16")
+SANITY_DEFAULTS = {"steps": 30, "stop_after_converged": 3}
+"""The sanity budget: 30 steps (force-r1 takes the bundled model from 32 tokens to about 1 in that many), and a
+run stops 3 steps after it converged, so the 18 runs fit in under 90 minutes on 2 cores."""
 PHANTOM_WINDOW = 5
 """phantom-clip rate is averaged over the first steps, where α is still small (the analysis's window)."""
 
@@ -77,7 +80,7 @@ def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None
         done = RunDir(path).metrics() if (path / "config.json").exists() else []
         if console is not None:
             console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {name}" + (f" (continuing at step {len(done)})" if done else ""))
-        if len(done) < cfg.steps:
+        if len(done) < cfg.steps and not finished_early(done, cfg.stop_after_converged):
             done = train(cfg, out=path, resume=(path / "config.json").exists(), console=console).metrics
         rows.append(summarize(name, done, cfg.steps))
     write_summary(rows, base, out)

@@ -110,8 +110,44 @@ def lm_head(model: nn.Module) -> nn.Module:
     return head
 
 
-MODULE_ROLES = {"lm_head": lm_head, "final_norm": _final_norm}
-"""Role name -> function finding that module in a Hugging Face causal LM."""
+def _all_norms(model: nn.Module) -> list[nn.Module]:
+    """Every normalisation layer (RMSNorm / LayerNorm by class name), the final norm included."""
+    return [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm", "Norm")) and list(m.parameters(recurse=False))]
+
+
+MODULE_ROLES = {
+    "lm_head": lambda m: [lm_head(m)],
+    "final_norm": lambda m: [_final_norm(m)],
+    "norm": _all_norms,
+}
+"""Role name -> function finding those modules in a Hugging Face causal LM (a recipe keeps them in fp32)."""
+ATTENTION_FP32 = "attention_softmax"
+"""A role that is not a module: attention scores, softmax and the weighted sum computed in fp32."""
+
+
+def _cast_output_hook(dtype: torch.dtype):
+    def hook(module, args, output):
+        return output.to(dtype) if isinstance(output, torch.Tensor) else output
+
+    return hook
+
+
+@functools.cache
+def _fp32_attention_name() -> str:
+    """Register (once) an attention function that runs PyTorch's SDPA on fp32 copies of q, k, v."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fp32_sdpa(module, query, key, value, attention_mask, **kwargs):
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kwargs)
+        return out.to(query.dtype), weights
+
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("phantomclip_fp32_sdpa", fp32_sdpa)
+    AttentionMaskInterface.register("phantomclip_fp32_sdpa", sdpa_mask)  # the same causal/padding mask as sdpa
+    return "phantomclip_fp32_sdpa"
 
 
 def _cast_inputs_pre_hook(dtype: torch.dtype):
@@ -163,8 +199,9 @@ def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         self._pc_w32 = self.weight.detach().to(low).float()
         self._pc_b32 = None if self.bias is None else self.bias.detach().to(low).float()
         self._pc_key = key
+    exact = getattr(self, "_pc_exact_weight", None)  # trace's compute-only split: unrounded fp32 weights
     with torch.autocast(device, enabled=False):
-        out = F.linear(x.to(low).float(), self._pc_w32, self._pc_b32)  # [..., out] fp32, exact products
+        out = F.linear(x.to(low).float(), self._pc_w32 if exact is None else exact, self._pc_b32)  # [..., out] fp32
     return out.to(low)
 
 
@@ -188,8 +225,8 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
     model = copy.deepcopy(master)
     if recipe.fp32_modules:
         for role in recipe.fp32_modules:
-            if role not in MODULE_ROLES:
-                raise RecipeError(f"unknown module role {role!r}: use one of {', '.join(MODULE_ROLES)}")
+            if role not in MODULE_ROLES and role != ATTENTION_FP32:
+                raise RecipeError(f"unknown module role {role!r}: use one of {', '.join([*MODULE_ROLES, ATTENTION_FP32])}")
         head = lm_head(model)
         if "lm_head" in recipe.fp32_modules and head.weight is model.get_input_embeddings().weight:
             # Tied embeddings: give the head its own fp32 copy so the embedding can go to bf16 alone.
@@ -202,14 +239,24 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
         src = master_buffers.get(name)
         if src is not None and src.is_floating_point():
             _set_buffer(model, name, src.clone())
+    kept: dict[int, tuple[nn.Module, nn.Module]] = {}  # a module named by two roles is kept once
     for role in recipe.fp32_modules:
-        mod = MODULE_ROLES[role](model)
+        if role == ATTENTION_FP32:
+            model.set_attn_implementation(_fp32_attention_name())
+        else:
+            kept.update({id(m): (m, src) for m, src in zip(MODULE_ROLES[role](model), MODULE_ROLES[role](master))})
+    if kept:
+        head, final = lm_head(model), _final_norm(model)
+        feeds_fp32_head = id(head) in kept
+    for mod, src in kept.values():
         # Copy fp32 master values back (the .to() above rounded them) and feed the module fp32 inputs.
-        src = MODULE_ROLES[role](master)
         mod.to(torch.float32)
         for p, p_master in zip(mod.parameters(), src.parameters()):
             p.copy_(p_master)
         mod.register_forward_pre_hook(_cast_inputs_pre_hook(torch.float32), with_kwargs=True)
+        if mod is not head and not (mod is final and feeds_fp32_head):
+            # A module inside the low-precision body hands its fp32-computed output back in the compute dtype.
+            mod.register_forward_hook(_cast_output_hook(recipe.compute_dtype))
     if resolve_matmul(matmul, next(model.parameters()).device) == "emulated":
         use_emulated_matmul(model)
     return model.eval()

@@ -94,6 +94,8 @@ class TrainConfig:
     """cap C of the truncate / mask rollout corrections."""
     seed: int = 0
     """seeds prompt choice and sampling: a run is deterministic for a seed."""
+    stop_after_converged: int = 0
+    """stop once the task has counted as converged for this many consecutive steps (0: always run --steps)."""
     checkpoint_every: int = 10
     """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
     samples_per_step: int = 2
@@ -113,6 +115,7 @@ class TrainConfig:
             (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
+            (self.stop_after_converged >= 0, f"--stop-after-converged must be >= 0, got {self.stop_after_converged}"),
             (self.epsilon > 0, f"--epsilon must be > 0, got {self.epsilon}"),
             (self.epsilon_high is None or self.epsilon_high > 0, f"--epsilon-high must be > 0, got {self.epsilon_high}"),
             (self.loss_type in AGGREGATIONS, f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
@@ -481,19 +484,27 @@ def train(
                 row.update({"task/converged": bool(task.converged(row)), "time/wait_s": t_wait, "time/step_s": time.perf_counter() - t0})
                 metrics.append(row)
                 done = k + 1
+                solved = finished_early(metrics, cfg.stop_after_converged)
                 if run:
                     run.log_metrics(row)
                     run.log_samples(_samples(batch, row, lm.tokenizer, cfg.samples_per_step))
-                    if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop_requested.flag:
+                    if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop_requested.flag or solved:
                         _save(run, done, master, optimizer, scaler, snapshots, cfg.staleness)
                 progress.advance(row)
                 if on_step:
                     on_step(row)
                 if stop_requested.flag:
                     return TrainResult(metrics, run.path if run else None, interrupted=True)
+                if solved:
+                    break
     finally:
         producer.close()
     return TrainResult(metrics, run.path if run else None)
+
+
+def finished_early(metrics: list[dict], patience: int) -> bool:
+    """True once the last `patience` steps all counted as converged (never when patience is 0)."""
+    return patience > 0 and len(metrics) >= patience and all(r["task/converged"] for r in metrics[-patience:])
 
 
 def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, group_size: int) -> torch.Tensor:

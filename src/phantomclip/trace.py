@@ -1,0 +1,391 @@
+"""Where β is born: the error of a precision recipe against a reference, module by module along the depth, how a
+logit error becomes a log-prob error, how much of β rounding the weights alone causes, and which modules kept in
+fp32 remove most of it.
+
+All comparisons run the recipe and the reference on the same tokens (completions sampled once by an fp32 engine).
+Activations are reduced to statistics as they are produced: the batch runs in sub-batches, the reference's
+outputs of one sub-batch are held until the recipe's forward of that sub-batch has consumed them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from .engine import LocalEngine, SamplingParams
+from .metrics import trust_region_split
+from .recipes import ATTENTION_FP32, Recipe, _final_norm, apply_recipe, decoder_body, forward_context, get_recipe, lm_head
+from .scoring import position_ids_from_mask, score
+
+KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32, "all": "all"}
+"""--keep-fp32 names -> recipe module roles ('all': the whole model in fp32, a check that β then vanishes)."""
+PROB_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
+"""edges of the reference-probability buckets for the first-order analysis."""
+
+
+class TraceError(ValueError):
+    """Bad trace input: unknown module name, recipe, or a model whose layers cannot be found."""
+
+
+@dataclass
+class TraceConfig:
+    """One `phantomclip trace` run."""
+
+    model: str = "smollm2-135m"
+    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', a model directory or a hub id."""
+    recipe: str = "bf16"
+    """the precision recipe to trace (fp32, bf16, fp16, bf16-autocast, fp32-head)."""
+    against: str = "fp32"
+    """the reference recipe."""
+    keep_fp32: str = ""
+    """comma-separated modules the traced recipe keeps in fp32: lm_head, norm, final-norm, attention-softmax."""
+    n: int = 8
+    """prompts (one completion each)."""
+    max_tokens: int = 32
+    """completion tokens per prompt."""
+    seed: int = 0
+    """sampling seed."""
+    sub_batch: int = 2
+    """sequences per forward pass (bounds the memory of held reference activations)."""
+    what_if: bool = True
+    """also rank the keep-fp32 options by gain per extra memory."""
+    epsilon: float = 0.2
+    """trust region for the share of tokens outside it."""
+    matmul: str = "auto"
+    """low-precision matmul kernels: auto, native or emulated."""
+
+    def keep_roles(self) -> tuple[str, ...]:
+        names = [k.strip() for k in self.keep_fp32.split(",") if k.strip()]
+        unknown = [k for k in names if k not in KEEP_FP32]
+        if unknown:
+            raise TraceError(f"--keep-fp32: unknown module {', '.join(unknown)}; valid names: {', '.join(KEEP_FP32)}")
+        return tuple(KEEP_FP32[k] for k in names)
+
+    def validate(self) -> None:
+        self.keep_roles()
+        for flag, name in (("--recipe", self.recipe), ("--against", self.against)):
+            try:
+                get_recipe(name)
+            except ValueError as e:
+                raise TraceError(f"{flag}: {e}") from None
+        for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--sub-batch", self.sub_batch)):
+            if value < 1:
+                raise TraceError(f"{flag} must be at least 1, got {value}")
+        if not 0 < self.epsilon < 1:
+            raise TraceError(f"--epsilon must be in (0, 1), got {self.epsilon}")
+
+
+def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:
+    """`recipe` with extra modules kept in fp32."""
+    if not roles:
+        return recipe
+    if "all" in roles:
+        return Recipe(f"{recipe.name}+fp32:all", torch.float32)
+    merged = tuple(dict.fromkeys((*recipe.fp32_modules, *roles)))
+    return Recipe(f"{recipe.name}+fp32:{','.join(roles)}", recipe.weight_dtype, recipe.autocast_dtype, merged)
+
+
+# ------------------------------------------------------------------------------------------ sites and hooks
+
+
+def trace_sites(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
+    """(name, depth, module) of every traced output, in forward order; depth = layer index, −1 before, L after."""
+    body = decoder_body(model)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise TraceError(f"cannot find the decoder layers of {type(model).__name__}: expected a ModuleList `layers` under "
+                         f"its body {type(body).__name__} (the module tree root is {type(model).__name__})")
+    sites = [("embed", -1, model.get_input_embeddings())]
+    for i, layer in enumerate(layers):
+        for sub in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            if isinstance(getattr(layer, sub, None), nn.Module):
+                sites.append((f"layers.{i}.{sub}", i, getattr(layer, sub)))
+        sites.append((f"layers.{i}.residual", i, layer))
+    sites += [("final_norm", len(layers), _final_norm(model)), ("logits", len(layers), lm_head(model))]
+    return sites
+
+
+class _ErrorStats:
+    """Running sums for one site: ‖x − x_ref‖², ‖x_ref‖², max |x − x_ref|, max |x_ref|, Σ|x_ref|, count."""
+
+    def __init__(self):
+        self.sq_diff = self.sq_ref = self.abs_ref = 0.0
+        self.max_diff = self.max_ref = 0.0
+        self.count = 0
+
+    def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
+        d, r = (x.double() - ref.double()), ref.double()  # [N, H]
+        self.sq_diff += d.square().sum().item()
+        self.sq_ref += r.square().sum().item()
+        self.abs_ref += r.abs().sum().item()
+        self.max_diff = max(self.max_diff, d.abs().max().item() if d.numel() else 0.0)
+        self.max_ref = max(self.max_ref, r.abs().max().item() if r.numel() else 0.0)
+        self.count += r.numel()
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "rel_error": math.sqrt(self.sq_diff / self.sq_ref) if self.sq_ref > 0 else 0.0,
+            "max_abs_error": self.max_diff,
+            "ref_rms": math.sqrt(self.sq_ref / max(self.count, 1)),
+            "ref_max_abs": self.max_ref,
+        }
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _Hooks:
+    """Forward hooks on the same sites of two models. The reference's outputs are held; each output of the traced
+    model is reduced against the held one at once and the held one is dropped."""
+
+    def __init__(self, model: nn.Module, ref_model: nn.Module, stats: dict[str, _ErrorStats]):
+        self.stats, self.held = stats, {}
+        self.mask: torch.Tensor | None = None  # [b, T] real tokens of the current sub-batch
+        self.handles = [m.register_forward_hook(self._hook(name, store=True)) for name, _, m in trace_sites(ref_model)]
+        self.handles += [m.register_forward_hook(self._hook(name, store=False)) for name, _, m in trace_sites(model)]
+
+    def _hook(self, name: str, store: bool):
+        def hook(module, args, output):
+            x = _first_tensor(output).detach()[self.mask]  # [N, H]: real tokens only
+            if store:
+                self.held[name] = x.float()
+            else:
+                self.stats[name].add(x, self.held.pop(name))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _logits(model: nn.Module, recipe: Recipe, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), forward_context(recipe, ids.device):
+        return model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False).logits
+
+
+# ------------------------------------------------------------------------------------------ analyses
+
+
+def first_order_logprob_change(z: torch.Tensor, z_ref: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Exact and first-order change of log p(target) when logits move from z_ref to z ([N, V], float64 inside).
+
+    log p_y = z_y − logsumexp(z), so d log p_y = dz_y − Σ_i p_i dz_i: a common shift of all logits cancels, and
+    for a confident token (p_y ≈ 1) the two terms nearly cancel too, while a rare token keeps its own dz_y
+    against the average dz of the likely ones. Returns [N] tensors: exact, first_order, dz_target,
+    dz_expected (Σ p_ref dz), p_ref.
+    """
+    z, z_ref = z.double(), z_ref.double()
+    dz = z - z_ref  # [N, V]
+    logp_ref_all = torch.log_softmax(z_ref, -1)
+    p_ref = logp_ref_all.exp()
+    dz_y = dz.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    dz_expected = (p_ref * dz).sum(-1)  # [N]
+    exact = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1) - logp_ref_all.gather(-1, targets[:, None]).squeeze(-1)
+    return {"exact": exact, "first_order": dz_y - dz_expected, "dz_target": dz_y, "dz_expected": dz_expected,
+            "p_ref": p_ref.gather(-1, targets[:, None]).squeeze(-1)}
+
+
+def _beta_summary(beta: torch.Tensor, eps: float) -> dict[str, float]:
+    below, above = trust_region_split(beta.double(), eps, eps)
+    return {"beta_abs_mean": beta.abs().mean().item(), "beta_mean": beta.mean().item(),
+            "outside_trust_region": (below | above).double().mean().item()}
+
+
+def _rounded_weights_model(master: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """fp32 arithmetic on weights rounded to `dtype` (the weights-only part of the gap)."""
+    model = copy.deepcopy(master)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    return model.eval()
+
+
+def _exact_weights_model(master: nn.Module, recipe: Recipe) -> nn.Module:
+    """The recipe's arithmetic (emulated) with every Linear multiplying by the unrounded fp32 weights."""
+    model = apply_recipe(master, recipe, matmul="emulated")
+    masters = dict(master.named_modules())
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            mod._pc_exact_weight = masters[name].weight.detach().float()
+    return model
+
+
+def _logp(model: nn.Module, recipe: Recipe, packed: dict) -> torch.Tensor:
+    s = score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], entropy=False)
+    return s.logp[s.mask]  # [N]
+
+
+def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> float:
+    """Extra memory of keeping `roles` in fp32 instead of `low`: their parameter count x (4 − bytes of low)."""
+    from .recipes import MODULE_ROLES
+
+    seen, n = set(), 0
+    finders = {**MODULE_ROLES, "all": lambda m: [m]}
+    for role in roles:
+        for m in finders.get(role, lambda _: [])(model):
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+    return n * (4 - torch.finfo(low).bits // 8) / 2**20
+
+
+def run_trace(cfg: TraceConfig, console=None) -> dict:
+    from .diagnose import stop_token_ids
+    from .models import load_model
+    from .prompts import bundled_prompts, encode_prompts
+
+    cfg.validate()
+    say = console.print if console is not None else (lambda *a, **k: None)
+    lm = load_model(cfg.model)
+    master = lm.model.float().eval()
+    sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
+    recipe = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles())
+    reference = get_recipe(cfg.against)
+    prompts = encode_prompts(lm.tokenizer, bundled_prompts()[: cfg.n])
+    say(f"sampling {cfg.n} completions of up to {cfg.max_tokens} tokens (fp32 engine)")
+    rollout = LocalEngine(master, torch.float32).generate(
+        prompts, SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed, stop_token_ids=stop_token_ids(lm)))
+    packed = rollout.pack(stop_token_ids(lm)[0] if stop_token_ids(lm) else 0)
+    model, ref_model = apply_recipe(master, recipe, cfg.matmul), apply_recipe(master, reference, cfg.matmul)
+
+    # 1 + 2. Errors along depth and the logit -> log-prob link, sub-batch by sub-batch.
+    stats = {name: _ErrorStats() for name, _, _ in sites}
+    stats["logprobs"] = _ErrorStats()
+    hooks = _Hooks(model, ref_model, stats)
+    parts: dict[str, list[torch.Tensor]] = {}
+    t_traced = 0.0
+    for s in range(0, packed["input_ids"].shape[0], cfg.sub_batch):
+        ids, attn = packed["input_ids"][s : s + cfg.sub_batch], packed["attention_mask"][s : s + cfg.sub_batch]
+        comp = packed["completion_mask"][s : s + cfg.sub_batch]
+        hooks.mask = attn.bool()
+        z_ref = _logits(ref_model, reference, ids, attn)  # [b, T, V]
+        t0 = time.perf_counter()
+        z = _logits(model, recipe, ids, attn)
+        t_traced += time.perf_counter() - t0
+        pred = torch.zeros_like(comp)
+        pred[:, :-1] = comp[:, 1:]  # logits at t-1 predict completion token t
+        fo = first_order_logprob_change(z[pred], z_ref[pred], ids[comp])
+        logp_ref = torch.log_softmax(z_ref[pred].double(), -1).gather(-1, ids[comp][:, None])  # [n, 1]
+        stats["logprobs"].add(logp_ref + fo["exact"][:, None], logp_ref)
+        for k, v in fo.items():
+            parts.setdefault(k, []).append(v)
+    hooks.remove()
+    fo = {k: torch.cat(v) for k, v in parts.items()}  # [N] each
+    beta = fo["exact"]
+    t0 = time.perf_counter()
+    for s in range(0, packed["input_ids"].shape[0], cfg.sub_batch):  # the same forwards without hooks
+        _logits(model, recipe, packed["input_ids"][s : s + cfg.sub_batch], packed["attention_mask"][s : s + cfg.sub_batch])
+    t_plain = time.perf_counter() - t0
+
+    depth_of = {name: d for name, d, _ in sites} | {"logprobs": sites[-1][1]}
+    layer_rows = [{"site": name, "depth": depth_of[name], **st.summary()} for name, st in stats.items()]
+    residual = (beta - fo["first_order"]).abs().sum() / beta.abs().sum().clamp_min(1e-30)
+    buckets = []
+    for lo, hi in zip(PROB_BUCKETS, PROB_BUCKETS[1:]):
+        m = (fo["p_ref"] >= lo) & (fo["p_ref"] < hi) if hi < 1 else (fo["p_ref"] >= lo)
+        if m.any():
+            buckets.append({"p_low": lo, "p_high": hi, "tokens": int(m.sum()), "beta_abs_mean": beta[m].abs().mean().item(),
+                            "dz_target_abs_mean": fo["dz_target"][m].abs().mean().item(),
+                            "dz_expected_abs_mean": fo["dz_expected"][m].abs().mean().item(),
+                            "first_order_abs_mean": fo["first_order"][m].abs().mean().item()})
+    result = {
+        "config": asdict(cfg), "recipe": recipe.name, "against": reference.name, "tokens": int(beta.numel()),
+        "sites": layer_rows,
+        "beta": _beta_summary(beta, cfg.epsilon),
+        "first_order": {"explained_share": 1 - residual.item(),
+                        "corr": torch.corrcoef(torch.stack([beta, fo["first_order"]]))[0, 1].item() if beta.numel() > 1 else float("nan"),
+                        "buckets": buckets},
+        "hook_overhead": t_traced / t_plain - 1 if t_plain > 0 else float("nan"),
+    }
+
+    # 3. Weights vs compute.
+    if reference.weight_dtype == torch.float32 and not reference.autocast_dtype and recipe.compute_dtype != torch.float32:
+        say("splitting β into weights and compute")
+        logp_ref = _logp(ref_model, reference, packed)
+        logp_w = _logp(_rounded_weights_model(master, recipe.weight_dtype), reference, packed)
+        logp_c = _logp(_exact_weights_model(master, recipe), recipe, packed)
+        logp_all = _logp(apply_recipe(master, recipe, "emulated"), recipe, packed)
+        beta_w, beta_c, beta_all = logp_w - logp_ref, logp_c - logp_ref, logp_all - logp_ref
+        rms = lambda b: b.double().square().mean().sqrt().item()  # noqa: E731
+        # The two parts are rounding noise from different places: they add in quadrature (independent errors),
+        # not token by token (rounding the weights changes which activations round which way).
+        result["split"] = {
+            "weights_only": {**_beta_summary(beta_w, cfg.epsilon), "rms": rms(beta_w)},
+            "compute_only": {**_beta_summary(beta_c, cfg.epsilon), "rms": rms(beta_c)},
+            "whole": {**_beta_summary(beta_all, cfg.epsilon), "rms": rms(beta_all)},
+            "weights_share_of_variance": rms(beta_w) ** 2 / max(rms(beta_w) ** 2 + rms(beta_c) ** 2, 1e-300),
+            "quadrature_ratio": math.hypot(rms(beta_w), rms(beta_c)) / max(rms(beta_all), 1e-300),
+            "tokenwise_residual": ((beta_w + beta_c - beta_all).abs().mean() / beta_all.abs().mean().clamp_min(1e-30)).item(),
+        }
+
+    # 4. What-if: each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB.
+    if cfg.what_if:
+        say("what-if recipes")
+        logp_ref = _logp(ref_model, reference, packed)
+        base = get_recipe(cfg.recipe)
+        single = [v for v in KEEP_FP32.values() if v != "all"]
+        options = [(k,) for k in single] + [tuple(single), ("all",)]
+        rows = []
+        for roles in [()] + options:
+            r = with_fp32(base, roles)
+            m = apply_recipe(master, r, cfg.matmul)
+            t0 = time.perf_counter()
+            lp = _logp(m, r, packed)
+            rows.append({"keep_fp32": [k for k, v in KEEP_FP32.items() if v in roles] or ["(none)"],
+                         **_beta_summary(lp - logp_ref, cfg.epsilon), "forward_s": time.perf_counter() - t0,
+                         "extra_mib": _param_mib(roles, master, base.weight_dtype)})
+        plain = rows[0]
+        for row in rows:
+            row["gain"] = plain["beta_abs_mean"] - row["beta_abs_mean"]
+            row["gain_per_mib"] = row["gain"] / row["extra_mib"] if row["extra_mib"] > 0 else float("nan")
+        result["what_if"] = [plain] + sorted(rows[1:], key=lambda r: -(r["gain_per_mib"] if r["extra_mib"] > 0 else r["gain"] * 1e6))
+    return result
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def render(result: dict, console) -> None:
+    from rich import box
+    from rich.table import Table
+
+    console.print(f"[bold]phantomclip trace[/bold]: {result['recipe']} against {result['against']}, {result['tokens']} completion tokens")
+    t = Table(title="error along depth (‖x − x_ref‖ / ‖x_ref‖ over real tokens)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("site", "rel error", "max |Δ|", "ref RMS", "ref max |x|"):
+        t.add_column(col, justify="left" if col == "site" else "right")
+    for r in result["sites"]:
+        t.add_row(r["site"], f"{r['rel_error']:.2e}", f"{r['max_abs_error']:.3g}", f"{r['ref_rms']:.3g}", f"{r['ref_max_abs']:.3g}")
+    console.print(t)
+    b, fo = result["beta"], result["first_order"]
+    console.print(f"β = Δlog p: mean {b['beta_mean']:+.4f}, mean |β| {b['beta_abs_mean']:.4f}, outside the trust region "
+                  f"{100 * b['outside_trust_region']:.2f}%. First order Δz_y − Σ p_i Δz_i explains {100 * fo['explained_share']:.1f}% "
+                  f"of Σ|β| (correlation {fo['corr']:.4f}).")
+    t = Table(title="by the reference probability of the token", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("p", "tokens", "mean |β|", "mean |Δz_y|", "mean |Σ p Δz|", "mean |first order|"):
+        t.add_column(col, justify="right")
+    for r in fo["buckets"]:
+        t.add_row(f"[{r['p_low']:g}, {r['p_high']:g})", str(r["tokens"]), f"{r['beta_abs_mean']:.4f}", f"{r['dz_target_abs_mean']:.4f}",
+                  f"{r['dz_expected_abs_mean']:.4f}", f"{r['first_order_abs_mean']:.4f}")
+    console.print(t)
+    if "split" in result:
+        sp = result["split"]
+        console.print(f"weights vs compute: rounding the weights alone (fp32 arithmetic) gives mean |β| {sp['weights_only']['beta_abs_mean']:.4f}; "
+                      f"the recipe's arithmetic on unrounded weights {sp['compute_only']['beta_abs_mean']:.4f}; both {sp['whole']['beta_abs_mean']:.4f}. "
+                      f"Weights carry {100 * sp['weights_share_of_variance']:.0f}% of the variance (the parts add in quadrature: "
+                      f"ratio {sp['quadrature_ratio']:.2f}).")
+    if "what_if" in result:
+        t = Table(title="what-if: keep modules in fp32 (ranked by gain per extra MiB)", title_justify="left", box=box.SIMPLE_HEAD)
+        for col in ("keep fp32", "mean |β|", "outside %", "gain", "extra MiB", "forward s"):
+            t.add_column(col, justify="left" if col == "keep fp32" else "right")
+        for r in result["what_if"]:
+            t.add_row(",".join(r["keep_fp32"]), f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
+                      f"{r['gain']:+.4f}", f"{r['extra_mib']:.2f}", f"{r['forward_s']:.2f}")
+        console.print(t)

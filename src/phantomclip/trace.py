@@ -19,7 +19,9 @@ from torch import nn
 
 from .engine import LocalEngine, SamplingParams
 from .metrics import trust_region_split
-from .recipes import ATTENTION_FP32, Recipe, _final_norm, apply_recipe, decoder_body, forward_context, get_recipe, lm_head
+from .recipes import (
+    ATTENTION_FP32, Recipe, _final_norm, apply_recipe, decoder_body, forward_context, get_recipe, lm_head, resolve_matmul,
+)
 from .scoring import position_ids_from_mask, score
 
 KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32, "all": "all"}
@@ -306,13 +308,15 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
         "hook_overhead": t_traced / t_plain - 1 if t_plain > 0 else float("nan"),
     }
 
+    logp_ref = _logp(ref_model, reference, packed)  # [N], shared by the split and the what-if table
+    emulated = resolve_matmul(cfg.matmul) == "emulated"
+
     # 3. Weights vs compute.
     if reference.weight_dtype == torch.float32 and not reference.autocast_dtype and recipe.compute_dtype != torch.float32:
         say("splitting β into weights and compute")
-        logp_ref = _logp(ref_model, reference, packed)
         logp_w = _logp(_rounded_weights_model(master, recipe.weight_dtype), reference, packed)
         logp_c = _logp(_exact_weights_model(master, recipe), recipe, packed)
-        logp_all = _logp(apply_recipe(master, recipe, "emulated"), recipe, packed)
+        logp_all = _logp(model if emulated else apply_recipe(master, recipe, "emulated"), recipe, packed)
         beta_w, beta_c, beta_all = logp_w - logp_ref, logp_c - logp_ref, logp_all - logp_ref
         rms = lambda b: b.double().square().mean().sqrt().item()  # noqa: E731
         # The two parts are rounding noise from different places: they add in quadrature (independent errors),
@@ -329,14 +333,13 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     # 4. What-if: each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB.
     if cfg.what_if:
         say("what-if recipes")
-        logp_ref = _logp(ref_model, reference, packed)
         base = get_recipe(cfg.recipe)
         single = [v for v in KEEP_FP32.values() if v != "all"]
         options = [(k,) for k in single] + [tuple(single), ("all",)]
         rows = []
         for roles in [()] + options:
             r = with_fp32(base, roles)
-            m = apply_recipe(master, r, cfg.matmul)
+            m = model if r == recipe else apply_recipe(master, r, cfg.matmul)  # the traced model, hooks removed
             t0 = time.perf_counter()
             lp = _logp(m, r, packed)
             rows.append({"keep_fp32": [k for k, v in KEEP_FP32.items() if v in roles] or ["(none)"],

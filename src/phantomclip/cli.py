@@ -1,4 +1,4 @@
-"""Command line: `phantomclip diagnose | train | experiment sanity | trace`. Bad input exits with status 2 and one line, never a traceback."""
+"""Command line: `phantomclip diagnose | train | experiment sanity | trace | report`. Bad input exits with status 2 and one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -219,6 +219,41 @@ def _run_trace(args) -> int:
     return 0
 
 
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="an interactive, offline HTML article built from your measurements",
+                       description="Build report/index.html from diagnose JSON files, trace JSON files, run directories and "
+                       "experiment directories (searched recursively). With --serve, build from the bundled demo data "
+                       "(or --from) and serve it on http://127.0.0.1:PORT.")
+    p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="PATH", help="files or directories to read (default with --serve: the bundled demo data)")
+    p.add_argument("--out", default=None, help="output directory (default: report/; a temporary directory with --serve)")
+    p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="port for --serve (default 8000; 0 picks a free one)")
+
+
+def _run_report(args) -> int:
+    import functools
+    import http.server
+    import tempfile
+
+    from .report import ReportError, build, demo_sources
+
+    if not args.sources and not args.serve:
+        raise ReportError("give --from PATH... (diagnose JSON, run or experiment directories), or --serve for the demo data")
+    sources = args.sources or demo_sources()
+    out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
+    page = build(sources, out)
+    print(f"wrote {page}")
+    if args.serve:
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
+        with http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler) as server:
+            print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
+            try:
+                server.serve_forever()
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _experiment_parser(sub)
     _trace_parser(sub)
+    _report_parser(sub)
     args = parser.parse_args(argv)
     # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
     from .diagnose import ConfigError
@@ -234,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     from .recipes import RecipeError
     from .runs import RunError
     from .tasks import TaskError
+    from .report import ReportError
     from .trace import TraceError
     from .trainer import TrainConfigError
 
-    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace}
+    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "report": _run_report}
     try:
         return commands[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError) as e:
+    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError) as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -1,0 +1,346 @@
+"""`phantomclip report`: an offline, self-contained HTML article whose figures are drawn from this tool's own
+measurements (diagnose JSON, training run directories, `experiment sanity` summaries, trace JSON).
+
+The prose lives in `article.md` (a writer edits it without touching Python); each `<!-- figure: NAME -->`
+marker is replaced by the figure `FIGURES[NAME]` draws from the data, or by a note naming the command that
+produces the missing data. Plotly's JavaScript is inlined from the plotly package, so the page needs no network.
+Plotly rather than Vega-Lite: its Python package ships the browser bundle we inline, and its legend toggles and
+hover give the interactions the article needs without a second grammar to learn.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+"""Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
+
+
+class ReportError(ValueError):
+    """Unreadable sources or an output path that cannot be written."""
+
+
+@dataclass
+class ReportData:
+    """Everything the page can draw, gathered from files; each item keeps the path it came from."""
+
+    diagnose: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    sanity: list[dict] = field(default_factory=list)
+    traces: list[dict] = field(default_factory=list)
+
+    def files(self) -> list[Path]:
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.traces]
+        for r in self.runs:
+            out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
+        return out
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def collect(sources: list[str | Path]) -> ReportData:
+    """Classify every JSON file and run directory under `sources` (files or directories)."""
+    from ..runs import read_jsonl
+
+    data = ReportData()
+    seen: set[Path] = set()
+    for src in map(Path, sources):
+        if not src.exists():
+            raise ReportError(f"--from {src}: no such file or directory")
+        files = [src] if src.is_file() else sorted(src.rglob("*.json"))
+        for f in files:
+            f = f.resolve()
+            if f in seen:
+                continue
+            seen.add(f)
+            doc = _read_json(f)
+            if doc is None:
+                continue
+            doc["_path"] = str(f)
+            if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
+                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc, "metrics": read_jsonl(f.parent / "metrics.jsonl")})
+            elif "recipes" in doc and "tokens" in doc:
+                data.diagnose.append(doc)
+            elif "runs" in doc and "base_config" in doc:
+                data.sanity.append(doc)
+            elif "sites" in doc and "first_order" in doc:
+                data.traces.append(doc)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+def _layout(title: str, x: str, y: str, **kw) -> dict:
+    return {"title": {"text": title}, "xaxis": {"title": {"text": x}, **kw.pop("xaxis", {})},
+            "yaxis": {"title": {"text": y}, **kw.pop("yaxis", {})}, "colorway": PALETTE, "margin": {"t": 50, "r": 20},
+            "legend": {"orientation": "h", "y": -0.25}, "font": {"size": 14}, **kw}
+
+
+def fig_spacing(data: ReportData) -> dict:
+    import torch
+
+    from ..numerics import ulp
+
+    x = torch.logspace(-6, 4, 200, dtype=torch.float64)
+    traces = [{"type": "scatter", "mode": "lines", "name": name, "x": x.tolist(), "y": ulp(x.float(), dt).double().tolist()}
+              for name, dt in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16))]
+    return {"data": traces, "layout": _layout("Spacing between neighbouring numbers (ulp)", "|x|", "spacing",
+                                             xaxis={"type": "log"}, yaxis={"type": "log"})}
+
+
+def _beta_arrays(diag: dict) -> dict[str, list[float]]:
+    return {name: [b for b in arr["beta"] if b is not None] for name, arr in diag["tokens"]["per_recipe"].items()}
+
+
+def fig_beta_by_prob(data: ReportData) -> dict | None:
+    if not data.diagnose:
+        return None
+    diag = data.diagnose[-1]
+    logp_engine = diag["tokens"]["logp_engine"]
+    edges = [-math.inf, math.log(1e-4), math.log(1e-3), math.log(1e-2), math.log(0.1), math.log(0.5), math.log(0.9), 0.01]
+    labels = ["<1e-4", "1e-4–1e-3", "1e-3–0.01", "0.01–0.1", "0.1–0.5", "0.5–0.9", ">0.9"]
+    traces = []
+    for name, arr in diag["tokens"]["per_recipe"].items():
+        sums, counts = [0.0] * len(labels), [0] * len(labels)
+        for lp, b in zip(logp_engine, arr["beta"]):
+            if lp is None or b is None:
+                continue
+            i = next(i for i in range(len(labels)) if edges[i] <= lp < edges[i + 1])
+            sums[i] += abs(b)
+            counts[i] += 1
+        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels,
+                       "y": [s / c if c else None for s, c in zip(sums, counts)],
+                       "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
+    return {"data": traces, "layout": _layout("Mean |β| by the engine's probability of the sampled token",
+                                             "engine probability of the token", "mean |β| (nats)", yaxis={"type": "log"})}
+
+
+def fig_beta_hist(data: ReportData) -> dict | None:
+    if not data.diagnose:
+        return None
+    diag = data.diagnose[-1]
+    tr = diag["trust_region"]
+    traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6, "visible": True if i == 0 else "legendonly"}
+              for i, (name, betas) in enumerate(_beta_arrays(diag).items())]
+    layout = _layout(f"β = logp − logp_engine per token (α = 0), trust region for ε = {tr['epsilon_low']:g} shaded",
+                     "β (nats)", "tokens", barmode="overlay", yaxis={"type": "log"})
+    layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"], "y0": 0, "y1": 1,
+                         "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
+    return {"data": traces, "layout": layout}
+
+
+def fig_outside_vs_eps(data: ReportData) -> dict | None:
+    if not data.diagnose:
+        return None
+    eps_grid = [0.01 * i for i in range(1, 41)]
+    traces = []
+    for name, betas in _beta_arrays(data.diagnose[-1]).items():
+        n = max(len(betas), 1)
+        ys = [sum(1 for b in betas if b < math.log1p(-e) or b > math.log1p(e)) / n * 100 for e in eps_grid]
+        traces.append({"type": "scatter", "mode": "lines", "name": name, "x": eps_grid, "y": ys})
+    return {"data": traces, "layout": _layout("Share of tokens whose β alone leaves [1 − ε, 1 + ε]", "ε", "% of tokens",
+                                             yaxis={"type": "log"})}
+
+
+def fig_alpha_beta_steps(data: ReportData) -> dict | None:
+    runs = [r for r in data.runs if r["metrics"] and "mismatch/alpha_mean" in r["metrics"][0]]
+    if not runs:
+        return None
+    traces = [{"type": "scatter", "mode": "markers", "name": r["name"], "x": [m["mismatch/alpha_mean"] for m in r["metrics"]],
+               "y": [m["mismatch/beta_mean"] for m in r["metrics"]], "text": [f"step {m['step']}" for m in r["metrics"]]}
+              for r in runs]
+    return {"data": traces, "layout": _layout("Per step: mean α against mean β (per-token values are not logged yet)",
+                                             "mean α (nats)", "mean β (nats)")}
+
+
+def _per_step(data: ReportData, key: str, title: str, ylabel: str) -> dict | None:
+    runs = [r for r in data.runs if r["metrics"] and key in r["metrics"][0]]
+    if not runs:
+        return None
+    scale = 100 if key.startswith("clip/") else 1
+    traces = [{"type": "scatter", "mode": "lines", "name": r["name"], "x": [m["step"] for m in r["metrics"]],
+               "y": [scale * m[key] for m in r["metrics"]]} for r in runs]
+    return {"data": traces, "layout": _layout(title, "step", ylabel)}
+
+
+FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
+    "spacing": (fig_spacing, ""),
+    "beta_by_prob": (fig_beta_by_prob, "phantomclip diagnose --json diagnose.json"),
+    "beta_hist": (fig_beta_hist, "phantomclip diagnose --json diagnose.json"),
+    "outside_vs_eps": (fig_outside_vs_eps, "phantomclip diagnose --json diagnose.json"),
+    "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
+    "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step", "tokens"),
+                 "phantomclip experiment sanity --out runs/sanity"),
+    "phantom_steps": (lambda d: _per_step(d, "clip/phantom_rate", "Phantom-clip rate per step", "% of tokens"),
+                      "phantomclip experiment sanity --out runs/sanity"),
+}
+"""figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the data)."""
+
+
+# ------------------------------------------------------------------------------------------- HTML pieces
+
+
+def html_sanity_table(data: ReportData) -> str | None:
+    from ..trainer import INTERVENTIONS
+
+    if not data.sanity:
+        return None
+    rows = data.sanity[-1]["runs"]
+    head = ("<table><thead><tr><th>run</th><th>steps to convergence</th><th>final reward</th><th>final length</th>"
+            "<th>phantom-clip rate, first 5 steps</th><th>wall (s)</th><th>what it changes</th></tr></thead><tbody>")
+    body = ""
+    for r in rows:
+        conv = str(r["steps_to_converge"]) if r["converged"] else f"not converged in {r['steps_run']}"
+        doc = INTERVENTIONS.get(r["run"].split(",")[0].split("=")[0])
+        body += (f"<tr><td>{html.escape(r['run'])}</td><td>{conv}</td><td>{_num(r['final_reward'], 2)}</td>"
+                 f"<td>{_num(r['final_length'], 1)}</td><td>{_num(100 * r['phantom_rate_first5'] if r['phantom_rate_first5'] is not None else None, 2)}%</td>"
+                 f"<td>{_num(r['wall_s'], 0)}</td><td>{html.escape(doc.doc if doc else '')}</td></tr>")
+    return head + body + "</tbody></table>"
+
+
+def _num(x, digits: int) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def html_trace_depth(data: ReportData) -> dict | None:
+    if not data.traces:
+        return None
+    t = data.traces[-1]
+    sites = [s for s in t["sites"] if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs")]
+    return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error", "x": [s["site"] for s in sites],
+                      "y": [s["rel_error"] for s in sites]}],
+            "layout": _layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module", "‖x − x_ref‖ / ‖x_ref‖",
+                              yaxis={"type": "log"})}
+
+
+def html_appendix(data: ReportData, copied: dict[Path, str]) -> str:
+    items = []
+    for d in data.diagnose:
+        items.append(("diagnose", d["_path"], d.get("config", {}), d.get("versions", {})))
+    for r in data.runs:
+        items.append((f"run {r['name']}", r["_path"], r["config"], r["config"].get("versions", {})))
+    for s in data.sanity:
+        items.append(("experiment sanity", s["_path"], s.get("base_config", {}), {}))
+    for t in data.traces:
+        items.append(("trace", t["_path"], t.get("config", {}), {}))
+    if not items:
+        return "<p>No data files were given.</p>"
+    out = "<ul>"
+    for kind, path, cfg, versions in items:
+        link = copied.get(Path(path))
+        name = f'<a href="{html.escape(link)}">{html.escape(link)}</a>' if link else html.escape(path)
+        out += (f"<li><b>{html.escape(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
+                f"{html.escape(json.dumps(cfg, indent=1, default=str))}</pre></details>"
+                + (f"<details><summary>versions</summary><pre>{html.escape(json.dumps(versions, indent=1))}</pre></details>" if versions else "")
+                + "</li>")
+    return out + "</ul>"
+
+
+WIDGETS = ("number_line", "crossing", "grpo_widget")
+"""figures drawn in the browser by widgets.js (they need no data)."""
+
+
+def render(data: ReportData, copied: dict[Path, str] | None = None) -> str:
+    """The whole page as one HTML string."""
+    from jinja2 import Environment
+    from markdown_it import MarkdownIt
+    from plotly.offline import get_plotlyjs
+
+    copied = copied or {}
+    article = resources.files(__package__).joinpath("article.md").read_text(encoding="utf-8")
+    md = MarkdownIt("commonmark", {"html": True})
+    body = md.render(article)
+    figures: dict[str, dict] = {}
+    for marker in _markers(body):
+        name = marker[len("<!-- figure: ") : -len(" -->")]
+        if name in WIDGETS:
+            block = f'<div class="widget" id="{name}"></div>'
+        elif name == "sanity_table":
+            table = html_sanity_table(data)
+            block = table or _missing("phantomclip experiment sanity --out runs/sanity")
+        elif name == "appendix":
+            block = html_appendix(data, copied)
+        elif name == "trace_depth":
+            fig = html_trace_depth(data)
+            block = _figure_div(name, fig, figures) if fig else _missing("phantomclip trace --json trace.json")
+        elif name in FIGURES:
+            draw, command = FIGURES[name]
+            fig = draw(data)
+            block = _figure_div(name, fig, figures) if fig else _missing(command)
+        else:
+            block = f'<p class="missing">Unknown figure {html.escape(name)} in article.md.</p>'
+        body = body.replace(marker, block, 1)
+    template = Environment(autoescape=False).from_string(resources.files(__package__).joinpath("template.html.j2").read_text(encoding="utf-8"))
+    widgets_js = resources.files(__package__).joinpath("widgets.js").read_text(encoding="utf-8")
+    return template.render(body=body, plotly_js=get_plotlyjs(), figures=json.dumps(figures, allow_nan=False, default=_nan_free),
+                           widgets_js=widgets_js, palette=json.dumps(PALETTE))
+
+
+def _nan_free(x):
+    raise TypeError(f"not serialisable: {type(x).__name__}")
+
+
+def _markers(body: str) -> list[str]:
+    import re
+
+    return re.findall(r"<!-- figure: [a-z_]+ -->", body)
+
+
+def _figure_div(name: str, fig: dict, figures: dict) -> str:
+    figures[name] = _clean(fig)
+    return f'<div class="figure" id="fig-{name}"></div>'
+
+
+def _clean(x):
+    """NaN/inf -> None, so the JSON is valid for browsers."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _missing(command: str) -> str:
+    return f'<p class="missing">No data for this figure yet. Run <code>{html.escape(command)}</code> and pass its output to <code>phantomclip report --from</code>.</p>'
+
+
+def build(sources: list[str | Path], out: str | Path) -> Path:
+    """Write out/index.html and copy the data files to out/data/; returns the page's path."""
+    from ..runs import atomic_write_bytes
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file: give a directory")
+    data = collect(sources)
+    copied: dict[Path, str] = {}
+    for i, f in enumerate(data.files()):
+        rel = f"data/{i:02d}-{f.parent.name}-{f.name}"
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out / rel)
+        copied[f] = rel
+        if f.name == "metrics.jsonl":
+            copied[f.parent] = rel
+    page = out / "index.html"
+    atomic_write_bytes(page, render(data, copied).encode("utf-8"))
+    return page
+
+
+def demo_sources() -> list[Path]:
+    """The bundled demo data (a diagnose JSON, a trace JSON and sanity-experiment runs on the bundled model)."""
+    return [Path(str(resources.files(__package__).joinpath("demo")))]

@@ -1,0 +1,106 @@
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import bad_cli
+from phantomclip.cli import main
+from phantomclip.report import FIGURES, WIDGETS, ReportData, build, collect, render
+
+SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio", "3. From logit error to ratio error",
+            "4. Phantom clipping", "5. The closed loop", "6. Interventions", "7. Appendix"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A diagnose JSON, a trace JSON and a two-run sanity experiment, all from the tiny model."""
+    d = tmp_path_factory.mktemp("src")
+    assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10", "--json", str(d / "diagnose.json")]) == 0
+    assert main(["trace", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--no-what-if", "--json", str(d / "trace.json")]) == 0
+    assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3",
+                 "--steps", "3", "--out", str(d / "sanity"), "--only", "none,force-r1"]) == 0
+    return d
+
+
+def test_collect_classifies_every_source(sources):
+    data = collect([sources])
+    assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1
+    assert sorted(r["name"] for r in data.runs) == ["force-r1", "none"]
+    assert all(len(r["metrics"]) == 3 for r in data.runs)
+
+
+def test_page_has_every_section_and_figure_offline(sources, tmp_path):
+    page = build([sources], tmp_path / "report")
+    text = page.read_text()
+    for title in SECTIONS:
+        assert title in text
+    assert "<!-- figure:" not in text  # every marker was replaced
+    assert not re.search(r"<script[^>]+src=", text)  # offline: plotly.js is inline, no external scripts
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\nconst PALETTE", text, re.S).group(1))
+    assert set(figures) == set(FIGURES) | {"trace_depth"}  # every data figure drawn: no section is missing data
+    assert 'class="missing"' not in text
+    data_files = sorted(p.name for p in (tmp_path / "report" / "data").iterdir())
+    assert any(n.endswith("diagnose.json") for n in data_files) and any(n.endswith("metrics.jsonl") for n in data_files)
+    # the histogram holds every token's β of the first recipe: the figure is drawn from the data, not a sketch
+    diag = json.loads((sources / "diagnose.json").read_text())
+    first = next(iter(diag["tokens"]["per_recipe"]))
+    assert figures["beta_hist"]["data"][0]["x"] == [b for b in diag["tokens"]["per_recipe"][first]["beta"] if b is not None]
+
+
+def test_missing_data_names_the_command():
+    text = render(ReportData())
+    assert "phantomclip diagnose --json diagnose.json" in text
+    assert "phantomclip experiment sanity --out runs/sanity" in text
+    assert text.count('class="missing"') == len(FIGURES) - 1 + 2  # all data figures but 'spacing'; trace; sanity table
+    for w in WIDGETS:
+        assert f'id="{w}"' in text  # widgets need no data
+
+
+def test_report_bad_input(capsys, tmp_path):
+    assert "no such file or directory" in bad_cli(["report", "--from", str(tmp_path / "nope"), "--out", str(tmp_path / "r")], capsys)
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in bad_cli(["report", "--from", str(tmp_path), "--out", str(tmp_path / "afile")], capsys)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_page_in_a_real_browser(sources, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    page_path = build([sources], tmp_path / "report")
+    errors = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(Path(page_path).as_uri())
+        page.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0")
+        n_drawn = page.evaluate("document.querySelectorAll('.figure .plot-container').length")
+        assert n_drawn == len(FIGURES) + 1, n_drawn  # every data figure rendered by Plotly
+        # the widgets' maths, in the browser: bf16(0.1) = 0.10009765625; bf16 spacing at 1 is 2^-7, so an update
+        # of 1e-4 needs ceil(2^-8 / 1e-4) = 40 steps; β = 0.3 with α = 0 and A = 1 is phantom-clipped at ε = 0.2
+        assert page.evaluate("toBf16(0.1)") == 0.10009765625
+        assert page.evaluate("stepsToCross(1.0, 1e-4)") == 40
+        assert page.evaluate("grpoToken(1, 0, 0.3, 0.2).phantom") is True
+        assert page.evaluate("grpoToken(1, 0.3, 0, 0.2).phantom") is False  # real clipping: α itself moved
+        page.fill("#g-beta", "0.3")
+        page.dispatch_event("#g-beta", "input")
+        assert "phantom clipping" in page.inner_text("#g-verdict")
+        page.fill("#g-beta", "0")
+        page.dispatch_event("#g-beta", "input")
+        assert page.inner_text("#g-verdict") == "Gradient flows."
+        page.fill("#nl-x", "1.0001")
+        page.dispatch_event("#nl-x", "input")
+        assert "1.00000000" in page.inner_text("#nl-table")  # bf16 and fp16 round 1.0001 to 1
+        phone = browser.new_page(viewport={"width": 390, "height": 844})
+        phone.goto(Path(page_path).as_uri())
+        phone.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0")
+        width = phone.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390 + 1, width  # nothing forces sideways scrolling on a phone
+        browser.close()
+    assert not errors, errors

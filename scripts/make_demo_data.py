@@ -1,0 +1,42 @@
+"""Regenerate the report's bundled demo data (src/phantomclip/report/demo/) on the bundled model.
+
+    python scripts/make_demo_data.py --sanity runs/sanity      # after `phantomclip experiment sanity --out runs/sanity`
+
+Writes diagnose.json (16 prompts x up to 32 tokens, all recipes), trace.json (default trace) and copies the
+sanity experiment's summary.json and each run's config.json + metrics.jsonl (no checkpoints, no samples).
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[1] / "src" / "phantomclip" / "report" / "demo"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sanity", required=True, help="a finished `phantomclip experiment sanity` directory")
+    ap.add_argument("--skip-measure", action="store_true", help="only copy the sanity runs")
+    args = ap.parse_args()
+    DEMO.mkdir(parents=True, exist_ok=True)
+    if not args.skip_measure:
+        cli = [sys.executable, "-m", "phantomclip.cli"]
+        subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--json", str(DEMO / "diagnose.json")], check=True)
+        subprocess.run([*cli, "trace", "--json", str(DEMO / "trace.json")], check=True)
+    src = Path(args.sanity)
+    dst = DEMO / "sanity"
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    shutil.copyfile(src / "summary.json", dst / "summary.json")
+    for run in sorted(p for p in src.iterdir() if (p / "metrics.jsonl").exists()):
+        (dst / run.name).mkdir()
+        for name in ("config.json", "metrics.jsonl"):
+            shutil.copyfile(run / name, dst / run.name / name)
+    size = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
+    print(f"demo data: {size / 2**20:.2f} MiB in {DEMO}")
+
+
+if __name__ == "__main__":
+    main()

@@ -269,3 +269,15 @@ def test_killed_or_interrupted_run_resumes_to_the_same_numbers(tmp_path, sig):
     a = _numbers(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     b = _numbers(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
     assert _same(a, b)
+
+
+def test_token_log_matches_the_step_metrics(tmp_path):
+    rows = train(TrainConfig(**TINY, steps=3, token_log_steps=2), out=tmp_path / "run").metrics
+    tokens = read_jsonl(tmp_path / "run" / "tokens.jsonl")
+    assert [t["step"] for t in tokens] == [1, 2]
+    for t, r in zip(tokens, rows):
+        n = len(t["alpha"])
+        assert n == len(t["beta"]) == len(t["advantage"]) == len(t["clipped"]) > 0
+        assert sum(t["alpha"]) / n == pytest.approx(r["mismatch/alpha_mean"], abs=1e-6)  # 6-decimal rounding
+        assert sum(t["beta"]) / n == pytest.approx(r["mismatch/beta_mean"], abs=1e-6)
+        assert sum(t["clipped"]) / n == pytest.approx(r["clip/rate"])

@@ -4,6 +4,7 @@ Layout of a run directory:
     config.json        the exact configuration, versions and seed (written once, atomically)
     metrics.jsonl      one JSON object per step, flushed and fsynced as it is written
     samples.jsonl      a few completions per step
+    tokens.jsonl       per-token α, β, advantage and clip flags of the first steps (for the report)
     checkpoint.pt      the latest checkpoint (temp file + fsync + rename: never half-written)
 
 A SIGKILL can leave at most a torn last line in the JSONL files; readers skip it and `resume` truncates both
@@ -71,6 +72,7 @@ class RunDir:
         self.path = Path(path)
         self.metrics_path = self.path / "metrics.jsonl"
         self.samples_path = self.path / "samples.jsonl"
+        self.tokens_path = self.path / "tokens.jsonl"
         self.checkpoint_path = self.path / "checkpoint.pt"
 
     @classmethod
@@ -97,7 +99,7 @@ class RunDir:
             raise RunError(f"--resume: {run.path} was made with a different configuration: {'; '.join(diff)}")
         ckpt = torch.load(run.checkpoint_path, weights_only=False) if run.checkpoint_path.exists() else None
         done = ckpt["step"] if ckpt else 0
-        for p in (run.metrics_path, run.samples_path):  # drop what came after the checkpoint: it is recomputed
+        for p in (run.metrics_path, run.samples_path, run.tokens_path):  # drop what came after the checkpoint: it is recomputed
             rows = [r for r in read_jsonl(p) if r.get("step", 0) <= done]
             atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in rows).encode())
         return run, ckpt
@@ -113,6 +115,9 @@ class RunDir:
 
     def log_samples(self, row: dict) -> None:
         self._append(self.samples_path, row)
+
+    def log_tokens(self, row: dict) -> None:
+        self._append(self.tokens_path, row)
 
     def metrics(self) -> list[dict]:
         return read_jsonl(self.metrics_path)

@@ -39,7 +39,7 @@ from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
 from .runs import RunDir
 
 EXPERIMENT_LR = 3e-5
-RESUME_MAY_CHANGE = ("steps", "versions", "checkpoint_every", "samples_per_step")
+RESUME_MAY_CHANGE = ("steps", "versions", "checkpoint_every", "samples_per_step", "token_log_steps")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
 
 
@@ -100,6 +100,8 @@ class TrainConfig:
     """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
     samples_per_step: int = 2
     """completions per step written to samples.jsonl."""
+    token_log_steps: int = 5
+    """per-token α, β, advantage and clip flags are written to tokens.jsonl for this many first steps."""
     prompts: str | None = None
     """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
     matmul: str = "auto"
@@ -472,7 +474,7 @@ def train(
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
-                row = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops)
+                row, tokens = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops)
                 # Versions below k+1-s are done with: batches up to k (consumed) used them, later ones use newer
                 # ones. So the oldest one's buffers can take the new snapshot.
                 stale = [v for v in snapshots if v < k + 1 - cfg.staleness]
@@ -488,6 +490,8 @@ def train(
                 if run:
                     run.log_metrics(row)
                     run.log_samples(_samples(batch, row, lm.tokenizer, cfg.samples_per_step))
+                    if done <= cfg.token_log_steps:
+                        run.log_tokens({"step": done, **tokens})
                     if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop_requested.flag or solved:
                         _save(run, done, master, optimizer, scaler, snapshots, cfg.staleness)
                 progress.advance(row)
@@ -557,6 +561,11 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     timings["time/sync_s"] = time.perf_counter() - t0
 
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
+    m = mask.bool()
+    zeroed = (out.clipped_low | out.clipped_high)[m]
+    alpha, beta = (logp_shadow - logp_engine)[m].double(), (logp.detach() - logp_shadow)[m].double()
+    tokens = {"alpha": _round6(alpha), "beta": _round6(beta), "advantage": _round6(advantages[:, None].expand_as(logp)[m]),
+              "clipped": zeroed.tolist(), "masked": out.masked[m].tolist()}
     return {
         "step": batch.step + 1,
         "reward/mean": rewards.double().mean().item(),
@@ -571,7 +580,11 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
         "sync/changed_share": changed_share,
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
-    }
+    }, tokens
+
+
+def _round6(x: torch.Tensor) -> list[float]:
+    return [round(v, 6) for v in x.tolist()]
 
 
 def _samples(batch: Batch, row: dict, tokenizer, n: int) -> dict:

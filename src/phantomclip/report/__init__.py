@@ -71,7 +71,8 @@ def collect(sources: list[str | Path]) -> ReportData:
                 continue
             doc["_path"] = str(f)
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
-                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc, "metrics": read_jsonl(f.parent / "metrics.jsonl")})
+                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc, "metrics": read_jsonl(f.parent / "metrics.jsonl"),
+                                  "tokens": read_jsonl(f.parent / "tokens.jsonl")})
             elif "recipes" in doc and "tokens" in doc:
                 data.diagnose.append(doc)
             elif "runs" in doc and "base_config" in doc:
@@ -167,6 +168,26 @@ def fig_alpha_beta_steps(data: ReportData) -> dict | None:
                                              "mean α (nats)", "mean β (nats)")}
 
 
+def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
+    """Per token of the first logged steps of one run (the baseline when there is one): α against β, by outcome."""
+    runs = [r for r in data.runs if r.get("tokens")]
+    if not runs:
+        return None
+    run = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])
+    eps = run["config"].get("plan", {}).get("eps_low", run["config"].get("epsilon", 0.2))
+    groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []), "clipped (α alone too)": ([], [])}
+    for t in run["tokens"]:
+        for a, b, adv, c in zip(t["alpha"], t["beta"], t["advantage"], t["clipped"]):
+            alpha_clips = (adv > 0 and a > math.log1p(eps)) or (adv < 0 and a < math.log1p(-eps))
+            key = "gradient flows" if not c else ("clipped (α alone too)" if alpha_clips else "phantom-clipped")
+            groups[key][0].append(a)
+            groups[key][1].append(b)
+    traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys, "marker": {"size": 5, "opacity": 0.6}}
+              for k, (xs, ys) in groups.items()]
+    steps = len(run["tokens"])
+    return {"data": traces, "layout": _layout(f"Run '{run['name']}', first {steps} steps: α against β per token", "α (nats)", "β (nats)")}
+
+
 def _per_step(data: ReportData, key: str, title: str, ylabel: str) -> dict | None:
     runs = [r for r in data.runs if r["metrics"] and key in r["metrics"][0]]
     if not runs:
@@ -182,6 +203,7 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
     "beta_by_prob": (fig_beta_by_prob, "phantomclip diagnose --json diagnose.json"),
     "beta_hist": (fig_beta_hist, "phantomclip diagnose --json diagnose.json"),
     "outside_vs_eps": (fig_outside_vs_eps, "phantomclip diagnose --json diagnose.json"),
+    "alpha_beta_tokens": (fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
     "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
     "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step", "tokens"),
                  "phantomclip experiment sanity --out runs/sanity"),

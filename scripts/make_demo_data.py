@@ -7,10 +7,13 @@ sanity experiment's summary.json and each run's config.json + metrics.jsonl (no 
 """
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from phantomclip.experiments import summarize
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "phantomclip" / "report" / "demo"
 
@@ -29,8 +32,22 @@ def main() -> None:
     dst = DEMO / "sanity"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
-    shutil.copyfile(src / "summary.json", dst / "summary.json")
-    for run in sorted(p for p in src.iterdir() if (p / "metrics.jsonl").exists()):
+    runs = sorted(p for p in src.iterdir() if (p / "metrics.jsonl").exists())
+    if (src / "summary.json").exists():
+        shutil.copyfile(src / "summary.json", dst / "summary.json")
+    else:  # an unfinished experiment: summarise the runs it has
+        from phantomclip.experiments import write_summary
+        from phantomclip.runs import read_jsonl
+        from phantomclip.trainer import TrainConfig
+
+        rows = []
+        for run in runs:
+            cfg = json.loads((run / "config.json").read_text())
+            rows.append(summarize(cfg["intervention"], read_jsonl(run / "metrics.jsonl"), cfg["steps"]))
+        base = TrainConfig(**{k: v for k, v in json.loads((runs[0] / "config.json").read_text()).items()
+                              if k in TrainConfig.__dataclass_fields__ and k != "intervention"})
+        write_summary(rows, base, dst)
+    for run in runs:
         (dst / run.name).mkdir()
         for name in ("config.json", "metrics.jsonl"):
             shutil.copyfile(run / name, dst / run.name / name)

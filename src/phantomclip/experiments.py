@@ -83,7 +83,7 @@ def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None
         if len(done) < cfg.steps and not finished_early(done, cfg.stop_after_converged):
             done = train(cfg, out=path, resume=(path / "config.json").exists(), console=console).metrics
         rows.append(summarize(name, done, cfg.steps))
-    write_summary(rows, base, out)
+        write_summary(rows, base, out)  # after every run, so an interrupted experiment still has its table
     return rows
 
 

@@ -104,3 +104,29 @@ def test_page_in_a_real_browser(sources, tmp_path):
         assert width <= 390 + 1, width  # nothing forces sideways scrolling on a phone
         browser.close()
     assert not errors, errors
+
+
+def test_serve_builds_the_demo_and_serves_it(tmp_path):
+    """`report --serve` with no --from: the bundled demo data, served on 127.0.0.1 (port 0: a free one)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli", "report", "--serve", "--port", "0", "--out", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.startswith("serving on "):
+                url = line.split()[2]
+                break
+        assert url, proc.stderr.read()
+        page = urllib.request.urlopen(url, timeout=30).read().decode()
+        assert "Phantom clipping, measured" in page
+        assert page.count('class="missing"') < len(FIGURES)  # the demo data draws figures
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0

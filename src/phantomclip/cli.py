@@ -37,6 +37,8 @@ def _diagnose_parser(sub) -> None:
     p.add_argument("--prompts", default=None, help="prompts file: one per line, or JSONL with a 'prompt' field (default: 64 bundled prompts)")
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "native", "emulated"], help="low-precision matmul kernels (see README)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure and the per-token arrays to PATH")
+    p.add_argument("--from-trl-config", default=None, metavar="YAML", help="take the trainer recipe, engine dtype, sampling settings, "
+                   "ε and max completion length from a TRL GRPOConfig YAML (these override the flags)")
 
 
 def _run_diagnose(args) -> int:
@@ -44,6 +46,18 @@ def _run_diagnose(args) -> int:
 
     from .diagnose import DiagnoseConfig, check_output_path, render, run_diagnose, write_json
 
+    if args.from_trl_config:
+        from rich.console import Console as _Console
+
+        from .integrations.trl import diagnose_settings_from_trl
+
+        settings, notes = diagnose_settings_from_trl(args.from_trl_config)
+        for key, value in settings.items():
+            setattr(args, key, value)
+        err = _Console(stderr=True)
+        err.print("from the TRL config: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+        for note in notes:
+            err.print(f"note: {note}")
     cfg = DiagnoseConfig(
         model=args.model, trainer=args.trainer, engine_dtype=args.engine_dtype, epsilon=args.epsilon,
         epsilon_high=args.epsilon_high, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,

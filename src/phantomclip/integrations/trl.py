@@ -1,0 +1,285 @@
+"""The α/β monitor and the shadow-ratio fix inside TRL's GRPOTrainer.
+
+    from phantomclip.integrations.trl import PrecisionMonitor, with_shadow_ratio
+    trainer = GRPOTrainer(..., callbacks=[PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)])
+    Trainer = with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16")     # the clip decides on the shadow ratio
+
+Both use a *shadow* copy of the policy laid out in the engine's precision (`recipes.apply_recipe`), synced from
+the trainer's weights, and TRL's own `_get_per_token_logps_and_entropies` to score it, so positions, temperature
+and chunking follow TRL exactly. They read TRL internals (`_compute_loss`, `_get_per_token_logps_and_entropies`,
+`_metrics`), hence the pinned version range.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+from torch import nn
+
+from ..engine import sync_weights
+from ..metrics import phantom_clip_mask, trust_region_split
+from ..numerics import parse_dtype
+from ..recipes import apply_recipe, engine_recipe
+
+SUPPORTED_TRL = (1, 16)
+"""trl 1.16.x: the version these hooks were written and tested against (tests/test_integrations_trl.py)."""
+
+
+class IntegrationError(ValueError):
+    """A TRL version, trainer class or setting this integration cannot work with."""
+
+
+def check_trl_version() -> str:
+    try:
+        installed = version("trl")
+    except PackageNotFoundError:
+        raise IntegrationError("phantomclip.integrations.trl needs trl: pip install 'trl>=1.16,<1.17'") from None
+    major_minor = tuple(int(p) for p in installed.split(".")[:2])
+    if major_minor != SUPPORTED_TRL:
+        raise IntegrationError(f"phantomclip.integrations.trl supports trl >=1.16,<1.17 (installed: {installed}); "
+                               "it reads GRPOTrainer internals that change between minor versions")
+    return installed
+
+
+def _unwrap(trainer) -> nn.Module:
+    return trainer.accelerator.unwrap_model(trainer.model)
+
+
+class _Shadow:
+    """The policy's current weights in the engine's precision, synced on demand (no grad)."""
+
+    def __init__(self, model: nn.Module, engine_dtype: str, matmul: str):
+        self.model = apply_recipe(model, engine_recipe(parse_dtype(engine_dtype)), matmul=matmul)
+        self.step = -1
+
+    def sync(self, model: nn.Module, step: int) -> float:
+        """Copy the trainer's weights in if the optimizer has stepped since; returns the share that changed."""
+        if step == self.step:
+            return float("nan")
+        self.step = step
+        return sync_weights(self.model, model.state_dict())
+
+
+def _completion_mask(inputs: dict) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return (mask * inputs["tool_mask"] if "tool_mask" in inputs else mask).bool()
+
+
+def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                    eps_low: float, eps_high: float, logp_engine: torch.Tensor | None = None) -> dict[str, float]:
+    """The monitor's figures from per-token tensors [B, T] (advantages [B] or [B, 1]); keys without the prefix.
+
+    β = logp − logp_shadow (trainer vs engine precision on the same weights). phantom_clip_rate: tokens whose
+    clip would fire on β alone (at α = 0) given the sign of their advantage. With engine log-probs (vLLM's),
+    α = logp_shadow − logp_engine.
+    """
+    m = mask.bool()
+    beta = (logp.double() - logp_shadow.double())[m]  # [N]
+    adv = advantages.reshape(-1, 1).expand_as(logp)[m].double()
+    below, above = trust_region_split(beta, eps_low, eps_high)
+    stats = {
+        "beta_mean": beta.mean().item() if beta.numel() else float("nan"),
+        "beta_abs_mean": beta.abs().mean().item() if beta.numel() else float("nan"),
+        "beta_abs_p99": torch.quantile(beta.abs(), 0.99).item() if beta.numel() else float("nan"),
+        "outside_trust_region": (below | above).double().mean().item() if beta.numel() else float("nan"),
+        "phantom_clip_rate": phantom_clip_mask(beta, adv, eps_low, eps_high).double().mean().item() if beta.numel() else float("nan"),
+    }
+    if logp_engine is not None:
+        alpha = (logp_shadow.double() - logp_engine.double())[m]
+        stats["alpha_mean"] = alpha.mean().item() if alpha.numel() else float("nan")
+    return stats
+
+
+def _find_trainer():
+    """The Trainer whose training loop is calling us (callbacks are not handed the trainer itself)."""
+    from transformers import Trainer
+
+    for frame in inspect.stack()[1:]:
+        obj = frame.frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+    return None
+
+
+try:  # a TrainerCallback when transformers is importable (it always is beside trl)
+    from transformers import TrainerCallback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object
+
+
+class PrecisionMonitor(_Callback):
+    """Logs `precision/*` through TRL's own metrics every `interval` optimizer steps. It never changes a
+    gradient: its only work is one no-grad shadow forward on the batch the loss just used."""
+
+    def __init__(self, engine_dtype: str = "bfloat16", epsilon: float | None = None, epsilon_high: float | None = None,
+                 interval: int = 1, matmul: str = "auto"):
+        check_trl_version()
+        if not isinstance(interval, int) or interval < 1:
+            raise IntegrationError(f"PrecisionMonitor interval must be an integer >= 1, got {interval!r}")
+        parse_dtype(engine_dtype)  # fail now on a bad name
+        self.engine_dtype, self.interval, self.matmul = engine_dtype, interval, matmul
+        self.epsilon, self.epsilon_high = epsilon, epsilon_high
+        self.trainer = None
+        self._shadow: _Shadow | None = None
+
+    def attach(self, trainer) -> None:
+        """Hook into `trainer` (done automatically at the start of training)."""
+        from trl import GRPOTrainer
+
+        if not isinstance(trainer, GRPOTrainer):
+            raise IntegrationError(f"PrecisionMonitor works with trl.GRPOTrainer and its subclasses, not {type(trainer).__name__}")
+        self.trainer = trainer
+        eps_low = self.epsilon if self.epsilon is not None else trainer.epsilon_low
+        eps_high = self.epsilon_high if self.epsilon_high is not None else (self.epsilon if self.epsilon is not None else trainer.epsilon_high)
+        self._eps = (eps_low, eps_high)
+        original, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
+        monitor = self
+
+        def recording_logps(model, *args, **kwargs):
+            out = original_logps(model, *args, **kwargs)
+            if torch.is_grad_enabled():  # the loss's own forward: keep its log-probs, so β costs no second one
+                monitor._logp = getattr(trainer, "_pc_logp_trainer", None)
+                monitor._logp = out[0].detach() if monitor._logp is None else monitor._logp
+            return out
+
+        def compute_loss_and_monitor(model, inputs):
+            loss = original(model, inputs)
+            step = trainer.state.global_step
+            if step % monitor.interval == 0 and model.training:
+                monitor._measure(model, inputs, step)
+            return loss
+
+        trainer._compute_loss = compute_loss_and_monitor
+        trainer._get_per_token_logps_and_entropies = recording_logps
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            trainer = _find_trainer()
+            if trainer is None:
+                raise IntegrationError("PrecisionMonitor could not find its trainer: call monitor.attach(trainer) before trainer.train()")
+            self.attach(trainer)
+
+    @torch.no_grad()
+    def _measure(self, model, inputs: dict, step: int) -> None:
+        trainer = self.trainer
+        policy = _unwrap(trainer)
+        if self._shadow is None:
+            self._shadow = _Shadow(policy, self.engine_dtype, self.matmul)
+        changed = self._shadow.sync(policy, step)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        L = inputs["completion_ids"].size(1)
+        logp = self._logp  # [B, L], recorded from the loss's forward
+        from trl import GRPOTrainer  # the plain scorer, also under with_shadow_ratio
+
+        logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, self._shadow.model, input_ids, attention_mask, L)
+        stats = precision_stats(logp, logp_shadow, _completion_mask(inputs), inputs["advantages"], *self._eps,
+                                logp_engine=inputs.get("sampling_per_token_logps"))
+        if not math.isnan(changed):
+            stats["changed_share_at_sync"] = changed
+        self.last = stats
+        self.last_tensors = (logp, logp_shadow, _completion_mask(inputs), inputs["advantages"])  # for checks
+        for key, value in stats.items():
+            trainer._metrics["train"][f"precision/{key}"].append(value)
+
+
+def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul: str = "auto") -> type:
+    """A subclass of `trainer_cls` (trl.GRPOTrainer or a subclass) whose PPO clip decides on the shadow ratio.
+
+    The log-probs TRL's loss receives become logp_shadow + (logp − logp.detach()): their value is the engine-
+    precision log-prob of the current weights (so the ratio that TRL clips is free of β), their gradient is the
+    trainer's ∇logp. TRL multiplies that gradient by exp(value), i.e. by the shadow ratio instead of the trainer
+    ratio: a per-token factor e^−β ≈ 1 ± |β|. Loss types, rollout corrections and KL are TRL's, unchanged.
+    """
+    check_trl_version()
+    from trl import GRPOTrainer
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, GRPOTrainer)):
+        raise IntegrationError(f"with_shadow_ratio wraps trl.GRPOTrainer or a subclass of it, not {getattr(trainer_cls, '__name__', trainer_cls)!r}")
+    parse_dtype(engine_dtype)
+
+    class ShadowRatio(trainer_cls):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            logp, entropies, aux = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            policy = _unwrap(self)
+            if getattr(self, "_pc_shadow", None) is None:
+                self._pc_shadow = _Shadow(policy, engine_dtype, matmul)
+            self._pc_shadow.sync(policy, self.state.global_step)
+            with torch.no_grad():
+                logp_shadow, _, _ = super()._get_per_token_logps_and_entropies(
+                    self._pc_shadow.model, input_ids, attention_mask, logits_to_keep, *args,
+                    **{**kwargs, "compute_entropy": False, "compute_aux_loss": False})
+            self._pc_logp_trainer = logp.detach() if torch.is_grad_enabled() else None  # for PrecisionMonitor
+            return logp_shadow + (logp - logp.detach()), entropies, aux
+
+    ShadowRatio.__name__ = ShadowRatio.__qualname__ = f"ShadowRatio{trainer_cls.__name__}"
+    return ShadowRatio
+
+
+# ------------------------------------------------------------------------------------------ pre-flight
+
+
+def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
+    """`phantomclip diagnose` settings matching a TRL GRPO config (a YAML path, a dict or a GRPOConfig), and
+    notes on what could not be matched. Reads no TRL internals, so it works without trl installed.
+
+    Trainer recipe: cast_lm_head_to_fp32 -> fp32-head; fp16 -> fp16; a model loaded in bf16 (model_init_kwargs
+    dtype) -> bf16; bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32. Engine: bf16 (vLLM's
+    'auto' dtype on bf16 checkpoints) unless `vllm_dtype` says otherwise. Sampling and ε are TRL's.
+    """
+    import yaml
+
+    from ..diagnose import ConfigError
+
+    if isinstance(config, (str, bytes)) or hasattr(config, "read_text"):
+        from pathlib import Path
+
+        path = Path(config)
+        try:
+            cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"--from-trl-config {path}: cannot read it ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--from-trl-config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    elif isinstance(config, dict):
+        cfg = config
+    else:  # a GRPOConfig (or any object with the same attributes)
+        cfg = {k: getattr(config, k) for k in dir(config) if not k.startswith("_") and not callable(getattr(config, k))}
+    if not isinstance(cfg, dict):
+        raise ConfigError("--from-trl-config: expected a mapping of GRPOConfig fields at the top level")
+    notes = []
+    fp16 = bool(cfg.get("fp16", False))
+    bf16 = cfg.get("bf16")
+    bf16 = (not fp16) if bf16 is None else bool(bf16)  # TRL's default: bf16 unless fp16
+    init = cfg.get("model_init_kwargs") or {}
+    model_dtype = str(init.get("dtype", init.get("torch_dtype", "")) if isinstance(init, dict) else "").replace("torch.", "")
+    if cfg.get("cast_lm_head_to_fp32"):
+        trainer = "fp32-head"
+    elif fp16:
+        trainer = "fp16"
+    elif model_dtype in ("bfloat16", "bf16"):
+        trainer = "bf16"
+    elif bf16:
+        trainer = "bf16-autocast"
+    else:
+        trainer = "fp32"
+    from ..recipes import RECIPES
+
+    notes.append(f"your trainer recipe is {trainer} (first row); the other recipes are measured too, to say what to change")
+    settings = {"trainer": ",".join([trainer, *(r for r in RECIPES if r != trainer)]), "engine_dtype": str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("epsilon", "epsilon")):
+        if cfg.get(theirs) is not None:
+            settings[ours] = type({"top_k": 0}.get(ours, 0.0))(cfg[theirs])
+    settings["epsilon_high"] = float(cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else settings.get("epsilon", 0.2)
+    if cfg.get("max_completion_length"):
+        settings["max_tokens"] = int(cfg["max_completion_length"])
+    if cfg.get("model_name_or_path"):
+        settings["model"] = str(cfg["model_name_or_path"])
+    if cfg.get("min_p"):
+        notes.append(f"min_p = {cfg['min_p']} is not measured (diagnose supports top-p and top-k)")
+    if cfg.get("use_vllm") is False:
+        notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a precision")
+    return settings, notes

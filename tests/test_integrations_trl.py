@@ -1,0 +1,143 @@
+"""PrecisionMonitor and with_shadow_ratio inside TRL 1.16's GRPOTrainer, on the tiny model on CPU."""
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from phantomclip.integrations.trl import IntegrationError, PrecisionMonitor, precision_stats, with_shadow_ratio  # noqa: E402
+from phantomclip.metrics import phantom_clip_mask  # noqa: E402
+
+
+def _trainer(tmp_path, callbacks=(), cls=None, steps=3, seed=0):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from phantomclip.models import load_model
+
+    torch.manual_seed(seed)
+    lm = load_model("tiny-random:30")
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1, max_steps=steps,
+                      learning_rate=1e-3, seed=seed, data_seed=seed)
+    ds = Dataset.from_dict({"prompt": ["hello there", "what is two plus two"] * 8})
+    reward = lambda completions, completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]  # noqa: E731
+    return (cls or GRPOTrainer)(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds, processing_class=lm.tokenizer,
+                                callbacks=list(callbacks))
+
+
+def test_monitor_logs_precision_keys_and_changes_nothing(tmp_path):
+    plain = _trainer(tmp_path / "a")
+    plain.train()
+    monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    watched = _trainer(tmp_path / "b", callbacks=[monitor])
+    watched.train()
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(plain) == losses(watched)  # the monitor changes nothing (same seeds, same numbers)
+    logged = [h for h in watched.state.log_history if "precision/beta_abs_mean" in h]
+    assert len(logged) == 3
+    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate"):
+        assert all(math.isfinite(h[f"precision/{key}"]) for h in logged), key
+    assert logged[-1]["precision/beta_abs_mean"] > 0  # fp32 trainer vs bf16 shadow: a real gap
+    assert "precision/changed_share_at_sync" in logged[-1]
+    # the last logged figures equal diagnose's own metric function on the same tensors (the monitor's last batch)
+    from phantomclip.metrics import mismatch_stats
+
+    logp, logp_shadow, mask, adv = monitor.last_tensors
+    ref = mismatch_stats(logp, logp_shadow, mask, 0.2, 0.2, advantages=adv.reshape(-1))
+    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate"):
+        assert logged[-1][f"precision/{key}"] == pytest.approx(ref[key], rel=1e-9, abs=1e-12), key
+
+
+def test_precision_stats_on_constructed_tensors():
+    # ε = 0.2: log bounds -0.223 / +0.182. β = [0.3, -0.3, 0.1] with A = [+1, +1, -1], plus a padded token.
+    logp_shadow = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    logp = logp_shadow + torch.tensor([[0.3, -0.3, 0.1, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    s = precision_stats(logp, logp_shadow, mask, torch.tensor([1.0]), 0.2, 0.2)
+    assert s["beta_mean"] == pytest.approx(0.1 / 3, abs=1e-6)
+    assert s["outside_trust_region"] == pytest.approx(2 / 3)  # 0.3 above, -0.3 below
+    assert s["phantom_clip_rate"] == pytest.approx(1 / 3)  # only 0.3 with A > 0 zeroes the gradient
+    beta = torch.tensor([0.3, -0.3, 0.1], dtype=torch.float64)
+    assert s["phantom_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2, 0.2).double().mean().item()
+
+
+def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match(tmp_path):
+    from trl import GRPOTrainer
+
+    base = _trainer(tmp_path / "p", steps=1)
+    shadowed = _trainer(tmp_path / "s", cls=with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16"), steps=1)
+    same = _trainer(tmp_path / "f", cls=with_shadow_ratio(GRPOTrainer, engine_dtype="float32"), steps=1)
+    g = torch.Generator().manual_seed(0)
+    B, P, L = 4, 3, 6
+    inputs = {
+        "prompt_ids": torch.randint(0, 250, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(0, 250, (B, L), generator=g), "completion_mask": torch.ones(B, L, dtype=torch.long),
+        "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0]), "num_items_in_batch": torch.tensor(float(B * L)),
+    }
+    for t in (base, shadowed, same):
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+    with torch.no_grad():
+        logp, _, _ = base._get_per_token_logps_and_entropies(base.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                                                             torch.ones(B, P + L, dtype=torch.long), L)
+    # old log-probs put each token right at the clip boundary, so β decides the clip: r = 1.2 exactly for A > 0
+    inputs["old_per_token_logps"] = logp - math.log(1.2)
+    clip_rates = {}
+    for name, t in (("plain", base), ("bf16 shadow", shadowed), ("fp32 shadow", same)):
+        t._metrics["train"].clear()
+        loss = t._compute_loss(t.model, dict(inputs))
+        clip_rates[name] = (loss.item(), t._metrics["train"]["clip_ratio/region_mean"][-1])
+    assert clip_rates["fp32 shadow"][0] == pytest.approx(clip_rates["plain"][0], rel=1e-6)  # same dtype: TRL's own loss
+    assert clip_rates["fp32 shadow"][1] == clip_rates["plain"][1]
+    assert clip_rates["bf16 shadow"][1] != clip_rates["plain"][1], clip_rates  # β moved tokens across the boundary
+
+
+def test_bad_input():
+    with pytest.raises(IntegrationError, match="interval must be an integer >= 1"):
+        PrecisionMonitor(interval=0)
+    with pytest.raises(IntegrationError, match="wraps trl.GRPOTrainer"):
+        with_shadow_ratio(dict)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        PrecisionMonitor(engine_dtype="fp8")
+
+
+def test_version_range_is_checked(monkeypatch):
+    import phantomclip.integrations.trl as integration
+
+    monkeypatch.setattr(integration, "version", lambda name: "1.17.0")
+    with pytest.raises(IntegrationError, match=r"supports trl >=1.16,<1.17 \(installed: 1.17.0\)"):
+        integration.check_trl_version()
+
+
+def test_trl_config_preflight(tmp_path, capsys):
+    from conftest import bad_cli
+    from phantomclip.cli import main
+    from phantomclip.integrations.trl import diagnose_settings_from_trl
+
+    yaml_path = tmp_path / "grpo.yaml"
+    yaml_path.write_text("model_name_or_path: tiny-random:0\ncast_lm_head_to_fp32: true\ntemperature: 0.9\ntop_p: 0.95\n"
+                         "epsilon: 0.2\nepsilon_high: 0.28\nmax_completion_length: 8\nmin_p: 0.05\n")
+    settings, notes = diagnose_settings_from_trl(yaml_path)
+    assert settings["trainer"].split(",")[0] == "fp32-head" and settings["engine_dtype"] == "bf16"
+    assert (settings["temperature"], settings["top_p"], settings["epsilon"], settings["epsilon_high"], settings["max_tokens"]) == (0.9, 0.95, 0.2, 0.28, 8)
+    assert any("min_p" in n for n in notes)
+    # TRL's default precision: bf16 autocast unless fp16; a bf16-loaded model is a bf16 trainer
+    assert diagnose_settings_from_trl({})[0]["trainer"].startswith("bf16-autocast,")
+    assert diagnose_settings_from_trl({"bf16": False})[0]["trainer"].startswith("fp32,")
+    assert diagnose_settings_from_trl({"model_init_kwargs": {"dtype": "bfloat16"}})[0]["trainer"].startswith("bf16,")
+    from trl import GRPOConfig
+
+    assert diagnose_settings_from_trl(GRPOConfig(output_dir=str(tmp_path), fp16=False, bf16=False, use_cpu=True))[0]["trainer"].startswith("fp32,")
+    out = tmp_path / "d.json"
+    assert main(["diagnose", "--from-trl-config", str(yaml_path), "--n", "3", "--json", str(out)]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["config"]["top_p"] == 0.95 and result["config"]["epsilon_high"] == 0.28
+    assert list(result["recipes"])[0] == "fp32-head"
+    capsys.readouterr()
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
+    assert "not valid YAML" in bad_cli(["diagnose", "--from-trl-config", str(tmp_path / "bad.yaml")], capsys)

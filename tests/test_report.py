@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -58,10 +59,27 @@ def test_missing_data_names_the_command():
         assert f'id="{w}"' in text  # widgets need no data
 
 
-def test_report_bad_input(capsys, tmp_path):
+def test_report_bad_input(capsys, tmp_path, sources):
     assert "no such file or directory" in bad_cli(["report", "--from", str(tmp_path / "nope"), "--out", str(tmp_path / "r")], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "found no diagnose JSON" in bad_cli(["report", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")], capsys)
     (tmp_path / "afile").write_text("x")
-    assert "is a file" in bad_cli(["report", "--from", str(tmp_path), "--out", str(tmp_path / "afile")], capsys)
+    assert "is a file" in bad_cli(["report", "--from", str(sources), "--out", str(tmp_path / "afile")], capsys)
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    diag = json.loads((sources / "diagnose.json").read_text())
+    (newer / "d.json").write_text(json.dumps({**diag, "schema": 99}))
+    assert "data schema 99, newer than this phantomclip reads (1)" in bad_cli(["report", "--from", str(newer), "--out", str(tmp_path / "r")], capsys)
+
+
+def test_a_killed_run_is_read_up_to_its_last_complete_line(sources, tmp_path):
+    run = tmp_path / "killed"
+    shutil.copytree(sources / "sanity" / "none", run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # torn by SIGKILL
+    with pytest.warns(UserWarning, match="last line is incomplete"):
+        data = collect([run])
+    assert [m["step"] for m in data.runs[0]["metrics"]] == [1, 2, 3]
 
 
 def _chromium() -> str | None:
@@ -90,13 +108,25 @@ def test_page_in_a_real_browser(sources, tmp_path):
         assert page.evaluate("grpoToken(1, 0.3, 0, 0.2).phantom") is False  # real clipping: α itself moved
         page.fill("#g-beta", "0.3")
         page.dispatch_event("#g-beta", "input")
+        assert page.inner_text("#g-verdict").startswith("Gradient zeroed")  # A = 1 > 0 and r = e^0.3 > 1.2
         assert "phantom clipping" in page.inner_text("#g-verdict")
         page.fill("#g-beta", "0")
         page.dispatch_event("#g-beta", "input")
         assert page.inner_text("#g-verdict") == "Gradient flows."
+        before = page.inner_text("#nl-table")
         page.fill("#nl-x", "1.0001")
         page.dispatch_event("#nl-x", "input")
+        assert page.inner_text("#nl-table") != before  # the readout follows the input
         assert "1.00000000" in page.inner_text("#nl-table")  # bf16 and fp16 round 1.0001 to 1
+        artifacts = Path(os.environ.get("PHANTOMCLIP_ARTIFACTS", tmp_path))
+        artifacts.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(artifacts / "report-full-page.png"), full_page=True)
+        assert (artifacts / "report-full-page.png").stat().st_size > 10_000
+        empty = tmp_path / "empty.html"
+        empty.write_text(render(ReportData()))
+        page.goto(empty.as_uri())
+        notes = page.locator(".missing")
+        assert notes.count() == len(FIGURES) + 1 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text()
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())
         phone.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import SCHEMA_VERSION, __version__
 from .engine import LocalEngine, Rollout, SamplingParams
 from .metrics import mismatch_stats
 from .models import BUNDLED_NAME, load_model
@@ -205,6 +205,7 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
 
     seq_index, position = _token_index(mask_all)
     out = {
+        "schema": SCHEMA_VERSION,
         "config": asdict(cfg),
         "versions": _versions(),
         "model": {

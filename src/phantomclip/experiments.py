@@ -12,6 +12,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from . import SCHEMA_VERSION
 from .runs import RunDir, atomic_write_bytes
 from .trainer import TrainConfig, TrainConfigError, finished_early, train
 
@@ -89,7 +90,7 @@ def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None
 
 def write_summary(rows: list[dict], base: TrainConfig, out: Path) -> None:
     clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
-    atomic_write_bytes(out / "summary.json", json.dumps({"base_config": vars(base), "runs": clean}, indent=1).encode())
+    atomic_write_bytes(out / "summary.json", json.dumps({"schema": SCHEMA_VERSION, "base_config": vars(base), "runs": clean}, indent=1).encode())
     atomic_write_bytes(out / "summary.md", summary_markdown(rows).encode())
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
 from .metrics import trust_region_split
 from .recipes import (
@@ -299,7 +300,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
                             "dz_expected_abs_mean": fo["dz_expected"][m].abs().mean().item(),
                             "first_order_abs_mean": fo["first_order"][m].abs().mean().item()})
     result = {
-        "config": asdict(cfg), "recipe": recipe.name, "against": reference.name, "tokens": int(beta.numel()),
+        "schema": SCHEMA_VERSION, "config": asdict(cfg), "recipe": recipe.name, "against": reference.name, "tokens": int(beta.numel()),
         "sites": layer_rows,
         "beta": _beta_summary(beta, cfg.epsilon),
         "first_order": {"explained_share": 1 - residual.item(),

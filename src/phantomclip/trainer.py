@@ -39,7 +39,7 @@ from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
 from .runs import RunDir
 
 EXPERIMENT_LR = 3e-5
-RESUME_MAY_CHANGE = ("steps", "versions", "checkpoint_every", "samples_per_step", "token_log_steps")
+RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
 
 
@@ -383,10 +383,10 @@ def run_config(cfg: TrainConfig) -> dict:
     """config.json: every field, the resolved plan, versions. Resume compares this (minus steps/versions)."""
     import transformers
 
-    from . import __version__
+    from . import SCHEMA_VERSION, __version__
 
     return {
-        **asdict(cfg), "plan": asdict(resolve_plan(cfg)),
+        "schema": SCHEMA_VERSION, **asdict(cfg), "plan": asdict(resolve_plan(cfg)),
         "versions": {"phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
     }
 

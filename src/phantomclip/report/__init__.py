@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .. import SCHEMA_VERSION
+
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
 
@@ -53,8 +55,6 @@ def _read_json(path: Path) -> dict | None:
 
 def collect(sources: list[str | Path]) -> ReportData:
     """Classify every JSON file and run directory under `sources` (files or directories)."""
-    from ..runs import read_jsonl
-
     data = ReportData()
     seen: set[Path] = set()
     for src in map(Path, sources):
@@ -69,17 +69,38 @@ def collect(sources: list[str | Path]) -> ReportData:
             doc = _read_json(f)
             if doc is None:
                 continue
+            if isinstance(doc.get("schema"), int) and doc["schema"] > SCHEMA_VERSION:
+                raise ReportError(f"{f}: written with data schema {doc['schema']}, newer than this phantomclip reads "
+                                  f"({SCHEMA_VERSION}): upgrade phantomclip")
             doc["_path"] = str(f)
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
-                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc, "metrics": read_jsonl(f.parent / "metrics.jsonl"),
-                                  "tokens": read_jsonl(f.parent / "tokens.jsonl")})
+                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc,
+                                  "metrics": _read_run_lines(f.parent / "metrics.jsonl"), "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
             elif "recipes" in doc and "tokens" in doc:
                 data.diagnose.append(doc)
             elif "runs" in doc and "base_config" in doc:
                 data.sanity.append(doc)
             elif "sites" in doc and "first_order" in doc:
                 data.traces.append(doc)
+    if not (data.diagnose or data.runs or data.sanity or data.traces):
+        raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
+                          "experiment directory; give the files that diagnose --json, trace --json, train --out or experiment --out wrote")
     return data
+
+
+def _read_run_lines(path: Path) -> list[dict]:
+    """A JSONL file's complete lines; a torn last line (a killed run) is skipped with a warning."""
+    import warnings
+
+    from ..runs import read_jsonl
+
+    rows = read_jsonl(path)
+    if path.exists():
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if len(lines) > len(rows):
+            warnings.warn(f"{path}: read {len(rows)} complete lines; the last line is incomplete (a killed run?) and was skipped",
+                          stacklevel=2)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- figures

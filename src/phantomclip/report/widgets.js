@@ -86,7 +86,7 @@ function grpoWidget() {
     const t = grpoToken(A, alpha, beta, eps);
     el.querySelector("#g-text").innerHTML = `r = e<sup>α+β</sup> = ${t.r.toFixed(3)}; r·A = ${t.unclipped.toFixed(3)}, clip(r)·A = ${t.clipped.toFixed(3)}; ` +
       `min() picks the ${t.unclipped <= t.clipped ? "unclipped" : "clipped"} branch. ` +
-      (t.zero ? `<span class="verdict-zero" id="g-verdict">Gradient zero${t.phantom ? ": phantom clipping (α alone is inside the trust region)" : " (the policy really moved)"}.</span>`
+      (t.zero ? `<span class="verdict-zero" id="g-verdict">Gradient zeroed${t.phantom ? ": phantom clipping (α alone is inside the trust region)" : " (the policy really moved)"}.</span>`
               : `<span class="verdict-ok" id="g-verdict">Gradient flows.</span>`);
     const xs = [], un = [], cl = [];
     for (let lr = -0.6; lr <= 0.6001; lr += 0.01) { const r = Math.exp(lr); xs.push(lr); un.push(r * A); cl.push(Math.min(Math.max(r, 1 - eps), 1 + eps) * A); }

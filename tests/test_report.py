@@ -160,3 +160,14 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_intervention_sentence_states_mechanism_and_measured_outcome():
+    from phantomclip.report import _why
+
+    base = {"run": "none", "converged": False, "steps_run": 30, "final_length": 17.25, "phantom_rate_first5": 0.0017}
+    fixed = {"run": "force-r1", "converged": True, "steps_to_converge": 24, "steps_run": 26, "final_length": 1.5, "phantom_rate_first5": 0.0}
+    assert _why(fixed, "ratio forced to 1", base) == ("Ratio forced to 1. It converged at step 24, where the baseline did not; "
+                                                      "0.00% of tokens were phantom-clipped in its first 5 steps.")
+    assert _why(base, "baseline: nothing changed", base) == ("Baseline: nothing changed. It did not converge in 30 steps (final mean "
+                                                             "length 17.2); 0.17% of tokens were phantom-clipped in its first 5 steps.")

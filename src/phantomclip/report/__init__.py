@@ -244,15 +244,31 @@ def html_sanity_table(data: ReportData) -> str | None:
         return None
     rows = data.sanity[-1]["runs"]
     head = ("<table><thead><tr><th>run</th><th>steps to convergence</th><th>final reward</th><th>final length</th>"
-            "<th>phantom-clip rate, first 5 steps</th><th>wall (s)</th><th>what it changes</th></tr></thead><tbody>")
+            "<th>phantom-clip rate, first 5 steps</th><th>wall (s)</th><th>what it changes, and what happened here</th></tr></thead><tbody>")
+    baseline = next((r for r in rows if r["run"] == "none"), None)
     body = ""
     for r in rows:
         conv = str(r["steps_to_converge"]) if r["converged"] else f"not converged in {r['steps_run']}"
         doc = INTERVENTIONS.get(r["run"].split(",")[0].split("=")[0])
         body += (f"<tr><td>{html.escape(r['run'])}</td><td>{conv}</td><td>{_num(r['final_reward'], 2)}</td>"
                  f"<td>{_num(r['final_length'], 1)}</td><td>{_num(100 * r['phantom_rate_first5'] if r['phantom_rate_first5'] is not None else None, 2)}%</td>"
-                 f"<td>{_num(r['wall_s'], 0)}</td><td>{html.escape(doc.doc if doc else '')}</td></tr>")
+                 f"<td>{_num(r['wall_s'], 0)}</td><td>{html.escape(_why(r, doc.doc if doc else '', baseline))}</td></tr>")
     return head + body + "</tbody></table>"
+
+
+def _why(r: dict, mechanism: str, baseline: dict | None) -> str:
+    """The intervention's mechanism, then one sentence on what it did in this data (never a claim the data lacks)."""
+    if r["converged"]:
+        outcome = f"It converged at step {r['steps_to_converge']}"
+        if baseline is not None and r is not baseline:
+            outcome += (", where the baseline did not" if not baseline["converged"] else
+                        f" (baseline: step {baseline['steps_to_converge']})")
+    else:
+        outcome = f"It did not converge in {r['steps_run']} steps (final mean length {_num(r['final_length'], 1)})"
+    phantom = r.get("phantom_rate_first5")
+    if phantom is not None:
+        outcome += f"; {_num(100 * phantom, 2)}% of tokens were phantom-clipped in its first 5 steps."
+    return f"{mechanism[:1].upper()}{mechanism[1:]}. {outcome}" if mechanism else outcome
 
 
 def _num(x, digits: int) -> str:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,28 @@ class RunDir:
         buf = io.BytesIO()
         torch.save(state, buf)
         atomic_write_bytes(self.checkpoint_path, buf.getvalue())
+
+
+class GracefulStop:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second: KeyboardInterrupt as usual.
+    Only in the main thread (signal handlers cannot be installed elsewhere)."""
+
+    def __init__(self):
+        self.flag = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        print("\nstopping after this step with a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False

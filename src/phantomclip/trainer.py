@@ -20,10 +20,7 @@ conflicts; the loss itself is `loss.grpo_loss`, a pure function.
 from __future__ import annotations
 
 import math
-import queue
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -32,11 +29,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .engine import LocalEngine, Rollout, SamplingParams, sync_weights
-from .loss import AGGREGATIONS, CORRECTIONS, CorrectionParams, group_advantages, grpo_loss, rollout_correction
+from .engine import LocalEngine, SamplingParams, sync_weights
+from .loss import (
+    AGGREGATIONS,
+    CORRECTIONS,
+    CorrectionParams,
+    group_advantages,
+    grpo_loss,
+    rollout_correction,
+)
 from .metrics import alpha_beta_stats
+from .producer import Batch, RolloutProducer, snapshot
 from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
-from .runs import RunDir
+from .runs import GracefulStop, RunDir
 
 EXPERIMENT_LR = 3e-5
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
@@ -270,105 +275,6 @@ class _Scorer(nn.Module):
                                  self.group_size, grad=self.grad)
 
 
-@dataclass
-class Batch:
-    """One rollout batch as the producer hands it over."""
-
-    step: int
-    prompts: list[str]
-    rollout: Rollout
-    weights_version: int
-    """the engine sampled with θ_{weights_version}."""
-    logp_old: torch.Tensor | None
-    """[B, T] trainer log-probs at θ_{weights_version} (recompute-old only)."""
-    generate_s: float
-
-
-class RolloutProducer:
-    """Runs `make_batch(k, version, weights)` for k = first..last−1 in a background thread, at most
-    max(1, staleness) batches ahead. Batch k waits for weights version max(0, k − staleness), which the trainer
-    publishes after step version − 1: so the content of every batch is fixed by (seed, k), not by timing."""
-
-    def __init__(self, make_batch: Callable[[int, int, dict], Batch], first: int, last: int, staleness: int):
-        self.make_batch, self.first, self.last, self.staleness = make_batch, first, last, staleness
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}
-        self._cond = threading.Condition()
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, staleness))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-
-    def start(self) -> RolloutProducer:
-        self._thread.start()
-        return self
-
-    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        with self._cond:
-            self._weights[version] = weights
-            self._cond.notify_all()
-
-    def get(self) -> Batch:
-        while True:
-            try:
-                item = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the rollout producer stopped without a batch") from None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        while self._thread.is_alive():
-            try:
-                self._queue.get_nowait()  # unblock a put
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.1)
-
-    def _run(self) -> None:
-        try:
-            for k in range(self.first, self.last):
-                version = max(0, k - self.staleness)
-                with self._cond:
-                    while version not in self._weights and not self._stop.is_set():
-                        self._cond.wait(timeout=0.5)
-                    if self._stop.is_set():
-                        return
-                    weights = self._weights[version]
-                    for v in [v for v in self._weights if v < version]:
-                        del self._weights[v]
-                self._put(self.make_batch(k, version, weights))
-        except BaseException as e:  # handed to the trainer, which re-raises it in the main thread
-            self._put(e)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-
-def snapshot(model: nn.Module, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A detached copy of every floating-point weight (tied ones under each name), for the engine to load later.
-
-    `reuse`: an older snapshot nobody reads any more; its buffers are overwritten instead of allocating 4 bytes
-    per parameter again (fresh allocations page-fault: 0.8 s against 0.1 s for the bundled model here).
-    """
-    with torch.no_grad():
-        if reuse is not None:
-            for k, v in model.state_dict().items():
-                if k in reuse:
-                    reuse[k].copy_(v)
-            return reuse
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
-
-
 # ------------------------------------------------------------------------------------------ the loop
 
 
@@ -464,7 +370,7 @@ def train(
         producer.publish(version, snapshots[version])
     producer.start()
 
-    stop_requested = _GracefulStop()
+    stop_requested = GracefulStop()
     metrics: list[dict] = list(run.metrics()) if run else []
     done = start
     progress = _progress(console, cfg.steps, start)
@@ -603,31 +509,6 @@ def _save(run: RunDir, step: int, master, optimizer, scaler, snapshots: dict, st
                          "scaler": scaler.state_dict(), "snapshots": keep})
 
 
-class _GracefulStop:
-    """First Ctrl-C: finish the current step, checkpoint, stop. Second: KeyboardInterrupt as usual.
-    Only in the main thread (signal handlers cannot be installed elsewhere)."""
-
-    def __init__(self):
-        self.flag = False
-        self._old = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.flag:
-            raise KeyboardInterrupt
-        self.flag = True
-        print("\nstopping after this step with a checkpoint (Ctrl-C again to abort)", flush=True)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-        return False
-
-
 class _progress:
     """A rich progress bar with reward, length and phantom-clip rate; silent without a console."""
 
@@ -637,7 +518,13 @@ class _progress:
 
     def __enter__(self):
         if self.console is not None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console)

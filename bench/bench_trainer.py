@@ -28,21 +28,15 @@ torch.set_num_threads(2)
 
 def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], list[float]]:
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from phantomclip.models import load_model
 
     lm = load_model("smollm2-135m")
-    times: list[float] = []
+    from trl_clock import StepClock
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
+    clock = StepClock()
+    times = clock.times
     def neglen(completions, completion_ids, **kw):
         return [-float(len(c)) for c in completion_ids]
 
@@ -56,7 +50,7 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
             lr_scheduler_type="constant",
         )
         trainer = GRPOTrainer(model=lm.model, args=args, reward_funcs=neglen, train_dataset=ds,
-                              processing_class=lm.tokenizer, callbacks=[Clock()])
+                              processing_class=lm.tokenizer, callbacks=[clock])
         trainer.train()
         lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
     return times[1:], lengths[1:]

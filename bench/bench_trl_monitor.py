@@ -7,7 +7,6 @@ monitor off, interval 1, interval 10, alternating in one process. One prompt x 8
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -16,25 +15,19 @@ torch.set_num_threads(2)
 
 def run(interval: int | None, steps: int) -> list[float]:
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from phantomclip.integrations.trl import PrecisionMonitor
     from phantomclip.models import load_model
     from phantomclip.prompts import bundled_prompts
 
-    times: list[float] = []
+    from trl_clock import StepClock
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
+    clock = StepClock()
+    times = clock.times
     lm = load_model("smollm2-135m")
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": bundled_prompts()[0]}]] * 8 * (steps + 1)})
-    callbacks = [Clock()] + ([PrecisionMonitor(engine_dtype="bfloat16", interval=interval)] if interval else [])
+    callbacks = [clock] + ([PrecisionMonitor(engine_dtype="bfloat16", interval=interval)] if interval else [])
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8, max_completion_length=32,
                          learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1, report_to=[],

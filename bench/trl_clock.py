@@ -1,0 +1,16 @@
+"""A TrainerCallback that records the wall time of every optimizer step (generation included in GRPO)."""
+
+import time
+
+from transformers import TrainerCallback
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.times.append(time.perf_counter() - self.t0)

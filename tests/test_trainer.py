@@ -281,3 +281,17 @@ def test_token_log_matches_the_step_metrics(tmp_path):
         assert sum(t["alpha"]) / n == pytest.approx(r["mismatch/alpha_mean"], abs=1e-6)  # 6-decimal rounding
         assert sum(t["beta"]) / n == pytest.approx(r["mismatch/beta_mean"], abs=1e-6)
         assert sum(t["clipped"]) / n == pytest.approx(r["clip/rate"])
+
+
+def test_kernel_gap_split_adds_up_to_alpha():
+    rows = train(TrainConfig(**TINY, steps=3, split_kernel_gap=True)).metrics
+    for r in rows:
+        assert r["mismatch/policy_change_mean"] + r["mismatch/kernel_gap_mean"] == pytest.approx(r["mismatch/alpha_mean"], abs=1e-12)
+    assert rows[0]["mismatch/policy_change_abs_mean"] == 0  # step 1: the rollout's weights are the current ones
+    assert rows[0]["mismatch/kernel_gap_abs_mean"] > 0  # bf16 decode vs bf16 prefill differ (tiny: about 1e-2)
+
+
+def test_trainer_scores_at_the_sampling_temperature():
+    """fp32 engine and fp32 trainer at temperature 0.7: log r is ~0 only if both divide the logits by 0.7."""
+    rows = train(TrainConfig(**{**TINY, "lr": 1e-9}, steps=2, staleness=0, temperature=0.7, engine_dtype="fp32")).metrics
+    assert all(abs(r["mismatch/log_ratio_mean"]) < 1e-4 and r["mismatch/beta_abs_mean"] < 1e-4 for r in rows), rows

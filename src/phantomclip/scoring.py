@@ -137,6 +137,7 @@ def score_completions(
     group_size: int = 1,
     chunk_size: int = 128,
     grad: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probs [B, L] of the completion tokens of a packed batch (`Rollout.pack`: prompts in columns :P,
     completions in P:), running each group's prompt once.
@@ -168,7 +169,7 @@ def score_completions(
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, 1.0, False)  # [N]
+        logp, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature, False)  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 

@@ -103,6 +103,9 @@ class TrainConfig:
     """stop once the task has counted as converged for this many consecutive steps (0: always run --steps)."""
     checkpoint_every: int = 10
     """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
+    split_kernel_gap: bool = False
+    """also score each rollout with the engine's own weights on the prefill path (one more no-grad forward, in the
+    producer thread), splitting α into the policy's change and the engine's decode-vs-prefill kernel gap."""
     samples_per_step: int = 2
     """completions per step written to samples.jsonl."""
     token_log_steps: int = 5
@@ -248,11 +251,12 @@ class TrainerForward:
         self.sources = {name: by_name[name] for name, _ in self.layout.named_parameters()}
         self.dtypes = {name: p.dtype for name, p in self.layout.named_parameters()}
 
-    def logprobs(self, packed: dict[str, torch.Tensor], prompt_width: int, group_size: int, grad: bool = True) -> torch.Tensor:
-        """[B, L] log-probs of the packed batch's completion tokens (0 at padding)."""
+    def logprobs(self, packed: dict[str, torch.Tensor], prompt_width: int, group_size: int, grad: bool = True,
+                 temperature: float = 1.0) -> torch.Tensor:
+        """[B, L] log-probs of the packed batch's completion tokens (0 at padding), at `temperature`."""
         from torch.func import functional_call
 
-        scorer = _Scorer(self.layout, self.recipe, prompt_width, group_size, grad)
+        scorer = _Scorer(self.layout, self.recipe, prompt_width, group_size, grad, temperature)
         args = (packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
         if self.layout is self.master:
             return scorer(*args)
@@ -264,15 +268,16 @@ class TrainerForward:
 class _Scorer(nn.Module):
     """`score_completions` as a module, so torch.func.functional_call can run it with substituted parameters."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool):
+    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool, temperature: float):
         super().__init__()
         self.model, self.recipe, self.prompt_width, self.group_size, self.grad = model, recipe, prompt_width, group_size, grad
+        self.temperature = temperature
 
     def forward(self, input_ids, attention_mask, completion_mask):
         from .scoring import score_completions
 
         return score_completions(self.model, self.recipe, input_ids, attention_mask, completion_mask, self.prompt_width,
-                                 self.group_size, grad=self.grad)
+                                 self.group_size, grad=self.grad, temperature=self.temperature)
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -357,13 +362,15 @@ def train(
         prompt_ids = [pool_ids[i] for i in chosen for _ in range(cfg.group_size)]
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 7919 + k, stop_token_ids=stops)
         rollout = engine.generate(prompt_ids, params)
-        logp_old = None
+        logp_old = logp_shadow_old = None
+        packed = rollout.pack(stops[0] if stops else 0)
         if old_policy is not None:
             sync_weights(old_policy, weights, count_changes=False)
-            packed = rollout.pack(stops[0] if stops else 0)
-            logp_old = _completion_logprobs(old_policy, trainer_recipe, packed, rollout.prompt_width, cfg.group_size)
+            logp_old = _completion_logprobs(old_policy, trainer_recipe, packed, rollout.prompt_width, cfg)
+        if cfg.split_kernel_gap:  # the engine's weights, scored the way the shadow is
+            logp_shadow_old = _completion_logprobs(engine.model, shadow_recipe, packed, rollout.prompt_width, cfg)
         return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, version, logp_old,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, logp_shadow_old)
 
     producer = RolloutProducer(make_batch, start, cfg.steps, cfg.staleness)
     for version in sorted(snapshots):
@@ -417,11 +424,12 @@ def finished_early(metrics: list[dict], patience: int) -> bool:
     return patience > 0 and len(metrics) >= patience and all(r["task/converged"] for r in metrics[-patience:])
 
 
-def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, group_size: int) -> torch.Tensor:
-    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch)."""
+def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, cfg: TrainConfig) -> torch.Tensor:
+    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch), at the sampling temperature."""
     from .scoring import score_completions
 
-    return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, group_size)
+    return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P,
+                             cfg.group_size, temperature=cfg.temperature)
 
 
 def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops) -> dict:
@@ -438,11 +446,11 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
-    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P, cfg.group_size)  # [B, L]
+    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P, cfg)  # [B, L]
     timings["time/shadow_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    logp = policy.logprobs(packed, P, cfg.group_size)  # [B, L], with grad
+    logp = policy.logprobs(packed, P, cfg.group_size, temperature=cfg.temperature)  # [B, L], with grad
     logp_old = {"engine": logp_engine, "trainer_old": batch.logp_old, "self": logp.detach()}[plan.ratio_against]
     # Rollout corrections weigh by π_trainer(θ_old) / μ_engine: the recomputed old log-probs when there are
     # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).
@@ -483,10 +491,22 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
         "train/loss": out.loss.item(),
         "train/grad_norm": grad_norm.item(),
         "train/loss_scale": scaler.get_scale() if plan.loss_scaling else 1.0,
+        **_kernel_split(batch.logp_shadow_old, logp_shadow, logp_engine, mask),
         "sync/changed_share": changed_share,
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
     }, tokens
+
+
+def _kernel_split(logp_shadow_old, logp_shadow, logp_engine, mask) -> dict[str, float]:
+    """α = [logp_shadow(θ_t) − logp_shadow(θ_old)] + [logp_shadow(θ_old) − logp_engine(θ_old)]: policy change + kernel gap."""
+    if logp_shadow_old is None:
+        return {}
+    m = mask.bool()
+    change = (logp_shadow.double() - logp_shadow_old.double())[m]
+    kernel = (logp_shadow_old.double() - logp_engine.double())[m]
+    return {"mismatch/policy_change_mean": change.mean().item(), "mismatch/policy_change_abs_mean": change.abs().mean().item(),
+            "mismatch/kernel_gap_mean": kernel.mean().item(), "mismatch/kernel_gap_abs_mean": kernel.abs().mean().item()}
 
 
 def _round6(x: torch.Tensor) -> list[float]:

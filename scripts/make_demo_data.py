@@ -18,6 +18,15 @@ from phantomclip.experiments import summarize
 DEMO = Path(__file__).resolve().parents[1] / "src" / "phantomclip" / "report" / "demo"
 
 
+def _finished(run: Path) -> bool:
+    from phantomclip.runs import read_jsonl
+    from phantomclip.trainer import finished_early
+
+    cfg = json.loads((run / "config.json").read_text())
+    rows = read_jsonl(run / "metrics.jsonl")
+    return len(rows) >= cfg["steps"] or finished_early(rows, cfg.get("stop_after_converged", 0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sanity", required=True, help="a finished `phantomclip experiment sanity` directory")
@@ -32,7 +41,8 @@ def main() -> None:
     dst = DEMO / "sanity"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
-    runs = sorted(p for p in src.iterdir() if (p / "metrics.jsonl").exists())
+    runs = sorted((p for p in src.iterdir() if (p / "metrics.jsonl").exists()), key=lambda p: (p / "config.json").stat().st_mtime)
+    runs = [p for p in runs if _finished(p)]  # an experiment still running: leave its current run out
     if (src / "summary.json").exists():
         shutil.copyfile(src / "summary.json", dst / "summary.json")
     else:  # an unfinished experiment: summarise the runs it has

@@ -75,3 +75,23 @@ def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
     before = (tmp_path / "force-r1" / "metrics.jsonl").read_text()
     run_sanity(base, tmp_path, only=["force-r1"])  # finished early counts as finished: nothing is rerun
     assert (tmp_path / "force-r1" / "metrics.jsonl").read_text() == before
+
+
+def test_ctrl_c_stops_the_whole_experiment(tmp_path, monkeypatch):
+    """An interrupted run (Ctrl-C) ends the experiment with its summary written, instead of starting the next run."""
+    import phantomclip.experiments as experiments
+    from phantomclip.trainer import TrainResult
+
+    calls = []
+
+    def interrupted_train(cfg, out, resume, console):
+        calls.append(cfg.intervention)
+        return TrainResult(metrics=[{"step": 1, "task/converged": False, "reward/mean": -8.0, "completion/length_mean": 8.0,
+                                     "clip/phantom_rate": 0.0, "clip/rate": 0.0, "mismatch/beta_abs_mean": 0.01, "time/step_s": 1.0}],
+                           run_dir=out, interrupted=True)
+
+    monkeypatch.setattr(experiments, "train", interrupted_train)
+    with pytest.raises(KeyboardInterrupt):
+        experiments.run_sanity(TrainConfig(model="tiny-random:30", steps=3), tmp_path, only=["none", "force-r1"])
+    assert calls == ["none"]
+    assert json.loads((tmp_path / "summary.json").read_text())["runs"][0]["steps_run"] == 1

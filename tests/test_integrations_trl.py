@@ -93,6 +93,15 @@ def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match
     assert clip_rates["fp32 shadow"][0] == pytest.approx(clip_rates["plain"][0], rel=1e-6)  # same dtype: TRL's own loss
     assert clip_rates["fp32 shadow"][1] == clip_rates["plain"][1]
     assert clip_rates["bf16 shadow"][1] != clip_rates["plain"][1], clip_rates  # β moved tokens across the boundary
+    # another model (TRL's reference model for the KL term) is scored as TRL scores it, not replaced by a shadow
+    import copy
+
+    ref_model = copy.deepcopy(shadowed.model).eval()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    with torch.no_grad():
+        theirs, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(shadowed, ref_model, ids, torch.ones_like(ids), L)
+        ours, _, _ = shadowed._get_per_token_logps_and_entropies(ref_model, ids, torch.ones_like(ids), L)
+    assert torch.equal(ours, theirs)
 
 
 def test_bad_input():

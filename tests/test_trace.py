@@ -60,7 +60,7 @@ def test_what_if_keeping_everything_in_fp32_removes_beta():
     assert rows["all"]["beta_abs_mean"] == 0 and rows["all"]["outside_trust_region"] == 0
     # the same β by two paths: float64 log-softmax of the traced logits vs scoring's fp32 logsumexp
     assert rows["(none)"]["beta_abs_mean"] == pytest.approx(r["beta"]["beta_abs_mean"], rel=1e-5)
-    assert rows["lm_head"]["extra_mib"] == pytest.approx(320 * 64 * 2 / 2**20)  # tied head untied: 20,480 values x 2 bytes
+    assert rows["lm_head"]["extra_mib"] == pytest.approx(320 * 64 * 4 / 2**20)  # tied head: a new fp32 copy, 20,480 values x 4 bytes
     assert math.isnan(rows["attention-softmax"]["gain_per_mib"])  # no parameters: gain per MiB undefined
 
 

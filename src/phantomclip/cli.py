@@ -259,7 +259,11 @@ def _run_report(args) -> int:
     print(f"wrote {page}")
     if args.serve:
         handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
-        with http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler) as server:
+        try:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler)
+        except OSError as e:
+            raise ReportError(f"--port {args.port}: cannot serve there ({e.strerror or e}); pick another port, or 0 for a free one") from None
+        with server:
             print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
             try:
                 server.serve_forever()

@@ -81,10 +81,14 @@ def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None
         done = RunDir(path).metrics() if (path / "config.json").exists() else []
         if console is not None:
             console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {name}" + (f" (continuing at step {len(done)})" if done else ""))
+        interrupted = False
         if len(done) < cfg.steps and not finished_early(done, cfg.stop_after_converged):
-            done = train(cfg, out=path, resume=(path / "config.json").exists(), console=console).metrics
+            result = train(cfg, out=path, resume=(path / "config.json").exists(), console=console)
+            done, interrupted = result.metrics, result.interrupted
         rows.append(summarize(name, done, cfg.steps))
         write_summary(rows, base, out)  # after every run, so an interrupted experiment still has its table
+        if interrupted:  # Ctrl-C: the run has its checkpoint; rerunning the command continues from it
+            raise KeyboardInterrupt
     return rows
 
 

@@ -28,7 +28,7 @@ class Batch:
     weights_version: int
     """the engine sampled with θ_{weights_version}."""
     logp_old: torch.Tensor | None
-    """[B, T] trainer log-probs at θ_{weights_version} (recompute-old only)."""
+    """[B, L] trainer log-probs at θ_{weights_version} (recompute-old only)."""
     generate_s: float
     logp_shadow_old: torch.Tensor | None = None
     """[B, L] the rollout's own weights, engine precision, prefill path (split_kernel_gap only)."""

@@ -226,18 +226,20 @@ def _logp(model: nn.Module, recipe: Recipe, packed: dict) -> torch.Tensor:
 
 
 def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> float:
-    """Extra memory of keeping `roles` in fp32 instead of `low`: their parameter count x (4 − bytes of low)."""
+    """Extra memory of keeping `roles` in fp32 instead of `low`: (4 − bytes of low) per parameter, and the full
+    4 bytes for a head tied to the embeddings (the recipe gives it its own fp32 copy; the embedding stays low)."""
     from .recipes import MODULE_ROLES
 
-    seen, n = set(), 0
+    seen, total = set(), 0.0
     finders = {**MODULE_ROLES, "all": lambda m: [m]}
+    tied = lm_head(model).weight is model.get_input_embeddings().weight and "all" not in roles
     for role in roles:
         for m in finders.get(role, lambda _: [])(model):
             for p in m.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    n += p.numel()
-    return n * (4 - torch.finfo(low).bits // 8) / 2**20
+                    total += p.numel() * (4 if (tied and role == "lm_head") else 4 - torch.finfo(low).bits // 8)
+    return total / 2**20
 
 
 def run_trace(cfg: TraceConfig, console=None) -> dict:
@@ -315,7 +317,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     # 3. Weights vs compute.
     if reference.weight_dtype == torch.float32 and not reference.autocast_dtype and recipe.compute_dtype != torch.float32:
         say("splitting β into weights and compute")
-        logp_w = _logp(_rounded_weights_model(master, recipe.weight_dtype), reference, packed)
+        logp_w = _logp(_rounded_weights_model(master, recipe.compute_dtype), reference, packed)  # autocast rounds weights too
         logp_c = _logp(_exact_weights_model(master, recipe), recipe, packed)
         logp_all = _logp(model if emulated else apply_recipe(master, recipe, "emulated"), recipe, packed)
         beta_w, beta_c, beta_all = logp_w - logp_ref, logp_c - logp_ref, logp_all - logp_ref
@@ -332,7 +334,9 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
         }
 
     # 4. What-if: each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB.
-    if cfg.what_if:
+    if cfg.what_if and get_recipe(cfg.recipe).autocast_dtype is not None:
+        result["what_if_note"] = "what-if is not run for autocast recipes: autocast would cast the kept modules back to its dtype"
+    elif cfg.what_if:
         say("what-if recipes")
         base = get_recipe(cfg.recipe)
         single = [v for v in KEEP_FP32.values() if v != "all"]

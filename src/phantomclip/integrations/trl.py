@@ -78,7 +78,7 @@ def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.T
     """
     m = mask.bool()
     beta = (logp.double() - logp_shadow.double())[m]  # [N]
-    adv = advantages.reshape(-1, 1).expand_as(logp)[m].double()
+    adv = (advantages if advantages.dim() == 2 and advantages.shape[1] > 1 else advantages.reshape(-1, 1)).expand_as(logp)[m].double()
     below, above = trust_region_split(beta, eps_low, eps_high)
     stats = {
         "beta_mean": beta.mean().item() if beta.numel() else float("nan"),
@@ -205,6 +205,8 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             logp, entropies, aux = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
             policy = _unwrap(self)
+            if self.accelerator.unwrap_model(model) is not policy:  # the reference model (KL): left as TRL computes it
+                return logp, entropies, aux
             if getattr(self, "_pc_shadow", None) is None:
                 self._pc_shadow = _Shadow(policy, engine_dtype, matmul)
             self._pc_shadow.sync(policy, self.state.global_step)
@@ -228,7 +230,8 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
 
     Trainer recipe: cast_lm_head_to_fp32 -> fp32-head; fp16 -> fp16; a model loaded in bf16 (model_init_kwargs
     dtype) -> bf16; bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32. Engine: bf16 (vLLM's
-    'auto' dtype on bf16 checkpoints) unless `vllm_dtype` says otherwise. Sampling and ε are TRL's.
+    'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a `vllm_dtype` key of our own may say
+    otherwise). Sampling and ε are TRL's (ε defaults to TRL's 0.2).
     """
     import yaml
 
@@ -270,12 +273,18 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
 
     notes.append(f"your trainer recipe is {trainer} (first row); the other recipes are measured too, to say what to change")
     settings = {"trainer": ",".join([trainer, *(r for r in RECIPES if r != trainer)]), "engine_dtype": str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")}
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("epsilon", "epsilon")):
-        if cfg.get(theirs) is not None:
-            settings[ours] = type({"top_k": 0}.get(ours, 0.0))(cfg[theirs])
-    settings["epsilon_high"] = float(cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else settings.get("epsilon", 0.2)
-    if cfg.get("max_completion_length"):
-        settings["max_tokens"] = int(cfg["max_completion_length"])
+    try:
+        for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+            if cfg.get(key) is not None:
+                settings[key] = cast(cfg[key])
+        settings["epsilon"] = float(cfg.get("epsilon") if cfg.get("epsilon") is not None else 0.2)  # TRL's default
+        settings["epsilon_high"] = float(cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else settings["epsilon"]
+        if cfg.get("max_completion_length"):
+            settings["max_tokens"] = int(cfg["max_completion_length"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--from-trl-config: a sampling or clip setting is not a number ({e})") from None
+    if model_dtype == "auto":
+        notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 (pass --trainer bf16)")
     if cfg.get("model_name_or_path"):
         settings["model"] = str(cfg["model_name_or_path"])
     if cfg.get("min_p"):

@@ -185,7 +185,7 @@ def fig_alpha_beta_steps(data: ReportData) -> dict | None:
     traces = [{"type": "scatter", "mode": "markers", "name": r["name"], "x": [m["mismatch/alpha_mean"] for m in r["metrics"]],
                "y": [m["mismatch/beta_mean"] for m in r["metrics"]], "text": [f"step {m['step']}" for m in r["metrics"]]}
               for r in runs]
-    return {"data": traces, "layout": _layout("Per step: mean α against mean β (per-token values are not logged yet)",
+    return {"data": traces, "layout": _layout("Per step: mean α against mean β of each run",
                                              "mean α (nats)", "mean β (nats)")}
 
 
@@ -194,13 +194,20 @@ def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
     runs = [r for r in data.runs if r.get("tokens")]
     if not runs:
         return None
+    import torch
+
+    from ..metrics import phantom_clip_mask
+
     run = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])
-    eps = run["config"].get("plan", {}).get("eps_low", run["config"].get("epsilon", 0.2))
+    plan = run["config"].get("plan", {})
+    eps_low = float(plan.get("eps_low", run["config"].get("epsilon", 0.2)))
+    eps_high = float(plan.get("eps_high", eps_low))
     groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []), "clipped (α alone too)": ([], [])}
     for t in run["tokens"]:
-        for a, b, adv, c in zip(t["alpha"], t["beta"], t["advantage"], t["clipped"]):
-            alpha_clips = (adv > 0 and a > math.log1p(eps)) or (adv < 0 and a < math.log1p(-eps))
-            key = "gradient flows" if not c else ("clipped (α alone too)" if alpha_clips else "phantom-clipped")
+        alpha_clips = phantom_clip_mask(torch.tensor(t["alpha"], dtype=torch.float64), torch.tensor(t["advantage"], dtype=torch.float64),
+                                        eps_low, eps_high).tolist()
+        for a, b, c, ac in zip(t["alpha"], t["beta"], t["clipped"], alpha_clips):
+            key = "gradient flows" if not c else ("clipped (α alone too)" if ac else "phantom-clipped")
             groups[key][0].append(a)
             groups[key][1].append(b)
     traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys, "marker": {"size": 5, "opacity": 0.6}}
@@ -388,15 +395,18 @@ def build(sources: list[str | Path], out: str | Path) -> Path:
         raise ReportError(f"--out {out} is a file: give a directory")
     data = collect(sources)
     copied: dict[Path, str] = {}
-    for i, f in enumerate(data.files()):
-        rel = f"data/{i:02d}-{f.parent.name}-{f.name}"
-        (out / "data").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, out / rel)
-        copied[f] = rel
-        if f.name == "metrics.jsonl":
-            copied[f.parent] = rel
-    page = out / "index.html"
-    atomic_write_bytes(page, render(data, copied).encode("utf-8"))
+    try:
+        for i, f in enumerate(data.files()):
+            rel = f"data/{i:02d}-{f.parent.name}-{f.name}"
+            (out / "data").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, out / rel)
+            copied[f] = rel
+            if f.name == "metrics.jsonl":
+                copied[f.parent] = rel
+        page = out / "index.html"
+        atomic_write_bytes(page, render(data, copied).encode("utf-8"))
+    except OSError as e:
+        raise ReportError(f"--out {out}: cannot write the report ({e.strerror or e})") from None
     return page
 
 

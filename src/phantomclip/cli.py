@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .recipes import RECIPES
 
@@ -44,7 +43,8 @@ def _diagnose_parser(sub) -> None:
 def _run_diagnose(args) -> int:
     from rich.console import Console
 
-    from .diagnose import DiagnoseConfig, check_output_path, render, run_diagnose, write_json
+    from .diagnose import DiagnoseConfig, check_output_path, render, run_diagnose
+    from .runs import write_json
 
     if args.from_trl_config:
         from rich.console import Console as _Console
@@ -212,12 +212,10 @@ def _trace_parser(sub) -> None:
 
 
 def _run_trace(args) -> int:
-    import json as jsonlib
-
     from rich.console import Console
 
     from .diagnose import check_output_path
-    from .runs import atomic_write_bytes
+    from .runs import write_json
     from .trace import TraceConfig, render, run_trace
 
     cfg = _config_from_args(TraceConfig, args)
@@ -227,8 +225,7 @@ def _run_trace(args) -> int:
     result = run_trace(cfg, console=Console(stderr=True))
     render(result, Console())
     if args.json:
-        clean = jsonlib.loads(jsonlib.dumps(result), parse_constant=lambda c: None)  # NaN/Infinity -> null
-        atomic_write_bytes(Path(args.json), jsonlib.dumps(clean, indent=1).encode())
+        write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
 
@@ -286,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     from .models import ModelError
     from .prompts import PromptError
     from .recipes import RecipeError
+    from .report import ReportError
     from .runs import RunError
     from .tasks import TaskError
-    from .report import ReportError
     from .trace import TraceError
     from .trainer import TrainConfigError
 

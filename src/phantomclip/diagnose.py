@@ -8,7 +8,6 @@ log r = logp − logp_engine = β. Figures are defined in docs/metrics.md.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -25,7 +24,6 @@ from .models import BUNDLED_NAME, load_model
 from .numerics import dtype_name, parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
 from .recipes import RECIPES, apply_recipe, engine_recipe, get_recipe, resolve_matmul
-from .runs import atomic_write_bytes
 from .scoring import score
 
 
@@ -310,17 +308,6 @@ def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
     return f"Change: train with {best}; or compute the clip ratio from a {eng} shadow forward, or widen ε ({widen})."
 
 
-def _json_safe(x):
-    """NaN and ±inf become null: strict JSON, readable by JavaScript's JSON.parse."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def check_output_path(path: str | Path) -> None:
     """Fail before a long run, not after it, when `path` cannot be written."""
     path = Path(path)
@@ -331,11 +318,6 @@ def check_output_path(path: str | Path) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"--json {path}: cannot write under {parent}: choose a writable location")
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    """Write `result` to `path` atomically (temp file in the same directory, fsync, rename)."""
-    atomic_write_bytes(Path(path), json.dumps(_json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------------- rendering
@@ -359,9 +341,8 @@ def _fmt(key: str, v) -> str:
 
 
 def _table(title: str, rows: list[str], cols: list[str], cell):
-    from rich.table import Table
-
     from rich import box
+    from rich.table import Table
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     table.add_column("", style="bold", no_wrap=True, max_width=20)

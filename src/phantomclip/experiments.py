@@ -7,13 +7,12 @@ stopped (finished runs are read back, a partial one resumes from its checkpoint)
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
-from .runs import RunDir, atomic_write_bytes
+from .runs import RunDir, atomic_write_bytes, write_json
 from .trainer import TrainConfig, TrainConfigError, finished_early, train
 
 SANITY_INTERVENTIONS = (
@@ -93,8 +92,7 @@ def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None
 
 
 def write_summary(rows: list[dict], base: TrainConfig, out: Path) -> None:
-    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
-    atomic_write_bytes(out / "summary.json", json.dumps({"schema": SCHEMA_VERSION, "base_config": vars(base), "runs": clean}, indent=1).encode())
+    write_json({"schema": SCHEMA_VERSION, "base_config": vars(base), "runs": rows}, out / "summary.json")
     atomic_write_bytes(out / "summary.md", summary_markdown(rows).encode())
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import tempfile
@@ -46,6 +47,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def json_safe(x):
+    """NaN and ±inf become null: strict JSON, readable by JavaScript's JSON.parse."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
+    atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import SCHEMA_VERSION
+from ..runs import json_safe
 
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
@@ -367,19 +368,8 @@ def _markers(body: str) -> list[str]:
 
 
 def _figure_div(name: str, fig: dict, figures: dict) -> str:
-    figures[name] = _clean(fig)
+    figures[name] = json_safe(fig)  # NaN/inf -> null: browsers' JSON has neither
     return f'<div class="figure" id="fig-{name}"></div>'
-
-
-def _clean(x):
-    """NaN/inf -> None, so the JSON is valid for browsers."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x
 
 
 def _missing(command: str) -> str:

@@ -35,12 +35,20 @@ def offline(monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def bad_cli(args: list[str], capsys) -> str:
-    """Run the CLI on bad input: exit code 2, one line on stderr, no traceback. Returns the line."""
+def bad_cli(args: list[str], capsys, after_progress: bool = False) -> str:
+    """Run the CLI on bad input: exit code 2, one line on stderr, no traceback. Returns the line.
+
+    `after_progress`: errors found only once work has started (an engine refusing the model) may follow
+    progress lines; the error must still be one line, the last."""
     from phantomclip.cli import main
 
     code = main(args)
     err = capsys.readouterr().err.strip()
     assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    if after_progress:
+        assert sum(line.startswith("phantomclip") for line in lines) == 1 and lines[-1].startswith("phantomclip"), err
+        return lines[-1]
+    assert len(lines) == 1, err
     return err

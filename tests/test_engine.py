@@ -134,6 +134,6 @@ def test_weight_sync_moves_the_engine(tiny, tiny_prompts):
 
 
 def test_bad_sampling_params():
-    for kw in ({"max_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}):
+    for kw in ({"max_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1.0}, {"min_p": -0.1}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)

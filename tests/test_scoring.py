@@ -64,3 +64,45 @@ def test_logprob_only_path_matches_the_entropy_path(tiny, tiny_prompts):
     lean = score(model, recipe, ids, attn, chunk_size=5, entropy=False)
     assert torch.allclose(full.logp, lean.logp, atol=1e-5), report("logsumexp vs log_softmax", full.logp, lean.logp)
     assert (lean.entropy == 0).all() and (full.entropy[full.mask] > 0).all()
+
+
+def test_truncate_logprobs_hand_worked():
+    """p = [0.5, 0.3, 0.15, 0.05] (one row), worked by hand; kept mass S and the renormalised log-probs."""
+    from phantomclip.scoring import log_kept_mass, truncate_logprobs
+
+    logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    cases = {
+        # top-p 0.7: mass above each token 0, 0.5, 0.8, 0.95 -> keep the first two, S = 0.8
+        (0, 0.7, 0.0): [0.5 / 0.8, 0.3 / 0.8, 0, 0],
+        # top-k 3: S = 0.95
+        (3, 1.0, 0.0): [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+        # min-p 0.5: keep p >= 0.25 -> S = 0.8
+        (0, 1.0, 0.5): [0.5 / 0.8, 0.3 / 0.8, 0, 0],
+        # min-p 0.2 keeps p >= 0.1 (S = 0.95); then top-p 0.9 on [0.526, 0.316, 0.158]: mass above 0, 0.526,
+        # 0.842 < 0.9 -> all three stay
+        (0, 0.9, 0.2): [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+        # top-k 2 then top-p 0.6 on [0.625, 0.375]: mass above the second is 0.625 >= 0.6 -> only the top, S = 0.5
+        (2, 0.6, 0.0): [1, 0, 0, 0],
+    }
+    for (k, p, m), expected in cases.items():
+        kept = truncate_logprobs(logp, k, p, m)
+        assert torch.allclose(kept.exp(), torch.tensor([expected], dtype=torch.float32), atol=1e-6), ((k, p, m), kept.exp())
+        S = {(0, 0.7, 0.0): 0.8, (3, 1.0, 0.0): 0.95, (0, 1.0, 0.5): 0.8, (0, 0.9, 0.2): 0.95, (2, 0.6, 0.0): 0.5}[(k, p, m)]
+        assert log_kept_mass(logp, kept).exp().item() == pytest.approx(S, abs=1e-6)
+    assert truncate_logprobs(logp) is logp  # nothing truncated: no copy
+
+
+def test_score_reports_kept_mass(tiny, tiny_prompts):
+    """score(truncation=...) gives log S per scored token, equal to the head's full distribution truncated by hand."""
+    from phantomclip.recipes import get_recipe
+    from phantomclip.scoring import log_kept_mass, score, truncate_logprobs
+
+    ids = torch.tensor([tiny_prompts[0]])
+    attn = torch.ones_like(ids)
+    s = score(tiny.model, get_recipe("fp32"), ids, attn, truncation=(5, 0.8, 0.05))
+    logits = tiny.model(input_ids=ids).logits[0, :-1].float()  # [T-1, V] predicts tokens 1..T-1
+    logp_all = logits.log_softmax(-1)
+    expected = log_kept_mass(logp_all, truncate_logprobs(logp_all, 5, 0.8, 0.05))  # [T-1]
+    assert torch.allclose(s.log_kept[0, 1:], expected, atol=1e-5), report("log S", s.log_kept[0, 1:], expected)
+    assert (s.log_kept[0, 1:] < 0).all() and s.log_kept[0, 0] == 0
+    assert score(tiny.model, get_recipe("fp32"), ids, attn).log_kept is None

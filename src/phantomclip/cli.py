@@ -22,7 +22,12 @@ def _diagnose_parser(sub) -> None:
     )
     p.add_argument("--model", default=d.model, help="bundled 'smollm2-135m' (default), 'tiny-random[:seed[:init_std]]', a model directory or a hub id")
     p.add_argument("--trainer", default=",".join(d.trainer), help=f"comma-separated trainer recipes (default: all): {', '.join(f'{k} = {v.doc}' for k, v in RECIPES.items())}")
+    p.add_argument("--engine", default=d.engine, choices=["local", "vllm"], help="engine that samples: local (in-process, default) "
+                   "or vllm (vLLM's offline LLM, installed apart: see README)")
     p.add_argument("--engine-dtype", default=d.engine_dtype, help="dtype of the engine: bf16 (default), fp16 or fp32")
+    p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=["raw", "processed"], help="vLLM's log-probs: raw "
+                   "(full vocabulary, before temperature; default) or processed (after temperature and top-p/top-k/min-p)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="vLLM's context limit (default: the model's)")
     p.add_argument("--epsilon", type=float, default=d.epsilon, help="PPO clip ε_low (default 0.2)")
     p.add_argument("--epsilon-high", type=float, default=None, help="PPO clip ε_high (default: --epsilon)")
     p.add_argument("--n", type=int, default=d.n, help=f"completions to sample (default {d.n})")
@@ -30,6 +35,7 @@ def _diagnose_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--min-p", type=float, default=d.min_p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per engine/scoring batch (default {d.batch_size})")
     p.add_argument("--seq-mask-cap", type=float, default=d.seq_mask_cap, help="cap C of TRL's sequence_mask for seq_mask_drop_share (default 3.0)")
@@ -61,8 +67,9 @@ def _run_diagnose(args) -> int:
     cfg = DiagnoseConfig(
         model=args.model, trainer=args.trainer, engine_dtype=args.engine_dtype, epsilon=args.epsilon,
         epsilon_high=args.epsilon_high, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, prompts=args.prompts,
-        matmul=args.matmul, seq_mask_cap=args.seq_mask_cap,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, batch_size=args.batch_size,
+        prompts=args.prompts, matmul=args.matmul, seq_mask_cap=args.seq_mask_cap, engine=args.engine,
+        logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len,
     )
     cfg.validate()  # fail on bad flags before loading anything
     if args.json:
@@ -280,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
     from .diagnose import ConfigError
+    from .engines.vllm import VLLMError
     from .models import ModelError
     from .prompts import PromptError
     from .recipes import RecipeError
@@ -292,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "report": _run_report}
     try:
         return commands[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError) as e:
+    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError, VLLMError) as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

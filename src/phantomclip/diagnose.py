@@ -19,7 +19,7 @@ import torch
 
 from . import SCHEMA_VERSION, __version__
 from .engine import LocalEngine, Rollout, SamplingParams
-from .metrics import mismatch_stats
+from .metrics import mismatch_stats, trust_region_split
 from .models import BUNDLED_NAME, load_model
 from .numerics import dtype_name, parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
@@ -39,8 +39,14 @@ class DiagnoseConfig:
     """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', a local directory or a hub id."""
     trainer: list[str] = field(default_factory=lambda: list(RECIPES))
     """trainer precision recipes to compare against the engine (see recipes.RECIPES)."""
+    engine: str = "local"
+    """inference engine: 'local' (in-process, this package) or 'vllm' (vLLM's offline LLM; install it apart, see README)."""
     engine_dtype: str = "bf16"
     """dtype the inference engine samples in (bf16, fp16 or fp32)."""
+    logprobs_mode: str = "raw"
+    """which log-probs vLLM reports: 'raw' (full vocabulary, before temperature) or 'processed' (after temperature and truncation, as TRL asks for)."""
+    max_model_len: int = 0
+    """vLLM's context limit in tokens (0 = the model's own)."""
     epsilon: float = 0.2
     """PPO clip ε_low: the ratio's lower bound is 1 − ε_low."""
     epsilon_high: float | None = None
@@ -52,9 +58,11 @@ class DiagnoseConfig:
     temperature: float = 1.0
     """sampling temperature; trainer log-probs are computed at the same temperature."""
     top_p: float = 1.0
-    """engine top-p; β is measured on full-vocabulary log-probs either way."""
+    """engine top-p; β is measured on full-vocabulary log-probs, and truncation's own bias (log S) apart."""
     top_k: int = 0
     """engine top-k (0 = off)."""
+    min_p: float = 0.0
+    """engine min-p: keep tokens with at least min_p times the top token's probability (0 = off)."""
     seed: int = 0
     """seed of the engine's sampler."""
     prompts: str | None = None
@@ -94,13 +102,38 @@ class DiagnoseConfig:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
         if not math.isfinite(self.temperature):
             raise ConfigError(f"--temperature must be finite, got {self.temperature}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ConfigError(f"--logprobs-mode {self.logprobs_mode!r}: use raw or processed")
+        if self.engine == "vllm" and self.logprobs_mode == "raw" and self.temperature != 1:
+            raise ConfigError(
+                f"--temperature {self.temperature:g} with --logprobs-mode raw: vLLM's raw log-probs are taken before "
+                "temperature; use --logprobs-mode processed"
+            )
+        if self.engine == "vllm":
+            from .engines.vllm import require_vllm
+
+            require_vllm()
+        if self.max_model_len < 0:
+            raise ConfigError(f"--max-model-len must be >= 0, got {self.max_model_len}")
         if self.seq_mask_cap <= 1:
             raise ConfigError(f"--seq-mask-cap must be > 1, got {self.seq_mask_cap}")
         try:
-            SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+            self.sampling(0)
             resolve_matmul(self.matmul)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def sampling(self, batch: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The engine's sampling settings for batch number `batch` (each batch has its own seed)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed + batch, stop_token_ids=stop_token_ids,
+        )
+
+
+ENGINES = ("local", "vllm")
 
 
 def _versions() -> dict[str, str]:
@@ -162,44 +195,72 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     matmul = resolve_matmul(cfg.matmul)
     stop = stop_token_ids(lm)
     batches = [prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
+    truncated = cfg.sampling(0).truncated
+    truncation = (cfg.top_k, cfg.top_p, cfg.min_p) if truncated else None
 
-    results: dict[str, dict] = {}
     with _progress(console) as progress:
-        engine = LocalEngine(lm.model, engine_dtype, matmul=matmul)
-        task = progress.add_task(f"sampling ({cfg.engine_dtype} engine)", total=cfg.n)
+        engine = start_engine(cfg, lm, engine_dtype, matmul, say)
+        task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
         rollouts: list[Rollout] = []
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
-            params = SamplingParams(cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed + i, stop)
-            rollouts.append(engine.generate(batch, params))
+            rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
             progress.advance(task, len(batch))
         engine_seconds = time.perf_counter() - t0
+        engine_info = engine.describe()
         del engine
         packed = [r.pack(tok.pad_token_id) for r in rollouts]
         n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)
-        engine_all = _concat([p["logp_engine"] for p in packed])  # [n, T]
-        engine_proc_all = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
+        measured_all = _concat([p["logp_engine"] for p in packed])  # [n, T] NaN where not measured
+        measured_proc = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
         mask_all = _concat([p["completion_mask"] for p in packed])  # [n, T]
+        nonfinite_engine = int((mask_all & ~torch.isfinite(measured_all) & ~torch.isfinite(measured_proc)).sum())
 
-        per_token: dict[str, dict[str, list]] = {}
-        for name in cfg.trainer:
-            recipe = get_recipe(name)
-            task = progress.add_task(f"scoring ({name})", total=len(packed))
+        # The shadow: the trainer's own forward in the engine's dtype. It splits β into a precision part
+        # (trainer recipe vs shadow) and a kernel part (shadow vs engine: same dtype, other kernels).
+        shadow = engine_recipe(engine_dtype)
+        scored: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = {}
+        for name in dict.fromkeys([shadow.name, *cfg.trainer]):
+            recipe = shadow if name == shadow.name else get_recipe(name)
+            task = progress.add_task(f"scoring ({name}{', shadow' if name == shadow.name else ''})", total=len(packed))
             t0 = time.perf_counter()
             model = apply_recipe(lm.model, recipe, matmul=matmul)
-            logp, ent = [], []
+            logp, ent, kept = [], [], []
             for p in packed:
-                s = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"], temperature=cfg.temperature)
-                logp.append(s.logp), ent.append(s.entropy)
+                sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
+                           temperature=cfg.temperature, truncation=truncation)
+                logp.append(sc.logp), ent.append(sc.entropy), kept.append(sc.log_kept if truncation else sc.logp * 0)
                 progress.advance(task)
             del model
-            seconds = time.perf_counter() - t0
-            logp_all, ent_all = _concat(logp), _concat(ent)  # [n, T]
-            stats = mismatch_stats(logp_all, engine_all, mask_all, cfg.epsilon, cfg.epsilon_high, cfg.seq_mask_cap)
-            stats["seconds"] = seconds
-            results[name] = stats
-            beta = (logp_all - engine_all)[mask_all]
-            per_token[name] = {"beta": _round(beta), "entropy": _round(ent_all[mask_all])}
+            scored[name] = (_concat(logp), _concat(ent), _concat(kept), time.perf_counter() - t0)  # [n, T] each
+
+    logp_shadow, _, kept_shadow, _ = scored[shadow.name]
+    # vLLM computes one of the two engine columns; the other is rebuilt with the shadow's kept mass S
+    # (processed = full − log S). Without truncation both are measured (S = 1).
+    engine_full = torch.where(torch.isnan(measured_all), measured_proc + kept_shadow, measured_all)
+    engine_proc = torch.where(torch.isnan(measured_proc), measured_all - kept_shadow, measured_proc)
+    rebuilt = None
+    if truncated:
+        rebuilt = "logp_engine" if engine_info.get("logprobs_mode") == "processed" else (
+            "logp_engine_processed" if engine_info["kind"] == "vllm" else None)
+
+    def stats_of(logp: torch.Tensor, ref: torch.Tensor) -> dict:
+        return mismatch_stats(logp, ref, mask_all, cfg.epsilon, cfg.epsilon_high, cfg.seq_mask_cap)
+
+    kernel = stats_of(logp_shadow, engine_full)
+    results: dict[str, dict] = {}
+    per_token: dict[str, dict[str, list]] = {}
+    for name in cfg.trainer:
+        logp_all, ent_all, kept_all, seconds = scored[name]
+        stats = stats_of(logp_all, engine_full)
+        stats["seconds"] = seconds
+        stats["split"] = {"precision": _pick(stats_of(logp_all, logp_shadow)), "kernel": _pick(kernel)}
+        per_token[name] = {"beta": _round((logp_all - engine_full)[mask_all]), "entropy": _round(ent_all[mask_all])}
+        if truncated:
+            stats["truncation"] = truncation_stats(
+                logp_all, kept_all, engine_full, engine_proc, mask_all, stats_of, cfg.epsilon, cfg.epsilon_high)
+            per_token[name]["log_kept"] = _round(kept_all[mask_all])
+        results[name] = stats
 
     seq_index, position = _token_index(mask_all)
     out = {
@@ -211,20 +272,64 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
             "layers": getattr(lm.model.config, "num_hidden_layers", None), "vocab": lm.model.get_input_embeddings().weight.shape[0],
         },
         "engine": {
-            "kind": "local", "dtype": dtype_name(engine_dtype), "matmul": matmul, "sequences": cfg.n, "tokens": n_sampled,
-            "seconds": engine_seconds, "tokens_per_s": n_sampled / engine_seconds,
+            **engine_info, "sequences": cfg.n, "tokens": n_sampled, "nonfinite_logprobs": nonfinite_engine,
+            "rebuilt_column": rebuilt, "seconds": engine_seconds, "tokens_per_s": n_sampled / engine_seconds,
         },
         "trust_region": {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high,
                          "log_low": math.log1p(-cfg.epsilon), "log_high": math.log1p(cfg.epsilon_high)},
+        "shadow": {"recipe": shadow.name, "kernel": kernel},
         "recipes": results,
         "tokens": {
-            "sequence": seq_index, "position": position, "logp_engine": _round(engine_all[mask_all]),
-            "logp_engine_processed": _round(engine_proc_all[mask_all]),
+            "sequence": seq_index, "position": position, "logp_engine": _round(engine_full[mask_all]),
+            "logp_engine_processed": _round(engine_proc[mask_all]),
+            "beta_kernel": _round((logp_shadow - engine_full)[mask_all]),
             "per_recipe": per_token,
         },
     }
     out["verdict"] = verdict(out)
     return out
+
+
+def start_engine(cfg: DiagnoseConfig, lm, dtype: torch.dtype, matmul: str, say=print):
+    """The engine `cfg.engine` names, loaded with `lm`'s weights in `dtype`; vLLM is imported only here."""
+    if cfg.engine == "local":
+        return LocalEngine(lm.model, dtype, matmul=matmul)
+    from .engines.vllm import VLLMEngine, model_dir
+
+    say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
+    engine = VLLMEngine.start(model_dir(lm), dtype, cfg.logprobs_mode, cfg.max_model_len or None, cfg.seed)
+    engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer), lm.name)
+    return engine
+
+
+SPLIT_KEYS = ("tokens", "beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region")
+
+
+def _pick(stats: dict) -> dict:
+    return {k: stats[k] for k in SPLIT_KEYS}
+
+
+def truncation_stats(logp, log_kept, engine_full, engine_proc, mask, stats_of, eps_low: float, eps_high: float) -> dict:
+    """What top-p / top-k / min-p do to the ratio when the engine reports processed log-probs.
+
+    logp_engine_processed = logp_engine − log S, so the naive ratio logp − logp_engine_processed = β + log S:
+    every token is pushed down by −log S ≥ 0 although nothing changed. Renormalising the trainer's log-probs
+    over its own kept set (logp − log S_trainer) removes that bias up to the difference of the two kept masses.
+    All [B, T] tensors; `stats_of(logp, ref)` is mismatch_stats with the run's trust region.
+    """
+    ok = mask & torch.isfinite(engine_full) & torch.isfinite(engine_proc) & torch.isfinite(logp)  # [B, T]
+    s = log_kept[ok].double()  # [N] log S per token, trainer side
+    out_naive = trust_region_split((logp - engine_proc).double()[ok], eps_low, eps_high)
+    out_beta = trust_region_split((logp - engine_full).double()[ok], eps_low, eps_high)
+    pushed = (out_naive[0] | out_naive[1]) & ~(out_beta[0] | out_beta[1])  # [N] outside only because of log S
+    return {
+        "log_kept_mean": s.mean().item() if s.numel() else math.nan,
+        "kept_mass_p10": math.exp(torch.quantile(s, 0.1).item()) if s.numel() else math.nan,
+        "kept_mass_min": math.exp(s.min().item()) if s.numel() else math.nan,
+        "pushed_out": pushed.double().mean().item() if s.numel() else math.nan,
+        "naive": _pick(stats_of(logp, engine_proc)),
+        "corrected": _pick(stats_of(logp - log_kept, engine_proc)),
+    }
 
 
 def stop_token_ids(lm) -> tuple[int, ...]:
@@ -278,11 +383,46 @@ def verdict(result: dict) -> str:
         parts.append(_advice(usable, best, eng))
     else:
         parts.append(f"No recipe pushes a token outside the trust region {region}: precision alone will not cause phantom clipping here.")
+    parts += [_split_verdict(result, worst), _truncation_verdict(result, worst)]
+    if result["engine"].get("nonfinite_logprobs"):
+        parts.append(f"The engine returned no finite log-prob for {result['engine']['nonfinite_logprobs']} sampled tokens; "
+                     "they are left out of every figure.")
     bad = [k for k, v in recs.items() if v["nonfinite"]]
     if bad:
         listed = ", ".join(f"{k} ({recs[k]['nonfinite']})" for k in bad)
         parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
-    return " ".join(parts)
+    return " ".join(p for p in parts if p)
+
+
+def _split_verdict(result: dict, name: str) -> str:
+    """Which lever is bigger for recipe `name`: matching the precision (leaves β_kernel) or the kernels
+    (leaves β_precision)."""
+    split = result["recipes"][name].get("split")
+    if not split:
+        return ""
+    prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
+    shadow, eng = result["shadow"]["recipe"], result["engine"]
+    what = "one prefill pass against token-by-token decode" if eng["kind"] == "local" else f"{eng['kind']}'s kernels and batching"
+    head = (f"β = β_precision + β_kernel: for {name}, mean |β_precision| (trainer vs its own {shadow} forward) is "
+            f"{prec:.4f} and mean |β_kernel| ({shadow} forward vs the {eng['dtype']} engine: {what}) is {kern:.4f}")
+    if prec == 0:
+        return head + f"; {name} already matches the engine's precision, so what is left is the kernels."
+    if kern > prec:
+        return head + ": matching the kernels is the bigger lever; matching the precision alone leaves the kernel part."
+    return head + ": matching the precision is the bigger lever."
+
+
+def _truncation_verdict(result: dict, name: str) -> str:
+    trunc = result["recipes"][name].get("truncation")
+    if not trunc:
+        return ""
+    c = result["config"]
+    rule = ", ".join(f"{k} {c[k]:g}" for k in ("top_p", "top_k", "min_p") if (c[k] != 1 if k == "top_p" else c[k] > 0))
+    return (f"Truncated sampling ({rule}): the processed log-probs are renormalised over the kept tokens, so a "
+            f"ratio against them carries log S (mean {trunc['log_kept_mean']:.4f}, kept mass ≥ {trunc['kept_mass_p10']:.2f} "
+            f"for 90% of tokens); for {name} that pushes {100 * trunc['pushed_out']:.2f}% of tokens out of the trust region "
+            f"({100 * trunc['naive']['outside_trust_region']:.2f}% outside in all). Renormalising the trainer's log-probs "
+            f"over the same kept set (logp − log S) brings it to {100 * trunc['corrected']['outside_trust_region']:.2f}%.")
 
 
 def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
@@ -356,9 +496,11 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
 def render(result: dict, console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
     e = result["engine"]
+    how = (f"{e['matmul']} matmul" if e["kind"] == "local"
+           else f"vLLM, {e['logprobs_mode']} log-probs, started in {e['startup_seconds']:.0f} s")
     console.print(
         f"[bold]phantomclip diagnose[/] {result['model']['name']}: {e['sequences']} completions, {e['tokens']} tokens "
-        f"sampled by a {e['dtype']} engine ({e['matmul']} matmul, {e['tokens_per_s']:.0f} tok/s); "
+        f"sampled by a {e['dtype']} {e['kind']} engine ({how}, {e['tokens_per_s']:.0f} tok/s); "
         f"ε_low={result['trust_region']['epsilon_low']:g}, ε_high={result['trust_region']['epsilon_high']:g}"
     )
     recs = result["recipes"]
@@ -368,4 +510,21 @@ def render(result: dict, console) -> None:
             console.print(_table(title, list(recs), cols, lambda r, c: _fmt(c, recs[r][c])))
         else:
             console.print(_table(title, cols, list(recs), lambda c, r: _fmt(c, recs[r][c])))
+    split = {"precision |β|": ("split", "precision", "beta_abs_mean"), "kernel |β|": ("split", "kernel", "beta_abs_mean"),
+             "precision out": ("split", "precision", "outside_trust_region"),
+             "kernel out": ("split", "kernel", "outside_trust_region")}
+    if any("truncation" in r for r in recs.values()):
+        split |= {"mean log S": ("truncation", "log_kept_mean"), "pushed out": ("truncation", "pushed_out"),
+                  "naive out": ("truncation", "naive", "outside_trust_region"),
+                  "corrected out": ("truncation", "corrected", "outside_trust_region")}
+
+    def cell(r: str, c: str) -> str:
+        v = recs[r]
+        for key in split[c]:
+            v = v[key]
+        return _fmt("outside_trust_region" if c.endswith("out") else c, v)
+
+    title = f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)" + (
+        "; truncation bias log S" if len(split) > 4 else "")
+    console.print(_table(title, list(recs), list(split), cell))
     console.print(f"[bold]verdict:[/] {result['verdict']}")

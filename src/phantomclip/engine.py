@@ -15,8 +15,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .numerics import dtype_name
 from .recipes import Recipe, apply_recipe, engine_recipe
-from .scoring import cache_kwarg, position_ids_from_mask
+from .scoring import cache_kwarg, position_ids_from_mask, truncate_logprobs
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class SamplingParams:
     """keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
     top_k: int = 0
     """keep the k most probable tokens (0 = off)."""
+    min_p: float = 0.0
+    """keep the tokens whose probability is at least min_p times the top token's (0 = off)."""
     seed: int = 0
     """seed of the sampling generator: the same seed, prompts and weights give the same tokens."""
     stop_token_ids: tuple[int, ...] = ()
@@ -45,10 +48,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
 
     @property
     def truncated(self) -> bool:
-        return self.top_p < 1 or self.top_k > 0
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
 
 @dataclass
@@ -112,9 +117,14 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout: ...
 
+    def describe(self) -> dict:
+        """What the engine is, for reports: at least 'kind' and 'dtype'."""
+        ...
+
 
 def sample_next_token(
-    logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [B, V] (any dtype; upcast to fp32).
 
@@ -122,16 +132,7 @@ def sample_next_token(
     logp_processed [B] renormalised over the kept set: logp - log S where S is the kept probability mass).
     """
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    logp_kept = logp_all
-    if top_k > 0 and top_k < logp_all.shape[-1]:
-        kth = torch.topk(logp_all, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logp_kept = torch.log_softmax(logp_kept.masked_fill(logp_kept < kth, float("-inf")), dim=-1)
-    if top_p < 1:
-        # Applied after top-k, on the renormalised top-k distribution (as vLLM and transformers do).
-        sorted_lp, order = torch.sort(logp_kept, dim=-1, descending=True)  # [B, V]
-        mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # [B, V]
-        keep = torch.zeros_like(logp_kept, dtype=torch.bool).scatter(-1, order, mass_before < top_p)  # top token always kept
-        logp_kept = torch.log_softmax(logp_kept.masked_fill(~keep, float("-inf")), dim=-1)
+    logp_kept = truncate_logprobs(logp_all, top_k, top_p, min_p)  # [B, V]
     # Inverse-CDF sampling with one uniform per row. (torch.multinomial draws an exponential per vocabulary
     # entry: ~20 ms per step for 16 x 49,152 on a CPU core, a third of a decode step.) The CDF is built in fp64
     # so that tail tokens of 1e-9 probability keep their own step instead of vanishing in fp32 rounding.
@@ -163,6 +164,9 @@ class LocalEngine:
         """
         return sync_weights(self.model, weights, count_changes)
 
+    def describe(self) -> dict:
+        return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": self.matmul, "startup_seconds": 0.0}
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         from transformers import DynamicCache
@@ -185,7 +189,7 @@ class LocalEngine:
         done = torch.zeros(B, dtype=torch.bool)
         tokens, logps, logps_proc = [], [], []
         for step in range(params.max_tokens):
-            tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p)
+            tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p, params.min_p)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
             attn[:, P + step] = (~done).long()  # a row that stopped earlier gets no more tokens

@@ -40,6 +40,9 @@ class LoadedModel:
     tokenizer: object
     name: str
     source: str
+    path: str | None = None
+    """a Hugging Face model directory or hub id another engine (vLLM) can load the same weights from; None
+    for models that exist only in memory (tiny-random)."""
 
     @property
     def context_length(self) -> int:
@@ -132,7 +135,7 @@ def load_bundled(progress=print) -> LoadedModel:
         except OSError as e:
             raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): set PHANTOMCLIP_CACHE to a writable directory") from None
     model, tok = _load_dense(target)
-    return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})")
+    return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})", str(target))
 
 
 def tiny_tokenizer():
@@ -208,7 +211,8 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
             raise ModelError(
                 f"cannot load model {spec!r} ({first[:160]}): give a local directory, or a hub id with network access"
             ) from None
-        loaded = LoadedModel(model.eval(), tok, spec, str(path.resolve()) if path.exists() else f"hub:{spec}")
+        where = str(path.resolve()) if path.exists() else spec
+        loaded = LoadedModel(model.eval(), tok, spec, where if path.exists() else f"hub:{spec}", where)
     check_vocab(loaded)
     if loaded.tokenizer.pad_token_id is None:
         loaded.tokenizer.pad_token = loaded.tokenizer.eos_token

@@ -12,6 +12,7 @@ entropy), and unscored positions (prompts, padding) never reach the 49,152-wide 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class Scores:
     logp: torch.Tensor  # [B, T] fp32
     entropy: torch.Tensor  # [B, T] fp32
     mask: torch.Tensor  # [B, T] bool: positions that were scored
+    log_kept: torch.Tensor | None = None  # [B, T] fp32 log S, the mass top-p/top-k/min-p keep (when asked)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -65,6 +67,35 @@ def logprobs_from_logits(
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+def truncate_logprobs(logp_all: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Log-probs [N, V] renormalised over the tokens that min-p, top-k and top-p keep (-inf elsewhere).
+
+    Applied in vLLM's order (v1 sampler: min-p as a logits processor, then top-k, then top-p on the
+    renormalised top-k distribution); the top token is always kept. Returns `logp_all` itself when nothing
+    is truncated. The kept mass is S = Σ_kept p, and logp_kept = logp_all − log S on kept tokens.
+    """
+    logp_kept = logp_all
+    if min_p > 0:
+        floor = logp_all.max(-1, keepdim=True).values + math.log(min_p)  # [N, 1]: p >= min_p * p_max
+        logp_kept = logp_kept.masked_fill(logp_kept < floor, float("-inf"))
+    if 0 < top_k < logp_all.shape[-1]:
+        kth = torch.topk(logp_kept, top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logp_kept = logp_kept.masked_fill(logp_kept < kth, float("-inf"))
+    if logp_kept is not logp_all:  # renormalise (only needed before top-p, which reads probabilities)
+        logp_kept = torch.log_softmax(logp_kept, dim=-1)
+    if top_p < 1:
+        sorted_lp, order = torch.sort(logp_kept, dim=-1, descending=True)  # [N, V]
+        mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # [N, V]
+        keep = torch.zeros_like(logp_kept, dtype=torch.bool).scatter(-1, order, mass_before < top_p)  # top token always kept
+        logp_kept = torch.log_softmax(logp_kept.masked_fill(~keep, float("-inf")), dim=-1)
+    return logp_kept
+
+
+def log_kept_mass(logp_all: torch.Tensor, logp_kept: torch.Tensor) -> torch.Tensor:
+    """log S [N]: the log of the probability mass (under logp_all [N, V]) of the tokens logp_kept keeps."""
+    return torch.logsumexp(logp_all.masked_fill(torch.isneginf(logp_kept), float("-inf")), dim=-1)
+
+
 def score(
     model: nn.Module,
     recipe: Recipe,
@@ -75,18 +106,21 @@ def score(
     temperature: float = 1.0,
     entropy: bool = True,
     grad: bool = False,
+    truncation: tuple[int, float, float] | None = None,
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
     input_ids, attention_mask, score_mask: [B, T]; score_mask defaults to every real token after a row's first.
     `model` must already be laid out for `recipe` (see recipes.apply_recipe). With `grad=True` the log-probs
     carry the graph back to the model's parameters (the trainer's forward); otherwise nothing is recorded.
+    `truncation` = (top_k, top_p, min_p) also returns log S, the log of the probability mass that truncated
+    sampling would keep at each scored position under this model (`Scores.log_kept`).
     """
     with torch.set_grad_enabled(grad):
-        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy)
+        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy, truncation)
 
 
-def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy) -> Scores:
+def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy, truncation) -> Scores:
     B, T = input_ids.shape
     # A token can be scored only if the position before it is a real token (not padding, not column -1).
     has_context = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -104,27 +138,36 @@ def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, tem
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp, ent = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy)  # [N], [N]
-    out_logp = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, logp)  # [B, T]
-    out_ent = torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, ent.detach())
-    return Scores(out_logp, out_ent, score_mask)
+        logp, ent, kept = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy, truncation)  # [N] each
+    def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored
+        return torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, values)
+
+    return Scores(scatter(logp), scatter(ent.detach()), score_mask, scatter(kept) if truncation else None)
 
 
-def _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_logprobs(
+    model, head, h, targets, chunk_size, temperature, entropy, truncation=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head on hidden states h [N, H] in chunks of `chunk_size` rows: fp32 log p(target) [N], entropy [N]
-    (zeros unless asked)."""
-    logps, ents = [], []
+    (zeros unless asked) and log S [N] under `truncation` = (top_k, top_p, min_p) (zeros unless asked)."""
+    logps, ents, kepts = [], [], []
     for s in range(0, targets.shape[0], chunk_size):
         logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
         if temperature != 1.0:
             logits = logits.float() / temperature
         with torch.autocast(h.device.type, enabled=False):  # the loss maths in fp32 (autocast would run vecdot in bf16)
             lp, e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)  # [c], [c] or None
+            if truncation:
+                logp_all = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
+                kepts.append(log_kept_mass(logp_all, truncate_logprobs(logp_all, *truncation)))
         logps.append(lp)
         ents.append(e if e is not None else torch.zeros_like(lp))
+        if not truncation:
+            kepts.append(torch.zeros_like(lp))
     if not logps:
-        return torch.zeros(0, device=h.device), torch.zeros(0, device=h.device)
-    return torch.cat(logps), torch.cat(ents)
+        empty = torch.zeros(0, device=h.device)
+        return empty, empty, empty
+    return torch.cat(logps), torch.cat(ents), torch.cat(kepts)
 
 
 def score_completions(
@@ -169,7 +212,7 @@ def score_completions(
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature, False)  # [N]
+        logp, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature, False)  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 

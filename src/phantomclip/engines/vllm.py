@@ -144,7 +144,10 @@ class VLLMEngine:
             )
 
     def request_params(self, params: SamplingParams, n_prompts: int) -> list[object]:
-        """One vLLM SamplingParams per prompt, each with its own seed, so that repeated prompts differ."""
+        """One vLLM SamplingParams per prompt, each with its own seed, so that repeated prompts differ.
+
+        ignore_eos: vLLM would otherwise also stop on the model's EOS; here, as in LocalEngine, a sequence
+        stops only on `params.stop_token_ids` (diagnose and the trainer pass EOS there)."""
         if self.logprobs_mode == "raw" and params.temperature != 1.0:
             raise VLLMError(
                 f"vLLM's raw log-probs are taken before temperature, so at temperature {params.temperature:g} they are "
@@ -155,7 +158,7 @@ class VLLMEngine:
                 n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, min_p=params.min_p,
                 seed=(params.seed * 1_000_003 + i) % 2**63, logprobs=0, stop_token_ids=list(params.stop_token_ids),
-                ignore_eos=False, skip_special_tokens=False, detokenize=False,
+                ignore_eos=True, skip_special_tokens=False, detokenize=False,
             )
             for i in range(n_prompts)
         ]
@@ -193,6 +196,13 @@ class VLLMEngine:
             self.nonfinite += 1
             return math.nan
         return float(value)
+
+    def close(self) -> None:
+        """Stop vLLM's engine process and free its KV cache (a second engine in the same process needs the memory)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
 
     def describe(self) -> dict:
         return {"kind": "vllm", "dtype": dtype_name(self.dtype), "matmul": "vllm", "logprobs_mode": self.logprobs_mode,

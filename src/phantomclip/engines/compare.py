@@ -1,0 +1,126 @@
+"""`phantomclip engines`: what the real engine costs. The in-process engine and vLLM sample the same prompts
+with the same seeds in the same dtype; start-up and sampling throughput are reported apart.
+
+Every sequence runs to max_tokens (no stop token), so both engines sample the same number of tokens. Each
+engine gets one warm-up call (vLLM's first call pays for its kernels' first use), then `repeats` timed calls:
+tokens/s is the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import LocalEngine, SamplingParams
+from ..numerics import dtype_name, parse_dtype
+from ..prompts import bundled_prompts, encode_prompts
+
+ENGINE_KINDS = ("local", "vllm")
+
+
+class CompareError(ValueError):
+    """A bad `engines` setting; the message says what to do."""
+
+
+@dataclass
+class CompareConfig:
+    """What `phantomclip engines` times."""
+
+    model: str = "smollm2-135m"
+    """model to sample from (as for diagnose)."""
+    engines: list[str] = field(default_factory=lambda: list(ENGINE_KINDS))
+    """engines to time: local and/or vllm."""
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    """engine dtypes to time."""
+    n: int = 16
+    """prompts per call (the first n bundled prompts)."""
+    max_tokens: int = 64
+    """tokens sampled per prompt; every row runs to the end."""
+    repeats: int = 3
+    """timed calls per engine and dtype, after one warm-up call."""
+    seed: int = 0
+    """sampling seed, the same for every engine."""
+
+    def __post_init__(self):
+        for name in ("engines", "dtypes"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [x.strip() for x in getattr(self, name).split(",") if x.strip()])
+
+    def validate(self) -> None:
+        bad = [e for e in self.engines if e not in ENGINE_KINDS]
+        if not self.engines or bad:
+            raise CompareError(f"--engines {','.join(self.engines)!r}: use one or both of {', '.join(ENGINE_KINDS)}")
+        for d in self.dtypes:
+            try:
+                parse_dtype(d)
+            except ValueError as e:
+                raise CompareError(f"--dtypes: {e}") from None
+        if not self.dtypes:
+            raise CompareError("--dtypes is empty: give e.g. fp32,bf16")
+        for flag, v in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--repeats", self.repeats)):
+            if v < 1:
+                raise CompareError(f"{flag} must be at least 1, got {v}")
+        if "vllm" in self.engines:
+            from .vllm import require_vllm
+
+            require_vllm()
+
+
+def _start(kind: str, lm, dtype: torch.dtype):
+    if kind == "local":
+        return LocalEngine(lm.model, dtype)
+    from .vllm import VLLMEngine, model_dir
+
+    engine = VLLMEngine.start(model_dir(lm), dtype)
+    engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer), lm.name)
+    return engine
+
+
+def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
+    """One row per (dtype, engine): start-up seconds, tokens per call, median seconds and tokens/s."""
+    cfg.validate()
+    prompts = encode_prompts(lm.tokenizer, bundled_prompts())[: cfg.n]
+    params = SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed)
+    rows = []
+    for dname in cfg.dtypes:
+        dtype = parse_dtype(dname)
+        for kind in cfg.engines:
+            say(f"{kind} engine, {dtype_name(dtype)}: starting")
+            t0 = time.perf_counter()
+            engine = _start(kind, lm, dtype)
+            startup = time.perf_counter() - t0
+            try:
+                engine.generate(prompts, params)  # warm-up
+                times, tokens = [], 0
+                for _ in range(cfg.repeats):
+                    t0 = time.perf_counter()
+                    ro = engine.generate(prompts, params)
+                    times.append(time.perf_counter() - t0)
+                    tokens = sum(len(c) for c in ro.completion_ids)
+            finally:
+                if hasattr(engine, "close"):
+                    engine.close()
+            seconds = statistics.median(times)
+            rows.append({"engine": kind, "dtype": dtype_name(dtype), "startup_seconds": startup, "tokens": tokens,
+                         "seconds": seconds, "tokens_per_s": tokens / seconds, "all_seconds": times})
+    for row in rows:  # each engine against the local engine of the same dtype
+        base = next((r for r in rows if r["engine"] == "local" and r["dtype"] == row["dtype"]), None)
+        row["vs_local"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return rows
+
+
+def render(rows: list[dict], cfg: CompareConfig, console) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"engines: {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats} calls after a warm-up",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("engine", "dtype", "start-up s", "tokens/s", "vs local"):
+        table.add_column(col, justify="left" if col in ("engine", "dtype") else "right")
+    for r in rows:
+        vs = f"{r['vs_local']:.2f}x" if r["vs_local"] is not None else "n/a"
+        table.add_row(r["engine"], r["dtype"], f"{r['startup_seconds']:.1f}", f"{r['tokens_per_s']:.0f}", vs)
+    console.print(table)

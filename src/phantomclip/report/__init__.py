@@ -179,6 +179,25 @@ def fig_outside_vs_eps(data: ReportData) -> dict | None:
                                              yaxis={"type": "log"})}
 
 
+def fig_beta_split(data: ReportData) -> dict | None:
+    """Mean |β| of each recipe and its two parts, per diagnose file that has the split (one group per engine)."""
+    docs = [d for d in data.diagnose if "shadow" in d]
+    if not docs:
+        return None
+    traces = []
+    for part, key in (("β (total)", None), ("β_precision: recipe vs its own engine-dtype forward", "precision"),
+                      ("β_kernel: that forward vs the engine", "kernel")):
+        x, y = [], []
+        for d in docs:
+            e = d["engine"]
+            for name, stats in d["recipes"].items():
+                x.append(f"{name} | {e['kind']} {e['dtype']}")
+                y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
+        traces.append({"type": "bar", "name": part, "x": x, "y": y, "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
+    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts", "trainer recipe | engine",
+                                             "mean |β| (nats)", barmode="group")}
+
+
 def fig_alpha_beta_steps(data: ReportData) -> dict | None:
     runs = [r for r in data.runs if r["metrics"] and "mismatch/alpha_mean" in r["metrics"][0]]
     if not runs:
@@ -232,6 +251,7 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
     "beta_by_prob": (fig_beta_by_prob, "phantomclip diagnose --json diagnose.json"),
     "beta_hist": (fig_beta_hist, "phantomclip diagnose --json diagnose.json"),
     "outside_vs_eps": (fig_outside_vs_eps, "phantomclip diagnose --json diagnose.json"),
+    "beta_split": (fig_beta_split, "phantomclip diagnose --engine vllm --json diagnose-vllm.json"),
     "alpha_beta_tokens": (fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
     "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
     "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step", "tokens"),

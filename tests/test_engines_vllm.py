@@ -142,6 +142,8 @@ def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm):
         assert len(beta) == len(kernel) == stats["tokens"]
     # the bf16 recipe *is* the shadow: its precision part is exactly zero and all of β is kernel
     assert d["recipes"]["bf16"]["split"]["precision"]["beta_abs_max"] == 0
+    assert d["recipes"]["bf16"]["split"]["correlation"] is None  # a constant part has no correlation (NaN -> null)
+    assert -1 <= d["recipes"]["fp32"]["split"]["correlation"] <= 1
     assert d["recipes"]["bf16"]["beta_abs_mean"] == pytest.approx(d["shadow"]["kernel"]["beta_abs_mean"], abs=1e-12)
     assert "β = β_precision + β_kernel: for fp32" in " ".join(capsys.readouterr().out.split())
 
@@ -213,3 +215,15 @@ def test_engines_bad_inputs(capsys):
     assert "use one or both of local, vllm" in bad_cli(["engines", "--engines", "sglang"], capsys)
     assert "--repeats must be at least 1" in bad_cli(["engines", "--engines", "local", "--repeats", "0"], capsys)
     assert "unknown dtype 'fp8'" in bad_cli(["engines", "--engines", "local", "--dtypes", "fp8"], capsys)
+
+
+def test_split_correlation_hand_worked():
+    from phantomclip.diagnose import _correlation
+
+    a = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[True, True, True, False]])  # the 99 is not a scored token
+    assert _correlation(a, -a, mask) == pytest.approx(-1)
+    assert _correlation(a, 2 * a + 1, mask) == pytest.approx(1)
+    # x = [1, 2, 3], y = [1, 3, 2]: centred [-1, 0, 1] and [-1, 1, 0] -> 1 / (sqrt 2 * sqrt 2) = 0.5
+    assert _correlation(a, torch.tensor([[1.0, 3.0, 2.0, 0.0]]), mask) == pytest.approx(0.5)
+    assert math.isnan(_correlation(a, torch.ones_like(a), mask))

@@ -255,7 +255,8 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
         logp_all, ent_all, kept_all, seconds = scored[name]
         stats = stats_of(logp_all, engine_full)
         stats["seconds"] = seconds
-        stats["split"] = {"precision": _pick(stats_of(logp_all, logp_shadow)), "kernel": _pick(kernel)}
+        stats["split"] = {"precision": _pick(stats_of(logp_all, logp_shadow)), "kernel": _pick(kernel),
+                          "correlation": _correlation(logp_all - logp_shadow, logp_shadow - engine_full, mask_all)}
         per_token[name] = {"beta": _round((logp_all - engine_full)[mask_all]), "entropy": _round(ent_all[mask_all])}
         if truncated:
             stats["truncation"] = truncation_stats(
@@ -304,6 +305,15 @@ def start_engine(cfg: DiagnoseConfig, lm, dtype: torch.dtype, matmul: str, say=p
 
 
 SPLIT_KEYS = ("tokens", "beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region")
+
+
+def _correlation(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Pearson correlation of a and b [B, T] over the finite masked tokens (NaN if either is constant)."""
+    ok = mask & torch.isfinite(a) & torch.isfinite(b)
+    x, y = a[ok].double(), b[ok].double()
+    x, y = x - x.mean(), y - y.mean()
+    denom = (x.square().sum() * y.square().sum()).sqrt()
+    return (x * y).sum().item() / denom.item() if denom > 0 else math.nan
 
 
 def _pick(stats: dict) -> dict:
@@ -411,6 +421,10 @@ def _split_verdict(result: dict, name: str) -> str:
             f"{prec:.4f} and mean |β_kernel| ({shadow} forward vs the {eng['dtype']} engine: {what}) is {kern:.4f}")
     if prec == 0:
         return head + f"; {name} already matches the engine's precision, so what is left is the kernels."
+    corr = split.get("correlation")
+    if corr is not None and math.isfinite(corr) and corr < -0.3:
+        head += (f"; the two parts partly cancel (correlation {corr:.2f}): the engine's {eng['dtype']} is closer to {name} "
+                 f"than a PyTorch {shadow} forward is, so a {shadow} trainer would not close the gap")
     if kern > prec:
         return head + ": matching the kernels is the bigger lever; matching the precision alone leaves the kernel part."
     return head + ": matching the precision is the bigger lever."

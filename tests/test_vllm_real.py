@@ -13,15 +13,15 @@ if os.environ.get("PHANTOMCLIP_REQUIRE_VLLM") == "1":  # CI's vLLM stage: a brok
 else:
     pytest.importorskip("vllm")
 
-from conftest import report  # noqa: E402
+from conftest import report
 
-from phantomclip.diagnose import DiagnoseConfig, run_diagnose, stop_token_ids  # noqa: E402
-from phantomclip.engine import SamplingParams  # noqa: E402
-from phantomclip.engines.vllm import VLLMEngine, model_dir  # noqa: E402
-from phantomclip.models import load_model  # noqa: E402
-from phantomclip.prompts import bundled_prompts, encode_prompts  # noqa: E402
-from phantomclip.recipes import get_recipe  # noqa: E402
-from phantomclip.scoring import score  # noqa: E402
+from phantomclip.diagnose import DiagnoseConfig, run_diagnose, stop_token_ids
+from phantomclip.engine import SamplingParams
+from phantomclip.engines.vllm import VLLMEngine, model_dir
+from phantomclip.models import load_model
+from phantomclip.prompts import bundled_prompts, encode_prompts
+from phantomclip.recipes import get_recipe
+from phantomclip.scoring import score
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_fp32_vllm_matches_fp32_trainer(bundled):
 def test_processed_logprobs_carry_log_kept_mass(bundled):
     """vLLM's processed log-probs under top-p 0.9 are logp − log S: with β ≈ 0 (fp32 both sides), the naive
     ratio is log S and the trainer renormalised over its kept set matches vLLM's processed log-prob."""
-    ro, packed, s, _ = _sample_and_score(bundled, torch.float32, SamplingParams(max_tokens=32, seed=1, top_p=0.9), "processed")
+    _, packed, s, _ = _sample_and_score(bundled, torch.float32, SamplingParams(max_tokens=32, seed=1, top_p=0.9), "processed")
     m = packed["completion_mask"]
     processed = packed["logp_engine_processed"][m]
     assert torch.isnan(packed["logp_engine"][m]).all()  # raw was not asked for

@@ -21,7 +21,7 @@ from . import SCHEMA_VERSION, __version__
 from .engine import LocalEngine, Rollout, SamplingParams
 from .metrics import mismatch_stats, trust_region_split
 from .models import BUNDLED_NAME, load_model
-from .numerics import dtype_name, parse_dtype
+from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
 from .recipes import RECIPES, apply_recipe, engine_recipe, get_recipe, resolve_matmul
 from .scoring import score
@@ -409,25 +409,33 @@ def verdict(result: dict) -> str:
 
 
 def _split_verdict(result: dict, name: str) -> str:
-    """Which lever is bigger for recipe `name`: matching the precision (leaves β_kernel) or the kernels
-    (leaves β_precision)."""
+    """Which lever is bigger for recipe `name`: matching the precision leaves β_kernel, matching the kernels
+    leaves β_precision; compare what each leaves with the gap now."""
     split = result["recipes"][name].get("split")
     if not split:
         return ""
+    now = result["recipes"][name]["beta_abs_mean"]
     prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
     shadow, eng = result["shadow"]["recipe"], result["engine"]
     what = "one prefill pass against token-by-token decode" if eng["kind"] == "local" else f"{eng['kind']}'s own kernels and decode"
-    head = (f"β = β_precision + β_kernel: for {name}, mean |β_precision| (trainer vs its own {shadow} forward) is "
-            f"{prec:.4f} and mean |β_kernel| ({shadow} forward vs the {eng['dtype']} engine: {what}) is {kern:.4f}")
+    head = (f"β = β_precision + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against its own {shadow} "
+            f"forward) has mean |·| {prec:.4f} and β_kernel (that {shadow} forward against the {eng['dtype']} engine: "
+            f"{what}) {kern:.4f}.")
     if prec == 0:
-        return head + f"; {name} already matches the engine's precision, so what is left is the kernels."
+        return head + f" {name} already matches the engine's precision: all of its gap is kernels."
     corr = split.get("correlation")
     if corr is not None and math.isfinite(corr) and corr < -0.3:
-        head += (f"; the two parts partly cancel (correlation {corr:.2f}): the engine's {eng['dtype']} is closer to {name} "
-                 f"than a PyTorch {shadow} forward is, so a {shadow} trainer would not close the gap")
-    if kern > prec:
-        return head + ": matching the kernels is the bigger lever; matching the precision alone leaves the kernel part."
-    return head + ": matching the precision is the bigger lever."
+        head += (f" The parts are anti-correlated ({corr:.2f}): the {shadow} forward's own rounding enters both with "
+                 f"opposite signs, i.e. it does not share the engine's rounding.")
+    left = {"matching the precision": kern, "matching the kernels": prec}
+    lever = min(left, key=left.get)
+    other = max(left, key=left.get)
+    if left[lever] >= now:
+        return head + (f" Neither lever alone shrinks the gap ({lever} would leave {left[lever]:.4f}, {other} "
+                       f"{left[other]:.4f}): tolerate or correct β instead.")
+    worse = ", more than now" if left[other] > now else ""
+    return head + (f" {lever[0].upper() + lever[1:]} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); "
+                   f"{other} alone would leave {left[other]:.4f}{worse}.")
 
 
 def _truncation_verdict(result: dict, name: str) -> str:

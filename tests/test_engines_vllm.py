@@ -227,3 +227,21 @@ def test_split_correlation_hand_worked():
     # x = [1, 2, 3], y = [1, 3, 2]: centred [-1, 0, 1] and [-1, 1, 0] -> 1 / (sqrt 2 * sqrt 2) = 0.5
     assert _correlation(a, torch.tensor([[1.0, 3.0, 2.0, 0.0]]), mask) == pytest.approx(0.5)
     assert math.isnan(_correlation(a, torch.ones_like(a), mask))
+
+
+def test_split_verdict_names_the_lever():
+    """Matching the precision leaves β_kernel, matching the kernels leaves β_precision; compared with |β| now."""
+    from phantomclip.diagnose import _split_verdict
+
+    def result(now, prec, kern, corr=0.0):
+        split = {"precision": {"beta_abs_mean": prec}, "kernel": {"beta_abs_mean": kern}, "correlation": corr}
+        return {"recipes": {"fp32": {"beta_abs_mean": now, "split": split}}, "shadow": {"recipe": "bf16"},
+                "engine": {"kind": "vllm", "dtype": "bf16"}}
+
+    assert "Matching the precision is the bigger lever (mean |β| 0.0400 -> 0.0100)" in _split_verdict(result(0.04, 0.035, 0.01), "fp32")
+    assert "Matching the kernels is the bigger lever (mean |β| 0.0400 -> 0.0100); matching the precision alone would leave " \
+           "0.0500, more than now" in _split_verdict(result(0.04, 0.01, 0.05), "fp32")
+    assert "only a little (mean |β| 0.0381 -> 0.0367)" in _split_verdict(result(0.0381, 0.0367, 0.0485, -0.63), "fp32")
+    assert "anti-correlated (-0.63)" in _split_verdict(result(0.0381, 0.0367, 0.0485, -0.63), "fp32")
+    assert "Neither lever alone shrinks the gap" in _split_verdict(result(0.0386, 0.0389, 0.043), "fp32")
+    assert "all of its gap is kernels" in _split_verdict(result(0.043, 0.0, 0.043, None), "fp32")

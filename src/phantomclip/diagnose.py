@@ -434,8 +434,11 @@ def _split_verdict(result: dict, name: str) -> str:
         return head + (f" Neither lever alone shrinks the gap ({lever} would leave {left[lever]:.4f}, {other} "
                        f"{left[other]:.4f}): tolerate or correct β instead.")
     worse = ", more than now" if left[other] > now else ""
-    return head + (f" {lever[0].upper() + lever[1:]} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); "
-                   f"{other} alone would leave {left[other]:.4f}{worse}.")
+    rest = f"{other} alone would leave {left[other]:.4f}{worse}"
+    if left[lever] > 0.8 * now:
+        return head + (f" {lever[0].upper() + lever[1:]} would shrink it only a little (mean |β| {now:.4f} -> "
+                       f"{left[lever]:.4f}) and {rest}: tolerate or correct β instead.")
+    return head + f" {lever[0].upper() + lever[1:]} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); {rest}."
 
 
 def _truncation_verdict(result: dict, name: str) -> str:

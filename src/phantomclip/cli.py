@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from .recipes import RECIPES
@@ -221,23 +220,30 @@ def _trace_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
 
 
-def _run_trace(args) -> int:
+def _run_config_job(cls, args, run, render) -> int:
+    """A config-driven command: flags -> validated config (failing before any work, --json path included),
+    run(cfg, stderr console) -> result, render(result, stdout console), then the result written to --json."""
     from rich.console import Console
 
     from .diagnose import check_output_path
     from .runs import write_json
-    from .trace import TraceConfig, render, run_trace
 
-    cfg = _config_from_args(TraceConfig, args)
+    cfg = _config_from_args(cls, args)
     cfg.validate()
     if args.json:
         check_output_path(args.json)
-    result = run_trace(cfg, console=Console(stderr=True))
+    result = run(cfg, Console(stderr=True))
     render(result, Console())
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def _run_trace(args) -> int:
+    from .trace import TraceConfig, render, run_trace
+
+    return _run_config_job(TraceConfig, args, lambda cfg, err: run_trace(cfg, console=err), render)
 
 
 def _engines_parser(sub) -> None:
@@ -251,25 +257,9 @@ def _engines_parser(sub) -> None:
 
 
 def _run_engines(args) -> int:
-    from rich.console import Console
+    from .engines.compare import CompareConfig, render, run_compare
 
-    from .diagnose import check_output_path
-    from .engines.compare import CompareConfig, compare_engines, render
-    from .models import load_model
-    from .runs import write_json
-
-    cfg = _config_from_args(CompareConfig, args)
-    cfg.validate()
-    if args.json:
-        check_output_path(args.json)
-    err = Console(stderr=True)
-    lm = load_model(cfg.model, progress=err.print)
-    rows = compare_engines(cfg, lm, say=err.print)
-    render(rows, cfg, Console())
-    if args.json:
-        write_json({"config": dataclasses.asdict(cfg), "rows": rows}, args.json)
-        print(f"wrote {args.json}")
-    return 0
+    return _run_config_job(CompareConfig, args, run_compare, render)
 
 
 def _report_parser(sub) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -112,10 +112,20 @@ def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], cfg: CompareConfig, console) -> None:
+def run_compare(cfg: CompareConfig, console=None) -> dict:
+    """The `engines` job: load the model, time the engines; {"config": ..., "rows": compare_engines(...)}."""
+    from ..models import load_model
+
+    say = console.print if console is not None else (lambda *a, **k: None)
+    lm = load_model(cfg.model, progress=say)
+    return {"config": asdict(cfg), "rows": compare_engines(cfg, lm, say=say)}
+
+
+def render(result: dict, console) -> None:
     from rich import box
     from rich.table import Table
 
+    cfg, rows = CompareConfig(**result["config"]), result["rows"]
     table = Table(title=f"engines: {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats} calls after a warm-up",
                   title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("engine", "dtype", "start-up s", "tokens/s", "vs local"):

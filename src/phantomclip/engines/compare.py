@@ -17,8 +17,7 @@ import torch
 from ..engine import LocalEngine, SamplingParams
 from ..numerics import dtype_name, parse_dtype
 from ..prompts import bundled_prompts, encode_prompts
-
-ENGINE_KINDS = ("local", "vllm")
+from . import ENGINE_KINDS
 
 
 class CompareError(ValueError):
@@ -72,11 +71,9 @@ class CompareConfig:
 def _start(kind: str, lm, dtype: torch.dtype):
     if kind == "local":
         return LocalEngine(lm.model, dtype)
-    from .vllm import VLLMEngine, model_dir
+    from .vllm import VLLMEngine
 
-    engine = VLLMEngine.start(model_dir(lm), dtype)
-    engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer), lm.name)
-    return engine
+    return VLLMEngine.for_model(lm, dtype)
 
 
 def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:

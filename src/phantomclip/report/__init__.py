@@ -187,15 +187,17 @@ def fig_beta_split(data: ReportData) -> dict | None:
     traces = []
     for part, key in (("β (total)", None), ("β_precision: recipe vs its own engine-dtype forward", "precision"),
                       ("β_kernel: that forward vs the engine", "kernel")):
-        x, y = [], []
+        engines, recipes, y = [], [], []  # a two-level axis: recipes grouped under their engine
         for d in docs:
             e = d["engine"]
             for name, stats in d["recipes"].items():
-                x.append(f"{name} | {e['kind']} {e['dtype']}")
+                engines.append(f"{e['kind']} engine, {e['dtype']}")
+                recipes.append(name)
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
-        traces.append({"type": "bar", "name": part, "x": x, "y": y, "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
-    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts", "trainer recipe | engine",
-                                             "mean |β| (nats)", barmode="group")}
+        traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y,
+                       "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
+    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts", "trainer recipe, by engine",
+                                             "mean |β| (nats)", barmode="group", xaxis={"tickangle": 0})}
 
 
 def fig_alpha_beta_steps(data: ReportData) -> dict | None:

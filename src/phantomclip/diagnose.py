@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from . import SCHEMA_VERSION, __version__
-from .engine import LocalEngine, Rollout, SamplingParams
-from .engines import ENGINE_KINDS
-from .metrics import mismatch_stats, trust_region_split
+from .engine import Rollout, SamplingParams
+from .engines import ENGINE_KINDS, start_engine
+from .metrics import mismatch_stats, pearson, trust_region_split
 from .models import BUNDLED_NAME, load_model
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
@@ -194,7 +194,9 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     truncation = (cfg.top_k, cfg.top_p, cfg.min_p) if truncated else None
 
     with _progress(console) as progress:
-        engine = start_engine(cfg, lm, engine_dtype, matmul, say)
+        if cfg.engine == "vllm":
+            say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
+        engine = start_engine(cfg.engine, lm, engine_dtype, matmul, cfg.logprobs_mode, cfg.max_model_len or None, cfg.seed)
         try:
             task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
             rollouts: list[Rollout] = []
@@ -205,8 +207,7 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
             engine_seconds = time.perf_counter() - t0
             engine_info = engine.describe()
         finally:  # a real engine holds a process and its KV cache: free them before scoring, or on any error
-            if hasattr(engine, "close"):
-                engine.close()
+            engine.close()
         del engine
         packed = [r.pack(tok.pad_token_id) for r in rollouts]
         n_sampled = sum(int(p["completion_mask"].sum()) for p in packed)
@@ -218,7 +219,7 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
         # The shadow: the trainer's own forward in the engine's dtype. It splits β into a precision part
         # (trainer recipe vs shadow) and a kernel part (shadow vs engine: same dtype, other kernels).
         shadow = engine_recipe(engine_dtype)
-        scored: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = {}
+        scored: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}  # logp, entropy, log S, seconds
         for name in dict.fromkeys([shadow.name, *cfg.trainer]):
             recipe = shadow if name == shadow.name else get_recipe(name)
             task = progress.add_task(f"scoring ({name}{', shadow' if name == shadow.name else ''})", total=len(packed))
@@ -291,26 +292,13 @@ def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
     return out
 
 
-def start_engine(cfg: DiagnoseConfig, lm, dtype: torch.dtype, matmul: str, say=print):
-    """The engine `cfg.engine` names, loaded with `lm`'s weights in `dtype`; vLLM is imported only here."""
-    if cfg.engine == "local":
-        return LocalEngine(lm.model, dtype, matmul=matmul)
-    from .engines.vllm import VLLMEngine
-
-    say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
-    return VLLMEngine.for_model(lm, dtype, cfg.logprobs_mode, cfg.max_model_len or None, cfg.seed)
-
-
 SPLIT_KEYS = ("tokens", "beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region")
 
 
 def _correlation(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     """Pearson correlation of a and b [B, T] over the finite masked tokens (NaN if either is constant)."""
     ok = mask & torch.isfinite(a) & torch.isfinite(b)
-    x, y = a[ok].double(), b[ok].double()
-    x, y = x - x.mean(), y - y.mean()
-    denom = (x.square().sum() * y.square().sum()).sqrt()
-    return (x * y).sum().item() / denom.item() if denom > 0 else math.nan
+    return pearson(a[ok], b[ok])
 
 
 def _pick(stats: dict) -> dict:

@@ -121,6 +121,16 @@ class Engine(Protocol):
         """What the engine is, for reports: at least 'kind' and 'dtype'."""
         ...
 
+    def close(self) -> None:
+        """Free what the engine holds beyond Python objects (processes, caches, temporary files)."""
+        ...
+
+
+def check_prompts(prompts: list[list[int]]) -> None:
+    """Every engine's precondition: at least one prompt, none of them empty."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
 
 def sample_next_token(
     logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -167,12 +177,14 @@ class LocalEngine:
     def describe(self) -> dict:
         return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": self.matmul, "startup_seconds": 0.0}
 
+    def close(self) -> None:
+        """Nothing to free: the engine is its model copy, released with the object."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         from transformers import DynamicCache
 
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         pad = params.stop_token_ids[0] if params.stop_token_ids else 0
         ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
         B, P = ids.shape

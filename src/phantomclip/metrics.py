@@ -135,7 +135,7 @@ def mismatch_stats(
     return stats
 
 
-def _corr(x: torch.Tensor, y: torch.Tensor) -> float:
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     """Pearson correlation; NaN when either side is constant or empty."""
     if x.numel() < 2:
         return float("nan")
@@ -182,7 +182,7 @@ def alpha_beta_stats(
         "mismatch/beta_abs_mean": _mean(beta.abs()),
         "mismatch/beta_abs_p99": _quantile(beta.abs(), 0.99),
         "mismatch/beta_outside_trust_region": _mean((b_below | b_above).double()),
-        "mismatch/corr_beta_adv": _corr(beta, adv),
+        "mismatch/corr_beta_adv": pearson(beta, adv),
         "clip/rate": _mean(clipped.double()),
         "clip/phantom_rate": _mean((clipped & ~alpha_clips).double()),
         "clip/real_rate": _mean((clipped & alpha_clips).double()),

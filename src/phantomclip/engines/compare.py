@@ -12,12 +12,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
-from ..engine import LocalEngine, SamplingParams
+from ..engine import SamplingParams
 from ..numerics import dtype_name, parse_dtype
 from ..prompts import bundled_prompts, encode_prompts
-from . import ENGINE_KINDS
+from . import ENGINE_KINDS, start_engine
 
 
 class CompareError(ValueError):
@@ -68,14 +66,6 @@ class CompareConfig:
             require_vllm()
 
 
-def _start(kind: str, lm, dtype: torch.dtype):
-    if kind == "local":
-        return LocalEngine(lm.model, dtype)
-    from .vllm import VLLMEngine
-
-    return VLLMEngine.for_model(lm, dtype)
-
-
 def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
     """One row per (dtype, engine): start-up seconds, tokens per call, median seconds and tokens/s."""
     cfg.validate()
@@ -87,7 +77,7 @@ def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
         for kind in cfg.engines:
             say(f"{kind} engine, {dtype_name(dtype)}: starting")
             t0 = time.perf_counter()
-            engine = _start(kind, lm, dtype)
+            engine = start_engine(kind, lm, dtype)
             startup = time.perf_counter() - t0
             try:
                 engine.generate(prompts, params)  # warm-up
@@ -98,8 +88,7 @@ def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
                     times.append(time.perf_counter() - t0)
                     tokens = sum(len(c) for c in ro.completion_ids)
             finally:
-                if hasattr(engine, "close"):
-                    engine.close()
+                engine.close()
             seconds = statistics.median(times)
             rows.append({"engine": kind, "dtype": dtype_name(dtype), "startup_seconds": startup, "tokens": tokens,
                          "seconds": seconds, "tokens_per_s": tokens / seconds, "all_seconds": times})

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from ..engine import Rollout, SamplingParams
+from ..engine import Rollout, SamplingParams, check_prompts
 from ..numerics import dtype_name
 
 INSTALL_HINT = (
@@ -155,9 +157,6 @@ class VLLMEngine:
 
         Models that exist only in memory (tiny-random) are saved into a temporary directory first, which the
         engine removes on close()."""
-        import shutil
-        import tempfile
-
         path, owned = lm.path, None
         if path is None:
             path = owned = tempfile.mkdtemp(prefix="phantomclip-vllm-")
@@ -208,8 +207,7 @@ class VLLMEngine:
         ]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         longest = max(len(p) for p in prompts)
         if longest + params.max_tokens > self.max_model_len:
             raise VLLMError(
@@ -245,8 +243,6 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop vLLM's engine process and free its KV cache (a second engine in the same process needs the memory)."""
-        import shutil
-
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()

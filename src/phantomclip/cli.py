@@ -48,40 +48,21 @@ def _diagnose_parser(sub) -> None:
 
 
 def _run_diagnose(args) -> int:
-    from rich.console import Console
-
-    from .diagnose import DiagnoseConfig, check_output_path, render, run_diagnose
-    from .runs import write_json
+    from .diagnose import DiagnoseConfig, render, run_diagnose
 
     if args.from_trl_config:
-        from rich.console import Console as _Console
+        from rich.console import Console
 
         from .integrations.trl import diagnose_settings_from_trl
 
         settings, notes = diagnose_settings_from_trl(args.from_trl_config)
         for key, value in settings.items():
             setattr(args, key, value)
-        err = _Console(stderr=True)
+        err = Console(stderr=True)
         err.print("from the TRL config: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
         for note in notes:
             err.print(f"note: {note}")
-    cfg = DiagnoseConfig(
-        model=args.model, trainer=args.trainer, engine_dtype=args.engine_dtype, epsilon=args.epsilon,
-        epsilon_high=args.epsilon_high, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, batch_size=args.batch_size,
-        prompts=args.prompts, matmul=args.matmul, seq_mask_cap=args.seq_mask_cap, engine=args.engine,
-        logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len,
-    )
-    cfg.validate()  # fail on bad flags before loading anything
-    if args.json:
-        check_output_path(args.json)
-    out = Console()
-    result = run_diagnose(cfg, console=Console(stderr=True))
-    render(result, out)
-    if args.json:
-        write_json(result, args.json)
-        out.print(f"wrote {args.json}")
-    return 0
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: run_diagnose(cfg, console=err), render)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch
 from . import SCHEMA_VERSION, __version__
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
-from .metrics import mismatch_stats, pearson, trust_region_split
+from .metrics import mean_or_nan, mismatch_stats, pearson, quantile_or_nan, trust_region_split
 from .models import BUNDLED_NAME, load_model
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
@@ -319,10 +319,10 @@ def truncation_stats(logp, log_kept, engine_full, engine_proc, mask, stats_of, e
     out_beta = trust_region_split((logp - engine_full).double()[ok], eps_low, eps_high)
     pushed = (out_naive[0] | out_naive[1]) & ~(out_beta[0] | out_beta[1])  # [N] outside only because of log S
     return {
-        "log_kept_mean": s.mean().item() if s.numel() else math.nan,
-        "kept_mass_p10": math.exp(torch.quantile(s, 0.1).item()) if s.numel() else math.nan,
+        "log_kept_mean": mean_or_nan(s),
+        "kept_mass_p10": math.exp(quantile_or_nan(s, 0.1)),
         "kept_mass_min": math.exp(s.min().item()) if s.numel() else math.nan,
-        "pushed_out": pushed.double().mean().item() if s.numel() else math.nan,
+        "pushed_out": mean_or_nan(pushed),
         "naive": _pick(stats_of(logp, engine_proc)),
         "corrected": _pick(stats_of(logp - log_kept, engine_proc)),
     }

@@ -21,11 +21,13 @@ HIGH_P = 0.9
 """engine probability above which a token counts as high-probability."""
 
 
-def _mean(x: torch.Tensor) -> float:
+def mean_or_nan(x: torch.Tensor) -> float:
+    """Mean in float64; NaN for an empty tensor (a step or a bucket with no tokens)."""
     return x.double().mean().item() if x.numel() else float("nan")
 
 
-def _quantile(x: torch.Tensor, q: float) -> float:
+def quantile_or_nan(x: torch.Tensor, q: float) -> float:
+    """q-quantile in float64 (linear interpolation); NaN for an empty tensor."""
     return torch.quantile(x.double(), q).item() if x.numel() else float("nan")
 
 
@@ -54,9 +56,9 @@ def kl_estimators(log_ratio: torch.Tensor) -> dict[str, float]:
     """
     r = torch.exp(log_ratio.double())
     return {
-        "kl_k1": _mean(-log_ratio),
-        "kl_k2": _mean(0.5 * log_ratio.double() ** 2),
-        "kl_k3": _mean((r - 1) - log_ratio.double()),
+        "kl_k1": mean_or_nan(-log_ratio),
+        "kl_k2": mean_or_nan(0.5 * log_ratio.double() ** 2),
+        "kl_k3": mean_or_nan((r - 1) - log_ratio.double()),
     }
 
 
@@ -92,7 +94,7 @@ def mismatch_stats(
     below, above = trust_region_split(beta, eps_low, eps_high)
     p_engine = torch.exp(logp_engine.double()[ok])  # [N]
     low, high = p_engine < LOW_P, p_engine > HIGH_P
-    low_mean, high_mean = _mean(abs_beta[low]), _mean(abs_beta[high])
+    low_mean, high_mean = mean_or_nan(abs_beta[low]), mean_or_nan(abs_beta[high])
 
     # Sequences: Σℓ over a sequence's tokens (TRL sequence modes); geometric mean exp(mean ℓ) (GSPO).
     n_tok = ok.sum(-1)  # [B]
@@ -104,34 +106,34 @@ def mismatch_stats(
     stats = {
         "tokens": int(ok.sum().item()),
         "nonfinite": int((mask & ~finite).sum().item()),
-        "beta_mean": _mean(beta),
-        "beta_abs_mean": _mean(abs_beta),
-        "beta_abs_p50": _quantile(abs_beta, 0.5),
-        "beta_abs_p90": _quantile(abs_beta, 0.9),
-        "beta_abs_p99": _quantile(abs_beta, 0.99),
+        "beta_mean": mean_or_nan(beta),
+        "beta_abs_mean": mean_or_nan(abs_beta),
+        "beta_abs_p50": quantile_or_nan(abs_beta, 0.5),
+        "beta_abs_p90": quantile_or_nan(abs_beta, 0.9),
+        "beta_abs_p99": quantile_or_nan(abs_beta, 0.99),
         "beta_abs_max": abs_beta.max().item() if abs_beta.numel() else float("nan"),
-        "outside_trust_region": _mean((below | above).double()),
-        "outside_below": _mean(below.double()),
-        "outside_above": _mean(above.double()),
+        "outside_trust_region": mean_or_nan((below | above).double()),
+        "outside_below": mean_or_nan(below.double()),
+        "outside_above": mean_or_nan(above.double()),
         "beta_abs_mean_lowp": low_mean,
         "beta_abs_mean_highp": high_mean,
         "lowp_highp_ratio": low_mean / high_mean if high_mean > 0 else float("nan"),
         "tokens_lowp": int(low.sum().item()),
         "tokens_highp": int(high.sum().item()),
         "sequences": int(has.sum().item()),
-        "seq_logratio_mean": _mean(seq_sum),
-        "seq_product_ratio_median": math.exp(_quantile(seq_sum, 0.5)) if seq_sum.numel() else float("nan"),
-        "seq_geo_ratio_mean": _mean(torch.exp(seq_geo)),
-        "seq_geo_outside_trust_region": _mean((g_below | g_above).double()),
-        "seq_mask_drop_share": _mean((seq_sum > math.log(seq_mask_cap)).double()),
+        "seq_logratio_mean": mean_or_nan(seq_sum),
+        "seq_product_ratio_median": math.exp(quantile_or_nan(seq_sum, 0.5)) if seq_sum.numel() else float("nan"),
+        "seq_geo_ratio_mean": mean_or_nan(torch.exp(seq_geo)),
+        "seq_geo_outside_trust_region": mean_or_nan((g_below | g_above).double()),
+        "seq_mask_drop_share": mean_or_nan((seq_sum > math.log(seq_mask_cap)).double()),
         **kl_estimators(beta),
-        "chi2": _mean((torch.exp(beta) - 1) ** 2),
+        "chi2": mean_or_nan((torch.exp(beta) - 1) ** 2),
         "ess_token": ess_share(beta),
         "ess_seq": ess_share(seq_sum),
     }
     if advantages is not None:
         adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
-        stats["phantom_clip_rate"] = _mean(phantom_clip_mask(beta, adv[ok], eps_low, eps_high).double())
+        stats["phantom_clip_rate"] = mean_or_nan(phantom_clip_mask(beta, adv[ok], eps_low, eps_high).double())
     return stats
 
 
@@ -175,17 +177,17 @@ def alpha_beta_stats(
     b_below, b_above = trust_region_split(beta, eps_low, eps_high)
     abs_adv = adv.abs()
     return {
-        "mismatch/log_ratio_mean": _mean(log_r),
-        "mismatch/alpha_mean": _mean(alpha),
-        "mismatch/alpha_abs_mean": _mean(alpha.abs()),
-        "mismatch/beta_mean": _mean(beta),
-        "mismatch/beta_abs_mean": _mean(beta.abs()),
-        "mismatch/beta_abs_p99": _quantile(beta.abs(), 0.99),
-        "mismatch/beta_outside_trust_region": _mean((b_below | b_above).double()),
+        "mismatch/log_ratio_mean": mean_or_nan(log_r),
+        "mismatch/alpha_mean": mean_or_nan(alpha),
+        "mismatch/alpha_abs_mean": mean_or_nan(alpha.abs()),
+        "mismatch/beta_mean": mean_or_nan(beta),
+        "mismatch/beta_abs_mean": mean_or_nan(beta.abs()),
+        "mismatch/beta_abs_p99": quantile_or_nan(beta.abs(), 0.99),
+        "mismatch/beta_outside_trust_region": mean_or_nan((b_below | b_above).double()),
         "mismatch/corr_beta_adv": pearson(beta, adv),
-        "clip/rate": _mean(clipped.double()),
-        "clip/phantom_rate": _mean((clipped & ~alpha_clips).double()),
-        "clip/real_rate": _mean((clipped & alpha_clips).double()),
-        "clip/masked_rate": _mean(masked.bool()[m].double()),
+        "clip/rate": mean_or_nan(clipped.double()),
+        "clip/phantom_rate": mean_or_nan((clipped & ~alpha_clips).double()),
+        "clip/real_rate": mean_or_nan((clipped & alpha_clips).double()),
+        "clip/masked_rate": mean_or_nan(masked.bool()[m].double()),
         "clip/zeroed_adv_share": (abs_adv[zeroed].sum() / abs_adv.sum()).item() if abs_adv.sum() > 0 else float("nan"),
     }

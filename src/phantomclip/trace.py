@@ -19,7 +19,7 @@ from torch import nn
 
 from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
-from .metrics import trust_region_split
+from .metrics import pearson, trust_region_split
 from .recipes import (
     ATTENTION_FP32, Recipe, _final_norm, apply_recipe, decoder_body, forward_context, get_recipe, lm_head, resolve_matmul,
 )
@@ -306,7 +306,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
         "sites": layer_rows,
         "beta": _beta_summary(beta, cfg.epsilon),
         "first_order": {"explained_share": 1 - residual.item(),
-                        "corr": torch.corrcoef(torch.stack([beta, fo["first_order"]]))[0, 1].item() if beta.numel() > 1 else float("nan"),
+                        "corr": pearson(beta, fo["first_order"]),
                         "buckets": buckets},
         "hook_overhead": t_traced / t_plain - 1 if t_plain > 0 else float("nan"),
     }

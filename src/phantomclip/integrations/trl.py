@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..engine import sync_weights
-from ..metrics import phantom_clip_mask, trust_region_split
+from ..metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan, trust_region_split
 from ..numerics import parse_dtype
 from ..recipes import apply_recipe, engine_recipe
 
@@ -81,15 +81,14 @@ def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.T
     adv = (advantages if advantages.dim() == 2 and advantages.shape[1] > 1 else advantages.reshape(-1, 1)).expand_as(logp)[m].double()
     below, above = trust_region_split(beta, eps_low, eps_high)
     stats = {
-        "beta_mean": beta.mean().item() if beta.numel() else float("nan"),
-        "beta_abs_mean": beta.abs().mean().item() if beta.numel() else float("nan"),
-        "beta_abs_p99": torch.quantile(beta.abs(), 0.99).item() if beta.numel() else float("nan"),
-        "outside_trust_region": (below | above).double().mean().item() if beta.numel() else float("nan"),
-        "phantom_clip_rate": phantom_clip_mask(beta, adv, eps_low, eps_high).double().mean().item() if beta.numel() else float("nan"),
+        "beta_mean": mean_or_nan(beta),
+        "beta_abs_mean": mean_or_nan(beta.abs()),
+        "beta_abs_p99": quantile_or_nan(beta.abs(), 0.99),
+        "outside_trust_region": mean_or_nan(below | above),
+        "phantom_clip_rate": mean_or_nan(phantom_clip_mask(beta, adv, eps_low, eps_high)),
     }
     if logp_engine is not None:
-        alpha = (logp_shadow.double() - logp_engine.double())[m]
-        stats["alpha_mean"] = alpha.mean().item() if alpha.numel() else float("nan")
+        stats["alpha_mean"] = mean_or_nan((logp_shadow.double() - logp_engine.double())[m])
     return stats
 
 

@@ -25,6 +25,8 @@ class Batch:
     step: int
     prompts: list[str]
     rollout: Rollout
+    packed: dict[str, torch.Tensor]
+    """`rollout.pack(pad)`: prompts and completions in one padded batch, built once, in the producer thread."""
     weights_version: int
     """the engine sampled with θ_{weights_version}."""
     logp_old: torch.Tensor | None

@@ -371,7 +371,7 @@ def train(
             logp_old = _completion_logprobs(old_policy, trainer_recipe, packed, rollout.prompt_width, cfg)
         if cfg.split_kernel_gap:  # the engine's weights, scored the way the shadow is
             logp_shadow_old = _completion_logprobs(engine.model, shadow_recipe, packed, rollout.prompt_width, cfg)
-        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, version, logp_old,
+        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
                      time.perf_counter() - t0, logp_shadow_old)
 
     producer = RolloutProducer(make_batch, start, cfg.steps, cfg.staleness)
@@ -389,7 +389,7 @@ def train(
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
-                row, tokens = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops)
+                row, tokens = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler)
                 # Versions below k+1-s are done with: batches up to k (consumed) used them, later ones use newer
                 # ones. So the oldest one's buffers can take the new snapshot.
                 stale = [v for v in snapshots if v < k + 1 - cfg.staleness]
@@ -434,7 +434,7 @@ def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int,
                              cfg.group_size, temperature=cfg.temperature)
 
 
-def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler, stops) -> tuple[dict, dict]:
+def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler) -> tuple[dict, dict]:
     from .tasks import compute_rewards
 
     timings = {"time/generate_s": batch.generate_s}
@@ -442,7 +442,7 @@ def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_r
     completions = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
     rewards = torch.tensor(compute_rewards(reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
-    packed = rollout.pack(stops[0] if stops else 0)
+    packed = batch.packed
     P = rollout.prompt_width
     mask = packed["completion_mask"][:, P:]  # [B, L]
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import bad_cli, offline
 
 from phantomclip.cli import main

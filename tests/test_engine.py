@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import report
+
 from phantomclip.engine import LocalEngine, Rollout, SamplingParams, sample_next_token
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.scoring import score

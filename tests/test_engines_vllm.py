@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import bad_cli
 
 from phantomclip.cli import main

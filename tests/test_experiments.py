@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from conftest import bad_cli
 
 from phantomclip.cli import _split_run_names, main

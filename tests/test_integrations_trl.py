@@ -7,7 +7,12 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from phantomclip.integrations.trl import IntegrationError, PrecisionMonitor, precision_stats, with_shadow_ratio  # noqa: E402
+from phantomclip.integrations.trl import (  # noqa: E402
+    IntegrationError,
+    PrecisionMonitor,
+    precision_stats,
+    with_shadow_ratio,
+)
 from phantomclip.metrics import phantom_clip_mask  # noqa: E402
 
 
@@ -123,6 +128,7 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_trl_config_preflight(tmp_path, capsys):
     from conftest import bad_cli
+
     from phantomclip.cli import main
     from phantomclip.integrations.trl import diagnose_settings_from_trl
 

@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from phantomclip.loss import (
-    AGGREGATIONS, CORRECTIONS, CorrectionParams, clipped_surrogate, group_advantages, grpo_loss,
-    log_importance_weights, rollout_correction,
+    AGGREGATIONS,
+    CORRECTIONS,
+    CorrectionParams,
+    clipped_surrogate,
+    group_advantages,
+    grpo_loss,
+    log_importance_weights,
+    rollout_correction,
 )
 
 

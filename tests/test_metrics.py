@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from phantomclip.metrics import ess_share, kl_estimators, mismatch_stats, phantom_clip_mask, trust_region_split
+from phantomclip.metrics import (
+    ess_share,
+    kl_estimators,
+    mismatch_stats,
+    phantom_clip_mask,
+    trust_region_split,
+)
 
 
 def test_trust_region_split_hand_worked():

@@ -2,9 +2,8 @@ import copy
 import os
 
 import pytest
-
-from conftest import offline
 import torch
+from conftest import offline
 
 from phantomclip.models import ModelError, atomic_save_dir, load_model, tiny_tokenizer
 

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from phantomclip.numerics import (
-    boundary_crossing_share, parse_dtype, relative_rounding_error, representable_share, round_to, steps_to_cross, ulp,
+    boundary_crossing_share,
+    parse_dtype,
+    relative_rounding_error,
+    representable_share,
+    round_to,
+    steps_to_cross,
+    ulp,
 )
 
 

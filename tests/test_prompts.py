@@ -1,6 +1,11 @@
 import pytest
 
-from phantomclip.prompts import PromptError, bundled_prompts, encode_prompts, read_prompts
+from phantomclip.prompts import (
+    PromptError,
+    bundled_prompts,
+    encode_prompts,
+    read_prompts,
+)
 
 
 def test_bundled_prompts():

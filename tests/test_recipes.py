@@ -1,9 +1,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import report
-from phantomclip.recipes import RECIPES, RecipeError, apply_recipe, forward_context, get_recipe, use_emulated_matmul
+
+from phantomclip.recipes import (
+    RECIPES,
+    RecipeError,
+    apply_recipe,
+    forward_context,
+    get_recipe,
+    use_emulated_matmul,
+)
 from phantomclip.scoring import score
 
 

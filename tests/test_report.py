@@ -5,8 +5,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import bad_cli
+
 from phantomclip.cli import main
 from phantomclip.report import FIGURES, WIDGETS, ReportData, build, collect, render
 

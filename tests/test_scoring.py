@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import report
+
 from phantomclip.engine import left_pad
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.scoring import logprobs_from_logits, naive_logprobs, score

@@ -2,10 +2,16 @@ import math
 
 import pytest
 import torch
+from conftest import bad_cli
 from torch import nn
 
-from conftest import bad_cli
-from phantomclip.trace import TraceConfig, TraceError, first_order_logprob_change, run_trace, trace_sites
+from phantomclip.trace import (
+    TraceConfig,
+    TraceError,
+    first_order_logprob_change,
+    run_trace,
+    trace_sites,
+)
 
 TINY = dict(model="tiny-random:0", n=4, max_tokens=8)
 

@@ -7,14 +7,21 @@ import time
 
 import pytest
 import torch
-
 from conftest import report
+
 from phantomclip.metrics import alpha_beta_stats
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.runs import read_jsonl
 from phantomclip.scoring import score, score_completions
 from phantomclip.tasks import TaskError
-from phantomclip.trainer import INTERVENTIONS, TrainConfig, TrainConfigError, TrainerForward, resolve_plan, train
+from phantomclip.trainer import (
+    INTERVENTIONS,
+    TrainConfig,
+    TrainConfigError,
+    TrainerForward,
+    resolve_plan,
+    train,
+)
 
 # tiny-random:30 stops on its own in ~9% of 8-token completions: enough signal for reward = -length.
 TINY = dict(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3)

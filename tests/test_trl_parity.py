@@ -11,12 +11,16 @@ import math
 
 import pytest
 import torch
-
 from conftest import report
 
 trl = pytest.importorskip("trl")
 
-from phantomclip.loss import CorrectionParams, group_advantages, grpo_loss, rollout_correction  # noqa: E402
+from phantomclip.loss import (  # noqa: E402
+    CorrectionParams,
+    group_advantages,
+    grpo_loss,
+    rollout_correction,
+)
 from phantomclip.recipes import get_recipe  # noqa: E402
 from phantomclip.scoring import score  # noqa: E402
 

@@ -15,10 +15,10 @@ else:
 
 from conftest import report
 
-from phantomclip.diagnose import DiagnoseConfig, run_diagnose, stop_token_ids
+from phantomclip.diagnose import DiagnoseConfig, run_diagnose
 from phantomclip.engine import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine
-from phantomclip.models import load_model
+from phantomclip.models import load_model, stop_token_ids
 from phantomclip.prompts import bundled_prompts, encode_prompts
 from phantomclip.recipes import get_recipe
 from phantomclip.scoring import score

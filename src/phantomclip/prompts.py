@@ -6,8 +6,10 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from .errors import PhantomclipError
 
-class PromptError(ValueError):
+
+class PromptError(PhantomclipError):
     """A prompts file that is missing, empty or malformed."""
 
 

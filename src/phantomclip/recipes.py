@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import PhantomclipError
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -67,7 +69,7 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-class RecipeError(ValueError):
+class RecipeError(PhantomclipError):
     """A recipe, dtype or module role that does not exist, or a model it cannot be applied to."""
 
 

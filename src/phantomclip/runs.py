@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from .errors import PhantomclipError
 
-class RunError(ValueError):
+
+class RunError(PhantomclipError):
     """A run directory that cannot be created or resumed as asked."""
 
 

@@ -15,10 +15,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import PhantomclipError
+
 RewardFn = Callable[[list[str], list[str], list[list[int]]], list[float]]
 
 
-class TaskError(ValueError):
+class TaskError(PhantomclipError):
     """Unknown task, unloadable reward, or a reward function that misbehaves."""
 
 

@@ -19,9 +19,18 @@ from torch import nn
 
 from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
+from .errors import PhantomclipError
 from .metrics import pearson, trust_region_split
 from .recipes import (
-    ATTENTION_FP32, Recipe, _final_norm, apply_recipe, decoder_body, forward_context, get_recipe, lm_head, resolve_matmul,
+    ATTENTION_FP32,
+    Recipe,
+    _final_norm,
+    apply_recipe,
+    decoder_body,
+    forward_context,
+    get_recipe,
+    lm_head,
+    resolve_matmul,
 )
 from .scoring import position_ids_from_mask, score
 
@@ -31,7 +40,7 @@ PROB_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 """edges of the reference-probability buckets for the first-order analysis."""
 
 
-class TraceError(ValueError):
+class TraceError(PhantomclipError):
     """Bad trace input: unknown module name, recipe, or a model whose layers cannot be found."""
 
 
@@ -243,8 +252,7 @@ def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> fl
 
 
 def run_trace(cfg: TraceConfig, console=None) -> dict:
-    from .diagnose import stop_token_ids
-    from .models import load_model
+    from .models import load_model, stop_token_ids
     from .prompts import bundled_prompts, encode_prompts
 
     cfg.validate()

@@ -20,20 +20,19 @@ conflicts; the loss itself is `loss.grpo_loss`, a pure function.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .engine import LocalEngine, SamplingParams, sync_weights
+from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
     AGGREGATIONS,
-    CORRECTIONS,
     CorrectionParams,
     group_advantages,
     grpo_loss,
@@ -41,16 +40,12 @@ from .loss import (
 )
 from .metrics import alpha_beta_stats
 from .producer import Batch, RolloutProducer, snapshot
-from .recipes import RECIPES, Recipe, apply_recipe, engine_recipe, get_recipe
+from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import GracefulStop, RunDir
 
 EXPERIMENT_LR = 3e-5
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
-
-
-class TrainConfigError(ValueError):
-    """A training configuration that cannot run (bad value, unknown name, conflicting interventions)."""
 
 
 @dataclass
@@ -139,101 +134,6 @@ class TrainConfig:
         resolve_plan(self)
 
 
-# ------------------------------------------------------------------------------------------ interventions
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a run does once its interventions are applied."""
-
-    trainer_recipe: str
-    engine_recipe: str
-    ratio_against: str = "engine"
-    """logp_old of the PPO ratio: 'engine' (async GRPO), 'trainer_old' (trainer at the rollout's weights) or 'self' (r = 1)."""
-    clip_on: str = "full"
-    """'full': clip on log r = α + β; 'shadow': clip on α alone (gradient still through logp)."""
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    correction: str = "none"
-    """rollout correction mode (loss.CORRECTIONS), weights from logp_old (or the current logp) vs logp_engine."""
-    loss_scaling: bool = False
-    """dynamic loss scaling (fp16 gradients underflow without it)."""
-
-
-@dataclass(frozen=True)
-class Intervention:
-    doc: str
-    changes: Callable[[str | None], dict]
-    """argument (the X of 'name=X', or None) -> Plan fields to set."""
-
-
-def _epsilon(arg: str | None) -> dict:
-    try:
-        eps = float(arg or "")
-    except ValueError:
-        raise TrainConfigError(f"intervention epsilon=X needs a number, got {arg!r}") from None
-    if not eps > 0:
-        raise TrainConfigError(f"intervention epsilon=X needs X > 0, got {eps}")
-    return {"eps_low": eps, "eps_high": eps}
-
-
-def _correction(arg: str | None) -> dict:
-    if arg not in CORRECTIONS:
-        raise TrainConfigError(f"intervention correction=MODE: unknown mode {arg!r}; use one of {', '.join(CORRECTIONS)}")
-    return {"correction": arg}
-
-
-INTERVENTIONS: dict[str, Intervention] = {
-    "none": Intervention("baseline: nothing changed", lambda a: {}),
-    "match-bf16": Intervention("trainer in bf16, like the bf16 engine", lambda a: {"trainer_recipe": "bf16", "engine_recipe": "bf16"}),
-    "fp16": Intervention("trainer and engine in fp16 (Qi et al. 2025), with dynamic loss scaling",
-                         lambda a: {"trainer_recipe": "fp16", "engine_recipe": "fp16", "loss_scaling": True}),
-    "autocast": Intervention("trainer in bf16 autocast over fp32 master weights (TRL bf16=True)", lambda a: {"trainer_recipe": "bf16-autocast"}),
-    "fp32-head": Intervention("final norm and lm_head in fp32 on both sides, bf16 bodies (MiniMax-M1)",
-                              lambda a: {"trainer_recipe": "fp32-head", "engine_recipe": "fp32-head"}),
-    "shadow-ratio": Intervention("clip on α = logp_shadow − logp_engine; the gradient still flows through logp", lambda a: {"clip_on": "shadow"}),
-    "recompute-old": Intervention("logp_old recomputed by the trainer at the rollout's weights (TRL's synchronous default)",
-                                  lambda a: {"ratio_against": "trainer_old"}),
-    "force-r1": Intervention("ratio forced to 1 (exp(logp − logp.detach())): plain policy gradient, no clip", lambda a: {"ratio_against": "self"}),
-    "no-clip": Intervention("ε = ∞: β stays in the ratio but never clips", lambda a: {"eps_low": math.inf, "eps_high": math.inf}),
-    "tis": Intervention("token-level truncated importance sampling, min(π/μ, C) (Yao et al. 2025)", lambda a: {"correction": "token_truncate"}),
-    "mis": Intervention("sequence-level masked importance sampling, TRL's default sequence_mask", lambda a: {"correction": "sequence_mask"}),
-    "icepop": Intervention("IcePop: mask tokens whose π/μ is outside [0.5, 2] (Ring-1T)", lambda a: {"correction": "icepop"}),
-    "epsilon": Intervention("epsilon=X: clip range ε_low = ε_high = X", _epsilon),
-    "correction": Intervention("correction=MODE: any rollout correction of loss.CORRECTIONS", _correction),
-}
-
-
-def resolve_plan(cfg: TrainConfig) -> Plan:
-    """The config's precision contract with its interventions applied, left to right; conflicts are refused."""
-    plan = Plan(
-        trainer_recipe=cfg.trainer, engine_recipe=_engine_recipe_name(cfg.engine_dtype), eps_low=cfg.epsilon,
-        eps_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high,
-    )
-    set_by: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in cfg.intervention.split(","))):
-        name, _, arg = item.partition("=")
-        if name not in INTERVENTIONS:
-            raise TrainConfigError(f"unknown intervention {name!r}: use one of {', '.join(INTERVENTIONS)}")
-        for key, value in INTERVENTIONS[name].changes(arg or None).items():
-            if key in set_by and getattr(plan, key) != value:
-                raise TrainConfigError(f"interventions {set_by[key]} and {item} conflict (both set {key})")
-            set_by[key] = item
-            plan = replace(plan, **{key: value})
-    if plan.clip_on == "shadow" and plan.ratio_against != "engine":
-        raise TrainConfigError("shadow-ratio clips on logp_shadow − logp_engine: it cannot be combined with recompute-old or force-r1")
-    return plan
-
-
-def _engine_recipe_name(dtype: str) -> str:
-    from .numerics import parse_dtype
-
-    try:
-        return engine_recipe(parse_dtype(dtype)).name
-    except (ValueError, StopIteration):
-        raise TrainConfigError(f"unknown --engine-dtype {dtype!r}: use bf16, fp16 or fp32") from None
-
-
 # ------------------------------------------------------------------------------------------ components
 
 
@@ -309,8 +209,7 @@ def train(
 ) -> TrainResult:
     """Run GRPO as configured; log to `out` (a run directory) if given. Ctrl-C stops after the current step
     with a checkpoint (a second Ctrl-C aborts at once; the last periodic checkpoint stays valid)."""
-    from .diagnose import stop_token_ids
-    from .models import load_model
+    from .models import load_model, stop_token_ids
     from .prompts import bundled_prompts, encode_prompts, read_prompts
     from .tasks import get_task, load_reward
 

@@ -13,12 +13,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..engine import SamplingParams
+from ..errors import PhantomclipError
 from ..numerics import dtype_name, parse_dtype
 from ..prompts import bundled_prompts, encode_prompts
 from . import ENGINE_KINDS, start_engine
 
 
-class CompareError(ValueError):
+class CompareError(PhantomclipError):
     """A bad `engines` setting; the message says what to do."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..engine import Rollout, SamplingParams, check_prompts
+from ..errors import PhantomclipError
 from ..numerics import dtype_name
 
 INSTALL_HINT = (
@@ -42,7 +43,7 @@ MIN_TEMPERATURE = 1e-5
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
 
 
-class VLLMError(ValueError):
+class VLLMError(PhantomclipError):
     """vLLM missing, or a setting it cannot honour; the message says what to do."""
 
 

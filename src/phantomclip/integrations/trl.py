@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from ..engine import sync_weights
-from ..metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan, trust_region_split
+from ..errors import PhantomclipError
+from ..metrics import (
+    mean_or_nan,
+    phantom_clip_mask,
+    quantile_or_nan,
+    trust_region_split,
+)
 from ..numerics import parse_dtype
 from ..recipes import apply_recipe, engine_recipe
 
@@ -28,7 +34,7 @@ SUPPORTED_TRL = (1, 16)
 """trl 1.16.x: the version these hooks were written and tested against (tests/test_integrations_trl.py)."""
 
 
-class IntegrationError(ValueError):
+class IntegrationError(PhantomclipError):
     """A TRL version, trainer class or setting this integration cannot work with."""
 
 
@@ -234,7 +240,7 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     """
     import yaml
 
-    from ..diagnose import ConfigError
+    from ..errors import ConfigError
 
     if isinstance(config, (str, bytes)) or hasattr(config, "read_text"):
         from pathlib import Path

@@ -20,13 +20,14 @@ from importlib import resources
 from pathlib import Path
 
 from .. import SCHEMA_VERSION
+from ..errors import PhantomclipError
 from ..runs import json_safe
 
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
 
 
-class ReportError(ValueError):
+class ReportError(PhantomclipError):
     """Unreadable sources or an output path that cannot be written."""
 
 
@@ -268,7 +269,7 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
 
 
 def html_sanity_table(data: ReportData) -> str | None:
-    from ..trainer import INTERVENTIONS
+    from ..interventions import INTERVENTIONS
 
     if not data.sanity:
         return None

@@ -103,3 +103,20 @@ def test_unknown_recipe_lists_valid_names():
     with pytest.raises(RecipeError, match="fp32, bf16, fp16, bf16-autocast, fp32-head"):
         get_recipe("int4")
     assert set(RECIPES) == {"fp32", "bf16", "fp16", "bf16-autocast", "fp32-head"}
+
+
+def test_exact_weights_keep_the_arithmetic_and_drop_the_weight_rounding(tiny):
+    # An emulated bf16 Linear rounds x, the weight and the output; with exact_weights the weight is the fp32 master.
+    recipe = get_recipe("bf16")
+    model = apply_recipe(tiny.model, recipe, "emulated", exact_weights=True)
+    master, lin = tiny.model.model.layers[0].mlp.up_proj, model.model.layers[0].mlp.up_proj
+    x = torch.randn(3, master.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [3, H]
+    with torch.no_grad():
+        out = lin(x)  # [3, I] bf16
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.float(), master.weight).to(torch.bfloat16))  # unrounded fp32 weight
+    rounded = F.linear(x.float(), master.weight.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert not torch.equal(out, rounded)  # the option changes something
+    assert lin.weight.dtype == torch.bfloat16  # the stored weights are still the recipe's
+    with pytest.raises(RecipeError, match="exact_weights needs matmul='emulated'"):
+        apply_recipe(tiny.model, recipe, "native", exact_weights=True)

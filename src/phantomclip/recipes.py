@@ -96,16 +96,19 @@ def decoder_body(model: nn.Module) -> nn.Module:
     return body
 
 
-def _final_norm(model: nn.Module) -> nn.Module:
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm between the last decoder layer and the head (its output is what the head reads)."""
     base = decoder_body(model)
     for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
         mod = getattr(base, name, None)
         if isinstance(mod, nn.Module):
             return mod
-    raise RecipeError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f under {type(base).__name__})")
+    raise RecipeError(f"cannot find the final norm of {type(model).__name__} "
+                      f"(looked for norm, final_layernorm, ln_f under {type(base).__name__})")
 
 
 def lm_head(model: nn.Module) -> nn.Module:
+    """The output head (Linear hidden -> vocabulary), possibly tied to the input embeddings."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         raise RecipeError(f"cannot find the output head of {type(model).__name__} (get_output_embeddings() is None)")
@@ -114,12 +117,13 @@ def lm_head(model: nn.Module) -> nn.Module:
 
 def _all_norms(model: nn.Module) -> list[nn.Module]:
     """Every normalisation layer (RMSNorm / LayerNorm by class name), the final norm included."""
-    return [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm", "Norm")) and list(m.parameters(recurse=False))]
+    return [m for m in model.modules()
+            if type(m).__name__.endswith(("RMSNorm", "LayerNorm", "Norm")) and list(m.parameters(recurse=False))]
 
 
 MODULE_ROLES = {
     "lm_head": lambda m: [lm_head(m)],
-    "final_norm": lambda m: [_final_norm(m)],
+    "final_norm": lambda m: [final_norm(m)],
     "norm": _all_norms,
 }
 """Role name -> function finding those modules in a Hugging Face causal LM (a recipe keeps them in fp32)."""
@@ -141,7 +145,8 @@ def _fp32_attention_name() -> str:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def fp32_sdpa(module, query, key, value, attention_mask, **kwargs):
-        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else attention_mask
+        floating = attention_mask is not None and attention_mask.is_floating_point()
+        mask = attention_mask.float() if floating else attention_mask  # an additive float mask joins the fp32 sum
         out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kwargs)
         return out.to(query.dtype), weights
 
@@ -201,7 +206,7 @@ def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         self._pc_w32 = self.weight.detach().to(low).float()
         self._pc_b32 = None if self.bias is None else self.bias.detach().to(low).float()
         self._pc_key = key
-    exact = getattr(self, "_pc_exact_weight", None)  # trace's compute-only split: unrounded fp32 weights
+    exact = getattr(self, "_pc_exact_weight", None)  # apply_recipe(exact_weights=True): the unrounded fp32 master
     with torch.autocast(device, enabled=False):
         out = F.linear(x.to(low).float(), self._pc_w32 if exact is None else exact, self._pc_b32)  # [..., out] fp32
     return out.to(low)
@@ -219,16 +224,22 @@ def use_emulated_matmul(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.Module:
+def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_weights: bool = False) -> nn.Module:
     """A copy of `master` (fp32 weights) laid out for `recipe`; `master` is left untouched.
 
-    Use the result's forward inside `forward_context(recipe)`.
+    Use the result's forward inside `forward_context(recipe)`. `exact_weights=True` keeps the recipe's arithmetic
+    (inputs and outputs of every Linear rounded to the low dtype) but multiplies by the unrounded fp32 master
+    weights: what is left of a recipe's error once weight rounding is taken out (`phantomclip trace` splits β
+    into weights and compute this way). It needs the emulated kernel (native kernels read the stored low-precision
+    weights), applies to Linear layers only (embeddings and norms keep the recipe's weights) and to inference
+    only (the differentiable path always rounds the weight).
     """
     model = copy.deepcopy(master)
     if recipe.fp32_modules:
         for role in recipe.fp32_modules:
             if role not in MODULE_ROLES and role != ATTENTION_FP32:
-                raise RecipeError(f"unknown module role {role!r}: use one of {', '.join([*MODULE_ROLES, ATTENTION_FP32])}")
+                valid = ", ".join([*MODULE_ROLES, ATTENTION_FP32])
+                raise RecipeError(f"unknown module role {role!r}: use one of {valid}")
         head = lm_head(model)
         if "lm_head" in recipe.fp32_modules and head.weight is model.get_input_embeddings().weight:
             # Tied embeddings: give the head its own fp32 copy so the embedding can go to bf16 alone.
@@ -248,7 +259,7 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
         else:
             kept.update({id(m): (m, src) for m, src in zip(MODULE_ROLES[role](model), MODULE_ROLES[role](master))})
     if kept:
-        head, final = lm_head(model), _final_norm(model)
+        head, final = lm_head(model), final_norm(model)
         feeds_fp32_head = id(head) in kept
     for mod, src in kept.values():
         # Copy fp32 master values back (the .to() above rounded them) and feed the module fp32 inputs.
@@ -259,9 +270,23 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto") -> nn.
         if mod is not head and not (mod is final and feeds_fp32_head):
             # A module inside the low-precision body hands its fp32-computed output back in the compute dtype.
             mod.register_forward_hook(_cast_output_hook(recipe.compute_dtype))
-    if resolve_matmul(matmul, next(model.parameters()).device) == "emulated":
+    emulated = resolve_matmul(matmul, next(model.parameters()).device) == "emulated"
+    if emulated:
         use_emulated_matmul(model)
+    if exact_weights:
+        if not emulated:
+            raise RecipeError(f"exact_weights needs matmul='emulated' (got {matmul!r}): a native kernel can only "
+                              f"multiply by the weights stored in {recipe.weight_dtype}")
+        _use_exact_weights(model, master)
     return model.eval()
+
+
+def _use_exact_weights(model: nn.Module, master: nn.Module) -> None:
+    """Give every Linear of `model` (emulated) the fp32 weight of the same-named Linear of `master`."""
+    masters = dict(master.named_modules())
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            mod._pc_exact_weight = masters[name].weight.detach().float()  # [out, in] fp32, not rounded
 
 
 def _set_buffer(model: nn.Module, dotted: str, value: torch.Tensor) -> None:

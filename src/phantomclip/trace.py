@@ -24,9 +24,9 @@ from .metrics import pearson, trust_region_split
 from .recipes import (
     ATTENTION_FP32,
     Recipe,
-    _final_norm,
     apply_recipe,
     decoder_body,
+    final_norm,
     forward_context,
     get_recipe,
     lm_head,
@@ -118,7 +118,7 @@ def trace_sites(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
             if isinstance(getattr(layer, sub, None), nn.Module):
                 sites.append((f"layers.{i}.{sub}", i, getattr(layer, sub)))
         sites.append((f"layers.{i}.residual", i, layer))
-    sites += [("final_norm", len(layers), _final_norm(model)), ("logits", len(layers), lm_head(model))]
+    sites += [("final_norm", len(layers), final_norm(model)), ("logits", len(layers), lm_head(model))]
     return sites
 
 
@@ -221,12 +221,7 @@ def _rounded_weights_model(master: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _exact_weights_model(master: nn.Module, recipe: Recipe) -> nn.Module:
     """The recipe's arithmetic (emulated) with every Linear multiplying by the unrounded fp32 weights."""
-    model = apply_recipe(master, recipe, matmul="emulated")
-    masters = dict(master.named_modules())
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            mod._pc_exact_weight = masters[name].weight.detach().float()
-    return model
+    return apply_recipe(master, recipe, matmul="emulated", exact_weights=True)
 
 
 def _logp(model: nn.Module, recipe: Recipe, packed: dict) -> torch.Tensor:

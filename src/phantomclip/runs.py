@@ -62,6 +62,52 @@ def json_safe(x):
     return x
 
 
+def rounded(x: torch.Tensor, digits: int = 6) -> list[float | None]:
+    """Values of `x` as a JSON list rounded to `digits` decimals (1e-6 is far below any β worth reading, and keeps
+    per-token arrays short); a non-finite value becomes None (null), as `json_safe` writes it."""
+    return [round(v, digits) if math.isfinite(v) else None for v in x.double().tolist()]
+
+
+class _SilentProgress:
+    """What `progress_bar` returns without a console: rich's Progress methods, doing nothing."""
+
+    def add_task(self, *args, **kwargs) -> int:
+        return 0
+
+    def advance(self, *args, **kwargs) -> None:
+        pass
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def progress_bar(console, transient: bool = True, info: bool = False):
+    """A rich progress bar on `console` (each task: description, bar, done/total, time elapsed), to use as a context
+    manager with rich's add_task / advance / update; silent when console is None (library use, tests).
+    `info`: one more column, the task's `info` field (add_task(..., info="") then update(task, info=...)).
+    `transient`: the bar disappears when done (the job prints its own results after it)."""
+    if console is None:
+        return _SilentProgress()
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    if info:
+        columns.append(TextColumn("{task.fields[info]}"))
+    return Progress(*columns, console=console, transient=transient)
+
+
 def write_json(result: dict, path: str | Path) -> None:
     """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
     atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))

@@ -5,50 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .recipes import RECIPES
-
 EXIT_USAGE = 2
 
 
 def _diagnose_parser(sub) -> None:
     from .diagnose import DiagnoseConfig
-    from .engines import ENGINE_KINDS
 
-    d = DiagnoseConfig()
     p = sub.add_parser(
         "diagnose",
         help="measure the trainer/engine precision gap before training",
         description="Sample completions with an engine, re-score them under each trainer recipe, and report β = "
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
-    p.add_argument("--model", default=d.model, help="bundled 'smollm2-135m' (default), 'tiny-random[:seed[:init_std]]', a model directory or a hub id")
-    p.add_argument("--trainer", default=",".join(d.trainer), help=f"comma-separated trainer recipes (default: all): {', '.join(f'{k} = {v.doc}' for k, v in RECIPES.items())}")
-    p.add_argument("--engine", default=d.engine, choices=ENGINE_KINDS, help="engine that samples: local (in-process, default) "
-                   "or vllm (vLLM's offline LLM, installed apart: see README)")
-    p.add_argument("--engine-dtype", default=d.engine_dtype, help="dtype of the engine: bf16 (default), fp16 or fp32")
-    p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=["raw", "processed"], help="vLLM's log-probs: raw "
-                   "(full vocabulary, before temperature; default) or processed (after temperature and top-p/top-k/min-p)")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="vLLM's context limit (default: the model's)")
-    p.add_argument("--epsilon", type=float, default=d.epsilon, help="PPO clip ε_low (default 0.2)")
-    p.add_argument("--epsilon-high", type=float, default=None, help="PPO clip ε_high (default: --epsilon)")
-    p.add_argument("--n", type=int, default=d.n, help=f"completions to sample (default {d.n})")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"max completion tokens (default {d.max_tokens})")
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--min-p", type=float, default=d.min_p)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per engine/scoring batch (default {d.batch_size})")
-    p.add_argument("--seq-mask-cap", type=float, default=d.seq_mask_cap, help="cap C of TRL's sequence_mask for seq_mask_drop_share (default 3.0)")
-    p.add_argument("--prompts", default=None, help="prompts file: one per line, or JSONL with a 'prompt' field (default: 64 bundled prompts)")
-    p.add_argument("--matmul", default=d.matmul, choices=["auto", "native", "emulated"], help="low-precision matmul kernels (see README)")
+    add_config_args(p, DiagnoseConfig)  # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure and the per-token arrays to PATH")
-    p.add_argument("--from-trl-config", default=None, metavar="YAML", help="take the trainer recipe, engine dtype, sampling settings, "
-                   "ε and max completion length from a TRL GRPOConfig YAML (these override the flags)")
+    p.add_argument("--from-trl-config", default=None, metavar="YAML", help="take the trainer recipe, engine dtype, "
+                   "sampling settings, ε and max completion length from a TRL GRPOConfig YAML (these override the flags)")
 
 
 def _run_diagnose(args) -> int:
-    from .diagnose import DiagnoseConfig, render, run_diagnose
+    from .diagnose import DiagnoseConfig, run_diagnose
+    from .diagnose_text import render, with_verdict
 
     if args.from_trl_config:
         from rich.console import Console
@@ -62,7 +39,7 @@ def _run_diagnose(args) -> int:
         err.print("from the TRL config: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
         for note in notes:
             err.print(f"note: {note}")
-    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: run_diagnose(cfg, console=err), render)
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -1,0 +1,235 @@
+"""What `diagnose` says and prints: the verdict paragraph and the tables, read from the result dict alone.
+
+`diagnose.run_diagnose` measures and returns figures; this surface module turns them into words (`verdict`,
+`with_verdict`) and terminal tables (`render`). It reads nothing but the dict (a JSON file written earlier
+renders the same), so the wording can change without touching the measurement. Figures: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .metrics import HIGH_P, LOW_P
+from .numerics import parse_dtype
+from .recipes import engine_recipe, get_recipe
+
+ANTI_CORRELATED = -0.3
+"""a correlation of β_precision and β_kernel below this is told as anti-correlation: 0.3 is Cohen's (1988) "medium"
+effect size for r; a weaker one says little about whether the shadow shares the engine's rounding."""
+SMALL_GAIN = 0.8
+"""a lever that would leave more than this share of today's mean |β| is told as shrinking the gap "only a little":
+removing less than a fifth of β is not worth a change of recipe or kernels (a judgement, not a measured bound)."""
+SAME_GAP_SPREAD = 1.25
+"""recipes whose mean |β| lie within this factor of each other (25%) are told as one gap: no recipe is then a lever
+worth a change, β is the engine's own rounding noise (a judgement, the same scale as SMALL_GAIN's fifth)."""
+
+
+def with_verdict(result: dict) -> dict:
+    """`result` with its 'verdict' paragraph added (the key the JSON output and `render` read)."""
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(result: dict) -> str:
+    """One paragraph: which recipe has the smallest gap and what the figures mean for PPO clipping."""
+    recs = result["recipes"]
+    eng = result["engine"]["dtype"]
+    region = f"[1-{result['config']['epsilon']:g}, 1+{result['config']['epsilon_high']:g}]"
+    usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
+    if not usable:
+        return "No completion tokens were scored: raise --max-tokens or --n."
+    engine_missing = result["engine"].get("nonfinite_logprobs", 0)
+
+    def overflow(k: str) -> int:  # the recipe's own non-finite log-probs, not the tokens the engine left without one
+        return recs[k]["nonfinite"] - engine_missing
+
+    best = min(usable, key=lambda k: (overflow(k) > 0, usable[k]["beta_abs_mean"]))
+    worst = max(usable, key=lambda k: usable[k]["outside_trust_region"])
+    w, b = usable[worst], usable[best]
+    parts = [
+        f"Smallest gap against the {eng} engine: {best} (mean |β| {b['beta_abs_mean']:.4f}, "
+        f"{100 * b['outside_trust_region']:.2f}% of tokens outside {region})."
+    ]
+    if w["outside_trust_region"] > 0:
+        parts.append(
+            f"With a {worst} trainer, {100 * w['outside_trust_region']:.2f}% of tokens leave the trust region before "
+            f"the policy has moved ({100 * w['outside_below']:.2f}% below, {100 * w['outside_above']:.2f}% above): "
+            f"in PPO/GRPO each of them gets zero gradient whenever its advantage has the matching sign (phantom "
+            f"clipping)"
+            + (f", and low-probability tokens (p < {LOW_P:g}) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident "
+               f"ones (p > {HIGH_P:g})." if math.isfinite(w["lowp_highp_ratio"]) else ".")
+        )
+        parts.append(_advice(usable, best, eng, result["engine"]["kind"]))
+    else:
+        parts.append(f"No recipe pushes a token outside the trust region {region}: precision alone will not cause "
+                     "phantom clipping here.")
+    # The split and the truncation bias are told for the first recipe that differs from the engine's own
+    # dtype (by default fp32, the usual trainer); the shadow recipe's precision part is zero by definition.
+    told = next((k for k in usable if k != result["shadow"]["recipe"]), next(iter(usable)))
+    parts += [_split_verdict(result, told), _truncation_verdict(result, told)]
+    if engine_missing:
+        parts.append(f"The engine returned no finite log-prob for {engine_missing} sampled tokens; "
+                     "they are left out of every figure.")
+    bad = [k for k in recs if overflow(k) > 0]
+    if bad:
+        listed = ", ".join(f"{k} ({overflow(k)})" for k in bad)
+        parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
+    return " ".join(p for p in parts if p)
+
+
+def _kernels(kind: str) -> str:
+    """How an engine of this kind computes differently from the trainer's one-pass forward in the same dtype."""
+    return "one prefill pass against token-by-token decode" if kind == "local" else f"{kind}'s own kernels and decode"
+
+
+def _split_verdict(result: dict, name: str) -> str:
+    """Which lever is bigger for recipe `name`: matching the precision leaves β_kernel, matching the kernels
+    leaves β_precision; compare what each leaves with the gap now."""
+    split = result["recipes"][name].get("split")
+    if not split:
+        return ""
+    now = result["recipes"][name]["beta_abs_mean"]
+    prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
+    shadow, eng = result["shadow"]["recipe"], result["engine"]
+    what = _kernels(eng["kind"])
+    head = (f"β = β_precision + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against its own "
+            f"{shadow} forward) has mean |·| {prec:.4f} and β_kernel (that {shadow} forward against the "
+            f"{eng['dtype']} engine: {what}) {kern:.4f}.")
+    if prec == 0:
+        return head + f" {name} already matches the engine's precision: all of its gap is kernels."
+    corr = split.get("correlation")
+    if corr is not None and math.isfinite(corr) and corr < ANTI_CORRELATED:
+        head += (f" The parts are anti-correlated ({corr:.2f}): the {shadow} forward's own rounding enters both with "
+                 f"opposite signs, i.e. it does not share the engine's rounding.")
+    left = {"matching the precision": kern, "matching the kernels": prec}
+    lever = min(left, key=left.get)
+    other = next(k for k in left if k != lever)
+    if left[lever] >= now:
+        return head + (f" Neither lever alone shrinks the gap ({lever} would leave {left[lever]:.4f}, {other} "
+                       f"{left[other]:.4f}): tolerate or correct β instead.")
+    worse = ", more than now" if left[other] > now else ""
+    rest = f"{other} alone would leave {left[other]:.4f}{worse}"
+    lever_cap = lever[0].upper() + lever[1:]
+    if left[lever] > SMALL_GAIN * now:
+        return head + (f" {lever_cap} would shrink it only a little (mean |β| {now:.4f} -> "
+                       f"{left[lever]:.4f}) and {rest}: tolerate or correct β instead.")
+    return head + f" {lever_cap} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); {rest}."
+
+
+def _truncation_verdict(result: dict, name: str) -> str:
+    """What top-p / top-k / min-p do to recipe `name`'s ratio against the engine's processed log-probs."""
+    trunc = result["recipes"][name].get("truncation")
+    if not trunc:
+        return ""
+    c = result["config"]
+    rule = ", ".join(f"{k} {c[k]:g}" for k in ("top_p", "top_k", "min_p") if (c[k] != 1 if k == "top_p" else c[k] > 0))
+    rebuilt = result["engine"].get("rebuilt_column") == "logp_engine_processed"
+    return (f"Truncated sampling ({rule}): the processed log-probs are renormalised over the kept tokens, so a "
+            f"ratio against them carries log S (mean {trunc['log_kept_mean']:.4f}, kept mass ≥ "
+            f"{trunc['kept_mass_p10']:.2f} for 90% of tokens); for {name} that pushes {100 * trunc['pushed_out']:.2f}% "
+            f"of tokens out of the trust region ({100 * trunc['naive']['outside_trust_region']:.2f}% outside in all). "
+            f"Renormalising the trainer's log-probs over its own kept set (logp − log S) brings it to "
+            f"{100 * trunc['corrected']['outside_trust_region']:.2f}%"
+            + (f" (the engine's processed log-probs rebuilt from the {result['shadow']['recipe']} shadow's S: vLLM "
+               "reported raw ones)." if rebuilt else "."))
+
+
+def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> str:
+    """What to change, from the figures: is a trainer recipe the lever, or is β the engine's own noise?"""
+    b = recs[best]
+    # |β| <= m for every token needs 1 + ε_high >= e^m and 1 - ε_low <= e^-m.
+    m = b["beta_abs_max"]
+    widen = f"ε_high ≥ {math.expm1(m):.2f} and ε_low ≥ {-math.expm1(-m):.2f} keep every measured token inside"
+    tolerate = (f"so the clip must tolerate it: widen ε ({widen}), correct with importance sampling (TIS/MIS), "
+                f"or sample in a wider dtype (compare --engine-dtype fp16 or fp32).")
+    gaps = [v["beta_abs_mean"] for v in recs.values()]
+    spread = max(gaps) / min(gaps) if min(gaps) > 0 else math.inf
+    same = engine_recipe(parse_dtype(eng)).name
+    same = same if same in recs else None
+    if len(recs) > 1 and spread < SAME_GAP_SPREAD:
+        why = f", {same} included (the engine's own dtype, with other kernels: {_kernels(kind)})" if same else ""
+        return (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
+                f"other{why}. β here is the {eng} engine's rounding noise, amplified through the network, " + tolerate)
+    if get_recipe(best).compute_dtype == parse_dtype(eng):
+        return (f"Change: train with {best}, which matches the engine's {eng} arithmetic; else compute the clip "
+                f"ratio from a {eng} shadow forward, or widen ε ({widen}).")
+    return f"Change: train with {best}; or compute the clip ratio from a {eng} shadow forward, or widen ε ({widen})."
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+TOKEN_COLUMNS = ["tokens", "nonfinite", "beta_mean", "beta_abs_mean", "beta_abs_p50", "beta_abs_p90", "beta_abs_p99",
+                 "beta_abs_max", "outside_trust_region", "outside_below", "outside_above"]
+SHAPE_COLUMNS = ["beta_abs_mean_lowp", "beta_abs_mean_highp", "lowp_highp_ratio", "seq_logratio_mean",
+                 "seq_product_ratio_median", "seq_geo_ratio_mean", "seq_mask_drop_share", "kl_k1", "kl_k2", "kl_k3",
+                 "chi2", "ess_token", "ess_seq"]
+PERCENT = {"outside_trust_region", "outside_below", "outside_above", "seq_mask_drop_share"}
+SPLIT_CELLS = {"precision |β|": ("split", "precision", "beta_abs_mean"),
+               "kernel |β|": ("split", "kernel", "beta_abs_mean"),
+               "precision out": ("split", "precision", "outside_trust_region"),
+               "kernel out": ("split", "kernel", "outside_trust_region")}
+"""the split table's columns: the path to each figure inside a recipe's result."""
+TRUNCATION_CELLS = {"mean log S": ("truncation", "log_kept_mean"), "pushed out": ("truncation", "pushed_out"),
+                    "naive out": ("truncation", "naive", "outside_trust_region"),
+                    "corrected out": ("truncation", "corrected", "outside_trust_region")}
+"""the split table's further columns when sampling truncated."""
+LABEL_WIDTH, CELL_WIDTH = 16, 14
+"""terminal columns a row label and a figure take: a table wider than the terminal is printed transposed."""
+FIXED_FROM = 1e-2
+"""figures of this size or more print as 3 significant digits, smaller ones in scientific notation."""
+
+
+def _fmt(key: str, v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    if key in PERCENT:
+        return f"{100 * v:.2f}%"
+    return f"{v:.3g}" if abs(v) >= FIXED_FROM or v == 0 else f"{v:.1e}"
+
+
+def _table(title: str, rows: list[str], cols: list[str], cell):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    table.add_column("", style="bold", no_wrap=True, max_width=20)
+    for c in cols:
+        table.add_column(c, justify="right", overflow="fold", min_width=8)
+    for r in rows:
+        table.add_row(r, *(cell(r, c) for c in cols))
+    return table
+
+
+def render(result: dict, console) -> None:
+    """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
+    e = result["engine"]
+    how = (f"{e['matmul']} matmul" if e["kind"] == "local"
+           else f"vLLM, {e['logprobs_mode']} log-probs, started in {e['startup_seconds']:.0f} s")
+    console.print(
+        f"[bold]phantomclip diagnose[/] {result['model']['name']}: {e['sequences']} completions, {e['tokens']} tokens "
+        f"sampled by a {e['dtype']} {e['kind']} engine ({how}, {e['tokens_per_s']:.0f} tok/s); "
+        f"ε_low={result['trust_region']['epsilon_low']:g}, ε_high={result['trust_region']['epsilon_high']:g}"
+    )
+    recs = result["recipes"]
+    titles = ("β = logp − logp_engine per token, at α = 0",
+              "where β lives: probability buckets, sequences, divergences")
+    for title, cols in zip(titles, (TOKEN_COLUMNS, SHAPE_COLUMNS)):
+        if console.width >= LABEL_WIDTH + CELL_WIDTH * len(cols):
+            console.print(_table(title, list(recs), cols, lambda r, c: _fmt(c, recs[r][c])))
+        else:
+            console.print(_table(title, cols, list(recs), lambda c, r: _fmt(c, recs[r][c])))
+    truncated = any("truncation" in r for r in recs.values())
+    split = SPLIT_CELLS | (TRUNCATION_CELLS if truncated else {})
+
+    def cell(r: str, c: str) -> str:
+        v = recs[r]
+        for key in split[c]:
+            v = v[key]
+        return _fmt("outside_trust_region" if c.endswith("out") else c, v)
+
+    title = f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)" + (
+        "; truncation bias log S" if truncated else "")
+    console.print(_table(title, list(recs), list(split), cell))
+    console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too

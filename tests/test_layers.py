@@ -146,7 +146,8 @@ def violations(edges: list[Import]) -> list[str]:
             for e in edges:
                 if (e.src, e.dst) == (a, b):
                     flag("cycle " + " -> ".join(map(show, cycle)), e)
-    return [f"{kind}: {show(s)} -> {show(d)} ({', '.join(sorted(names))})" for (kind, s, d), names in sorted(bad.items())]
+    return [f"{kind}: {show(s)} -> {show(d)} ({', '.join(sorted(names))})"
+            for (kind, s, d), names in sorted(bad.items())]
 
 
 def cycles(edges: list[Import]) -> list[list[str]]:

@@ -21,8 +21,12 @@ from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
 from .errors import PhantomclipError
 from .metrics import pearson, trust_region_split
+from .models import load_model, stop_token_ids
+from .numerics import round_to
+from .prompts import bundled_prompts, encode_prompts
 from .recipes import (
     ATTENTION_FP32,
+    MODULE_ROLES,
     Recipe,
     apply_recipe,
     decoder_body,
@@ -34,7 +38,8 @@ from .recipes import (
 )
 from .scoring import position_ids_from_mask, score
 
-KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32, "all": "all"}
+KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32,
+             "all": "all"}
 """--keep-fp32 names -> recipe module roles ('all': the whole model in fp32, a check that β then vanishes)."""
 PROB_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 """edges of the reference-probability buckets for the first-order analysis."""
@@ -110,8 +115,9 @@ def trace_sites(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     body = decoder_body(model)
     layers = getattr(body, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise TraceError(f"cannot find the decoder layers of {type(model).__name__}: expected a ModuleList `layers` under "
-                         f"its body {type(body).__name__} (the module tree root is {type(model).__name__})")
+        raise TraceError(f"cannot find the decoder layers of {type(model).__name__}: expected a ModuleList "
+                         f"`layers` under its body {type(body).__name__} "
+                         f"(the module tree root is {type(model).__name__})")
     sites = [("embed", -1, model.get_input_embeddings())]
     for i, layer in enumerate(layers):
         for sub in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
@@ -122,13 +128,22 @@ def trace_sites(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
     return sites
 
 
-class _ErrorStats:
-    """Running sums for one site: ‖x − x_ref‖², ‖x_ref‖², max |x − x_ref|, max |x_ref|, Σ|x_ref|, count."""
+@dataclass
+class ErrorStats:
+    """Running sums of one site's error over the real tokens of every sub-batch (float64 sums)."""
 
-    def __init__(self):
-        self.sq_diff = self.sq_ref = self.abs_ref = 0.0
-        self.max_diff = self.max_ref = 0.0
-        self.count = 0
+    sq_diff: float = 0.0
+    """Σ (x − x_ref)²."""
+    sq_ref: float = 0.0
+    """Σ x_ref²."""
+    abs_ref: float = 0.0
+    """Σ |x_ref|."""
+    max_diff: float = 0.0
+    """max |x − x_ref|."""
+    max_ref: float = 0.0
+    """max |x_ref|."""
+    count: int = 0
+    """values summed."""
 
     def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
         d, r = (x.double() - ref.double()), ref.double()  # [N, H]
@@ -156,7 +171,7 @@ class _Hooks:
     """Forward hooks on the same sites of two models. The reference's outputs are held; each output of the traced
     model is reduced against the held one at once and the held one is dropped."""
 
-    def __init__(self, model: nn.Module, ref_model: nn.Module, stats: dict[str, _ErrorStats]):
+    def __init__(self, model: nn.Module, ref_model: nn.Module, stats: dict[str, ErrorStats]):
         self.stats, self.held = stats, {}
         self.mask: torch.Tensor | None = None  # [b, T] real tokens of the current sub-batch
         self.handles = [m.register_forward_hook(self._hook(name, store=True)) for name, _, m in trace_sites(ref_model)]
@@ -178,8 +193,10 @@ class _Hooks:
 
 
 def _logits(model: nn.Module, recipe: Recipe, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Full logits [b, T, V] of one sub-batch, through the model's own forward (so the hooks see every site)."""
     with torch.no_grad(), forward_context(recipe, ids.device):
-        return model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False).logits
+        return model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
+                     use_cache=False).logits
 
 
 # ------------------------------------------------------------------------------------------ analyses
@@ -195,11 +212,12 @@ def first_order_logprob_change(z: torch.Tensor, z_ref: torch.Tensor, targets: to
     """
     z, z_ref = z.double(), z_ref.double()
     dz = z - z_ref  # [N, V]
-    logp_ref_all = torch.log_softmax(z_ref, -1)
-    p_ref = logp_ref_all.exp()
+    logp_ref_all = torch.log_softmax(z_ref, -1)  # [N, V]
+    p_ref = logp_ref_all.exp()  # [N, V]
     dz_y = dz.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     dz_expected = (p_ref * dz).sum(-1)  # [N]
-    exact = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1) - logp_ref_all.gather(-1, targets[:, None]).squeeze(-1)
+    logp = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    exact = logp - logp_ref_all.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     return {"exact": exact, "first_order": dz_y - dz_expected, "dz_target": dz_y, "dz_expected": dz_expected,
             "p_ref": p_ref.gather(-1, targets[:, None]).squeeze(-1)}
 
@@ -210,21 +228,21 @@ def _beta_summary(beta: torch.Tensor, eps: float) -> dict[str, float]:
             "outside_trust_region": (below | above).double().mean().item()}
 
 
+def _rms(beta: torch.Tensor) -> float:
+    return beta.double().square().mean().sqrt().item()
+
+
 def _rounded_weights_model(master: nn.Module, dtype: torch.dtype) -> nn.Module:
     """fp32 arithmetic on weights rounded to `dtype` (the weights-only part of the gap)."""
     model = copy.deepcopy(master)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.to(dtype).float())
+            p.copy_(round_to(p, dtype))
     return model.eval()
 
 
-def _exact_weights_model(master: nn.Module, recipe: Recipe) -> nn.Module:
-    """The recipe's arithmetic (emulated) with every Linear multiplying by the unrounded fp32 weights."""
-    return apply_recipe(master, recipe, matmul="emulated", exact_weights=True)
-
-
-def _logp(model: nn.Module, recipe: Recipe, packed: dict) -> torch.Tensor:
+def _logp(model: nn.Module, recipe: Recipe, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probs [N] of the completion tokens, through scoring's chunked fp32 head (the path the tools measure)."""
     s = score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], entropy=False)
     return s.logp[s.mask]  # [N]
 
@@ -232,8 +250,6 @@ def _logp(model: nn.Module, recipe: Recipe, packed: dict) -> torch.Tensor:
 def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> float:
     """Extra memory of keeping `roles` in fp32 instead of `low`: (4 − bytes of low) per parameter, and the full
     4 bytes for a head tied to the embeddings (the recipe gives it its own fp32 copy; the embedding stays low)."""
-    from .recipes import MODULE_ROLES
-
     seen, total = set(), 0.0
     finders = {**MODULE_ROLES, "all": lambda m: [m]}
     tied = lm_head(model).weight is model.get_input_embeddings().weight and "all" not in roles
@@ -246,118 +262,197 @@ def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> fl
     return total / 2**20
 
 
-def run_trace(cfg: TraceConfig, console=None) -> dict:
-    from .models import load_model, stop_token_ids
-    from .prompts import bundled_prompts, encode_prompts
+# ------------------------------------------------------------------------------------------ the job
 
-    cfg.validate()
-    say = console.print if console is not None else (lambda *a, **k: None)
-    lm = load_model(cfg.model)
-    master = lm.model.float().eval()
-    sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
-    recipe = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles())
-    reference = get_recipe(cfg.against)
+
+@dataclass
+class Setup:
+    """What every phase reads: the master, the tokens sampled once, and the two recipes laid out on the master."""
+
+    cfg: TraceConfig
+    master: nn.Module
+    """fp32 master weights (eval mode); every recipe is laid out from them."""
+    sites: list[tuple[str, int, nn.Module]]
+    """`trace_sites(master)`: (name, depth, module) in forward order."""
+    packed: dict[str, torch.Tensor]
+    """`Rollout.pack`: input_ids, attention_mask, completion_mask, each [B, T]."""
+    recipe: Recipe
+    """the traced recipe, with the modules of --keep-fp32."""
+    reference: Recipe
+    model: nn.Module
+    """the master laid out for `recipe`."""
+    ref_model: nn.Module
+    """the master laid out for `reference`."""
+
+
+@dataclass
+class DepthErrors:
+    """Phases 1 + 2: the error of every site along the depth and the change of every completion token's log-prob."""
+
+    stats: dict[str, ErrorStats]
+    """site name -> its error statistics, in forward order, then 'logprobs'."""
+    terms: dict[str, torch.Tensor]
+    """`first_order_logprob_change` over all completion tokens: [N] each; terms['exact'] is β."""
+    hook_overhead: float
+    """time of the hooked forwards of the traced model over the same forwards without hooks, minus 1."""
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self.terms["exact"]  # [N]
+
+
+def sample_tokens(lm, master: nn.Module, cfg: TraceConfig, say) -> dict[str, torch.Tensor]:
+    """Completions sampled once by an fp32 engine, packed [B, T]: every comparison runs on these tokens."""
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[: cfg.n])
     say(f"sampling {cfg.n} completions of up to {cfg.max_tokens} tokens (fp32 engine)")
+    stops = stop_token_ids(lm)
     rollout = LocalEngine(master, torch.float32).generate(
-        prompts, SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed, stop_token_ids=stop_token_ids(lm)))
-    packed = rollout.pack(stop_token_ids(lm)[0] if stop_token_ids(lm) else 0)
-    model, ref_model = apply_recipe(master, recipe, cfg.matmul), apply_recipe(master, reference, cfg.matmul)
+        prompts, SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed, stop_token_ids=stops))
+    return rollout.pack(stops[0] if stops else 0)
 
-    # 1 + 2. Errors along depth and the logit -> log-prob link, sub-batch by sub-batch.
-    stats = {name: _ErrorStats() for name, _, _ in sites}
-    stats["logprobs"] = _ErrorStats()
-    hooks = _Hooks(model, ref_model, stats)
+
+def errors_along_depth(st: Setup) -> DepthErrors:
+    """1 + 2. Both models on the same sub-batches, hooked: the error at every site and the logit -> log-prob link."""
+    stats = {name: ErrorStats() for name, _, _ in st.sites}
+    stats["logprobs"] = ErrorStats()
+    hooks = _Hooks(st.model, st.ref_model, stats)
     parts: dict[str, list[torch.Tensor]] = {}
     t_traced = 0.0
-    for s in range(0, packed["input_ids"].shape[0], cfg.sub_batch):
-        ids, attn = packed["input_ids"][s : s + cfg.sub_batch], packed["attention_mask"][s : s + cfg.sub_batch]
-        comp = packed["completion_mask"][s : s + cfg.sub_batch]
+    for ids, attn, comp in _sub_batches(st):
         hooks.mask = attn.bool()
-        z_ref = _logits(ref_model, reference, ids, attn)  # [b, T, V]
+        z_ref = _logits(st.ref_model, st.reference, ids, attn)  # [b, T, V]; its sites are held for the next forward
         t0 = time.perf_counter()
-        z = _logits(model, recipe, ids, attn)
+        z = _logits(st.model, st.recipe, ids, attn)  # [b, T, V]
         t_traced += time.perf_counter() - t0
-        pred = torch.zeros_like(comp)
+        pred = torch.zeros_like(comp)  # [b, T]
         pred[:, :-1] = comp[:, 1:]  # logits at t-1 predict completion token t
-        fo = first_order_logprob_change(z[pred], z_ref[pred], ids[comp])
+        fo = first_order_logprob_change(z[pred], z_ref[pred], ids[comp])  # [n] each
         logp_ref = torch.log_softmax(z_ref[pred].double(), -1).gather(-1, ids[comp][:, None])  # [n, 1]
         stats["logprobs"].add(logp_ref + fo["exact"][:, None], logp_ref)
         for k, v in fo.items():
             parts.setdefault(k, []).append(v)
     hooks.remove()
-    fo = {k: torch.cat(v) for k, v in parts.items()}  # [N] each
-    beta = fo["exact"]
     t0 = time.perf_counter()
-    for s in range(0, packed["input_ids"].shape[0], cfg.sub_batch):  # the same forwards without hooks
-        _logits(model, recipe, packed["input_ids"][s : s + cfg.sub_batch], packed["attention_mask"][s : s + cfg.sub_batch])
+    for ids, attn, _ in _sub_batches(st):  # the same forwards without hooks
+        _logits(st.model, st.recipe, ids, attn)
     t_plain = time.perf_counter() - t0
+    overhead = t_traced / t_plain - 1 if t_plain > 0 else float("nan")
+    return DepthErrors(stats, {k: torch.cat(v) for k, v in parts.items()}, overhead)
 
-    depth_of = {name: d for name, d, _ in sites} | {"logprobs": sites[-1][1]}
-    layer_rows = [{"site": name, "depth": depth_of[name], **st.summary()} for name, st in stats.items()]
+
+def _sub_batches(st: Setup):
+    """(input_ids, attention_mask, completion_mask) [b, T] of each sub-batch of `cfg.sub_batch` rows."""
+    p, b = st.packed, st.cfg.sub_batch
+    for s in range(0, p["input_ids"].shape[0], b):
+        yield p["input_ids"][s : s + b], p["attention_mask"][s : s + b], p["completion_mask"][s : s + b]
+
+
+def site_rows(st: Setup, depth: DepthErrors) -> list[dict]:
+    """One row per site (and one for the log-probs, at the head's depth): its error along the depth."""
+    depth_of = {name: d for name, d, _ in st.sites} | {"logprobs": st.sites[-1][1]}
+    return [{"site": name, "depth": depth_of[name], **s.summary()} for name, s in depth.stats.items()]
+
+
+def first_order_link(depth: DepthErrors) -> dict:
+    """How much of β the first-order term Δz_y − Σ p Δz explains: overall, and by the reference probability."""
+    beta, fo = depth.beta, depth.terms  # [N] each
     residual = (beta - fo["first_order"]).abs().sum() / beta.abs().sum().clamp_min(1e-30)
     buckets = []
     for lo, hi in zip(PROB_BUCKETS, PROB_BUCKETS[1:]):
-        m = (fo["p_ref"] >= lo) & (fo["p_ref"] < hi) if hi < 1 else (fo["p_ref"] >= lo)
+        m = (fo["p_ref"] >= lo) & (fo["p_ref"] < hi) if hi < 1 else (fo["p_ref"] >= lo)  # [N]; the last edge is closed
         if m.any():
-            buckets.append({"p_low": lo, "p_high": hi, "tokens": int(m.sum()), "beta_abs_mean": beta[m].abs().mean().item(),
+            buckets.append({"p_low": lo, "p_high": hi, "tokens": int(m.sum()),
+                            "beta_abs_mean": beta[m].abs().mean().item(),
                             "dz_target_abs_mean": fo["dz_target"][m].abs().mean().item(),
                             "dz_expected_abs_mean": fo["dz_expected"][m].abs().mean().item(),
                             "first_order_abs_mean": fo["first_order"][m].abs().mean().item()})
+    return {"explained_share": 1 - residual.item(), "corr": pearson(beta, fo["first_order"]), "buckets": buckets}
+
+
+def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say) -> dict:
+    """3. β split into rounding the weights alone and the recipe's arithmetic on unrounded weights: {'split': ...},
+    or {} when the reference is not plain fp32 or the recipe computes in fp32 (nothing to split)."""
+    recipe, reference, eps = st.recipe, st.reference, st.cfg.epsilon
+    if reference.weight_dtype != torch.float32 or reference.autocast_dtype or recipe.compute_dtype == torch.float32:
+        return {}
+    say("splitting β into weights and compute")
+    emulated = resolve_matmul(st.cfg.matmul) == "emulated"
+
+    def beta(model: nn.Module, r: Recipe) -> torch.Tensor:  # [N]; the model is dropped once scored
+        return _logp(model, r, st.packed) - logp_ref
+
+    beta_w = beta(_rounded_weights_model(st.master, recipe.compute_dtype), reference)  # autocast rounds weights too
+    beta_c = beta(apply_recipe(st.master, recipe, "emulated", exact_weights=True), recipe)
+    # The whole recipe through the same emulated kernel as the compute-only part, so the parts compare like for like.
+    beta_all = beta(st.model if emulated else apply_recipe(st.master, recipe, "emulated"), recipe)
+    rms_w, rms_c, rms_all = _rms(beta_w), _rms(beta_c), _rms(beta_all)
+    # The two parts are rounding noise from different places: they add in quadrature (independent errors),
+    # not token by token (rounding the weights changes which activations round which way).
+    tokenwise = (beta_w + beta_c - beta_all).abs().mean() / beta_all.abs().mean().clamp_min(1e-30)
+    return {"split": {
+        "weights_only": {**_beta_summary(beta_w, eps), "rms": rms_w},
+        "compute_only": {**_beta_summary(beta_c, eps), "rms": rms_c},
+        "whole": {**_beta_summary(beta_all, eps), "rms": rms_all},
+        "weights_share_of_variance": rms_w**2 / max(rms_w**2 + rms_c**2, 1e-300),
+        "quadrature_ratio": math.hypot(rms_w, rms_c) / max(rms_all, 1e-300),
+        "tokenwise_residual": tokenwise.item(),
+    }}
+
+
+def what_if_recipes(st: Setup, logp_ref: torch.Tensor, say) -> dict:
+    """4. Each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB: {'what_if': rows},
+    {'what_if_note': why not} for autocast recipes, {} when not asked."""
+    cfg, base = st.cfg, get_recipe(st.cfg.recipe)
+    if not cfg.what_if:
+        return {}
+    if base.autocast_dtype is not None:
+        return {"what_if_note": "what-if is not run for autocast recipes: autocast would cast the kept modules back "
+                                "to its dtype"}
+    say("what-if recipes")
+    single = [v for v in KEEP_FP32.values() if v != "all"]
+    options = [(k,) for k in single] + [tuple(single), ("all",)]
+    rows = []
+    for roles in [()] + options:
+        r = with_fp32(base, roles)
+        m = st.model if r == st.recipe else apply_recipe(st.master, r, cfg.matmul)  # the traced model, hooks removed
+        t0 = time.perf_counter()
+        lp = _logp(m, r, st.packed)  # [N]
+        rows.append({"keep_fp32": [k for k, v in KEEP_FP32.items() if v in roles] or ["(none)"],
+                     **_beta_summary(lp - logp_ref, cfg.epsilon), "forward_s": time.perf_counter() - t0,
+                     "extra_mib": _param_mib(roles, st.master, base.weight_dtype)})
+    plain = rows[0]
+    for row in rows:
+        row["gain"] = plain["beta_abs_mean"] - row["beta_abs_mean"]
+        row["gain_per_mib"] = row["gain"] / row["extra_mib"] if row["extra_mib"] > 0 else float("nan")
+    # An option that costs no memory (attention-softmax) ranks as if it cost a millionth of a MiB.
+    ranked = sorted(rows[1:], key=lambda r: -(r["gain_per_mib"] if r["extra_mib"] > 0 else r["gain"] * 1e6))
+    return {"what_if": [plain] + ranked}
+
+
+def run_trace(cfg: TraceConfig, console=None) -> dict:
+    """`phantomclip trace`: every figure `render` prints and --json writes."""
+    cfg.validate()
+    say = console.print if console is not None else (lambda *a, **k: None)
+    lm = load_model(cfg.model)
+    master = lm.model.float().eval()
+    sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
+    recipe, reference = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles()), get_recipe(cfg.against)
+    packed = sample_tokens(lm, master, cfg, say)  # [B, T] each
+    st = Setup(cfg, master, sites, packed, recipe, reference,
+               apply_recipe(master, recipe, cfg.matmul), apply_recipe(master, reference, cfg.matmul))
+
+    depth = errors_along_depth(st)
     result = {
-        "schema": SCHEMA_VERSION, "config": asdict(cfg), "recipe": recipe.name, "against": reference.name, "tokens": int(beta.numel()),
-        "sites": layer_rows,
-        "beta": _beta_summary(beta, cfg.epsilon),
-        "first_order": {"explained_share": 1 - residual.item(),
-                        "corr": pearson(beta, fo["first_order"]),
-                        "buckets": buckets},
-        "hook_overhead": t_traced / t_plain - 1 if t_plain > 0 else float("nan"),
+        "schema": SCHEMA_VERSION, "config": asdict(cfg), "recipe": recipe.name, "against": reference.name,
+        "tokens": int(depth.beta.numel()),
+        "sites": site_rows(st, depth),
+        "beta": _beta_summary(depth.beta, cfg.epsilon),
+        "first_order": first_order_link(depth),
+        "hook_overhead": depth.hook_overhead,
     }
-
-    logp_ref = _logp(ref_model, reference, packed)  # [N], shared by the split and the what-if table
-    emulated = resolve_matmul(cfg.matmul) == "emulated"
-
-    # 3. Weights vs compute.
-    if reference.weight_dtype == torch.float32 and not reference.autocast_dtype and recipe.compute_dtype != torch.float32:
-        say("splitting β into weights and compute")
-        logp_w = _logp(_rounded_weights_model(master, recipe.compute_dtype), reference, packed)  # autocast rounds weights too
-        logp_c = _logp(_exact_weights_model(master, recipe), recipe, packed)
-        logp_all = _logp(model if emulated else apply_recipe(master, recipe, "emulated"), recipe, packed)
-        beta_w, beta_c, beta_all = logp_w - logp_ref, logp_c - logp_ref, logp_all - logp_ref
-        rms = lambda b: b.double().square().mean().sqrt().item()  # noqa: E731
-        # The two parts are rounding noise from different places: they add in quadrature (independent errors),
-        # not token by token (rounding the weights changes which activations round which way).
-        result["split"] = {
-            "weights_only": {**_beta_summary(beta_w, cfg.epsilon), "rms": rms(beta_w)},
-            "compute_only": {**_beta_summary(beta_c, cfg.epsilon), "rms": rms(beta_c)},
-            "whole": {**_beta_summary(beta_all, cfg.epsilon), "rms": rms(beta_all)},
-            "weights_share_of_variance": rms(beta_w) ** 2 / max(rms(beta_w) ** 2 + rms(beta_c) ** 2, 1e-300),
-            "quadrature_ratio": math.hypot(rms(beta_w), rms(beta_c)) / max(rms(beta_all), 1e-300),
-            "tokenwise_residual": ((beta_w + beta_c - beta_all).abs().mean() / beta_all.abs().mean().clamp_min(1e-30)).item(),
-        }
-
-    # 4. What-if: each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB.
-    if cfg.what_if and get_recipe(cfg.recipe).autocast_dtype is not None:
-        result["what_if_note"] = "what-if is not run for autocast recipes: autocast would cast the kept modules back to its dtype"
-    elif cfg.what_if:
-        say("what-if recipes")
-        base = get_recipe(cfg.recipe)
-        single = [v for v in KEEP_FP32.values() if v != "all"]
-        options = [(k,) for k in single] + [tuple(single), ("all",)]
-        rows = []
-        for roles in [()] + options:
-            r = with_fp32(base, roles)
-            m = model if r == recipe else apply_recipe(master, r, cfg.matmul)  # the traced model, hooks removed
-            t0 = time.perf_counter()
-            lp = _logp(m, r, packed)
-            rows.append({"keep_fp32": [k for k, v in KEEP_FP32.items() if v in roles] or ["(none)"],
-                         **_beta_summary(lp - logp_ref, cfg.epsilon), "forward_s": time.perf_counter() - t0,
-                         "extra_mib": _param_mib(roles, master, base.weight_dtype)})
-        plain = rows[0]
-        for row in rows:
-            row["gain"] = plain["beta_abs_mean"] - row["beta_abs_mean"]
-            row["gain_per_mib"] = row["gain"] / row["extra_mib"] if row["extra_mib"] > 0 else float("nan")
-        result["what_if"] = [plain] + sorted(rows[1:], key=lambda r: -(r["gain_per_mib"] if r["extra_mib"] > 0 else r["gain"] * 1e6))
+    logp_ref = _logp(st.ref_model, reference, packed)  # [N], shared by the split and the what-if table
+    result |= weights_vs_compute(st, logp_ref, say)
+    result |= what_if_recipes(st, logp_ref, say)
     return result
 
 
@@ -365,35 +460,43 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
 
 
 def render(result: dict, console) -> None:
+    """Print a `run_trace` result (reads only the dict, so a saved --json renders the same)."""
     from rich import box
     from rich.table import Table
 
-    console.print(f"[bold]phantomclip trace[/bold]: {result['recipe']} against {result['against']}, {result['tokens']} completion tokens")
-    t = Table(title="error along depth (‖x − x_ref‖ / ‖x_ref‖ over real tokens)", title_justify="left", box=box.SIMPLE_HEAD)
+    def table(title: str) -> Table:
+        return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+
+    console.print(f"[bold]phantomclip trace[/bold]: {result['recipe']} against {result['against']}, "
+                  f"{result['tokens']} completion tokens")
+    t = table("error along depth (‖x − x_ref‖ / ‖x_ref‖ over real tokens)")
     for col in ("site", "rel error", "max |Δ|", "ref RMS", "ref max |x|"):
         t.add_column(col, justify="left" if col == "site" else "right")
     for r in result["sites"]:
-        t.add_row(r["site"], f"{r['rel_error']:.2e}", f"{r['max_abs_error']:.3g}", f"{r['ref_rms']:.3g}", f"{r['ref_max_abs']:.3g}")
+        t.add_row(r["site"], f"{r['rel_error']:.2e}", f"{r['max_abs_error']:.3g}", f"{r['ref_rms']:.3g}",
+                  f"{r['ref_max_abs']:.3g}")
     console.print(t)
     b, fo = result["beta"], result["first_order"]
-    console.print(f"β = Δlog p: mean {b['beta_mean']:+.4f}, mean |β| {b['beta_abs_mean']:.4f}, outside the trust region "
-                  f"{100 * b['outside_trust_region']:.2f}%. First order Δz_y − Σ p_i Δz_i explains {100 * fo['explained_share']:.1f}% "
-                  f"of Σ|β| (correlation {fo['corr']:.4f}).")
-    t = Table(title="by the reference probability of the token", title_justify="left", box=box.SIMPLE_HEAD)
+    console.print(f"β = Δlog p: mean {b['beta_mean']:+.4f}, mean |β| {b['beta_abs_mean']:.4f}, "
+                  f"outside the trust region {100 * b['outside_trust_region']:.2f}%. First order Δz_y − Σ p_i Δz_i explains "
+                  f"{100 * fo['explained_share']:.1f}% of Σ|β| (correlation {fo['corr']:.4f}).")
+    t = table("by the reference probability of the token")
     for col in ("p", "tokens", "mean |β|", "mean |Δz_y|", "mean |Σ p Δz|", "mean |first order|"):
         t.add_column(col, justify="right")
     for r in fo["buckets"]:
-        t.add_row(f"[{r['p_low']:g}, {r['p_high']:g})", str(r["tokens"]), f"{r['beta_abs_mean']:.4f}", f"{r['dz_target_abs_mean']:.4f}",
-                  f"{r['dz_expected_abs_mean']:.4f}", f"{r['first_order_abs_mean']:.4f}")
+        t.add_row(f"[{r['p_low']:g}, {r['p_high']:g})", str(r["tokens"]), f"{r['beta_abs_mean']:.4f}",
+                  f"{r['dz_target_abs_mean']:.4f}", f"{r['dz_expected_abs_mean']:.4f}",
+                  f"{r['first_order_abs_mean']:.4f}")
     console.print(t)
     if "split" in result:
         sp = result["split"]
-        console.print(f"weights vs compute: rounding the weights alone (fp32 arithmetic) gives mean |β| {sp['weights_only']['beta_abs_mean']:.4f}; "
-                      f"the recipe's arithmetic on unrounded weights {sp['compute_only']['beta_abs_mean']:.4f}; both {sp['whole']['beta_abs_mean']:.4f}. "
-                      f"Weights carry {100 * sp['weights_share_of_variance']:.0f}% of the variance (the parts add in quadrature: "
-                      f"ratio {sp['quadrature_ratio']:.2f}).")
+        console.print(f"weights vs compute: rounding the weights alone (fp32 arithmetic) gives mean |β| "
+                      f"{sp['weights_only']['beta_abs_mean']:.4f}; the recipe's arithmetic on unrounded weights "
+                      f"{sp['compute_only']['beta_abs_mean']:.4f}; both {sp['whole']['beta_abs_mean']:.4f}. "
+                      f"Weights carry {100 * sp['weights_share_of_variance']:.0f}% of the variance (the parts add in "
+                      f"quadrature: ratio {sp['quadrature_ratio']:.2f}).")
     if "what_if" in result:
-        t = Table(title="what-if: keep modules in fp32 (ranked by gain per extra MiB)", title_justify="left", box=box.SIMPLE_HEAD)
+        t = table("what-if: keep modules in fp32 (ranked by gain per extra MiB)")
         for col in ("keep fp32", "mean |β|", "outside %", "gain", "extra MiB", "forward s"):
             t.add_column(col, justify="left" if col == "keep fp32" else "right")
         for r in result["what_if"]:

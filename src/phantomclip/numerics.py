@@ -1,4 +1,9 @@
-"""Floating-point facts used everywhere else: rounding to a storage dtype, spacing, boundary crossings.
+"""Floating-point facts: dtype names, rounding to a storage dtype, spacing (ULP), steps to cross a boundary.
+
+Who uses what: `parse_dtype` / `dtype_name` every command that takes or reports a dtype; `round_to` trace's
+weights-only model; `ulp` the report's spacing figure; `steps_to_cross` states the rule that docs/metrics.md
+(`sync/changed_share`) and `engine.LocalEngine.load_weights` cite, checked in tests/test_numerics.py. The share
+of weights whose engine-precision value changes at a sync is counted in place by `engine.sync_weights`.
 
 bf16 keeps 8 significant bits (7 stored + the implicit one), fp16 keeps 11, fp32 keeps 24. A value w in
 [2^e, 2^(e+1)) therefore has spacing (ULP) 2^(e-7) in bf16: an update smaller than half of it is rounded
@@ -44,32 +49,6 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     min_exp = torch.log2(torch.tensor(info.tiny, dtype=torch.float64))
     exp = torch.floor(torch.log2(xr.clamp_min(info.tiny)))
     return torch.pow(2.0, torch.maximum(exp, min_exp) - mant_bits)
-
-
-def relative_rounding_error(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """|round(x) - x| / |x| in fp64 (0 where x == 0)."""
-    xd = x.double()
-    err = (x.to(dtype).double() - xd).abs()
-    return torch.where(xd == 0, torch.zeros_like(err), err / xd.abs().clamp_min(1e-300))
-
-
-def representable_share(x: torch.Tensor, dtype: torch.dtype) -> float:
-    """Share of the entries of x that survive a round trip through `dtype` unchanged."""
-    return (round_to(x, dtype) == x).float().mean().item()
-
-
-@torch.no_grad()
-def boundary_crossing_share(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
-    """Share of parameters whose `dtype`-rounded value differs between two sets of master weights.
-
-    This is what an engine that stores `dtype` weights actually sees of a weight sync.
-    """
-    changed, total = 0, 0
-    for name, w0 in before.items():
-        w1 = after[name]
-        changed += (w0.to(dtype) != w1.to(dtype)).sum().item()
-        total += w0.numel()
-    return changed / max(total, 1)
 
 
 def steps_to_cross(w: float, eta: float, dtype: torch.dtype = torch.bfloat16) -> float:

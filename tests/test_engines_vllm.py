@@ -107,6 +107,14 @@ def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
     assert engine.nonfinite == 6
 
 
+def test_describe_names_the_measured_column_and_counts_missing_logprobs(tiny, tiny_prompts):
+    """describe() is what diagnose reads: the one column vLLM computes, and the tokens it gave no log-prob for."""
+    engine = fake_engine(tiny, "processed", drop={(0, 0)})
+    engine.generate(tiny_prompts[:2], SamplingParams(max_tokens=4, seed=0))
+    info = engine.describe()
+    assert info["kind"] == "vllm" and info["logprobs_mode"] == "processed"
+    assert info["nonfinite_logprobs"] == engine.nonfinite == 1
+
 def test_refusals(tiny, tiny_prompts):
     with pytest.raises(VLLMError, match="vocabulary of 400 but the trainer has 320"):
         fake_engine(tiny, vocab=400).check_compatible(320, len(tiny.tokenizer))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..engine import SamplingParams
 from ..errors import PhantomclipError
+from ..models import BUNDLED_NAME
 from ..numerics import dtype_name, parse_dtype
 from ..prompts import bundled_prompts, encode_prompts
 from . import ENGINE_KINDS, start_engine
@@ -27,7 +28,7 @@ class CompareError(PhantomclipError):
 class CompareConfig:
     """What `phantomclip engines` times."""
 
-    model: str = "smollm2-135m"
+    model: str = BUNDLED_NAME
     """model to sample from (as for diagnose)."""
     engines: list[str] = field(default_factory=lambda: list(ENGINE_KINDS))
     """engines to time: local and/or vllm."""
@@ -48,6 +49,7 @@ class CompareConfig:
                 setattr(self, name, [x.strip() for x in getattr(self, name).split(",") if x.strip()])
 
     def validate(self) -> None:
+        """Refuse an unknown engine or dtype, or a count below 1, before any model loads."""
         bad = [e for e in self.engines if e not in ENGINE_KINDS]
         if not self.engines or bad:
             raise CompareError(f"--engines {','.join(self.engines)!r}: use one or both of {', '.join(ENGINE_KINDS)}")
@@ -109,12 +111,13 @@ def run_compare(cfg: CompareConfig, console=None) -> dict:
 
 
 def render(result: dict, console) -> None:
+    """One table row per (engine, dtype): start-up, median tokens/s and the ratio to the local engine."""
     from rich import box
     from rich.table import Table
 
     cfg, rows = CompareConfig(**result["config"]), result["rows"]
-    table = Table(title=f"engines: {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats} calls after a warm-up",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    title = f"engines: {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats} calls after a warm-up"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("engine", "dtype", "start-up s", "tokens/s", "vs local"):
         table.add_column(col, justify="left" if col in ("engine", "dtype") else "right")
     for r in rows:

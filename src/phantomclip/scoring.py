@@ -37,7 +37,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def cache_kwarg(module: nn.Module) -> str:
-    """Name of the KV-cache argument of a Hugging Face forward: `cache` in transformers 5.x, `past_key_values` before."""
+    """Name of the KV-cache argument of a Hugging Face forward: `cache` in transformers 5.x, `past_key_values`
+    before."""
     import inspect
 
     return "past_key_values" if "past_key_values" in inspect.signature(module.forward).parameters else "cache"
@@ -86,7 +87,8 @@ def truncate_logprobs(logp_all: torch.Tensor, top_k: int = 0, top_p: float = 1.0
     if top_p < 1:
         sorted_lp, order = torch.sort(logp_kept, dim=-1, descending=True)  # [N, V]
         mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()  # [N, V]
-        keep = torch.zeros_like(logp_kept, dtype=torch.bool).scatter(-1, order, mass_before < top_p)  # top token always kept
+        # back to vocabulary order; the top token has no mass before it, so it is always kept
+        keep = torch.zeros_like(logp_kept, dtype=torch.bool).scatter(-1, order, mass_before < top_p)  # [N, V]
         logp_kept = torch.log_softmax(logp_kept.masked_fill(~keep, float("-inf")), dim=-1)
     return logp_kept
 
@@ -117,10 +119,21 @@ def score(
     sampling would keep at each scored position under this model (`Scores.log_kept`).
     """
     with torch.set_grad_enabled(grad):
-        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy, truncation)
+        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy,
+                      truncation)
 
 
-def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy, truncation) -> Scores:
+def _score(
+    model: nn.Module,
+    recipe: Recipe,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor | None,
+    chunk_size: int,
+    temperature: float,
+    entropy: bool,
+    truncation: tuple[int, float, float] | None,
+) -> Scores:
     B, T = input_ids.shape
     # A token can be scored only if the position before it is a real token (not padding, not column -1).
     has_context = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -138,7 +151,8 @@ def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, tem
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp, ent, kept = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy, truncation)  # [N] each
+        logp, ent, kept = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy,
+                                         truncation)  # [N] each
     def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored
         return torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, values)
 
@@ -146,7 +160,14 @@ def _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, tem
 
 
 def _head_logprobs(
-    model, head, h, targets, chunk_size, temperature, entropy, truncation=None
+    model: nn.Module,
+    head: nn.Module,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    temperature: float,
+    entropy: bool,
+    truncation: tuple[int, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head on hidden states h [N, H] in chunks of `chunk_size` rows: fp32 log p(target) [N], entropy [N]
     (zeros unless asked) and log S [N] under `truncation` = (top_k, top_p, min_p) (zeros unless asked)."""
@@ -207,17 +228,21 @@ def score_completions(
         ).last_hidden_state  # [G, P, H]
         cache.batch_repeat_interleave(group_size)  # [B, heads, P, d] per layer
         comp_hidden = body(
-            input_ids=comp_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)[:, P:],
+            input_ids=comp_ids, attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask)[:, P:],  # [B, L]: after the prompt's real tokens
             use_cache=True, **{kw: cache},
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature, False)  # [N]
+        logp, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature,
+                                    False)  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 
 @torch.no_grad()
-def naive_logprobs(model: nn.Module, recipe: Recipe, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def naive_logprobs(
+    model: nn.Module, recipe: Recipe, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """Reference path: full logits, fp32 log-softmax over the whole [B, T, V] tensor: [B, T] (position 0 = 0)."""
     with forward_context(recipe, input_ids.device):
         logits = model(

@@ -69,6 +69,32 @@ def test_precision_stats_on_constructed_tensors():
     assert s["phantom_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2, 0.2).double().mean().item()
 
 
+def test_precision_stats_leave_nonfinite_tokens_out():
+    """A NaN or inf log-prob does not propagate into the monitor's figures: the token is counted in `nonfinite` and
+    the figures are those of the finite tokens alone (metrics.mismatch_stats' rule)."""
+    # Five scored tokens: β = [0.3, -0.3, 0.1] on the first three (as above), then a NaN trainer log-prob and a -inf
+    # shadow log-prob (β = +inf). All advantages +1, given as [B, 1] as TRL holds them.
+    logp_shadow = torch.tensor([[-1.0, -2.0, -3.0, -4.0, -5.0]])
+    logp = logp_shadow + torch.tensor([[0.3, -0.3, 0.1, 0.0, 0.0]])
+    logp[0, 3] = float("nan")
+    logp_shadow[0, 4] = float("-inf")
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    s = precision_stats(logp, logp_shadow, mask, torch.tensor([[1.0]]), 0.2, 0.2)
+    assert s["nonfinite"] == 2
+    assert s["beta_mean"] == pytest.approx(0.1 / 3, abs=1e-6)  # (0.3 − 0.3 + 0.1) / 3, not NaN
+    assert s["beta_abs_mean"] == pytest.approx(0.7 / 3, abs=1e-6)
+    assert s["beta_abs_p99"] == pytest.approx(0.3, abs=1e-6)  # |β| sorted [0.1, 0.3, 0.3]: index 1.98 -> 0.3
+    assert s["outside_trust_region"] == pytest.approx(2 / 3)  # the +inf token is not counted as outside
+    assert s["phantom_clip_rate"] == pytest.approx(1 / 3)  # 0.3 above with A > 0; −0.3 below with A > 0 flows
+    # α leaves out the tokens where the shadow or the engine has no finite log-prob: tokens 1-3 remain, α = 0.05
+    logp_engine = logp_shadow - 0.05
+    logp_engine[0, 0] = float("nan")  # vLLM gave no log-prob here
+    s = precision_stats(logp, logp_shadow, mask, torch.tensor([1.0]), 0.2, 0.2, logp_engine=logp_engine)
+    assert s["alpha_mean"] == pytest.approx(0.05, abs=1e-6) and s["nonfinite"] == 2
+    # nothing finite left: NaN figures, every token counted
+    s = precision_stats(torch.full((1, 2), float("nan")), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2, 0.2)
+    assert s["nonfinite"] == 2 and math.isnan(s["beta_mean"]) and math.isnan(s["phantom_clip_rate"])
+
 def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match(tmp_path):
     from trl import GRPOTrainer
 

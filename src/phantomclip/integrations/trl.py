@@ -21,12 +21,8 @@ from torch import nn
 
 from ..engine import sync_weights
 from ..errors import PhantomclipError
-from ..metrics import (
-    mean_or_nan,
-    phantom_clip_mask,
-    quantile_or_nan,
-    trust_region_split,
-)
+from ..loss import clip_range
+from ..metrics import mean_or_nan, mismatch_stats
 from ..numerics import parse_dtype
 from ..recipes import apply_recipe, engine_recipe
 
@@ -74,28 +70,31 @@ def _completion_mask(inputs: dict) -> torch.Tensor:
     return (mask * inputs["tool_mask"] if "tool_mask" in inputs else mask).bool()
 
 
+MONITOR_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate", "nonfinite")
+"""the figures of metrics.mismatch_stats the monitor logs (as precision/<key>; defined in docs/metrics.md)."""
+
+
 def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                     eps_low: float, eps_high: float, logp_engine: torch.Tensor | None = None) -> dict[str, float]:
-    """The monitor's figures from per-token tensors [B, T] (advantages [B] or [B, 1]); keys without the prefix.
+    """The monitor's figures from per-token tensors [B, T] (advantages [B], [B, 1] or [B, T]); keys without the
+    prefix. They are `metrics.mismatch_stats`'s (MONITOR_KEYS), with logp_shadow in the engine's place.
 
     β = logp − logp_shadow (trainer vs engine precision on the same weights). phantom_clip_rate: tokens whose
     clip would fire on β alone (at α = 0) given the sign of their advantage. With engine log-probs (vLLM's),
-    α = logp_shadow − logp_engine.
+    alpha_mean = mean(logp_shadow − logp_engine).
+    Non-finite log-probs do not propagate: a token whose logp or logp_shadow is NaN or ±inf (an fp16 overflow) is
+    left out of every β figure and counted in `nonfinite`; alpha_mean leaves out the tokens where logp_shadow or
+    logp_engine is not finite (vLLM's missing log-probs). A figure with no finite token left is NaN.
     """
-    m = mask.bool()
-    beta = (logp.double() - logp_shadow.double())[m]  # [N]
-    adv = (advantages if advantages.dim() == 2 and advantages.shape[1] > 1 else advantages.reshape(-1, 1)).expand_as(logp)[m].double()
-    below, above = trust_region_split(beta, eps_low, eps_high)
-    stats = {
-        "beta_mean": mean_or_nan(beta),
-        "beta_abs_mean": mean_or_nan(beta.abs()),
-        "beta_abs_p99": quantile_or_nan(beta.abs(), 0.99),
-        "outside_trust_region": mean_or_nan(below | above),
-        "phantom_clip_rate": mean_or_nan(phantom_clip_mask(beta, adv, eps_low, eps_high)),
-    }
+    m = mask.bool()  # [B, T]
+    per_token = advantages.dim() == 2 and advantages.shape[1] > 1
+    adv = advantages if per_token else advantages.reshape(-1)  # [B, T] or [B]
+    stats = mismatch_stats(logp, logp_shadow, m, eps_low, eps_high, advantages=adv)
+    out = {key: stats[key] for key in MONITOR_KEYS}
     if logp_engine is not None:
-        stats["alpha_mean"] = mean_or_nan((logp_shadow.double() - logp_engine.double())[m])
-    return stats
+        ok = m & torch.isfinite(logp_shadow) & torch.isfinite(logp_engine)  # [B, T]
+        out["alpha_mean"] = mean_or_nan((logp_shadow.double() - logp_engine.double())[ok])
+    return out
 
 
 def _find_trainer():
@@ -135,11 +134,13 @@ class PrecisionMonitor(_Callback):
         from trl import GRPOTrainer
 
         if not isinstance(trainer, GRPOTrainer):
-            raise IntegrationError(f"PrecisionMonitor works with trl.GRPOTrainer and its subclasses, not {type(trainer).__name__}")
+            raise IntegrationError("PrecisionMonitor works with trl.GRPOTrainer and its subclasses, not "
+                                   f"{type(trainer).__name__}")
         self.trainer = trainer
-        eps_low = self.epsilon if self.epsilon is not None else trainer.epsilon_low
-        eps_high = self.epsilon_high if self.epsilon_high is not None else (self.epsilon if self.epsilon is not None else trainer.epsilon_high)
-        self._eps = (eps_low, eps_high)
+        if self.epsilon is None:  # TRL's own trust region (its config has applied its ε_high default), or our ε_high
+            self._eps = (trainer.epsilon_low, trainer.epsilon_high if self.epsilon_high is None else self.epsilon_high)
+        else:
+            self._eps = clip_range(self.epsilon, self.epsilon_high)
         original, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
         monitor = self
 
@@ -164,7 +165,8 @@ class PrecisionMonitor(_Callback):
         if self.trainer is None:
             trainer = _find_trainer()
             if trainer is None:
-                raise IntegrationError("PrecisionMonitor could not find its trainer: call monitor.attach(trainer) before trainer.train()")
+                raise IntegrationError("PrecisionMonitor could not find its trainer: call monitor.attach(trainer) "
+                                       "before trainer.train()")
             self.attach(trainer)
 
     @torch.no_grad()
@@ -180,7 +182,8 @@ class PrecisionMonitor(_Callback):
         logp = self._logp  # [B, L], recorded from the loss's forward
         from trl import GRPOTrainer  # the plain scorer, also under with_shadow_ratio
 
-        logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, self._shadow.model, input_ids, attention_mask, L)
+        logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, self._shadow.model, input_ids, attention_mask, L)  # [B, L]
         stats = precision_stats(logp, logp_shadow, _completion_mask(inputs), inputs["advantages"], *self._eps,
                                 logp_engine=inputs.get("sampling_per_token_logps"))
         if not math.isnan(changed):
@@ -203,12 +206,14 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
     from trl import GRPOTrainer
 
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, GRPOTrainer)):
-        raise IntegrationError(f"with_shadow_ratio wraps trl.GRPOTrainer or a subclass of it, not {getattr(trainer_cls, '__name__', trainer_cls)!r}")
+        name = getattr(trainer_cls, "__name__", trainer_cls)
+        raise IntegrationError(f"with_shadow_ratio wraps trl.GRPOTrainer or a subclass of it, not {name!r}")
     parse_dtype(engine_dtype)
 
     class ShadowRatio(trainer_cls):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            logp, entropies, aux = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            logp, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)  # logp [B, L]
             policy = _unwrap(self)
             if self.accelerator.unwrap_model(model) is not policy:  # the reference model (KL): left as TRL computes it
                 return logp, entropies, aux
@@ -263,7 +268,8 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     bf16 = cfg.get("bf16")
     bf16 = (not fp16) if bf16 is None else bool(bf16)  # TRL's default: bf16 unless fp16
     init = cfg.get("model_init_kwargs") or {}
-    model_dtype = str(init.get("dtype", init.get("torch_dtype", "")) if isinstance(init, dict) else "").replace("torch.", "")
+    model_dtype = str(init.get("dtype", init.get("torch_dtype", "")) if isinstance(init, dict) else "")
+    model_dtype = model_dtype.replace("torch.", "")
     if cfg.get("cast_lm_head_to_fp32"):
         trainer = "fp32-head"
     elif fp16:
@@ -276,24 +282,29 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
         trainer = "fp32"
     from ..recipes import RECIPES
 
-    notes.append(f"your trainer recipe is {trainer} (first row); the other recipes are measured too, to say what to change")
-    settings = {"trainer": ",".join([trainer, *(r for r in RECIPES if r != trainer)]), "engine_dtype": str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")}
+    notes.append(f"your trainer recipe is {trainer} (first row); the other recipes are measured too, to say what "
+                 "to change")
+    engine_dtype = str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")
+    settings = {"trainer": ",".join([trainer, *(r for r in RECIPES if r != trainer)]), "engine_dtype": engine_dtype}
     try:
         for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
             if cfg.get(key) is not None:
                 settings[key] = cast(cfg[key])
-        settings["epsilon"] = float(cfg.get("epsilon") if cfg.get("epsilon") is not None else 0.2)  # TRL's default
-        settings["epsilon_high"] = float(cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else settings["epsilon"]
+        epsilon = float(cfg.get("epsilon") if cfg.get("epsilon") is not None else 0.2)  # TRL's default
+        epsilon_high = float(cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else None
+        settings["epsilon"], settings["epsilon_high"] = clip_range(epsilon, epsilon_high)
         if cfg.get("max_completion_length"):
             settings["max_tokens"] = int(cfg["max_completion_length"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--from-trl-config: a sampling or clip setting is not a number ({e})") from None
     if model_dtype == "auto":
-        notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 (pass --trainer bf16)")
+        notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
+                     "(pass --trainer bf16)")
     if cfg.get("model_name_or_path"):
         settings["model"] = str(cfg["model_name_or_path"])
     if cfg.get("min_p"):
         notes.append(f"min_p = {cfg['min_p']} is not measured (diagnose supports top-p and top-k)")
     if cfg.get("use_vllm") is False:
-        notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a precision")
+        notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a "
+                     "precision")
     return settings, notes

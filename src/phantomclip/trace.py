@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +22,7 @@ from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
 from .errors import PhantomclipError
 from .metrics import pearson, trust_region_split
-from .models import load_model, stop_token_ids
+from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import round_to
 from .prompts import bundled_prompts, encode_prompts
 from .recipes import (
@@ -43,6 +44,8 @@ KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "
 """--keep-fp32 names -> recipe module roles ('all': the whole model in fp32, a check that β then vanishes)."""
 PROB_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 """edges of the reference-probability buckets for the first-order analysis."""
+Say = Callable[..., None]
+"""where progress lines go (the console's print, or nowhere)."""
 
 
 class TraceError(PhantomclipError):
@@ -279,6 +282,7 @@ class Setup:
     recipe: Recipe
     """the traced recipe, with the modules of --keep-fp32."""
     reference: Recipe
+    """the recipe it is compared against (--against)."""
     model: nn.Module
     """the master laid out for `recipe`."""
     ref_model: nn.Module
@@ -298,10 +302,11 @@ class DepthErrors:
 
     @property
     def beta(self) -> torch.Tensor:
-        return self.terms["exact"]  # [N]
+        """β = log p_recipe − log p_reference of every completion token: [N]."""
+        return self.terms["exact"]
 
 
-def sample_tokens(lm, master: nn.Module, cfg: TraceConfig, say) -> dict[str, torch.Tensor]:
+def sample_tokens(lm: LoadedModel, master: nn.Module, cfg: TraceConfig, say: Say) -> dict[str, torch.Tensor]:
     """Completions sampled once by an fp32 engine, packed [B, T]: every comparison runs on these tokens."""
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[: cfg.n])
     say(f"sampling {cfg.n} completions of up to {cfg.max_tokens} tokens (fp32 engine)")
@@ -340,7 +345,7 @@ def errors_along_depth(st: Setup) -> DepthErrors:
     return DepthErrors(stats, {k: torch.cat(v) for k, v in parts.items()}, overhead)
 
 
-def _sub_batches(st: Setup):
+def _sub_batches(st: Setup) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(input_ids, attention_mask, completion_mask) [b, T] of each sub-batch of `cfg.sub_batch` rows."""
     p, b = st.packed, st.cfg.sub_batch
     for s in range(0, p["input_ids"].shape[0], b):
@@ -369,7 +374,7 @@ def first_order_link(depth: DepthErrors) -> dict:
     return {"explained_share": 1 - residual.item(), "corr": pearson(beta, fo["first_order"]), "buckets": buckets}
 
 
-def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say) -> dict:
+def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
     """3. β split into rounding the weights alone and the recipe's arithmetic on unrounded weights: {'split': ...},
     or {} when the reference is not plain fp32 or the recipe computes in fp32 (nothing to split)."""
     recipe, reference, eps = st.recipe, st.reference, st.cfg.epsilon
@@ -399,7 +404,7 @@ def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say) -> dict:
     }}
 
 
-def what_if_recipes(st: Setup, logp_ref: torch.Tensor, say) -> dict:
+def what_if_recipes(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
     """4. Each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB: {'what_if': rows},
     {'what_if_note': why not} for autocast recipes, {} when not asked."""
     cfg, base = st.cfg, get_recipe(st.cfg.recipe)
@@ -478,8 +483,9 @@ def render(result: dict, console) -> None:
     console.print(t)
     b, fo = result["beta"], result["first_order"]
     console.print(f"β = Δlog p: mean {b['beta_mean']:+.4f}, mean |β| {b['beta_abs_mean']:.4f}, "
-                  f"outside the trust region {100 * b['outside_trust_region']:.2f}%. First order Δz_y − Σ p_i Δz_i explains "
-                  f"{100 * fo['explained_share']:.1f}% of Σ|β| (correlation {fo['corr']:.4f}).")
+                  f"outside the trust region {100 * b['outside_trust_region']:.2f}%. "
+                  f"First order Δz_y − Σ p_i Δz_i explains {100 * fo['explained_share']:.1f}% of Σ|β| "
+                  f"(correlation {fo['corr']:.4f}).")
     t = table("by the reference probability of the token")
     for col in ("p", "tokens", "mean |β|", "mean |Δz_y|", "mean |Σ p Δz|", "mean |first order|"):
         t.add_column(col, justify="right")

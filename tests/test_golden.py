@@ -4,8 +4,10 @@ file recorded before a refactor. A refactor that moves code must not move a numb
 The golden depends on the CPU kind: with native bf16 (AVX512-BF16 or AMX) PyTorch takes other low-precision kernels
 than on an AVX2-only CPU, and a different rounding can even sample other tokens. So each golden is named by the kind
 it was recorded on, and a CPU kind without one is skipped, not compared against the wrong numbers.
-Re-record (only when a change of numbers is intended and explained in the commit):
-    phantomclip diagnose --model tiny-random:0 --n 8 --max-tokens 8 --seed 0 --json tests/golden/diagnose-tiny-<kind>.json
+Re-record (only when a change of numbers is intended and explained in the commit), <kind> as `cpu_kind()` says,
+with the 2 threads the tests run with (conftest.py; reductions split over other thread counts round otherwise):
+    OMP_NUM_THREADS=2 phantomclip diagnose --model tiny-random:0 --n 8 --max-tokens 8 --seed 0 \
+        --json tests/golden/diagnose-tiny-<kind>.json
 """
 
 import json

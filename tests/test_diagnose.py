@@ -1,0 +1,118 @@
+"""The diagnose job's phases on hand-made records (the whole command runs in tests/test_cli.py and, against the
+recorded numbers, tests/test_golden.py), and the runs.py helpers it takes its JSON rounding and progress bar from."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from phantomclip.diagnose import (
+    DiagnoseConfig,
+    Sampled,
+    Scored,
+    measured_column,
+    reference,
+    run_diagnose,
+)
+from phantomclip.runs import progress_bar, rounded
+
+
+def _sampled(measured, raw, processed):
+    mask = torch.ones_like(raw, dtype=torch.bool)
+    return Sampled(packed=[], mask=mask, logp_engine=raw, logp_engine_processed=processed, measured=measured,
+                   nonfinite=0, info={}, seconds=1.0)
+
+
+def _shadow(logp, log_kept):
+    return Scored(logp=logp, entropy=torch.zeros_like(logp), log_kept=log_kept, seconds=0.0)
+
+
+def test_measured_column():
+    # vLLM computes the column its logprobs_mode names; the local engine reports both; without truncation S = 1
+    assert measured_column({"kind": "vllm", "logprobs_mode": "processed"}, (0, 0.7, 0.0)) == "processed"
+    assert measured_column({"kind": "vllm", "logprobs_mode": "raw"}, (20, 1.0, 0.0)) == "raw"
+    assert measured_column({"kind": "vllm", "logprobs_mode": "raw"}, None) is None
+    assert measured_column({"kind": "local"}, (0, 0.7, 0.0)) is None
+
+
+def test_reference_rebuilds_the_column_the_engine_did_not_measure():
+    """processed = full − log S, with the shadow's S: log S = [−0.5, −0.25], full = [−1, −2]."""
+    full, log_kept = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -0.25]])
+    nan = torch.full_like(full, math.nan)
+    shadow = _shadow(torch.tensor([[-1.1, -2.1]]), log_kept)
+    ref = reference(_sampled("raw", full, nan), shadow, "bf16")
+    assert ref.logp_engine_processed.tolist() == [[-0.5, -1.75]] and ref.logp_engine is not None
+    assert ref.rebuilt == "logp_engine_processed" and ref.shadow == "bf16" and ref.logp_shadow is shadow.logp
+    ref = reference(_sampled("processed", nan, torch.tensor([[-0.5, -1.75]])), shadow, "bf16")
+    assert ref.logp_engine.tolist() == [[-1.0, -2.0]] and ref.rebuilt == "logp_engine"
+    # both measured: nothing rebuilt, a missing log-prob stays missing (NaN, left out of every figure)
+    both = torch.tensor([[-1.0, math.nan]])
+    ref = reference(_sampled(None, both, both - log_kept), shadow, "bf16")
+    assert ref.rebuilt is None and ref.logp_engine is both and math.isnan(ref.logp_engine_processed[0, 1])
+
+
+def test_every_config_field_has_a_docstring():
+    """The CLI's help texts are the field docstrings (cli.add_config_args)."""
+    from phantomclip.cli import field_docs
+
+    docs = field_docs(DiagnoseConfig)
+    assert [f.name for f in dataclasses.fields(DiagnoseConfig) if not docs.get(f.name)] == []
+
+
+def test_epsilon_high_defaults_to_epsilon():
+    assert DiagnoseConfig(epsilon=0.1).epsilon_high == 0.1
+    assert DiagnoseConfig(epsilon=0.1, epsilon_high=0.28).epsilon_high == 0.28
+
+
+def test_library_result_has_figures_and_no_verdict():
+    """run_diagnose returns figures; the words are diagnose_text's (the CLI adds them to the JSON)."""
+    from phantomclip.diagnose_text import with_verdict
+
+    d = run_diagnose(DiagnoseConfig(model="tiny-random:0", trainer=["fp32"], n=2, max_tokens=3))
+    assert "verdict" not in d and d["recipes"]["fp32"]["tokens"] == d["engine"]["tokens"] > 0
+    assert with_verdict(d)["verdict"].startswith("Smallest gap against the bf16 engine: fp32")
+
+
+def test_rounded():
+    x = torch.tensor([1.23456789, -2.0, math.nan, math.inf, -math.inf])
+    assert rounded(x) == [1.234568, -2.0, None, None, None]
+    assert rounded(torch.tensor([0.123456789], dtype=torch.float64), 3) == [0.123]
+    assert rounded(torch.zeros(0)) == []
+
+
+def test_progress_bar_is_silent_without_a_console(capsys):
+    with progress_bar(None, info=True) as bar:
+        task = bar.add_task("x", total=2, info="")
+        bar.advance(task)
+        bar.update(task, advance=1, info="done")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_draws_on_a_console():
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    with progress_bar(Console(file=out, force_terminal=True, width=80), transient=False, info=True) as bar:
+        task = bar.add_task("scoring", total=2, info="")
+        bar.advance(task, 2)
+        bar.update(task, info="|β| 0.01")
+    text = out.getvalue()
+    assert "scoring" in text and "2/2" in text and "|β| 0.01" in text
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_sampled_records_what_the_local_engine_measured(mode):
+    """The local engine computes both columns, whatever --logprobs-mode says (it is vLLM's setting)."""
+    from phantomclip.diagnose import prepare, sample
+
+    cfg = DiagnoseConfig(model="tiny-random:0", n=3, max_tokens=4, top_p=0.8, logprobs_mode=mode)
+    prep = prepare(cfg, lambda *a, **k: None)
+    with progress_bar(None) as bar:
+        s = sample(cfg, prep, bar, lambda *a, **k: None)
+    assert s.measured is None and s.nonfinite == 0 and s.mask.shape == s.logp_engine.shape  # [n, T]
+    assert s.mask.shape[0] == 3 and bool(torch.isfinite(s.logp_engine_processed[s.mask]).all())
+    # top-p renormalises: processed = full − log S >= full
+    assert bool((s.logp_engine_processed[s.mask] >= s.logp_engine[s.mask] - 1e-6).all())

@@ -1,0 +1,66 @@
+"""The verdict's thresholds at their edges, and rendering from the result dict alone."""
+
+import io
+
+import pytest
+
+from phantomclip.diagnose_text import (
+    ANTI_CORRELATED,
+    SAME_GAP_SPREAD,
+    SMALL_GAIN,
+    _advice,
+    _split_verdict,
+    render,
+    verdict,
+)
+
+
+def _recs(**gaps):
+    return {name: {"beta_abs_mean": g, "beta_abs_max": 0.5} for name, g in gaps.items()}
+
+
+def test_same_gap_spread():
+    """Recipes within SAME_GAP_SPREAD of each other are one gap (the engine's noise); beyond it, the best is advised."""
+    assert SAME_GAP_SPREAD == 1.25
+    one_gap = _advice(_recs(fp32=0.04, bf16=0.0496), "fp32", "bf16")  # 0.0496 / 0.04 = 1.24
+    assert one_gap.startswith("No trainer recipe removes the gap: all 2 are within 24% of each other, bf16 included")
+    lever = _advice(_recs(fp32=0.04, bf16=0.0501), "fp32", "bf16")  # 1.2525: a lever
+    assert lever.startswith("Change: train with fp32; or compute the clip ratio from a bf16 shadow forward")
+    # |β|max = 0.5: e^0.5 − 1 = 0.65, 1 − e^−0.5 = 0.39
+    assert "ε_high ≥ 0.65 and ε_low ≥ 0.39 keep every measured token inside" in lever
+
+
+def _split(now, prec, kern, corr):
+    split = {"precision": {"beta_abs_mean": prec}, "kernel": {"beta_abs_mean": kern}, "correlation": corr}
+    return {"recipes": {"fp32": {"beta_abs_mean": now, "split": split}}, "shadow": {"recipe": "bf16"},
+            "engine": {"kind": "local", "dtype": "bf16"}}
+
+
+def test_anti_correlated_and_small_gain():
+    assert "anti-correlated (-0.31)" in _split_verdict(_split(0.04, 0.01, 0.05, ANTI_CORRELATED - 0.01), "fp32")
+    assert "anti-correlated" not in _split_verdict(_split(0.04, 0.01, 0.05, ANTI_CORRELATED + 0.01), "fp32")
+    # matching the kernels leaves β_precision: 0.0321 of 0.04 is just over SMALL_GAIN (0.8): "only a little"
+    assert SMALL_GAIN == 0.8
+    assert "would shrink it only a little" in _split_verdict(_split(0.04, 0.0321, 0.05, 0.0), "fp32")
+    assert "is the bigger lever (mean |β| 0.0400 -> 0.0319)" in _split_verdict(_split(0.04, 0.0319, 0.05, 0.0), "fp32")
+
+
+@pytest.fixture(scope="module")
+def result():
+    from phantomclip.diagnose import DiagnoseConfig, run_diagnose
+
+    return run_diagnose(DiagnoseConfig(model="tiny-random:0", trainer=["fp32", "bf16"], n=3, max_tokens=4))
+
+
+def test_render_reads_only_the_dict(result):
+    """A bare run_diagnose result renders (its verdict computed on the way); every recipe gets a row."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    render(dict(result), Console(file=out, width=400))
+    text = out.getvalue()
+    assert "phantomclip diagnose tiny-random:0: 3 completions" in text and "verdict:" in text
+    assert " ".join(verdict(result).split()) in " ".join(text.split())
+    narrow = io.StringIO()
+    render(dict(result), Console(file=narrow, width=60))  # too narrow for a row per recipe: one row per figure
+    assert "beta_abs_mean" in narrow.getvalue() and "fp32" in narrow.getvalue()

@@ -142,3 +142,28 @@ def test_nonfinite_logprobs_are_counted_not_fatal(tmp_path, capsys, monkeypatch)
     assert d["recipes"]["fp16"]["tokens"] == d["recipes"]["fp32"]["tokens"] - 6
     assert d["tokens"]["per_recipe"]["fp16"]["beta"].count(None) == 6
     assert "Non-finite log-probs (overflow) in: fp16 (6)" in printed
+
+
+def test_diagnose_flags_are_the_config_fields():
+    """The parser is built from DiagnoseConfig: every field a flag with the field's default, plus --json and
+    --from-trl-config; an unknown --engine, --logprobs-mode or --matmul is one line, exit 2 (no choices list needed)."""
+    import argparse
+    import dataclasses
+
+    from phantomclip.cli import _diagnose_parser
+    from phantomclip.diagnose import DiagnoseConfig
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    _diagnose_parser(sub)
+    args = vars(sub.choices["diagnose"].parse_args([]))
+    assert args.pop("json") is None and args.pop("from_trl_config") is None
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(DiagnoseConfig)}
+    defaults["trainer"] = ",".join(defaults["trainer"])
+    assert args == defaults
+
+
+def test_diagnose_refuses_unknown_names_in_one_line(capsys):
+    assert "--engine 'sglang': use one of local, vllm" in bad_cli(TINY + ["--engine", "sglang"], capsys)
+    assert "--logprobs-mode 'full': use one of raw, processed" in bad_cli(TINY + ["--logprobs-mode", "full"], capsys)
+    assert "--matmul: unknown matmul mode 'fast'" in bad_cli(TINY + ["--matmul", "fast"], capsys)

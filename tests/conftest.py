@@ -1,9 +1,14 @@
+import math
 import os
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+MATMULS = ("native", "emulated")
+"""Both low-precision matmul kernels, named explicitly: 'auto' picks native on AVX-512-BF16/AMX CPUs and emulated on
+AVX2, so a test that left it to 'auto' would check only one of them on any one machine."""
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +30,35 @@ def report(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
     """Max / mean absolute difference, for assertion messages."""
     d = (a.double() - b.double()).abs()
     return f"{name}: max |diff| {d.max().item():.3e}, mean |diff| {d.mean().item():.3e} over {d.numel()} values"
+
+
+def eps(dtype: torch.dtype) -> float:
+    """Machine epsilon of `dtype`: the spacing of floats in [1, 2) (fp32 2^-23, bf16 2^-7, fp16 2^-10, fp64 2^-52)."""
+    return torch.finfo(dtype).eps
+
+
+def assert_close_eps(a, b, dtype: torch.dtype, scale, terms: int = 1, factor: float = 2.0, name: str = "values") -> float:
+    """Assert |a - b| <= factor * eps(dtype) * scale * sqrt(terms), elementwise; returns the worst |a - b| / bound.
+
+    The bound for two computations of the same quantity that differ in the order or blocking of their floating
+    point operations (another kernel, another matmul shape, another reduction tree). Each operation rounds by at
+    most eps/2 relative to what it produces, so a sum of `terms` terms of size `scale` carries an error of about
+    eps * scale * sqrt(terms) (independent roundings add as a random walk; the worst case, terms instead of
+    sqrt(terms), is never approached by real kernels), and two such computations differ by at most twice that
+    (`factor` 2). `scale` is the size of what is summed or rounded, not of the result, which may cancel to near
+    zero: a number, or a tensor broadcast against `a` (per-row or per-element scales). Each caller says in a
+    comment what its scale, terms and factor stand for. On failure the message gives the max and mean |a - b| and
+    the bound; the worst ratio is printed either way (pytest -s shows each test's margin).
+    """
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    bound = factor * eps(dtype) * torch.as_tensor(scale, dtype=torch.float64) * math.sqrt(terms)
+    d = (a - b).abs()
+    ratio = (d / bound).max().item() if d.numel() else 0.0
+    msg = (f"{report(name, a, b)}; bound {factor:g} * eps({str(dtype).removeprefix('torch.')}) * scale * sqrt({terms}) "
+           f"= {bound.max().item():.3e}{'' if bound.numel() == 1 else ' (largest)'}, worst |diff| / bound {ratio:.3g}")
+    print(msg)
+    assert bool((d <= bound).all()), msg
+    return ratio
 
 
 def offline(monkeypatch) -> None:
@@ -52,3 +86,14 @@ def bad_cli(args: list[str], capsys, after_progress: bool = False) -> str:
         return lines[-1]
     assert len(lines) == 1, err
     return err
+
+
+def cpu_kind() -> str:
+    """'amx', 'avx512bf16' or 'avx2': the kernel family oneDNN picks for bf16 (and fp32 blocking) on this CPU. Golden
+    files are recorded per kind: another kind sums in another order and may even sample other tokens."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"

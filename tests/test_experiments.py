@@ -1,53 +1,120 @@
 import json
+import math
 
 import pytest
 from conftest import bad_cli
 
 from phantomclip.cli import _split_run_names, main
-from phantomclip.experiments import SANITY_INTERVENTIONS, sanity_runs, summarize
+from phantomclip.experiments import (
+    SANITY_INTERVENTIONS,
+    build_matrix,
+    run_experiment,
+    summarize,
+    summarize_run,
+    summary_markdown,
+)
 from phantomclip.trainer import TrainConfig, TrainConfigError
 
 TINY = ["--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3"]
 
 
-def test_sanity_matrix_names_and_configs():
-    runs = sanity_runs(TrainConfig())
-    assert list(runs)[: len(SANITY_INTERVENTIONS)] == list(SANITY_INTERVENTIONS)
-    # the ε sweep adds 0.05, 0.1, 0.3 for the baseline and match-bf16 (0.2 is the base run itself)
-    assert [n for n in runs if "epsilon" in n] == [f"{a},epsilon={e}" for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.3)]
-    assert runs["match-bf16,epsilon=0.1"].intervention == "match-bf16,epsilon=0.1"
+def test_matrices_names_configs_and_seeds():
+    m = build_matrix("sanity", TrainConfig(seed=4), seeds=3)
+    assert list(m.arms) == list(SANITY_INTERVENTIONS) and m.seeds == (4, 5, 6)
+    runs = m.runs()
+    assert len(runs) == 12 * 3 and [r[:2] for r in runs[:2]] == [("none", 4), ("match-bf16", 4)]  # seed-major
+    assert all(cfg.seed == s and cfg.intervention == arm for arm, s, cfg in runs)
+    eps = build_matrix("epsilon", TrainConfig(), seeds=1)
+    # the base ε (0.2) is the plain arm; 0.05, 0.1, 0.3 for the baseline and match-bf16
+    assert list(eps.arms) == [a if e == 0.2 else f"{a},epsilon={e}" for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.2, 0.3)]
     with pytest.raises(TrainConfigError, match="unknown run"):
-        sanity_runs(TrainConfig(), only=["none", "warp"])
+        build_matrix("sanity", TrainConfig(), seeds=2, only=["none", "warp"])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(TrainConfigError, match="--seeds must be a whole number"):
+            build_matrix("sanity", TrainConfig(), seeds=bad)
 
 
-def test_summarize_hand_worked():
-    rows = [{"step": i, "task/converged": i >= 3, "reward/mean": -float(10 - i), "completion/length_mean": float(10 - i),
-             "clip/phantom_rate": 0.1 * (i <= 2), "clip/rate": 0.2, "mismatch/beta_abs_mean": 0.03, "time/step_s": 2.0}
-            for i in range(1, 8)]
-    s = summarize("none", rows, 7)
-    assert s["steps_to_converge"] == 3 and s["converged"]
-    assert s["final_reward"] == pytest.approx(-(5 + 4 + 3) / 3)  # steps 5, 6, 7
-    assert s["phantom_rate_first5"] == pytest.approx(0.1 * 2 / 5)  # steps 1 and 2 of the first 5
+def _rows(lengths, phantom=0.0, clip=0.0, beta=0.03, converged_from=None):
+    return [{"step": i + 1, "task/converged": converged_from is not None and i + 1 >= converged_from,
+             "reward/mean": -x, "completion/length_mean": x, "clip/phantom_rate": phantom, "clip/rate": clip,
+             "clip/phantom_adv_share": phantom, "adv/abs_sum": 8.0, "mismatch/tokens": 100,
+             "mismatch/beta_abs_mean": beta, "mismatch/beta_outside_trust_region": 0.0, "time/step_s": 2.0}
+            for i, x in enumerate(lengths)]
+
+
+def test_summarize_run_hand_worked():
+    # 7 steps of lengths 9..3; converged from step 5 (length <= 2 is neglen's rule; set by hand here)
+    rows = _rows([9.0, 8, 7, 6, 5, 4, 3], converged_from=5)
+    rows[0]["clip/phantom_rate"], rows[0]["clip/rate"] = 0.1, 0.2  # step 1: 10 of 100 tokens phantom, 20 clipped
+    s = summarize_run("none", 0, rows, budget=10)
+    assert s["steps_to_converge"] == 5 and s["converged"]
+    assert s["final_length"] == pytest.approx((7 + 6 + 5 + 4 + 3) / 5)  # the last 5 steps
+    # stopped at 7 of 10: steps 8-10 carried at the mean of the last 5 (5.0): (9+8+...+3 + 3·5) / 10 = (42 + 15) / 10
+    assert s["length_auc"] == pytest.approx(5.7)
+    assert s["phantom_rate"] == pytest.approx(10 / 700)  # token-weighted over the whole run
+    assert s["phantom_share_of_clipped"] == pytest.approx(10 / 20)
     assert s["wall_s"] == 14.0
+    never = summarize_run("none", 0, _rows([9.0] * 4), budget=4)
+    assert not never["converged"] and never["steps_to_converge"] == 4  # censored at the budget
+
+
+def test_intervals_and_verdict_on_a_made_up_3_seed_table():
+    # final lengths: none 20, 22, 24 (seeds 0-2); force-r1 2, 3, 4; tis 21, 21, 26.
+    # force-r1 − none per seed: -18, -19, -20: mean -19, sd 1, t_{0.975,2} = 4.303: -19 ± 4.303/√3 = ±2.484
+    # tis − none: 1, -1, 2: mean 0.667, sd 1.528, half-width 4.303 · 1.528/√3 = 3.795: includes zero
+    m = build_matrix("sanity", TrainConfig(), seeds=3, only=["none", "force-r1", "tis"])
+    finals = {"none": [20, 22, 24], "force-r1": [2, 3, 4], "tis": [21, 21, 26]}
+    results = [summarize_run(arm, s, _rows([float(x)] * 5), budget=5) for arm, xs in finals.items() for s, x in enumerate(xs)]
+    summary = summarize(m, results)
+    arms = {a["run"]: a for a in summary["arms"]}
+    none = arms["none"]["final_length"]
+    assert none["mean"] == 22 and none["high"] - 22 == pytest.approx(4.303 * 2 / math.sqrt(3))
+    d = arms["force-r1"]["vs_baseline"]["final_length"]
+    assert (d["mean"], d["n"]) == (-19, 3) and d["high"] == pytest.approx(-19 + 4.303 / math.sqrt(3))
+    t = arms["tis"]["vs_baseline"]["final_length"]
+    assert t["low"] == pytest.approx(2 / 3 - 4.303 * math.sqrt(7 / 3) / math.sqrt(3)) and t["low"] < 0 < t["high"]
+    verdict = dict(line.split(": ", 1) for line in summary["verdict"])
+    assert verdict["force-r1"].startswith("final length -19 [") and "(3 seeds)" in verdict["force-r1"]
+    assert verdict["tis"] == "no detectable difference from none at 3 seeds"
+    assert "no detectable" in summary_markdown(summary) and "| force-r1 | 3 |" in summary_markdown(summary)
 
 
 def test_split_run_names():
     assert _split_run_names("none,shadow-ratio,none,epsilon=0.1") == ["none", "shadow-ratio", "none,epsilon=0.1"]
 
 
-def test_experiment_sanity_on_tiny_runs_and_continues(tmp_path, capsys):
-    args = ["experiment", "sanity", *TINY, "--steps", "3", "--out", str(tmp_path), "--only", "none,force-r1,none,epsilon=0.1"]
-    assert main(args) == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [r["run"] for r in summary["runs"]] == ["none", "force-r1", "none,epsilon=0.1"]
-    assert all(r["steps_run"] == 3 for r in summary["runs"])
-    table = (tmp_path / "summary.md").read_text()
-    assert "| force-r1 |" in table and "not converged in 3" in table
-    first = (tmp_path / "none" / "metrics.jsonl").read_text()
-    assert main(args) == 0  # finished runs are read back, not rerun
-    assert (tmp_path / "none" / "metrics.jsonl").read_text() == first
-    assert main(["experiment", "sanity", *TINY, "--steps", "4", "--out", str(tmp_path), "--only", "none"]) == 0
-    assert len((tmp_path / "none" / "metrics.jsonl").read_text().splitlines()) == 4  # a bigger budget resumes
+def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsys, monkeypatch):
+    """The tiny model's sanity with 2 arms x 2 seeds; an interruption after the first run continues to the same
+    summary as the uninterrupted experiment; a different seed or arm set is refused, naming the runs."""
+    import phantomclip.experiments as experiments
+
+    args = ["experiment", "sanity", *TINY, "--steps", "3", "--seeds", "2", "--only", "none,force-r1"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert [(r["run"], r["seed"]) for r in whole["runs"]] == [("none", 0), ("force-r1", 0), ("none", 1), ("force-r1", 1)]
+    assert not list((tmp_path / "whole").rglob("checkpoint.pt"))  # finished runs drop their checkpoints
+    assert len(whole["verdict"]) == 1 and whole["arms"][1]["vs_baseline"]["final_length"]["n"] == 2
+
+    real_train, calls = experiments.train, []
+
+    def stop_after_first(cfg, out, resume, console):
+        result = real_train(cfg, out=out, resume=resume, console=console)
+        calls.append(cfg.intervention)
+        result.interrupted = len(calls) == 1  # as if Ctrl-C came during the first run's last step
+        return result
+
+    monkeypatch.setattr(experiments, "train", stop_after_first)
+    assert main([*args, "--out", str(tmp_path / "cut")]) == 130
+    monkeypatch.setattr(experiments, "train", real_train)
+    assert main([*args, "--out", str(tmp_path / "cut")]) == 0
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    drop = lambda runs: [{k: v for k, v in r.items() if k != "wall_s"} for r in runs]  # noqa: E731
+    assert drop(cut["runs"]) == drop(whole["runs"]) and cut["verdict"] == whole["verdict"]
+    capsys.readouterr()
+    line = bad_cli([*args[:-4], "--seeds", "3", "--only", "none,force-r1", "--out", str(tmp_path / "whole")], capsys)
+    assert "new in this command: force-r1/seed-2, none/seed-2" in line
+    line = bad_cli([*args[:-2], "--only", "none", "--out", str(tmp_path / "whole")], capsys)
+    assert "not in this command: force-r1/seed-0, force-r1/seed-1" in line
 
 
 def test_train_bad_inputs_exit_2(tmp_path, capsys):
@@ -65,32 +132,10 @@ def test_train_bad_inputs_exit_2(tmp_path, capsys):
 
 
 def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
-    from phantomclip.experiments import run_sanity
-
     base = TrainConfig(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3, steps=40, stop_after_converged=3)
-    rows = run_sanity(base, tmp_path, only=["force-r1"])
-    r = rows[0]
+    matrix = build_matrix("sanity", base, seeds=1, only=["force-r1"])
+    r = run_experiment(matrix, tmp_path)["runs"][0]
     assert r["converged"] and r["steps_run"] == r["steps_to_converge"] + 2 < 40  # converged on 3 steps in a row
-    before = (tmp_path / "force-r1" / "metrics.jsonl").read_text()
-    run_sanity(base, tmp_path, only=["force-r1"])  # finished early counts as finished: nothing is rerun
-    assert (tmp_path / "force-r1" / "metrics.jsonl").read_text() == before
-
-
-def test_ctrl_c_stops_the_whole_experiment(tmp_path, monkeypatch):
-    """An interrupted run (Ctrl-C) ends the experiment with its summary written, instead of starting the next run."""
-    import phantomclip.experiments as experiments
-    from phantomclip.trainer import TrainResult
-
-    calls = []
-
-    def interrupted_train(cfg, out, resume, console):
-        calls.append(cfg.intervention)
-        return TrainResult(metrics=[{"step": 1, "task/converged": False, "reward/mean": -8.0, "completion/length_mean": 8.0,
-                                     "clip/phantom_rate": 0.0, "clip/rate": 0.0, "mismatch/beta_abs_mean": 0.01, "time/step_s": 1.0}],
-                           run_dir=out, interrupted=True)
-
-    monkeypatch.setattr(experiments, "train", interrupted_train)
-    with pytest.raises(KeyboardInterrupt):
-        experiments.run_sanity(TrainConfig(model="tiny-random:30", steps=3), tmp_path, only=["none", "force-r1"])
-    assert calls == ["none"]
-    assert json.loads((tmp_path / "summary.json").read_text())["runs"][0]["steps_run"] == 1
+    before = (tmp_path / "force-r1" / "seed-0" / "metrics.jsonl").read_text()
+    run_experiment(matrix, tmp_path)  # finished early counts as finished: nothing is rerun
+    assert (tmp_path / "force-r1" / "seed-0" / "metrics.jsonl").read_text() == before

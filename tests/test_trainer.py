@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import report
 
-from phantomclip.metrics import alpha_beta_stats
+from phantomclip.metrics import alpha_beta_stats, ratio_split
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.runs import read_jsonl
 from phantomclip.scoring import score, score_completions
@@ -77,29 +77,62 @@ def test_bad_config_values_are_refused(field, value):
 # ------------------------------------------------------------------------------------------ decomposition
 
 
-def test_alpha_beta_stats_on_constructed_tensors():
-    # ε = 0.2: log bounds log 0.8 = -0.223, log 1.2 = 0.182. Four tokens of one sequence with A = +1:
-    #   token 0: α = 0,    β = 0.3   -> log r = 0.3 > 0.182: clipped, α alone would not clip -> phantom
-    #   token 1: α = 0.25, β = 0.0   -> clipped, α alone clips                              -> real
-    #   token 2: α = 0.1,  β = 0.05  -> log r = 0.15 inside: not clipped
-    #   token 3: padding (mask 0), values must not count
-    logp_engine = torch.tensor([[-1.0, -2.0, -0.5, -7.0]])
-    alpha = torch.tensor([[0.0, 0.25, 0.1, 0.0]])
-    beta = torch.tensor([[0.3, 0.0, 0.05, 5.0]])
-    logp_shadow = logp_engine + alpha
-    logp = logp_shadow + beta
-    mask = torch.tensor([[True, True, True, False]])
-    log_r = logp - logp_engine
-    clipped = (log_r > math.log(1.2)) & mask
-    s = alpha_beta_stats(logp, logp_shadow, logp_engine, mask, torch.tensor([1.0]), clipped, torch.zeros_like(mask), 0.2, 0.2)
-    assert s["clip/rate"] == pytest.approx(2 / 3)
-    assert s["clip/phantom_rate"] == pytest.approx(1 / 3)
-    assert s["clip/real_rate"] == pytest.approx(1 / 3)
-    assert s["mismatch/beta_mean"] == pytest.approx((0.3 + 0.0 + 0.05) / 3, abs=1e-7)
-    assert s["mismatch/alpha_mean"] == pytest.approx((0.0 + 0.25 + 0.1) / 3, abs=1e-7)
-    assert s["mismatch/beta_outside_trust_region"] == pytest.approx(1 / 3)
-    assert s["clip/zeroed_adv_share"] == pytest.approx(2 / 3)  # |A| = 1 on each of 3 tokens, 2 zeroed
-    assert s["mismatch/alpha_mean"] + s["mismatch/beta_mean"] == pytest.approx(s["mismatch/log_ratio_mean"], abs=1e-15)
+def _constructed_split(alpha, beta_kernel, beta_precision, logp_engine):
+    """Log-prob tensors built from chosen parts: shadow_old = engine + β_kernel, shadow = shadow_old + α,
+    logp = shadow + β_precision (all exact in fp32 for these short decimals to ~1e-7)."""
+    logp_shadow_old = logp_engine + beta_kernel
+    logp_shadow = logp_shadow_old + alpha
+    logp = logp_shadow + beta_precision
+    return ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)
+
+
+def test_three_way_split_clip_accounting_on_constructed_tensors():
+    # ε = 0.2: log bounds log 0.8 = -0.223, log 1.2 = 0.182. Five tokens of one sequence with A = +1:
+    #   token 0: α = 0,    β_kernel = 0.3, β_precision = 0   -> log r 0.3 > 0.182: clipped; α alone would not: phantom
+    #            (the kernel gap alone fired the clip; the old α = shadow − engine = 0.3 called this a real clip)
+    #   token 1: α = 0.25, β_kernel = 0,   β_precision = 0   -> clipped, α alone clips: real
+    #   token 2: α = 0,    β_kernel = 0.1, β_precision = 0.1 -> log r 0.2 > 0.182: clipped by β alone: phantom
+    #   token 3: α = 0.1,  β_kernel = 0,   β_precision = 0.05 -> log r 0.15 inside: not clipped
+    #   token 4: padding (mask 0), values must not count
+    logp_engine = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -7.0]])
+    alpha = torch.tensor([[0.0, 0.25, 0.0, 0.1, 0.0]])
+    beta_kernel = torch.tensor([[0.3, 0.0, 0.1, 0.0, 9.0]])
+    beta_precision = torch.tensor([[0.0, 0.0, 0.1, 0.05, 5.0]])
+    split = _constructed_split(alpha, beta_kernel, beta_precision, logp_engine)
+    mask = torch.tensor([[True, True, True, True, False]])
+    clipped = (split["log_ratio"] > math.log(1.2)) & mask
+    s = alpha_beta_stats(split, mask, torch.tensor([1.0]), clipped, torch.zeros_like(mask), 0.2, 0.2)
+    assert s["mismatch/tokens"] == 4
+    assert s["clip/rate"] == pytest.approx(3 / 4)
+    assert s["clip/phantom_rate"] == pytest.approx(2 / 4)
+    assert s["clip/real_rate"] == pytest.approx(1 / 4)
+    assert s["clip/phantom_adv_share"] == pytest.approx(2 / 4)  # |A| = 1 on each of 4 tokens
+    assert s["clip/zeroed_adv_share"] == pytest.approx(3 / 4)
+    assert s["adv/abs_sum"] == 4
+    fp32_err = 1e-6  # the parts went through fp32 sums of magnitude <= 3: a few fp32 ulps (2^-23 * 4 = 5e-7)
+    assert s["mismatch/alpha_mean"] == pytest.approx(0.35 / 4, abs=fp32_err)
+    assert s["mismatch/beta_kernel_mean"] == pytest.approx(0.4 / 4, abs=fp32_err)
+    assert s["mismatch/beta_precision_mean"] == pytest.approx(0.15 / 4, abs=fp32_err)
+    assert s["mismatch/beta_mean"] == pytest.approx(0.55 / 4, abs=fp32_err)
+    assert s["mismatch/beta_kernel_outside_trust_region"] == pytest.approx(1 / 4)  # token 0 (0.3)
+    assert s["mismatch/beta_outside_trust_region"] == pytest.approx(2 / 4)  # tokens 0 (0.3) and 2 (0.2)
+    assert s["mismatch/alpha_outside_trust_region"] == pytest.approx(1 / 4)  # token 1
+
+
+def test_three_way_split_is_exact_per_token():
+    """α + β_kernel + β_precision = log r token by token, and β = β_kernel + β_precision, in float64: on random
+    fp32 log-probs of the size real ones have, the residual is float64 rounding of two additions (≤ 4 ulps of |log r|)."""
+    g = torch.Generator().manual_seed(0)
+    logp_engine = -torch.rand(64, 32, generator=g) * 12  # [B, T]
+    logp_shadow_old = logp_engine + torch.randn(64, 32, generator=g) * 0.05
+    logp_shadow = logp_shadow_old + torch.randn(64, 32, generator=g) * 0.1
+    logp = logp_shadow + torch.randn(64, 32, generator=g) * 0.05
+    split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)
+    residual = split["alpha"] + split["beta_kernel"] + split["beta_precision"] - split["log_ratio"]
+    bound = 4 * torch.finfo(torch.float64).eps * split["log_ratio"].abs().clamp_min(split["alpha"].abs())
+    assert (residual.abs() <= bound).all(), report("identity", residual, torch.zeros_like(residual))
+    assert torch.equal(split["beta"], split["beta_kernel"] + split["beta_precision"])
+    assert split["alpha"].dtype == torch.float64
 
 
 def _grouped_rollout(tiny, tiny_prompts, group=3):
@@ -170,7 +203,7 @@ def test_shared_prompt_gradient_matches_whole_rows(tiny, tiny_prompts):
 def test_every_intervention_runs_with_finite_metrics(intervention):
     rows = train(TrainConfig(**TINY, steps=5, intervention=intervention)).metrics
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    skip = {"mismatch/corr_beta_adv", "clip/zeroed_adv_share"}  # NaN by definition in some steps
+    skip = {"mismatch/corr_beta_adv", "clip/zeroed_adv_share", "clip/phantom_adv_share"}  # NaN when all A = 0
     for r in rows:
         bad = {k: v for k, v in r.items() if isinstance(v, float) and k not in skip and not math.isfinite(v)}
         assert not bad, (intervention, r["step"], bad)
@@ -181,7 +214,8 @@ def test_every_intervention_runs_with_finite_metrics(intervention):
     if intervention == "force-r1":
         assert all(r["clip/rate"] == 0 for r in rows)
     if intervention in ("match-bf16", "fp16"):
-        assert all(r["mismatch/beta_abs_mean"] < 1e-6 for r in rows)  # same recipe on both sides: shadow == trainer
+        assert all(r["mismatch/beta_precision_abs_mean"] < 1e-6 for r in rows)  # same recipe: shadow == trainer
+        assert all(r["mismatch/beta_kernel_abs_mean"] > 0 for r in rows)  # but not the engine's kernels
 
 
 def test_neglen_converges_on_the_tiny_model_with_force_r1():
@@ -290,12 +324,21 @@ def test_token_log_matches_the_step_metrics(tmp_path):
         assert sum(t["clipped"]) / n == pytest.approx(r["clip/rate"])
 
 
-def test_kernel_gap_split_adds_up_to_alpha():
-    rows = train(TrainConfig(**TINY, steps=3, split_kernel_gap=True)).metrics
-    for r in rows:
-        assert r["mismatch/policy_change_mean"] + r["mismatch/kernel_gap_mean"] == pytest.approx(r["mismatch/alpha_mean"], abs=1e-12)
-    assert rows[0]["mismatch/policy_change_abs_mean"] == 0  # step 1: the rollout's weights are the current ones
-    assert rows[0]["mismatch/kernel_gap_abs_mean"] > 0  # bf16 decode vs bf16 prefill differ (tiny: about 1e-2)
+def test_split_runs_every_step_and_alpha_is_zero_on_policy():
+    """The split is on by default. At step 1 the rollout's weights are the current ones: α = 0 exactly and
+    β_kernel is the engine's whole decode-vs-prefill gap. At staleness 0, θ_old = θ_t at every step: α ≡ 0."""
+    rows = train(TrainConfig(**TINY, steps=5)).metrics
+    assert rows[0]["mismatch/alpha_abs_mean"] == 0
+    assert rows[0]["mismatch/beta_kernel_abs_mean"] > 0  # bf16 decode vs bf16 prefill differ (tiny: about 1e-2)
+    # Staleness 1: step k's α compares the shadow at θ_k with θ_{k−1}, both in bf16 with the same kernels, so it is
+    # exactly 0 when step k−1's update changed no bf16 value, and nonzero when it changed some.
+    moved = [r["sync/changed_share"] > 0 for r in rows[:-1]]
+    assert [r["mismatch/alpha_abs_mean"] > 0 for r in rows[1:]] == moved and any(moved)
+    for r in rows:  # the means add up as the tokens do (float64 sums of N values: N · eps relative)
+        parts = r["mismatch/alpha_mean"] + r["mismatch/beta_kernel_mean"] + r["mismatch/beta_precision_mean"]
+        assert parts == pytest.approx(r["mismatch/log_ratio_mean"], abs=1e-12)
+    on_policy = train(TrainConfig(**TINY, steps=3, staleness=0)).metrics
+    assert all(r["mismatch/alpha_abs_mean"] == 0 and r["clip/real_rate"] == 0 for r in on_policy)
 
 
 def test_trainer_scores_at_the_sampling_temperature():

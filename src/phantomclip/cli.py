@@ -8,6 +8,14 @@ import sys
 EXIT_USAGE = 2
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors (a bad flag value, an unknown flag) as one line on stderr, exit 2, like every other
+    bad input (argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def _diagnose_parser(sub) -> None:
     from .diagnose import DiagnoseConfig
 
@@ -101,11 +109,20 @@ def _train_parser(sub) -> None:
     p.add_argument("--list-interventions", action="store_true", help="list the interventions and exit")
 
 
+def whole_run_line(s: dict) -> str:
+    """The end-of-run line: the whole run's clip accounting (metrics.run_phantom_summary)."""
+    return (f"whole run: phantom-clip rate {100 * s['phantom_rate']:.2f}% (last 5 steps {100 * s['phantom_rate_last']:.2f}%), "
+            f"{100 * s['phantom_share_of_clipped']:.0f}% of clipped tokens phantom, {100 * s['phantom_adv_share']:.2f}% of Σ|A| "
+            f"lost to phantom clips; mean |β| {s['beta_abs_mean_start']:.4f} (first 5 steps) -> {s['beta_abs_mean_end']:.4f} "
+            f"(last 5), x{s['beta_growth']:.2f}; β alone outside the trust region at the end: {100 * s['beta_outside_end']:.2f}%")
+
+
 def _run_train(args) -> int:
     import time
 
     from rich.console import Console
 
+    from .metrics import run_phantom_summary
     from .trainer import INTERVENTIONS, TrainConfig, TrainConfigError, train
 
     if args.list_interventions:
@@ -123,37 +140,59 @@ def _run_train(args) -> int:
     state = "stopped (checkpoint written; --resume continues)" if result.interrupted else "done"
     err.print(f"{state}: {len(result.metrics)}/{cfg.steps} steps in {out}; last reward {last.get('reward/mean', float('nan')):.2f}, "
               f"mean length {last.get('completion/length_mean', float('nan')):.1f}")
+    if result.metrics:
+        err.print(whole_run_line(run_phantom_summary(result.metrics)))
     return 130 if result.interrupted else 0
 
 
 def _experiment_parser(sub) -> None:
+    from .experiments import DEFAULT_SEEDS, SANITY_DEFAULTS
     from .trainer import TrainConfig
 
-    p = sub.add_parser("experiment", help="named experiment matrices (sanity: the reference analysis's experiment)")
+    p = sub.add_parser("experiment", help="named experiment matrices over several seeds, read with 95%% intervals")
     esub = p.add_subparsers(dest="experiment", required=True)
-    s = esub.add_parser(
-        "sanity", help="baseline and every intervention on reward = −length, same seeds and budget, plus an ε sweep",
-        description="Runs the baseline (trainer/engine precision as given) and each intervention, then an ε sweep for "
-        "the baseline and match-bf16, and prints a comparison table (also summary.md / summary.json in --out).",
-    )
-    from .experiments import SANITY_DEFAULTS
+    helps = {
+        "sanity": ("baseline and every intervention on reward = −length, same seeds and budget",
+                   "Runs the baseline (trainer/engine precision as given) and each intervention under --seeds seeds, "
+                   "then prints per arm the mean and 95%% t interval over seeds, the paired difference to the baseline "
+                   "and a verdict (also summary.md / summary.json in --out)."),
+        "epsilon": ("the ε sweep (0.05, 0.1, 0.2, 0.3) of the baseline and match-bf16",
+                    "Runs the baseline and match-bf16 at each ε under --seeds seeds; read like sanity."),
+    }
+    for name, (help_text, description) in helps.items():
+        s = esub.add_parser(name, help=help_text, description=description)
+        add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS)
+        s.add_argument("--seeds", type=_whole_number, default=DEFAULT_SEEDS,
+                       help=f"seeds per arm: --seed, --seed + 1, ... (default {DEFAULT_SEEDS})")
+        s.add_argument("--out", default=f"runs/{name}", help=f"experiment directory (default: runs/{name}); rerun to continue")
+        s.add_argument("--only", default=None, help="comma-separated arm names to run (default: all)")
+        s.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoint.pt (default: "
+                       "deleted once a run is finished; only needed to extend a run)")
 
-    add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS)
-    s.add_argument("--out", default="runs/sanity", help="experiment directory (default: runs/sanity); rerun to continue")
-    s.add_argument("--only", default=None, help="comma-separated run names to run (default: all)")
+
+def _whole_number(text: str) -> int:
+    """argparse type for a count >= 1 (argparse names the flag in its one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
 
 
 def _run_experiment(args) -> int:
     from rich.console import Console
 
-    from .experiments import render_summary, run_sanity
+    from .experiments import build_matrix, render_summary, run_experiment
     from .trainer import TrainConfig
 
     cfg = _config_from_args(TrainConfig, args)
     cfg.validate()
     only = _split_run_names(args.only) if args.only else None
-    rows = run_sanity(cfg, args.out, only=only, console=Console(stderr=True))
-    render_summary(rows, Console())
+    matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
+    summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
+    render_summary(summary, Console())
     print(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
@@ -261,7 +300,7 @@ def _run_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
+    parser = OneLineParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
     _diagnose_parser(sub)
     _train_parser(sub)

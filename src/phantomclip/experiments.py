@@ -1,19 +1,28 @@
-"""Named experiment matrices. `sanity` is the reference analysis's experiment: reward = −completion length, an
-fp32 trainer against a bf16 engine, and every intervention under the same seeds and budget, plus an ε sweep.
+"""Named experiment matrices, run over several seeds and read with intervals.
 
-Each run lives in its own directory under the experiment's; an interrupted experiment continues where it
-stopped (finished runs are read back, a partial one resumes from its checkpoint).
+`sanity` is the reference analysis's experiment: reward = −completion length, an fp32 trainer against a bf16
+engine, the baseline and every intervention under the same budget. `epsilon` is the ε sweep of the baseline and
+of match-bf16. Every arm runs under the same seeds (paired: seed s of every arm samples the same prompt draws at
+step 1), so an arm's difference to the baseline is measured seed by seed.
+
+Layout: OUT/experiment.json (the arms and seeds, fixed by the first invocation), OUT/<arm>/seed-<s>/ (one run
+directory each), OUT/summary.json and summary.md (rewritten after every run). An interrupted experiment continues
+where it stopped: finished runs are read back, a partial one resumes from its checkpoint. A finished run's
+checkpoint is deleted unless asked to keep it (the weights are only needed to continue a run).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
+from .interventions import TrainConfigError
+from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import RunDir, atomic_write_bytes, write_json
-from .trainer import TrainConfig, TrainConfigError, finished_early, train
+from .trainer import TrainConfig, finished_early, train
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",
@@ -21,104 +30,256 @@ SANITY_INTERVENTIONS = (
 )
 EPSILON_SWEEP = (0.05, 0.1, 0.2, 0.3)
 SWEPT = ("none", "match-bf16")
+BASELINE = "none"
 SANITY_DEFAULTS = {"steps": 30, "stop_after_converged": 3}
-"""The sanity budget: 30 steps (force-r1 takes the bundled model from 32 tokens to about 1 in that many), and a
-run stops 3 steps after it converged, so the 18 runs fit in under 90 minutes on 2 cores."""
-PHANTOM_WINDOW = 5
-"""phantom-clip rate is averaged over the first steps, where α is still small (the analysis's window)."""
+"""The budget: 30 steps (force-r1 takes the bundled model from 32 tokens to about 1 in that many), and a run
+stops 3 steps after it converged (the rest of its length curve is then carried at its last value)."""
+DEFAULT_SEEDS = 3
+"""seeds per arm: the fewest that give a t interval (df = 2) of usable width at this budget."""
 
 
-def sanity_runs(base: TrainConfig, only: list[str] | None = None) -> dict[str, TrainConfig]:
-    """Run name -> config: each intervention at the base ε, then the ε sweep for `SWEPT`."""
-    runs = {name: replace(base, intervention=name) for name in SANITY_INTERVENTIONS}
+# ----------------------------------------------------------------------------------------------- matrices
+
+
+def sanity_arms(base: TrainConfig) -> dict[str, TrainConfig]:
+    """Arm name -> config: the baseline and each intervention at the base ε."""
+    return {name: replace(base, intervention=name) for name in SANITY_INTERVENTIONS}
+
+
+def epsilon_arms(base: TrainConfig) -> dict[str, TrainConfig]:
+    """Arm name -> config: the ε sweep of the baseline and match-bf16 (the base ε is the plain arm itself)."""
+    arms = {}
     for name in SWEPT:
         for eps in EPSILON_SWEEP:
-            if not math.isclose(eps, base.epsilon):
-                runs[f"{name},epsilon={eps}"] = replace(base, intervention=f"{name},epsilon={eps}")
+            if math.isclose(eps, base.epsilon):
+                arms[name] = replace(base, intervention=name)
+            else:
+                arms[f"{name},epsilon={eps}"] = replace(base, intervention=f"{name},epsilon={eps}")
+    return arms
+
+
+EXPERIMENTS = {"sanity": sanity_arms, "epsilon": epsilon_arms}
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What an experiment runs: arms × seeds, every arm under every seed."""
+
+    experiment: str
+    base: TrainConfig
+    arms: dict[str, TrainConfig]
+    seeds: tuple[int, ...]
+
+    def runs(self) -> list[tuple[str, int, TrainConfig]]:
+        """(arm, seed, config) for every run, seed-major: after each full pass every arm has the same seeds, so an
+        experiment stopped early still compares like with like."""
+        return [(arm, s, replace(cfg, seed=s)) for s in self.seeds for arm, cfg in self.arms.items()]
+
+
+def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str] | None = None) -> Matrix:
+    """The matrix of `experiment` with seeds base.seed .. base.seed + seeds − 1; `only` keeps some arms."""
+    if experiment not in EXPERIMENTS:
+        raise TrainConfigError(f"unknown experiment {experiment!r}: use one of {', '.join(EXPERIMENTS)}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise TrainConfigError(f"--seeds must be a whole number >= 1, got {seeds!r}")
+    arms = EXPERIMENTS[experiment](base)
     if only:
-        unknown = [n for n in only if n not in runs]
+        unknown = [n for n in only if n not in arms]
         if unknown:
-            raise TrainConfigError(f"--only: unknown run(s) {', '.join(unknown)}; the runs are: {', '.join(runs)}")
-        runs = {n: runs[n] for n in only}
-    return runs
-
-
-def summarize(name: str, metrics: list[dict], steps: int) -> dict:
-    """One row of the comparison table from a run's metrics."""
-    converged = next((r["step"] for r in metrics if r.get("task/converged")), None)
-    last = metrics[-3:]
-    first = metrics[:PHANTOM_WINDOW]
-    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
-    return {
-        "run": name,
-        "steps_run": len(metrics),
-        "steps_to_converge": converged,
-        "converged": converged is not None,
-        "final_reward": mean(last, "reward/mean"),
-        "final_length": mean(last, "completion/length_mean"),
-        "phantom_rate_first5": mean(first, "clip/phantom_rate"),
-        "clip_rate_first5": mean(first, "clip/rate"),
-        "beta_abs_mean_first5": mean(first, "mismatch/beta_abs_mean"),
-        "wall_s": sum(r["time/step_s"] for r in metrics),
-        "budget": steps,
-    }
-
-
-def _dir_name(run: str) -> str:
-    return run.replace(",", "+").replace("=", "-")
-
-
-def run_sanity(base: TrainConfig, out: str | Path, only: list[str] | None = None, console=None) -> list[dict]:
-    """Run (or continue) the sanity matrix under `out`; returns the summary rows and writes summary.json/.md."""
-    runs = sanity_runs(base, only)
-    for cfg in runs.values():
+            raise TrainConfigError(f"--only: unknown run(s) {', '.join(unknown)}; the runs are: {', '.join(arms)}")
+        arms = {n: arms[n] for n in only}
+    for cfg in arms.values():
         cfg.validate()
+    return Matrix(experiment, base, arms, tuple(range(base.seed, base.seed + seeds)))
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / arm.replace(",", "+").replace("=", "-") / f"seed-{seed}"
+
+
+def check_manifest(matrix: Matrix, out: Path) -> None:
+    """Write OUT/experiment.json on the first invocation; on a later one refuse another arm or seed set, naming the
+    runs that differ (continuing must not mix two designs in one summary)."""
+    path = out / "experiment.json"
+    manifest = {"experiment": matrix.experiment, "arms": list(matrix.arms), "seeds": list(matrix.seeds)}
+    if not path.exists():
+        write_json(manifest, path)
+        return
+    old = json.loads(path.read_text())
+    if old == manifest:
+        return
+    have = {f"{a}/seed-{s}" for a in old.get("arms", []) for s in old.get("seeds", [])}
+    want = {f"{a}/seed-{s}" for a in manifest["arms"] for s in manifest["seeds"]}
+    missing, extra = sorted(have - want), sorted(want - have)
+    raise TrainConfigError(
+        f"{out} holds a {old.get('experiment')} experiment with other arms or seeds"
+        + (f"; not in this command: {', '.join(missing)}" if missing else "")
+        + (f"; new in this command: {', '.join(extra)}" if extra else "")
+        + ": rerun with the same --seeds/--only (and seed), or choose another --out")
+
+
+def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoints: bool = False) -> dict:
+    """Run (or continue) every run of `matrix` under `out`; returns the summary (also summary.json / .md)."""
     out = Path(out)
-    rows = []
-    for i, (name, cfg) in enumerate(runs.items()):
-        path = out / _dir_name(name)
+    check_manifest(matrix, out)
+    results: list[dict] = []
+    runs = matrix.runs()
+    for i, (arm, seed, cfg) in enumerate(runs):
+        path = run_dir(out, arm, seed)
         done = RunDir(path).metrics() if (path / "config.json").exists() else []
         if console is not None:
-            console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {name}" + (f" (continuing at step {len(done)})" if done else ""))
+            note = f" (continuing at step {len(done)})" if done else ""
+            console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {arm} seed {seed}{note}")
         interrupted = False
         if len(done) < cfg.steps and not finished_early(done, cfg.stop_after_converged):
             result = train(cfg, out=path, resume=(path / "config.json").exists(), console=console)
             done, interrupted = result.metrics, result.interrupted
-        rows.append(summarize(name, done, cfg.steps))
-        write_summary(rows, base, out)  # after every run, so an interrupted experiment still has its table
+        if not interrupted and not keep_checkpoints:
+            (path / "checkpoint.pt").unlink(missing_ok=True)
+        results.append(summarize_run(arm, seed, done, cfg.steps, finished=not interrupted))
+        summary = summarize(matrix, results)
+        write_summary(summary, out)  # after every run, so an interrupted experiment still has its table
         if interrupted:  # Ctrl-C: the run has its checkpoint; rerunning the command continues from it
             raise KeyboardInterrupt
-    return rows
+    return summarize(matrix, results)
 
 
-def write_summary(rows: list[dict], base: TrainConfig, out: Path) -> None:
-    write_json({"schema": SCHEMA_VERSION, "base_config": vars(base), "runs": rows}, out / "summary.json")
-    atomic_write_bytes(out / "summary.md", summary_markdown(rows).encode())
+# ----------------------------------------------------------------------------------------------- reading
 
 
-def _converged_cell(r: dict) -> str:
-    return str(r["steps_to_converge"]) if r["converged"] else f"not converged in {r['steps_run']}"
+def length_curve(metrics: list[dict], budget: int) -> list[float]:
+    """Mean completion length at each of the `budget` steps; a run that stopped early (converged) is carried at the
+    mean of its last RUN_WINDOW steps, the level it had settled at."""
+    lengths = [r["completion/length_mean"] for r in metrics[:budget]]
+    if 0 < len(lengths) < budget:
+        tail = lengths[-RUN_WINDOW:]
+        lengths += [sum(tail) / len(tail)] * (budget - len(lengths))
+    return lengths
 
 
-def summary_markdown(rows: list[dict]) -> str:
-    head = "| run | steps to convergence | final reward (last 3) | final length | phantom-clip rate, first 5 steps | clip rate, first 5 | mean abs β, first 5 | wall (s) |\n"
-    head += "|---|---|---:|---:|---:|---:|---:|---:|\n"
-    return head + "".join(
-        f"| {r['run']} | {_converged_cell(r)} | {r['final_reward']:.2f} | {r['final_length']:.1f} | "
-        f"{100 * r['phantom_rate_first5']:.2f}% | {100 * r['clip_rate_first5']:.2f}% | {r['beta_abs_mean_first5']:.4f} | {r['wall_s']:.0f} |\n"
-        for r in rows
-    )
+def summarize_run(arm: str, seed: int, metrics: list[dict], budget: int, finished: bool = True) -> dict:
+    """One run's row: its length figures, convergence (censored at the budget) and whole-run clip accounting.
+    `finished`: False for a run interrupted before its budget (left out of the per-arm figures)."""
+    converged = next((r["step"] for r in metrics if r.get("task/converged")), None)
+    last = metrics[-RUN_WINDOW:]
+    curve = length_curve(metrics, budget)
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
+    return {
+        "run": arm, "seed": seed, "steps_run": len(metrics), "budget": budget,
+        "finished": finished,
+        "converged": converged is not None,
+        "steps_to_converge": converged if converged is not None else budget,
+        "final_length": mean(last, "completion/length_mean"),
+        "final_reward": mean(last, "reward/mean"),
+        "length_auc": sum(curve) / len(curve) if curve else float("nan"),
+        **run_phantom_summary(metrics),
+        "wall_s": sum(r["time/step_s"] for r in metrics),
+    }
 
 
-def render_summary(rows: list[dict], console) -> None:
+ARM_FIGURES = ("final_length", "length_auc", "steps_to_converge", "phantom_rate", "phantom_rate_last",
+               "phantom_share_of_clipped", "phantom_adv_share", "beta_abs_mean_start", "beta_abs_mean_end",
+               "beta_outside_end")
+"""the per-run figures given per arm as mean and 95% t interval over seeds."""
+COMPARED = ("final_length", "length_auc", "steps_to_converge", "phantom_rate")
+"""the figures compared with the baseline, seed by seed."""
+
+
+def summarize(matrix: Matrix, results: list[dict]) -> dict:
+    """Per arm: mean and 95% t interval over seeds of each figure, the paired difference to the baseline, and a
+    verdict that names only the arms whose interval excludes zero."""
+    by_arm = {arm: {r["seed"]: r for r in results if r["run"] == arm and r["finished"]} for arm in matrix.arms}
+    base = by_arm.get(BASELINE, {})
+    arms = []
+    for arm, runs in by_arm.items():
+        if not runs:
+            continue
+        row = {"run": arm, "seeds": sorted(runs), "converged": sum(r["converged"] for r in runs.values())}
+        row.update({key: t_interval([r[key] for r in runs.values()]) for key in ARM_FIGURES})
+        if arm != BASELINE and base:
+            paired = sorted(set(runs) & set(base))
+            row["vs_baseline"] = {key: t_interval([runs[s][key] - base[s][key] for s in paired]) for key in COMPARED}
+        arms.append(row)
+    return {"schema": SCHEMA_VERSION, "experiment": matrix.experiment, "base_config": asdict(matrix.base),
+            "seeds": list(matrix.seeds),
+            "baseline": BASELINE, "interval": "95% Student t over seeds (paired by seed for differences)",
+            "arms": arms, "runs": results, "verdict": verdict(arms)}
+
+
+def verdict(arms: list[dict]) -> list[str]:
+    """One line per non-baseline arm: the figures whose paired interval excludes zero, or 'no detectable
+    difference at N seeds' (also when N < 2, where no interval exists)."""
+    lines = []
+    for row in arms:
+        diffs = row.get("vs_baseline")
+        if not diffs:
+            continue
+        n = diffs["final_length"]["n"]
+        told = [f"{_LABEL[key]} {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]" for key, d in diffs.items()
+                if d["n"] >= 2 and (d["low"] > 0 or d["high"] < 0)]
+        lines.append(f"{row['run']}: " + ("; ".join(told) + f" vs {BASELINE} ({n} seeds)" if told
+                                          else f"no detectable difference from {BASELINE} at {n} seeds"))
+    return lines
+
+
+_LABEL = {"final_length": "final length", "length_auc": "mean length over the run",
+          "steps_to_converge": "steps to convergence", "phantom_rate": "phantom-clip rate"}
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def write_summary(summary: dict, out: Path) -> None:
+    write_json(summary, out / "summary.json")
+    atomic_write_bytes(out / "summary.md", summary_markdown(summary).encode())
+
+
+def _ci(x: dict, scale: float = 1.0, digits: int = 1) -> str:
+    """'mean [low, high]' (or just the mean with one seed)."""
+    if x["n"] == 0:
+        return "-"
+    if x["n"] < 2:
+        return f"{scale * x['mean']:.{digits}f}"
+    return f"{scale * x['mean']:.{digits}f} [{scale * x['low']:.{digits}f}, {scale * x['high']:.{digits}f}]"
+
+
+ARM_COLUMNS = (
+    ("final length (last 5)", lambda a: _ci(a["final_length"])),
+    ("Δ final length vs none", lambda a: _ci(a["vs_baseline"]["final_length"]) if "vs_baseline" in a else "-"),
+    ("mean length over the run", lambda a: _ci(a["length_auc"])),
+    ("converged", lambda a: f"{a['converged']}/{len(a['seeds'])}"),
+    ("steps to convergence*", lambda a: _ci(a["steps_to_converge"])),
+    ("phantom %, whole run", lambda a: _ci(a["phantom_rate"], 100, 2)),
+    ("phantom %, last 5", lambda a: _ci(a["phantom_rate_last"], 100, 2)),
+    ("phantom / clipped %", lambda a: _ci(a["phantom_share_of_clipped"], 100, 0)),
+    ("mean |β| start → end", lambda a: f"{a['beta_abs_mean_start']['mean']:.4f} → {a['beta_abs_mean_end']['mean']:.4f}"),
+)
+"""the arm table's columns: header -> cell."""
+
+
+def summary_markdown(summary: dict) -> str:
+    head = "| arm | seeds | " + " | ".join(h for h, _ in ARM_COLUMNS) + " |\n"
+    head += "|---|---:|" + "---:|" * len(ARM_COLUMNS) + "\n"
+    rows = "".join(f"| {a['run']} | {len(a['seeds'])} | " + " | ".join(cell(a) for _, cell in ARM_COLUMNS) + " |\n"
+                   for a in summary["arms"])
+    notes = (f"\nMean [95% interval]: {summary['interval']}. *Steps to convergence is censored at the budget: a run "
+             "that did not converge counts as the budget (a lower bound).\n\n")
+    return head + rows + notes + "".join(f"- {line}\n" for line in summary["verdict"])
+
+
+def render_summary(summary: dict, console) -> None:
     from rich import box
     from rich.table import Table
 
-    table = Table(title="experiment sanity", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("run", "steps to convergence", "final reward", "final len", "phantom % (first 5)", "clip % (first 5)", "|β| (first 5)", "wall s"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    for r in rows:
-        table.add_row(r["run"], _converged_cell(r), f"{r['final_reward']:.2f}", f"{r['final_length']:.1f}",
-                      f"{100 * r['phantom_rate_first5']:.2f}", f"{100 * r['clip_rate_first5']:.2f}",
-                      f"{r['beta_abs_mean_first5']:.4f}", f"{r['wall_s']:.0f}")
+    table = Table(title=f"experiment {summary['experiment']}: mean [95% t interval] over seeds {summary['seeds']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("arm")
+    table.add_column("seeds", justify="right")
+    for header, _ in ARM_COLUMNS:
+        table.add_column(header, justify="right")
+    for a in summary["arms"]:
+        table.add_row(a["run"], str(len(a["seeds"])), *(cell(a) for _, cell in ARM_COLUMNS))
     console.print(table)
+    console.print("* censored at the budget: a run that did not converge counts as the budget")
+    for line in summary["verdict"]:
+        console.print(f"- {line}")

@@ -146,10 +146,39 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x * y).sum().div(denom).item() if denom > 0 else float("nan")
 
 
+def _part_stats(name: str, x: torch.Tensor, eps_low: float, eps_high: float) -> dict[str, float]:
+    """mean, mean |.|, p99 |.| and the share outside the trust region of one part of log r (float64, [N])."""
+    below, above = trust_region_split(x, eps_low, eps_high)
+    return {
+        f"mismatch/{name}_mean": mean_or_nan(x),
+        f"mismatch/{name}_abs_mean": mean_or_nan(x.abs()),
+        f"mismatch/{name}_abs_p99": quantile_or_nan(x.abs(), 0.99),
+        f"mismatch/{name}_outside_trust_region": mean_or_nan((below | above).double()),
+    }
+
+
+def ratio_split(
+    logp: torch.Tensor, logp_shadow: torch.Tensor, logp_shadow_old: torch.Tensor, logp_engine: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The exact three-way split of log r = logp − logp_engine, per token, in float64 (all [B, T]):
+
+        α           = logp_shadow(θ_t) − logp_shadow(θ_old)   the policy's change, one forward (engine recipe) on both sides
+        β_kernel    = logp_shadow(θ_old) − logp_engine(θ_old)  same weights and dtype, the engine's kernels (decode path)
+        β_precision = logp(θ_t) − logp_shadow(θ_t)             the trainer's recipe against the engine's
+        β           = β_kernel + β_precision                   the whole mismatch
+
+    α + β_kernel + β_precision telescopes to log r. The difference of two fp32 values is exact in float64 unless
+    their magnitudes differ by more than 2^29 (24 significant bits each, 53 in float64), so per token the identity
+    holds to the rounding of two float64 additions (a few 1e-16 of |log r|).
+    """
+    lp, sh, sh_old, eng = (t.detach().double() for t in (logp, logp_shadow, logp_shadow_old, logp_engine))
+    beta_kernel, beta_precision = sh_old - eng, lp - sh
+    return {"alpha": sh - sh_old, "beta_kernel": beta_kernel, "beta_precision": beta_precision,
+            "beta": beta_kernel + beta_precision, "log_ratio": lp - eng}
+
+
 def alpha_beta_stats(
-    logp: torch.Tensor,
-    logp_shadow: torch.Tensor,
-    logp_engine: torch.Tensor,
+    split: dict[str, torch.Tensor],
     mask: torch.Tensor,
     advantages: torch.Tensor,
     zeroed_by_clip: torch.Tensor,
@@ -157,37 +186,106 @@ def alpha_beta_stats(
     eps_low: float,
     eps_high: float,
 ) -> dict[str, float]:
-    """One training step's decomposition log r = α + β and its clip accounting (keys in docs/metrics.md).
+    """One training step's decomposition log r = α + β_kernel + β_precision and its clip accounting (keys in
+    docs/metrics.md). `split` is `ratio_split(...)`.
 
-    α = logp_shadow − logp_engine (real policy change, in the engine's precision), β = logp − logp_shadow
-    (trainer vs engine precision on the same weights); both in float64, where the differences of fp32
-    log-probs are exact for all but extreme magnitudes, so mean α + mean β = mean log r to rounding (~1e-16).
     `zeroed_by_clip` is the loss's own clip mask (from whatever ratio it clipped on), `masked` the rollout
-    correction's; a clipped token is phantom-clipped when the clip on α alone would not have fired.
-    logp*, mask, zeroed_by_clip, masked: [B, T]; advantages: [B].
+    correction's. A clipped token is phantom-clipped when the clip on α alone would not have fired: its gradient
+    was lost to the mismatch (kernel or precision), not to the policy's own move.
+    mask, zeroed_by_clip, masked: [B, T]; advantages: [B].
     """
     m = mask.bool()
-    adv = advantages[:, None].expand_as(logp)[m].double()  # [N]
-    alpha = (logp_shadow.double() - logp_engine.double())[m]  # [N]
-    beta = (logp.detach().double() - logp_shadow.double())[m]  # [N]
-    log_r = (logp.detach().double() - logp_engine.double())[m]  # [N]
-    alpha_clips = phantom_clip_mask(alpha, adv, eps_low, eps_high)  # would the clip fire on α alone?
+    adv = advantages[:, None].expand_as(m)[m].double()  # [N]
+    part = {name: x[m] for name, x in split.items()}  # each [N]
+    alpha_clips = phantom_clip_mask(part["alpha"], adv, eps_low, eps_high)  # would the clip fire on α alone?
     clipped = zeroed_by_clip.bool()[m]
+    phantom = clipped & ~alpha_clips
     zeroed = clipped | masked.bool()[m]
-    b_below, b_above = trust_region_split(beta, eps_low, eps_high)
     abs_adv = adv.abs()
+    adv_sum = abs_adv.sum().item()
+    share_of_adv = lambda sel: abs_adv[sel].sum().item() / adv_sum if adv_sum > 0 else float("nan")  # noqa: E731
+    stats = {"mismatch/tokens": int(m.sum().item()), "mismatch/log_ratio_mean": mean_or_nan(part["log_ratio"])}
+    for name in ("alpha", "beta", "beta_kernel", "beta_precision"):
+        stats.update(_part_stats(name, part[name], eps_low, eps_high))
     return {
-        "mismatch/log_ratio_mean": mean_or_nan(log_r),
-        "mismatch/alpha_mean": mean_or_nan(alpha),
-        "mismatch/alpha_abs_mean": mean_or_nan(alpha.abs()),
-        "mismatch/beta_mean": mean_or_nan(beta),
-        "mismatch/beta_abs_mean": mean_or_nan(beta.abs()),
-        "mismatch/beta_abs_p99": quantile_or_nan(beta.abs(), 0.99),
-        "mismatch/beta_outside_trust_region": mean_or_nan((b_below | b_above).double()),
-        "mismatch/corr_beta_adv": pearson(beta, adv),
+        **stats,
+        "mismatch/corr_beta_adv": pearson(part["beta"], adv),
         "clip/rate": mean_or_nan(clipped.double()),
-        "clip/phantom_rate": mean_or_nan((clipped & ~alpha_clips).double()),
+        "clip/phantom_rate": mean_or_nan(phantom.double()),
         "clip/real_rate": mean_or_nan((clipped & alpha_clips).double()),
         "clip/masked_rate": mean_or_nan(masked.bool()[m].double()),
-        "clip/zeroed_adv_share": (abs_adv[zeroed].sum() / abs_adv.sum()).item() if abs_adv.sum() > 0 else float("nan"),
+        "clip/zeroed_adv_share": share_of_adv(zeroed),
+        "clip/phantom_adv_share": share_of_adv(phantom),
+        "adv/abs_sum": adv_sum,
     }
+
+
+RUN_WINDOW = 5
+"""steps at each end of a run over which 'start' and 'end' figures are averaged (a single step is noisy: one
+batch of a few hundred tokens)."""
+
+
+def _token_weighted(rows: list[dict], key: str, weight: str = "mismatch/tokens") -> float:
+    """Σ key·weight / Σ weight over rows (rows whose key is NaN or missing are left out); NaN when none remain."""
+    pairs = [(r[key], r[weight]) for r in rows if r.get(key) is not None and math.isfinite(r[key]) and r.get(weight)]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else float("nan")
+
+
+def run_phantom_summary(rows: list[dict], window: int = RUN_WINDOW) -> dict[str, float]:
+    """Whole-run clip accounting from a run's metric rows (each step weighted by its token count, or by its Σ|A|
+    for the advantage share), so a run is read over all its steps rather than a window chosen in advance.
+
+    phantom_rate: phantom-clipped tokens / all tokens; phantom_rate_last: the same over the last `window` steps;
+    phantom_share_of_clipped: phantom-clipped / clipped tokens; phantom_adv_share: Σ|A| over phantom-clipped tokens
+    / Σ|A|; beta_abs_mean_start / _end: mean |β| over the first / last `window` steps, and end / start;
+    beta_outside_end: share of tokens whose β alone is outside the trust region over the last `window` steps.
+    """
+    first, last = rows[:window], rows[-window:]
+    clip_rate = _token_weighted(rows, "clip/rate")
+    phantom = _token_weighted(rows, "clip/phantom_rate")
+    start, end = _token_weighted(first, "mismatch/beta_abs_mean"), _token_weighted(last, "mismatch/beta_abs_mean")
+    return {
+        "phantom_rate": phantom,
+        "phantom_rate_last": _token_weighted(last, "clip/phantom_rate"),
+        "clip_rate": clip_rate,
+        "phantom_share_of_clipped": phantom / clip_rate if clip_rate > 0 else float("nan"),
+        "phantom_adv_share": _token_weighted(rows, "clip/phantom_adv_share", weight="adv/abs_sum"),
+        "beta_abs_mean_start": start,
+        "beta_abs_mean_end": end,
+        "beta_growth": end / start if start > 0 else float("nan"),
+        "beta_outside_end": _token_weighted(last, "mismatch/beta_outside_trust_region"),
+    }
+
+
+# Two-sided 95% quantiles of Student's t, t_{0.975, df}, df = 1..30 (any statistics table, e.g. NIST/SEMATECH
+# e-Handbook 1.3.6.7.2); beyond 30 the Cornish-Fisher expansion around the normal quantile is within 1e-3.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """t_{0.975} with `df` degrees of freedom (df ≥ 1)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 2 values (df >= 1), got df = {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def t_interval(values: list[float]) -> dict[str, float]:
+    """Mean and two-sided 95% Student-t interval, mean ± t_{0.975, n−1} · s / √n (s: the unbiased std).
+
+    Assumes the values are independent draws (one per seed); with n = 1 the interval is NaN (unknown), and NaN
+    values (a figure a run could not measure) are left out, with n counting only the rest."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    n = len(xs)
+    if n == 0:
+        return {"mean": float("nan"), "low": float("nan"), "high": float("nan"), "n": 0}
+    mean = sum(xs) / n
+    if n == 1:
+        return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": 1}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}

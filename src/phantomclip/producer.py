@@ -33,7 +33,8 @@ class Batch:
     """[B, L] trainer log-probs at θ_{weights_version} (recompute-old only)."""
     generate_s: float
     logp_shadow_old: torch.Tensor | None = None
-    """[B, L] the rollout's own weights, engine precision, prefill path (split_kernel_gap only)."""
+    """[B, L] the rollout's own weights θ_old, engine recipe, prefill path: the θ_old side of α and β_kernel (None at
+    staleness 0, where θ_old is the current weights and the trainer's shadow serves)."""
 
 
 class RolloutProducer:

@@ -1,13 +1,16 @@
-"""Asynchronous GRPO with the α/β decomposition: every step says how much of the PPO ratio is real policy change.
+"""Asynchronous GRPO with the exact split of the PPO ratio: every step says how much of log r is the policy's
+own change and how much is the trainer/engine mismatch.
 
 The loop, top to bottom (`train`):
   1. A producer thread samples batch k with the engine holding the weights of `staleness` steps ago
-     (θ_{k−s}, cast to the engine's dtype at weight sync) and queues the rollout (with recompute-old or
-     --split-kernel-gap it also scores it: the old log-probs / the engine's weights on the prefill path).
+     (θ_old = θ_{k−s}, cast to the engine's dtype at weight sync) and scores the rollout with those weights on the
+     prefill path (`logp_shadow_old`; with recompute-old also the trainer's `logp_old`), then queues it.
   2. The trainer computes rewards and group advantages, its own log-probs `logp` (grad, trainer recipe),
      and the shadow log-probs `logp_shadow` (current weights in the engine's recipe, no grad).
-  3. log r = logp − logp_old is clipped as PPO does; by default logp_old = logp_engine (asynchronous GRPO,
-     as TRL's AsyncGRPOTrainer), so log r = α + β with α = logp_shadow − logp_engine, β = logp − logp_shadow.
+  3. log r = logp − logp_old is clipped as PPO does; by default logp_old = logp_engine (asynchronous GRPO, as
+     TRL's AsyncGRPOTrainer), and log r = α + β_kernel + β_precision (metrics.ratio_split):
+     α = logp_shadow − logp_shadow_old, β_kernel = logp_shadow_old − logp_engine, β_precision = logp − logp_shadow.
+     A clipped token is phantom-clipped when the clip on α alone would not have fired.
   4. One optimizer step on the fp32 master weights; the new weights are published to the producer.
 
 How this departs from GRPO as published (Shao et al. 2024): one gradient step per batch (no PPO epochs),
@@ -38,7 +41,7 @@ from .loss import (
     grpo_loss,
     rollout_correction,
 )
-from .metrics import alpha_beta_stats
+from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutProducer, snapshot
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import GracefulStop, RunDir
@@ -99,9 +102,6 @@ class TrainConfig:
     """stop once the task has counted as converged for this many consecutive steps (0: always run --steps)."""
     checkpoint_every: int = 10
     """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
-    split_kernel_gap: bool = False
-    """also score each rollout with the engine's own weights on the prefill path (one more no-grad forward, in the
-    producer thread), splitting α into the policy's change and the engine's decode-vs-prefill kernel gap."""
     samples_per_step: int = 2
     """completions per step written to samples.jsonl."""
     token_log_steps: int = 5
@@ -183,6 +183,16 @@ class _Scorer(nn.Module):
 
 # ------------------------------------------------------------------------------------------ the loop
 
+PROMPT_STREAM = 1_000_003
+"""prompt draw of step k under seed s: random.Random(s · PROMPT_STREAM + k). A prime larger than any step count,
+so two (seed, step) pairs of runs under 10^6 steps never share a draw."""
+SAMPLE_STREAM = 7919
+"""sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
+would meet only after 7919 steps, far beyond any run here)."""
+ADAM_BETAS = (0.9, 0.99)
+"""AdamW (β1, β2). β2 = 0.99 (PyTorch and TRL default to 0.999): the second-moment average then forgets within
+~100 steps, on the scale of these runs of a few dozen steps."""
+
 
 @dataclass
 class TrainResult:
@@ -203,84 +213,62 @@ def run_config(cfg: TrainConfig) -> dict:
     }
 
 
+@dataclass
+class Setup:
+    """What a run is made of before its first step: the model, the prompts, the task and where it logs."""
+
+    cfg: TrainConfig
+    plan: Plan
+    task: object
+    """tasks.Task: its reward, prompts and convergence criterion."""
+    reward_fn: Callable
+    tokenizer: object
+    master: nn.Module
+    """fp32 master weights: the optimizer's, and the source every other copy is cast from."""
+    pool: list[str]
+    """the prompts steps draw from."""
+    pool_ids: list[list[int]]
+    stops: tuple[int, ...]
+    run: RunDir | None
+    ckpt: dict | None
+    """the checkpoint a resumed run continues from (None for a fresh run)."""
+
+
+@dataclass
+class StepContext:
+    """What every training step uses, fixed for the run."""
+
+    cfg: TrainConfig
+    plan: Plan
+    tokenizer: object
+    reward_fn: Callable
+    policy: TrainerForward
+    """the trainer's differentiable forward over the fp32 master."""
+    shadow: nn.Module
+    """the current weights in the engine's recipe (no grad), synced after every update."""
+    shadow_recipe: Recipe
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+
+@dataclass
+class StepOut:
+    row: dict
+    """the step's metrics.jsonl row (keys in docs/metrics.md)."""
+    tokens: dict
+    """per-token α, β parts, advantage and clip flags for tokens.jsonl."""
+
+
 def train(
     cfg: TrainConfig, out: str | Path | None = None, resume: bool = False, console=None,
     on_step: Callable[[dict], None] | None = None,
 ) -> TrainResult:
     """Run GRPO as configured; log to `out` (a run directory) if given. Ctrl-C stops after the current step
     with a checkpoint (a second Ctrl-C aborts at once; the last periodic checkpoint stays valid)."""
-    from .models import load_model, stop_token_ids
-    from .prompts import bundled_prompts, encode_prompts, read_prompts
-    from .tasks import get_task, load_reward
-
-    cfg.validate()
-    plan = resolve_plan(cfg)
-    task = get_task(cfg.task)
-    reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
-    config = run_config(cfg)
-    # Model and prompts before the run directory: a bad --model or --prompts must not leave a directory behind.
-    lm = load_model(cfg.model)
-    master = lm.model.float().eval()
-    if cfg.prompts:
-        pool = read_prompts(cfg.prompts)
-    else:
-        pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
-    pool_ids = encode_prompts(lm.tokenizer, pool)
-    stops = stop_token_ids(lm)
-    run, ckpt = None, None
-    if out is not None:
-        if resume:
-            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE)
-        else:
-            run = RunDir.create(out, config)
-
-    # fused: one kernel over all parameters (0.05 s per step on the bundled model against 0.7 s for foreach)
-    optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=plan.loss_scaling)
-    start, snapshots = 0, {}
-    if ckpt is not None:
-        master.load_state_dict(ckpt["master"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
-        start, snapshots = ckpt["step"], ckpt["snapshots"]
-    snapshots[start] = snapshot(master)
-
-    trainer_recipe, shadow_recipe = get_recipe(plan.trainer_recipe), get_recipe(plan.engine_recipe)
-    policy = TrainerForward(master, trainer_recipe, cfg.matmul)
-    shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
-    engine = LocalEngine(master, recipe=shadow_recipe, matmul=cfg.matmul)
-    old_policy = apply_recipe(master, trainer_recipe, matmul=cfg.matmul) if plan.ratio_against == "trainer_old" else None
-    engine_version = [-1]
-
-    def make_batch(k: int, version: int, weights: dict) -> Batch:
-        """Producer thread: sync the engine to θ_version if needed, sample batch k."""
-        t0 = time.perf_counter()
-        if engine_version[0] != version:
-            engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
-            engine_version[0] = version
-        rng = random.Random(cfg.seed * 1_000_003 + k)
-        chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
-        prompt_ids = [pool_ids[i] for i in chosen for _ in range(cfg.group_size)]
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 7919 + k, stop_token_ids=stops)
-        rollout = engine.generate(prompt_ids, params)
-        logp_old = logp_shadow_old = None
-        packed = rollout.pack(stops[0] if stops else 0)
-        if old_policy is not None:
-            sync_weights(old_policy, weights, count_changes=False)
-            logp_old = _completion_logprobs(old_policy, trainer_recipe, packed, rollout.prompt_width, cfg)
-        if cfg.split_kernel_gap:  # the engine's weights, scored the way the shadow is
-            logp_shadow_old = _completion_logprobs(engine.model, shadow_recipe, packed, rollout.prompt_width, cfg)
-        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
-                     time.perf_counter() - t0, logp_shadow_old)
-
-    producer = RolloutProducer(make_batch, start, cfg.steps, cfg.staleness)
-    for version in sorted(snapshots):
-        producer.publish(version, snapshots[version])
-    producer.start()
-
-    stop_requested = GracefulStop()
-    metrics: list[dict] = list(run.metrics()) if run else []
-    done = start
+    setup = _prepare(cfg, out, resume)
+    ctx, start, snapshots = _step_context(setup)
+    producer = _start_producer(setup, ctx, start, snapshots)
+    stop_requested, metrics = GracefulStop(), (list(setup.run.metrics()) if setup.run else [])
     progress = _progress(console, cfg.steps, start)
     try:
         with stop_requested, progress:
@@ -288,36 +276,138 @@ def train(
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
-                row, tokens = _train_step(batch, cfg, plan, lm.tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler)
-                # Versions below k+1-s are done with: batches up to k (consumed) used them, later ones use newer
-                # ones. So the oldest one's buffers can take the new snapshot.
-                stale = [v for v in snapshots if v < k + 1 - cfg.staleness]
-                free = snapshots.pop(stale[0]) if stale else None
-                for v in stale[1:]:
-                    del snapshots[v]
-                snapshots[k + 1] = snapshot(master, reuse=free)
-                producer.publish(k + 1, snapshots[k + 1])
-                row.update({"task/converged": bool(task.converged(row)), "time/wait_s": t_wait, "time/step_s": time.perf_counter() - t0})
-                metrics.append(row)
-                done = k + 1
+                step = _train_step(batch, ctx)
+                _publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
+                step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
+                                 "time/step_s": time.perf_counter() - t0})
+                metrics.append(step.row)
                 solved = finished_early(metrics, cfg.stop_after_converged)
-                if run:
-                    run.log_metrics(row)
-                    run.log_samples(_samples(batch, row, lm.tokenizer, cfg.samples_per_step))
-                    if done <= cfg.token_log_steps:
-                        run.log_tokens({"step": done, **tokens})
-                    if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop_requested.flag or solved:
-                        _save(run, done, master, optimizer, scaler, snapshots, cfg.staleness)
-                progress.advance(row)
+                _log_step(setup, ctx, batch, step, snapshots, checkpoint=stop_requested.flag or solved)
+                progress.advance(step.row)
                 if on_step:
-                    on_step(row)
-                if stop_requested.flag:
-                    return TrainResult(metrics, run.path if run else None, interrupted=True)
-                if solved:
+                    on_step(step.row)
+                if stop_requested.flag or solved:
                     break
     finally:
         producer.close()
-    return TrainResult(metrics, run.path if run else None)
+    return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=stop_requested.flag)
+
+
+def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
+    """Validate, load the model and prompts, then open the run directory (in that order: a bad --model or
+    --prompts must not leave a directory behind)."""
+    from .models import load_model, stop_token_ids
+    from .prompts import bundled_prompts, encode_prompts, read_prompts
+    from .tasks import get_task, load_reward
+
+    cfg.validate()
+    task = get_task(cfg.task)
+    reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
+    config = run_config(cfg)
+    lm = load_model(cfg.model)
+    if cfg.prompts:
+        pool = read_prompts(cfg.prompts)
+    else:
+        pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
+    run, ckpt = None, None
+    if out is not None and resume:
+        run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE)
+    elif out is not None:
+        run = RunDir.create(out, config)
+    return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool,
+                 encode_prompts(lm.tokenizer, pool), stop_token_ids(lm), run, ckpt)
+
+
+def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
+    """The trainer's forward, the shadow and the optimizer (restored from the checkpoint on resume); also the
+    first step and the weight snapshots the producer samples with."""
+    cfg, plan, master = setup.cfg, setup.plan, setup.master
+    # fused: one kernel over all parameters (0.05 s per step on the bundled model against 0.7 s for foreach)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0, fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=plan.loss_scaling)
+    start, snapshots = 0, {}
+    if setup.ckpt is not None:
+        master.load_state_dict(setup.ckpt["master"])
+        optimizer.load_state_dict(setup.ckpt["optimizer"])
+        scaler.load_state_dict(setup.ckpt["scaler"])
+        start, snapshots = setup.ckpt["step"], setup.ckpt["snapshots"]
+    snapshots[start] = snapshot(master)
+    shadow_recipe = get_recipe(plan.engine_recipe)
+    policy = TrainerForward(master, get_recipe(plan.trainer_recipe), cfg.matmul)
+    shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
+    ctx = StepContext(cfg, plan, setup.tokenizer, setup.reward_fn, policy, shadow, shadow_recipe, optimizer, scaler)
+    return ctx, start, snapshots
+
+
+class RolloutMaker:
+    """The producer thread's work for batch k: sync the engine to θ_version if it holds other weights, sample,
+    and score the rollout where the trainer needs its θ_old side (all no-grad, off the trainer's thread):
+    - logp_shadow_old: the engine's own weights scored the way the shadow is (prefill, engine recipe), the θ_old
+      side of α and of β_kernel; skipped at staleness 0, where θ_old = θ_t and the trainer's shadow serves;
+    - logp_old: the trainer's recipe at θ_old (recompute-old only)."""
+
+    def __init__(self, setup: Setup, ctx: StepContext):
+        self.setup, self.ctx = setup, ctx
+        self.engine = LocalEngine(setup.master, recipe=ctx.shadow_recipe, matmul=setup.cfg.matmul)
+        self.engine_version = -1
+        trainer_recipe = get_recipe(ctx.plan.trainer_recipe)
+        self.old_policy = (apply_recipe(setup.master, trainer_recipe, matmul=setup.cfg.matmul)
+                           if ctx.plan.ratio_against == "trainer_old" else None)
+
+    def __call__(self, k: int, version: int, weights: dict) -> Batch:
+        cfg, pool, t0 = self.setup.cfg, self.setup.pool, time.perf_counter()
+        if self.engine_version != version:
+            self.engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
+            self.engine_version = version
+        rng = random.Random(cfg.seed * PROMPT_STREAM + k)
+        chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
+        prompt_ids = [self.setup.pool_ids[i] for i in chosen for _ in range(cfg.group_size)]
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                seed=cfg.seed * SAMPLE_STREAM + k, stop_token_ids=self.setup.stops)
+        rollout = self.engine.generate(prompt_ids, params)
+        packed = rollout.pack(self.setup.stops[0] if self.setup.stops else 0)
+        logp_old = logp_shadow_old = None
+        if self.old_policy is not None:
+            sync_weights(self.old_policy, weights, count_changes=False)
+            logp_old = _completion_logprobs(self.old_policy, self.ctx.policy.recipe, packed, rollout.prompt_width, cfg)
+        if cfg.staleness > 0:
+            logp_shadow_old = _completion_logprobs(self.engine.model, self.ctx.shadow_recipe, packed,
+                                                   rollout.prompt_width, cfg)
+        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
+                     time.perf_counter() - t0, logp_shadow_old)
+
+
+def _start_producer(setup: Setup, ctx: StepContext, start: int, snapshots: dict[int, dict]) -> RolloutProducer:
+    producer = RolloutProducer(RolloutMaker(setup, ctx), start, setup.cfg.steps, setup.cfg.staleness)
+    for version in sorted(snapshots):
+        producer.publish(version, snapshots[version])
+    return producer.start()
+
+
+def _publish_weights(producer: RolloutProducer, snapshots: dict[int, dict], master: nn.Module, version: int,
+                     staleness: int) -> None:
+    """Snapshot θ_version for the producer. Versions below version − staleness are done with: the batches that
+    used them are consumed, later ones use newer weights; so the oldest one's buffers take the new snapshot."""
+    stale = [v for v in snapshots if v < version - staleness]
+    free = snapshots.pop(stale[0]) if stale else None
+    for v in stale[1:]:
+        del snapshots[v]
+    snapshots[version] = snapshot(master, reuse=free)
+    producer.publish(version, snapshots[version])
+
+
+def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snapshots: dict, checkpoint: bool) -> None:
+    """Append the step to the run directory; checkpoint every `checkpoint_every` steps, at the end, on Ctrl-C
+    and when the run stops early."""
+    run, cfg, done = setup.run, setup.cfg, step.row["step"]
+    if run is None:
+        return
+    run.log_metrics(step.row)
+    run.log_samples(_samples(batch, step.row, ctx.tokenizer, cfg.samples_per_step))
+    if done <= cfg.token_log_steps:
+        run.log_tokens({"step": done, **step.tokens})
+    if checkpoint or done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        _save(run, done, setup.master, ctx.optimizer, ctx.scaler, snapshots, cfg.staleness)
 
 
 def finished_early(metrics: list[dict], patience: int) -> bool:
@@ -333,82 +423,85 @@ def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int,
                              cfg.group_size, temperature=cfg.temperature)
 
 
-def _train_step(batch, cfg, plan, tokenizer, reward_fn, policy, shadow, shadow_recipe, optimizer, scaler) -> tuple[dict, dict]:
+def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
+    """One GRPO step on a rollout batch: rewards, the three log-prob forwards, the loss, one optimizer step."""
     from .tasks import compute_rewards
 
+    cfg, plan = ctx.cfg, ctx.plan
     timings = {"time/generate_s": batch.generate_s}
-    rollout = batch.rollout
-    completions = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
-    rewards = torch.tensor(compute_rewards(reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]
+    rollout, packed, P = batch.rollout, batch.packed, batch.rollout.prompt_width
+    completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
+    rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
-    packed = batch.packed
-    P = rollout.prompt_width
     mask = packed["completion_mask"][:, P:]  # [B, L]
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
-    logp_shadow = _completion_logprobs(shadow, shadow_recipe, packed, P, cfg)  # [B, L]
+    logp_shadow = _completion_logprobs(ctx.shadow, ctx.shadow_recipe, packed, P, cfg)  # [B, L]
     timings["time/shadow_s"] = time.perf_counter() - t0
+    # θ_old = θ_t on-policy: the shadow at θ_old is the shadow itself (α ≡ 0 with no extra forward)
+    logp_shadow_old = logp_shadow if batch.logp_shadow_old is None else batch.logp_shadow_old  # [B, L]
 
     t0 = time.perf_counter()
-    logp = policy.logprobs(packed, P, cfg.group_size, temperature=cfg.temperature)  # [B, L], with grad
+    logp = ctx.policy.logprobs(packed, P, cfg.group_size, temperature=cfg.temperature)  # [B, L], with grad
     logp_old = {"engine": logp_engine, "trainer_old": batch.logp_old, "self": logp.detach()}[plan.ratio_against]
     # Rollout corrections weigh by π_trainer(θ_old) / μ_engine: the recomputed old log-probs when there are
     # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).
     is_ref = batch.logp_old if batch.logp_old is not None else logp.detach()
-    is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction, CorrectionParams(cap=cfg.correction_cap))
-    clip_log_ratio = (logp_shadow - logp_engine) if plan.clip_on == "shadow" else None  # α
+    is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction,
+                                              CorrectionParams(cap=cfg.correction_cap))
+    alpha = logp_shadow - logp_shadow_old  # [B, L] the policy's own change, engine recipe on both sides
     out = grpo_loss(
         logp, logp_old, advantages, mask, plan.eps_low, plan.eps_high, cfg.loss_type, cfg.importance_level,
-        max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked, clip_log_ratio=clip_log_ratio,
+        max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked,
+        clip_log_ratio=alpha if plan.clip_on == "shadow" else None,
     )
-    scaler.scale(out.loss).backward()
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.master.parameters(), cfg.max_grad_norm)
-    scaler.step(optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
-    scaler.update()
-    optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: reallocating them costs 0.6 s here
+    grad_norm = _optimizer_step(out.loss, ctx)
     timings["time/train_s"] = time.perf_counter() - t0
     # The shadow (current weights in the engine's precision) follows the update now. The share of its values
     # that changed is what the engine sees of this update at its next sync: bf16 hides steps below ~|w|/256.
     t0 = time.perf_counter()
-    changed_share = sync_weights(shadow, policy.master)
+    changed_share = sync_weights(ctx.shadow, ctx.policy.master)
     timings["time/sync_s"] = time.perf_counter() - t0
 
+    split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)  # float64 [B, L] each
+    zeroed = out.clipped_low | out.clipped_high  # [B, L]
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
-    m = mask.bool()
-    zeroed = (out.clipped_low | out.clipped_high)[m]
-    alpha = (logp_shadow.double() - logp_engine.double())[m]  # float64 differences, as alpha_beta_stats
-    beta = (logp.detach().double() - logp_shadow.double())[m]
-    tokens = {"alpha": _round6(alpha), "beta": _round6(beta), "advantage": _round6(advantages[:, None].expand_as(logp)[m]),
-              "clipped": zeroed.tolist(), "masked": out.masked[m].tolist()}
-    return {
+    row = {
         "step": batch.step + 1,
         "reward/mean": rewards.double().mean().item(),
         "reward/std": rewards.double().std().item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/stopped_share": sum(rollout.finished) / len(rollout.finished),
-        **alpha_beta_stats(logp, logp_shadow, logp_engine, mask, advantages, out.clipped_low | out.clipped_high,
-                           out.masked, plan.eps_low, plan.eps_high),
+        **alpha_beta_stats(split, mask, advantages, zeroed, out.masked, plan.eps_low, plan.eps_high),
         "train/loss": out.loss.item(),
-        "train/grad_norm": grad_norm.item(),
-        "train/loss_scale": scaler.get_scale() if plan.loss_scaling else 1.0,
-        **_kernel_split(batch.logp_shadow_old, logp_shadow, logp_engine, mask),
+        "train/grad_norm": grad_norm,
+        "train/loss_scale": ctx.scaler.get_scale() if plan.loss_scaling else 1.0,
         "sync/changed_share": changed_share,
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
-    }, tokens
+    }
+    return StepOut(row, _token_record(split, mask, advantages, zeroed, out.masked))
 
 
-def _kernel_split(logp_shadow_old, logp_shadow, logp_engine, mask) -> dict[str, float]:
-    """α = [logp_shadow(θ_t) − logp_shadow(θ_old)] + [logp_shadow(θ_old) − logp_engine(θ_old)]: policy change + kernel gap."""
-    if logp_shadow_old is None:
-        return {}
-    m = mask.bool()
-    change = (logp_shadow.double() - logp_shadow_old.double())[m]
-    kernel = (logp_shadow_old.double() - logp_engine.double())[m]
-    return {"mismatch/policy_change_mean": change.mean().item(), "mismatch/policy_change_abs_mean": change.abs().mean().item(),
-            "mismatch/kernel_gap_mean": kernel.mean().item(), "mismatch/kernel_gap_abs_mean": kernel.abs().mean().item()}
+def _optimizer_step(loss: torch.Tensor, ctx: StepContext) -> float:
+    """Backward through the (scaled) loss, clip the gradient norm, one AdamW step; returns the norm before clipping."""
+    ctx.scaler.scale(loss).backward()
+    ctx.scaler.unscale_(ctx.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(ctx.policy.master.parameters(), ctx.cfg.max_grad_norm)
+    ctx.scaler.step(ctx.optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
+    ctx.scaler.update()
+    ctx.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: reallocating them costs 0.6 s here
+    return grad_norm.item()
+
+
+def _token_record(split: dict[str, torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor, zeroed: torch.Tensor,
+                  masked: torch.Tensor) -> dict[str, list]:
+    """tokens.jsonl's per-token lists over the completion tokens (row-major): α, β and its parts, A, clip flags."""
+    m = mask.bool()  # [B, L]
+    parts = {name: _round6(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision")}
+    return {**parts, "advantage": _round6(advantages[:, None].expand_as(m)[m]), "clipped": zeroed[m].tolist(),
+            "masked": masked[m].tolist()}
 
 
 def _round6(x: torch.Tensor) -> list[float]:

@@ -113,8 +113,6 @@ class CorrectionParams:
 
     cap: float = 3.0
     """C: token/sequence ratios above C are truncated to C (`*_truncate`) or masked (`*_mask`)."""
-    clip_min: float = 0.0
-    """`*_mask` modes also mask ratios below this, `*_truncate` modes raise them to it (0 = one-sided, TRL's default)."""
     icepop_low: float = 0.5
     """IcePop: tokens whose ratio is below this are masked."""
     icepop_high: float = 2.0
@@ -135,26 +133,26 @@ def _corr_none(lo, le, m, p):
 
 def _corr_token_truncate(lo, le, m, p):
     """TIS (Yao et al. 2025): weight min(r, C) per token."""
-    return torch.exp(_token_log_is(lo, le, m)).clamp(min=p.clip_min, max=p.cap), torch.zeros_like(m, dtype=torch.bool)
+    return torch.exp(_token_log_is(lo, le, m)).clamp(max=p.cap), torch.zeros_like(m, dtype=torch.bool)
 
 
 def _corr_token_mask(lo, le, m, p):
-    """MIS: weight r per token, zero where r > C (or r < clip_min)."""
+    """MIS: weight r per token, zero where r > C."""
     r = torch.exp(_token_log_is(lo, le, m))
-    masked = (r > p.cap) | (r < p.clip_min)
+    masked = r > p.cap
     return r.masked_fill(masked, 0.0), masked & m.bool()
 
 
 def _corr_sequence_truncate(lo, le, m, p):
     """Sequence-level TIS: one weight min(Π r_t, C) for every token of the sequence."""
-    w = torch.exp(_seq_log_is(lo, le, m)).clamp(min=p.clip_min, max=p.cap)
+    w = torch.exp(_seq_log_is(lo, le, m)).clamp(max=p.cap)
     return w.expand_as(lo), torch.zeros_like(m, dtype=torch.bool)
 
 
 def _corr_sequence_mask(lo, le, m, p):
     """Sequence-level MIS (TRL's default): weight Π r_t, whole sequence masked where it exceeds C."""
     w = torch.exp(_seq_log_is(lo, le, m))  # [B, 1]
-    masked = (w > p.cap) | (w < p.clip_min)
+    masked = w > p.cap
     return w.masked_fill(masked, 0.0).expand_as(lo), masked.expand_as(lo) & m.bool()
 
 
@@ -214,8 +212,6 @@ def grpo_loss(
     is_weight: torch.Tensor | None = None,
     is_masked: torch.Tensor | None = None,
     clip_log_ratio: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    logp_ref: torch.Tensor | None = None,
 ) -> LossOut:
     """The clipped GRPO objective.
 
@@ -224,10 +220,8 @@ def grpo_loss(
     where exp(clip_log_ratio) leaves the trust region, while the gradient still flows through `logp`
     (the shadow-ratio intervention: clip on α only). On clipped tokens the loss *value* is then clip(r')·A·r/r',
     not PPO's clip(r)·A; the gradient, zero there, is what matters. `is_weight`/`is_masked` come from
-    `rollout_correction`. KL to a reference uses the k3 estimator (DeepSeekMath).
+    `rollout_correction`. No KL term to a reference model (TRL's default beta = 0; the trainer's docstring says so).
     """
-    if kl_coef and logp_ref is None:
-        raise ValueError("kl_coef > 0 needs logp_ref, the reference model's log-probs")
     if loss_type not in AGGREGATIONS:
         raise ValueError(f"unknown loss type {loss_type!r}: use one of {', '.join(AGGREGATIONS)}")
     mask_f = mask.to(logp.dtype)
@@ -245,9 +239,6 @@ def grpo_loss(
     per_token = per_token.expand_as(logp)
     weight = torch.ones_like(logp) if is_weight is None else is_weight
     per_token = per_token * weight
-    if kl_coef:
-        d = (logp_ref - logp)  # [B, T]
-        per_token = per_token + kl_coef * (torch.exp(d) - d - 1)
     loss = AGGREGATIONS[loss_type](per_token, mask_f, max_len or logp.shape[1])
     m = mask.bool()
     masked = torch.zeros_like(m) if is_masked is None else is_masked.bool() & m

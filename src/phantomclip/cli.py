@@ -26,9 +26,11 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     add_config_args(p, DiagnoseConfig)  # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure and the per-token arrays to PATH")
-    p.add_argument("--from-trl-config", default=None, metavar="YAML", help="take the trainer recipe, engine dtype, "
-                   "sampling settings, ε and max completion length from a TRL GRPOConfig YAML (these override the flags)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write every figure and the per-token arrays to PATH")
+    p.add_argument("--from-trl-config", default=None, metavar="YAML",
+                   help="take the trainer recipe, engine dtype, sampling settings, ε and max completion length from a "
+                   "TRL GRPOConfig YAML (these override the flags)")
 
 
 def _run_diagnose(args) -> int:

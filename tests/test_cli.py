@@ -19,7 +19,8 @@ def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
         assert word in printed
     d = json.loads(out.read_text())
     assert list(d["recipes"]) == ["fp32", "bf16", "fp16"]
-    assert d["config"]["epsilon"] == 0.2 and d["config"]["seed"] == 0 and d["config"]["trainer"] == ["fp32", "bf16", "fp16"]
+    assert (d["config"]["epsilon"] == 0.2 and d["config"]["seed"] == 0
+            and d["config"]["trainer"] == ["fp32", "bf16", "fp16"])
     assert {"torch", "transformers", "phantomclip"} <= set(d["versions"])
     n = d["engine"]["tokens"]
     assert 6 <= n <= 6 * 12 and d["engine"]["dtype"] == "bf16"
@@ -80,9 +81,11 @@ def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
 
 
 def test_real_process_bad_input_has_no_traceback():
-    p = subprocess.run([sys.executable, "-m", "phantomclip.cli", "diagnose", "--epsilon", "2"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "phantomclip.cli", "diagnose", "--epsilon", "2"],
+                       capture_output=True, text=True)
     assert p.returncode == 2
-    assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be in (0, 1), got 2.0: e.g. 0.2 for PPO's usual trust region"
+    assert p.stderr.strip() == ("phantomclip diagnose: error: --epsilon must be in (0, 1), got 2.0: "
+                                "e.g. 0.2 for PPO's usual trust region")
 
 
 
@@ -107,7 +110,8 @@ def test_bom_jsonl_prompts_and_positions(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('\ufeff{"prompt": "hello there"}\n{"prompt": "count to three"}\n', encoding="utf-8")
     out = tmp_path / "d.json"
-    assert main(TINY[:-4] + ["--n", "2", "--max-tokens", "10", "--trainer", "fp32", "--prompts", str(prompts), "--json", str(out)]) == 0
+    assert main(TINY[:-4] + ["--n", "2", "--max-tokens", "10", "--trainer", "fp32", "--prompts", str(prompts),
+                             "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     seqs, pos = d["tokens"]["sequence"], d["tokens"]["position"]
     for s in set(seqs):  # positions run 0..len-1 inside each completion

@@ -72,7 +72,8 @@ def test_mapping_matches_the_engine_that_sampled(tiny, tiny_prompts):
     assert len(set(seeds)) == len(tiny_prompts) and seeds[0] == 5 * 1_000_003
     local = LocalEngine(tiny.model, torch.float32)
     for b, prompt in enumerate(tiny_prompts):
-        one = local.generate([prompt], SamplingParams(max_tokens=10, seed=seeds[b], stop_token_ids=params.stop_token_ids))
+        one = local.generate([prompt], SamplingParams(max_tokens=10, seed=seeds[b],
+                                                      stop_token_ids=params.stop_token_ids))
         assert ro.completion_ids[b] == one.completion_ids[0]
         assert ro.logp_engine[b] == one.logp_engine[0] == ro.logp_engine_processed[b]  # no truncation: both columns
         assert ro.finished[b] == one.finished[0]
@@ -135,8 +136,8 @@ def fake_vllm(monkeypatch, tiny):
 
     def build(model_dir, **args):
         started.update(args, model_dir=model_dir)
-        return FakeLLM(tiny.model, torch.float32 if args["dtype"] == "float32" else torch.bfloat16, args["logprobs_mode"],
-                       tokenizer=tiny.tokenizer, **started.pop("fake", {}))
+        return FakeLLM(tiny.model, torch.float32 if args["dtype"] == "float32" else torch.bfloat16,
+                       args["logprobs_mode"], tokenizer=tiny.tokenizer, **started.pop("fake", {}))
 
     monkeypatch.setattr(backend, "require_vllm", lambda: None)
     monkeypatch.setattr(backend, "build_llm", build)
@@ -148,14 +149,16 @@ def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm):
     """β = β_precision + β_kernel per token and in the means; an fp32 'vLLM' against an fp32 trainer has no gap."""
     out = tmp_path / "d.json"
     assert main(TINY + ["--trainer", "fp32,bf16", "--engine-dtype", "bf16", "--json", str(out)]) == 0
-    assert fake_vllm["dtype"] == "bfloat16" and fake_vllm["logprobs_mode"] == "raw_logprobs" and fake_vllm["enforce_eager"]
+    assert (fake_vllm["dtype"] == "bfloat16" and fake_vllm["logprobs_mode"] == "raw_logprobs"
+            and fake_vllm["enforce_eager"])
     d = json.loads(out.read_text())
     assert d["engine"]["kind"] == "vllm" and d["shadow"]["recipe"] == "bf16"
     kernel = d["tokens"]["beta_kernel"]
     for name, stats in d["recipes"].items():
         split = stats["split"]
         # Σ over tokens is linear: mean β = mean β_precision + mean β_kernel (to float64 rounding)
-        assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"], abs=1e-12)
+        assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"],
+                                                   abs=1e-12)
         beta, precision = d["tokens"]["per_recipe"][name]["beta"], d["tokens"]["per_recipe"][name]["beta_precision"]
         assert len(beta) == len(kernel) == len(precision) == stats["tokens"]
         # per token, to the JSON's rounding (each value to 1e-6, so the sum is off by at most 1.5e-6)
@@ -224,8 +227,8 @@ def test_vllm_not_installed_is_one_line(capsys, monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    assert "vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh`" in bad_cli(
-        TINY, capsys)
+    assert ("vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh`"
+            in bad_cli(TINY, capsys))
 
 
 def test_engines_table(tmp_path, capsys, fake_vllm):
@@ -238,7 +241,8 @@ def test_engines_table(tmp_path, capsys, fake_vllm):
     for r in rows:
         assert r["tokens"] == 15 and len(r["all_seconds"]) == 3
         assert r["seconds"] == sorted(r["all_seconds"])[1] and r["tokens_per_s"] == pytest.approx(15 / r["seconds"])
-    assert rows[0]["vs_local"] == 1 and rows[1]["vs_local"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert rows[0]["vs_local"] == 1 and rows[1]["vs_local"] == pytest.approx(
+        rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
     assert "start-up s" in capsys.readouterr().out
 
 
@@ -269,9 +273,10 @@ def test_split_verdict_names_the_lever():
         return {"recipes": {"fp32": {"beta_abs_mean": now, "split": split}}, "shadow": {"recipe": "bf16"},
                 "engine": {"kind": "vllm", "dtype": "bf16"}}
 
-    assert "Matching the precision is the bigger lever (mean |β| 0.0400 -> 0.0100)" in _split_verdict(result(0.04, 0.035, 0.01), "fp32")
-    assert "Matching the kernels is the bigger lever (mean |β| 0.0400 -> 0.0100); matching the precision alone would leave " \
-           "0.0500, more than now" in _split_verdict(result(0.04, 0.01, 0.05), "fp32")
+    assert ("Matching the precision is the bigger lever (mean |β| 0.0400 -> 0.0100)"
+            in _split_verdict(result(0.04, 0.035, 0.01), "fp32"))
+    assert ("Matching the kernels is the bigger lever (mean |β| 0.0400 -> 0.0100); matching the precision alone would "
+            "leave 0.0500, more than now" in _split_verdict(result(0.04, 0.01, 0.05), "fp32"))
     assert "only a little (mean |β| 0.0381 -> 0.0367)" in _split_verdict(result(0.0381, 0.0367, 0.0485, -0.63), "fp32")
     assert "anti-correlated (-0.63)" in _split_verdict(result(0.0381, 0.0367, 0.0485, -0.63), "fp32")
     assert "Neither lever alone shrinks the gap" in _split_verdict(result(0.0386, 0.0389, 0.043), "fp32")

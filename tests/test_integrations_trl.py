@@ -24,13 +24,14 @@ def _trainer(tmp_path, callbacks=(), cls=None, steps=3, seed=0):
 
     torch.manual_seed(seed)
     lm = load_model("tiny-random:30")
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6,
                       report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1, max_steps=steps,
                       learning_rate=1e-3, seed=seed, data_seed=seed)
     ds = Dataset.from_dict({"prompt": ["hello there", "what is two plus two"] * 8})
     reward = lambda completions, completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]  # noqa: E731
-    return (cls or GRPOTrainer)(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds, processing_class=lm.tokenizer,
-                                callbacks=list(callbacks))
+    return (cls or GRPOTrainer)(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds,
+                                processing_class=lm.tokenizer, callbacks=list(callbacks))
 
 
 def test_monitor_logs_precision_keys_and_changes_nothing(tmp_path):
@@ -66,7 +67,8 @@ def test_precision_stats_on_constructed_tensors():
     assert s["outside_trust_region"] == pytest.approx(2 / 3)  # 0.3 above, -0.3 below
     assert s["phantom_clip_rate"] == pytest.approx(1 / 3)  # only 0.3 with A > 0 zeroes the gradient
     beta = torch.tensor([0.3, -0.3, 0.1], dtype=torch.float64)
-    assert s["phantom_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2, 0.2).double().mean().item()
+    assert s["phantom_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2,
+                                                       0.2).double().mean().item()
 
 
 def test_precision_stats_leave_nonfinite_tokens_out():
@@ -92,7 +94,8 @@ def test_precision_stats_leave_nonfinite_tokens_out():
     s = precision_stats(logp, logp_shadow, mask, torch.tensor([1.0]), 0.2, 0.2, logp_engine=logp_engine)
     assert s["alpha_mean"] == pytest.approx(0.05, abs=1e-6) and s["nonfinite"] == 2
     # nothing finite left: NaN figures, every token counted
-    s = precision_stats(torch.full((1, 2), float("nan")), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2, 0.2)
+    s = precision_stats(torch.full((1, 2), float("nan")), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                        0.2, 0.2)
     assert s["nonfinite"] == 2 and math.isnan(s["beta_mean"]) and math.isnan(s["phantom_clip_rate"])
 
 def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match(tmp_path):
@@ -105,15 +108,17 @@ def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match
     B, P, L = 4, 3, 6
     inputs = {
         "prompt_ids": torch.randint(0, 250, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": torch.randint(0, 250, (B, L), generator=g), "completion_mask": torch.ones(B, L, dtype=torch.long),
+        "completion_ids": torch.randint(0, 250, (B, L), generator=g),
+        "completion_mask": torch.ones(B, L, dtype=torch.long),
         "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0]), "num_items_in_batch": torch.tensor(float(B * L)),
     }
     for t in (base, shadowed, same):
         t.current_gradient_accumulation_steps = 1
         t.model.train()
     with torch.no_grad():
-        logp, _, _ = base._get_per_token_logps_and_entropies(base.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-                                                             torch.ones(B, P + L, dtype=torch.long), L)
+        logp, _, _ = base._get_per_token_logps_and_entropies(
+            base.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.ones(B, P + L, dtype=torch.long), L)
     # old log-probs put each token right at the clip boundary, so β decides the clip: r = 1.2 exactly for A > 0
     inputs["old_per_token_logps"] = logp - math.log(1.2)
     clip_rates = {}
@@ -159,11 +164,13 @@ def test_trl_config_preflight(tmp_path, capsys):
     from phantomclip.integrations.trl import diagnose_settings_from_trl
 
     yaml_path = tmp_path / "grpo.yaml"
-    yaml_path.write_text("model_name_or_path: tiny-random:0\ncast_lm_head_to_fp32: true\ntemperature: 0.9\ntop_p: 0.95\n"
+    yaml_path.write_text("model_name_or_path: tiny-random:0\ncast_lm_head_to_fp32: true\ntemperature: 0.9\n"
+                         "top_p: 0.95\n"
                          "epsilon: 0.2\nepsilon_high: 0.28\nmax_completion_length: 8\nmin_p: 0.05\n")
     settings, notes = diagnose_settings_from_trl(yaml_path)
     assert settings["trainer"].split(",")[0] == "fp32-head" and settings["engine_dtype"] == "bf16"
-    assert (settings["temperature"], settings["top_p"], settings["epsilon"], settings["epsilon_high"], settings["max_tokens"]) == (0.9, 0.95, 0.2, 0.28, 8)
+    assert (settings["temperature"], settings["top_p"], settings["epsilon"], settings["epsilon_high"],
+            settings["max_tokens"]) == (0.9, 0.95, 0.2, 0.28, 8)
     assert any("min_p" in n for n in notes)
     # TRL's default precision: bf16 autocast unless fp16; a bf16-loaded model is a bf16 trainer
     assert diagnose_settings_from_trl({})[0]["trainer"].startswith("bf16-autocast,")
@@ -171,7 +178,8 @@ def test_trl_config_preflight(tmp_path, capsys):
     assert diagnose_settings_from_trl({"model_init_kwargs": {"dtype": "bfloat16"}})[0]["trainer"].startswith("bf16,")
     from trl import GRPOConfig
 
-    assert diagnose_settings_from_trl(GRPOConfig(output_dir=str(tmp_path), fp16=False, bf16=False, use_cpu=True))[0]["trainer"].startswith("fp32,")
+    assert diagnose_settings_from_trl(GRPOConfig(output_dir=str(tmp_path), fp16=False, bf16=False,
+                                                 use_cpu=True))[0]["trainer"].startswith("fp32,")
     out = tmp_path / "d.json"
     assert main(["diagnose", "--from-trl-config", str(yaml_path), "--n", "3", "--json", str(out)]) == 0
     import json

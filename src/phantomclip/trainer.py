@@ -44,7 +44,7 @@ from .loss import (
 from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutProducer, snapshot
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
-from .runs import GracefulStop, RunDir
+from .runs import GracefulStop, RunDir, progress_bar, rounded
 
 EXPERIMENT_LR = 3e-5
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
@@ -269,9 +269,9 @@ def train(
     ctx, start, snapshots = _step_context(setup)
     producer = _start_producer(setup, ctx, start, snapshots)
     stop_requested, metrics = GracefulStop(), (list(setup.run.metrics()) if setup.run else [])
-    progress = _progress(console, cfg.steps, start)
     try:
-        with stop_requested, progress:
+        with stop_requested, progress_bar(console, transient=False, info=True) as progress:
+            bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
             for k in range(start, cfg.steps):
                 t0 = time.perf_counter()
                 batch = producer.get()
@@ -283,7 +283,7 @@ def train(
                 metrics.append(step.row)
                 solved = finished_early(metrics, cfg.stop_after_converged)
                 _log_step(setup, ctx, batch, step, snapshots, checkpoint=stop_requested.flag or solved)
-                progress.advance(step.row)
+                progress.update(bar, advance=1, info=_step_info(step.row))
                 if on_step:
                     on_step(step.row)
                 if stop_requested.flag or solved:
@@ -499,13 +499,9 @@ def _token_record(split: dict[str, torch.Tensor], mask: torch.Tensor, advantages
                   masked: torch.Tensor) -> dict[str, list]:
     """tokens.jsonl's per-token lists over the completion tokens (row-major): α, β and its parts, A, clip flags."""
     m = mask.bool()  # [B, L]
-    parts = {name: _round6(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision")}
-    return {**parts, "advantage": _round6(advantages[:, None].expand_as(m)[m]), "clipped": zeroed[m].tolist(),
+    parts = {name: rounded(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision")}
+    return {**parts, "advantage": rounded(advantages[:, None].expand_as(m)[m]), "clipped": zeroed[m].tolist(),
             "masked": masked[m].tolist()}
-
-
-def _round6(x: torch.Tensor) -> list[float]:
-    return [round(v, 6) for v in x.tolist()]
 
 
 def _samples(batch: Batch, row: dict, tokenizer, n: int) -> dict:
@@ -524,39 +520,10 @@ def _save(run: RunDir, step: int, master, optimizer, scaler, snapshots: dict, st
                          "scaler": scaler.state_dict(), "snapshots": keep})
 
 
-class _progress:
-    """A rich progress bar with reward, length and phantom-clip rate; silent without a console."""
-
-    def __init__(self, console, total: int, start: int):
-        self.console, self.total, self.start = console, total, start
-        self._bar = None
-
-    def __enter__(self):
-        if self.console is not None:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[info]}"), console=self.console)
-            self._bar.__enter__()
-            self._task = self._bar.add_task("train", total=self.total, completed=self.start, info="")
-        return self
-
-    def advance(self, row: dict) -> None:
-        if self._bar is not None:
-            info = (f"reward {row['reward/mean']:.2f}  len {row['completion/length_mean']:.1f}  "
-                    f"phantom {100 * row['clip/phantom_rate']:.1f}%  |β| {row['mismatch/beta_abs_mean']:.4f}")
-            self._bar.update(self._task, advance=1, info=info)
-
-    def __exit__(self, *exc):
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-        return False
+def _step_info(row: dict) -> str:
+    """The progress bar's line for a step."""
+    return (f"reward {row['reward/mean']:.2f}  len {row['completion/length_mean']:.1f}  "
+            f"phantom {100 * row['clip/phantom_rate']:.1f}%  |β| {row['mismatch/beta_abs_mean']:.4f}")
 
 
 __all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "TrainerForward", "resolve_plan", "train"]

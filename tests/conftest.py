@@ -53,7 +53,7 @@ def assert_close_eps(a, b, dtype: torch.dtype, scale, terms: int = 1, factor: fl
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     bound = factor * eps(dtype) * torch.as_tensor(scale, dtype=torch.float64) * math.sqrt(terms)
     d = (a - b).abs()
-    ratio = (d / bound).max().item() if d.numel() else 0.0
+    ratio = torch.where(d == 0, 0.0, d / bound).max().item() if d.numel() else 0.0  # 0/0 where both are exact
     msg = (f"{report(name, a, b)}; bound {factor:g} * eps({str(dtype).removeprefix('torch.')}) * scale * sqrt({terms}) "
            f"= {bound.max().item():.3e}{'' if bound.numel() == 1 else ' (largest)'}, worst |diff| / bound {ratio:.3g}")
     print(msg)

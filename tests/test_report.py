@@ -16,19 +16,19 @@ SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """A diagnose JSON, a trace JSON and a two-run sanity experiment, all from the tiny model."""
+    """A diagnose JSON, a trace JSON and a sanity experiment of two arms x two seeds, all from the tiny model."""
     d = tmp_path_factory.mktemp("src")
     assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10", "--json", str(d / "diagnose.json")]) == 0
     assert main(["trace", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--no-what-if", "--json", str(d / "trace.json")]) == 0
     assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3",
-                 "--steps", "3", "--out", str(d / "sanity"), "--only", "none,force-r1"]) == 0
+                 "--steps", "3", "--seeds", "2", "--out", str(d / "sanity"), "--only", "none,force-r1"]) == 0
     return d
 
 
 def test_collect_classifies_every_source(sources):
     data = collect([sources])
     assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1
-    assert sorted(r["name"] for r in data.runs) == ["force-r1", "none"]
+    assert sorted(r["name"] for r in data.runs) == ["force-r1/seed-0", "force-r1/seed-1", "none/seed-0", "none/seed-1"]
     assert all(len(r["metrics"]) == 3 for r in data.runs)
 
 
@@ -79,7 +79,7 @@ def test_report_bad_input(capsys, tmp_path, sources):
 
 def test_a_killed_run_is_read_up_to_its_last_complete_line(sources, tmp_path):
     run = tmp_path / "killed"
-    shutil.copytree(sources / "sanity" / "none", run)
+    shutil.copytree(sources / "sanity" / "none" / "seed-0", run)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "reward/me')  # torn by SIGKILL
     with pytest.warns(UserWarning, match="last line is incomplete"):
@@ -167,12 +167,20 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
     assert proc.returncode == 0
 
 
-def test_intervention_sentence_states_mechanism_and_measured_outcome():
-    from phantomclip.report import _why
+def test_arm_bands_are_the_t_interval_over_seeds(sources):
+    """The length figure's band at a step is the 95% t interval of that step's lengths over the arm's seeds; the
+    interventions table carries the summary's intervals and verdict."""
+    from phantomclip.metrics import t_interval
+    from phantomclip.report import _per_step, html_sanity_table
 
-    base = {"run": "none", "converged": False, "steps_run": 30, "final_length": 17.25, "phantom_rate_first5": 0.0017}
-    fixed = {"run": "force-r1", "converged": True, "steps_to_converge": 24, "steps_run": 26, "final_length": 1.5, "phantom_rate_first5": 0.0}
-    assert _why(fixed, "ratio forced to 1", base) == ("Ratio forced to 1. It converged at step 24, where the baseline did not; "
-                                                      "0.00% of tokens were phantom-clipped in its first 5 steps.")
-    assert _why(base, "baseline: nothing changed", base) == ("Baseline: nothing changed. It did not converge in 30 steps (final mean "
-                                                             "length 17.2); 0.17% of tokens were phantom-clipped in its first 5 steps.")
+    data = collect([sources])
+    fig = _per_step(data, "completion/length_mean", "t", "tokens", carry=True)
+    line = next(t for t in fig["data"] if t.get("name", "").startswith("none"))
+    band = next(t for t in fig["data"] if t["legendgroup"] == "none" and t.get("fill") == "toself")
+    lengths = [r["metrics"][1]["completion/length_mean"] for r in data.runs if r["name"].startswith("none/")]
+    ci = t_interval(lengths)  # step 2 of both seeds
+    assert line["y"][1] == pytest.approx(ci["mean"]) and line["name"] == "none (2 seeds)"
+    assert band["y"][1] == pytest.approx(ci["high"]) and band["y"][-2] == pytest.approx(ci["low"])  # upper, then lower reversed
+    table = html_sanity_table(data)
+    summary = data.sanity[0]
+    assert "the baseline" in table and summary["verdict"][0].split(": ", 1)[1] in table

@@ -76,11 +76,12 @@ def collect(sources: list[str | Path]) -> ReportData:
                                   f"({SCHEMA_VERSION}): upgrade phantomclip")
             doc["_path"] = str(f)
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
-                data.runs.append({"_path": str(f.parent), "name": f.parent.name, "config": doc,
+                name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
+                data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
                                   "metrics": _read_run_lines(f.parent / "metrics.jsonl"), "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
             elif "recipes" in doc and "tokens" in doc:
                 data.diagnose.append(doc)
-            elif "runs" in doc and "base_config" in doc:
+            elif "runs" in doc and "arms" in doc:
                 data.sanity.append(doc)
             elif "sites" in doc and "first_order" in doc:
                 data.traces.append(doc)
@@ -239,13 +240,56 @@ def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
     return {"data": traces, "layout": _layout(f"Run '{run['name']}', first {steps} steps: α against β per token", "α (nats)", "β (nats)")}
 
 
-def _per_step(data: ReportData, key: str, title: str, ylabel: str) -> dict | None:
-    runs = [r for r in data.runs if r["metrics"] and key in r["metrics"][0]]
-    if not runs:
+SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
+"""arms drawn when the page opens; the others start hidden (click the legend to show them)."""
+
+
+def _arms(data: ReportData, key: str) -> dict[str, list[list[dict]]]:
+    """Runs that log `key`, grouped by arm (their intervention), each run its metric rows."""
+    arms: dict[str, list[list[dict]]] = {}
+    for r in data.runs:
+        if r["metrics"] and key in r["metrics"][0]:
+            arms.setdefault(r["config"].get("intervention", r["name"]), []).append(r["metrics"])
+    return arms
+
+
+def _step_values(runs: list[list[dict]], key: str, carry: bool) -> list[list[float]]:
+    """Per step (1 .. the longest run), the runs' values of `key`; with `carry`, a run that stopped early (it
+    converged) holds its last value, as experiments.length_curve does, so the mean does not jump when it stops."""
+    steps = max(len(rows) for rows in runs)
+    values: list[list[float]] = [[] for _ in range(steps)]
+    for rows in runs:
+        for i in range(steps):
+            if i < len(rows) and rows[i].get(key) is not None:
+                values[i].append(rows[i][key])
+            elif carry and rows and i >= len(rows):
+                values[i].append(rows[-1][key])
+    return values
+
+
+def _per_step(data: ReportData, key: str, title: str, ylabel: str, carry: bool = False) -> dict | None:
+    """One line per arm: the mean over seeds at each step, in a band of its 95% t interval (none with one seed);
+    band and line share a legend entry, so a click shows or hides both."""
+    from ..metrics import t_interval
+
+    arms = _arms(data, key)
+    if not arms:
         return None
     scale = 100 if key.startswith("clip/") else 1
-    traces = [{"type": "scatter", "mode": "lines", "name": r["name"], "x": [m["step"] for m in r["metrics"]],
-               "y": [scale * m[key] for m in r["metrics"]]} for r in runs]
+    traces = []
+    for i, (arm, runs) in enumerate(arms.items()):
+        stats = [t_interval(v) for v in _step_values(runs, key, carry)]
+        x = list(range(1, len(stats) + 1))
+        colour = PALETTE[i % len(PALETTE)]
+        shown = True if arm in SHOWN_ARMS or len(arms) <= len(SHOWN_ARMS) else "legendonly"
+        common = {"legendgroup": arm, "visible": shown}
+        if len(runs) > 1:
+            lows, highs = [scale * t["low"] for t in stats], [scale * t["high"] for t in stats]
+            traces.append({"type": "scatter", "x": x + x[::-1], "y": highs + lows[::-1], "fill": "toself", "mode": "lines",
+                           "line": {"width": 0}, "fillcolor": colour, "opacity": 0.18, "hoverinfo": "skip",
+                           "showlegend": False, **common})
+        traces.append({"type": "scatter", "mode": "lines", "name": f"{arm} ({len(runs)} seeds)", "x": x,
+                       "y": [scale * t["mean"] for t in stats], "line": {"color": colour}, **common})
     return {"data": traces, "layout": _layout(title, "step", ylabel)}
 
 
@@ -257,10 +301,12 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
     "beta_split": (fig_beta_split, "phantomclip diagnose --engine vllm --json diagnose-vllm.json"),
     "alpha_beta_tokens": (fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
     "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
-    "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step", "tokens"),
-                 "phantomclip experiment sanity --out runs/sanity"),
-    "phantom_steps": (lambda d: _per_step(d, "clip/phantom_rate", "Phantom-clip rate per step", "% of tokens"),
-                      "phantomclip experiment sanity --out runs/sanity"),
+    "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step (mean over seeds, "
+                                    "95% interval band)", "tokens", carry=True), "phantomclip experiment sanity --out runs/sanity"),
+    "phantom_steps": (lambda d: _per_step(d, "clip/phantom_rate", "Phantom-clip rate per step (mean over seeds, 95% band)",
+                                          "% of tokens"), "phantomclip experiment sanity --out runs/sanity"),
+    "beta_steps": (lambda d: _per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step (mean over seeds, 95% band)",
+                                       "mean |β| (nats)"), "phantomclip experiment sanity --out runs/sanity"),
 }
 """figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the data)."""
 
@@ -269,37 +315,25 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
 
 
 def html_sanity_table(data: ReportData) -> str | None:
+    """The experiment's arms with their intervals, each intervention's mechanism and the verdict on it."""
+    from ..experiments import ARM_COLUMNS
     from ..interventions import INTERVENTIONS
 
     if not data.sanity:
         return None
-    rows = data.sanity[-1]["runs"]
-    head = ("<table><thead><tr><th>run</th><th>steps to convergence</th><th>final reward</th><th>final length</th>"
-            "<th>phantom-clip rate, first 5 steps</th><th>wall (s)</th><th>what it changes, and what happened here</th></tr></thead><tbody>")
-    baseline = next((r for r in rows if r["run"] == "none"), None)
+    summary = data.sanity[-1]
+    verdicts = dict(line.split(": ", 1) for line in summary.get("verdict", []))
+    head = ("<table><thead><tr><th>arm</th><th>seeds</th>" + "".join(f"<th>{html.escape(h)}</th>" for h, _ in ARM_COLUMNS)
+            + "<th>what it changes</th><th>against the baseline</th></tr></thead><tbody>")
     body = ""
-    for r in rows:
-        conv = str(r["steps_to_converge"]) if r["converged"] else f"not converged in {r['steps_run']}"
-        doc = INTERVENTIONS.get(r["run"].split(",")[0].split("=")[0])
-        body += (f"<tr><td>{html.escape(r['run'])}</td><td>{conv}</td><td>{_num(r['final_reward'], 2)}</td>"
-                 f"<td>{_num(r['final_length'], 1)}</td><td>{_num(100 * r['phantom_rate_first5'] if r['phantom_rate_first5'] is not None else None, 2)}%</td>"
-                 f"<td>{_num(r['wall_s'], 0)}</td><td>{html.escape(_why(r, doc.doc if doc else '', baseline))}</td></tr>")
-    return head + body + "</tbody></table>"
-
-
-def _why(r: dict, mechanism: str, baseline: dict | None) -> str:
-    """The intervention's mechanism, then one sentence on what it did in this data (never a claim the data lacks)."""
-    if r["converged"]:
-        outcome = f"It converged at step {r['steps_to_converge']}"
-        if baseline is not None and r is not baseline:
-            outcome += (", where the baseline did not" if not baseline["converged"] else
-                        f" (baseline: step {baseline['steps_to_converge']})")
-    else:
-        outcome = f"It did not converge in {r['steps_run']} steps (final mean length {_num(r['final_length'], 1)})"
-    phantom = r.get("phantom_rate_first5")
-    if phantom is not None:
-        outcome += f"; {_num(100 * phantom, 2)}% of tokens were phantom-clipped in its first 5 steps."
-    return f"{mechanism[:1].upper()}{mechanism[1:]}. {outcome}" if mechanism else outcome
+    for a in summary["arms"]:
+        doc = INTERVENTIONS.get(a["run"].split(",")[0].split("=")[0])
+        body += (f"<tr><td>{html.escape(a['run'])}</td><td>{len(a['seeds'])}</td>"
+                 + "".join(f"<td>{html.escape(cell(a))}</td>" for _, cell in ARM_COLUMNS)
+                 + f"<td>{html.escape(doc.doc if doc else '')}</td><td>{html.escape(verdicts.get(a['run'], 'the baseline'))}</td></tr>")
+    note = (f"<p class=\"note\">Mean [95% interval]: {html.escape(summary.get('interval', ''))}. Steps to convergence "
+            "is censored at the budget: a run that did not converge counts as the budget.</p>")
+    return head + body + "</tbody></table>" + note
 
 
 def _num(x, digits: int) -> str:

@@ -15,6 +15,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -36,6 +37,9 @@ from .prompts import bundled_prompts, encode_prompts, read_prompts
 from .recipes import RECIPES, apply_recipe, engine_recipe, get_recipe, resolve_matmul
 from .runs import progress_bar, rounded
 from .scoring import score
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
@@ -189,13 +193,14 @@ class Sampled:
     mask: torch.Tensor  # [n, T] bool: sampled completion tokens
     logp_engine: torch.Tensor  # [n, T] full-vocabulary log-probs (vLLM 'raw'); NaN where not reported
     logp_engine_processed: torch.Tensor  # [n, T] renormalised over the kept tokens (vLLM 'processed')
-    measured: str | None
+    measured: Literal["raw", "processed"] | None
     """'raw' or 'processed': the one column the engine computed (the other is rebuilt); None: both are its own."""
     nonfinite: int
     """sampled tokens for which the engine gave no finite log-prob (left out of every figure)."""
     info: dict
     """the engine's describe()."""
     seconds: float
+    """wall time of sampling (engine start-up excluded)."""
 
 
 @dataclass
@@ -206,6 +211,7 @@ class Scored:
     entropy: torch.Tensor  # [n, T]
     log_kept: torch.Tensor  # [n, T] log S, the mass truncated sampling keeps under this recipe (0 without truncation)
     seconds: float
+    """wall time of laying the model out for the recipe and scoring."""
 
 
 @dataclass
@@ -235,7 +241,7 @@ class Figures:
 # -------------------------------------------------------------------------------------------- phases
 
 
-def run_diagnose(cfg: DiagnoseConfig, console=None) -> dict:
+def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     """Run the diagnose job and return every figure as a JSON-ready dict (`runs.write_json`); the words that
     say what they mean are `diagnose_text.with_verdict`'s."""
     cfg.validate()
@@ -305,7 +311,7 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
                    int(nonfinite.sum()), info, seconds)
 
 
-def measured_column(info: dict, truncation: tuple | None) -> str | None:
+def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
     """Which engine column is the engine's own: an engine with a `logprobs_mode` (vLLM) computes only that one;
     without truncation the two columns are the same numbers (S = 1), so both are measured. None: both."""
     return info.get("logprobs_mode") if truncation else None

@@ -8,10 +8,14 @@ renders the same), so the wording can change without touching the measurement. F
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
 from .recipes import engine_recipe, get_recipe
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 ANTI_CORRELATED = -0.3
 """a correlation of β_precision and β_kernel below this is told as anti-correlation: 0.3 is Cohen's (1988) "medium"
@@ -202,7 +206,7 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
     return table
 
 
-def render(result: dict, console) -> None:
+def render(result: dict, console: Console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
     e = result["engine"]
     how = (f"{e['matmul']} matmul" if e["kind"] == "local"

@@ -37,6 +37,17 @@ def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
+def forward_terms(config, context: int) -> int:
+    """Rounding events on the path to one logit of a decoder forward, for `terms` of assert_close_eps: the lengths
+    of its reductions summed over the layers (q/k/v projections over H, attention scores over head_dim, their
+    weighted sum over `context` positions, o projection over H, MLP gate/up over H and down over the intermediate
+    size), plus the head's H. Two forwards that reorder all of them (other shapes: a batch against one row, decode
+    against prefill; other kernels) give logits that differ by about eps * max|z| * sqrt(forward_terms)."""
+    H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d_head = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    return L * (H + d_head + context + H + H + I) + H
+
+
 def assert_close_eps(a, b, dtype: torch.dtype, scale, terms: int = 1, factor: float = 2.0, name: str = "values") -> float:
     """Assert |a - b| <= factor * eps(dtype) * scale * sqrt(terms), elementwise; returns the worst |a - b| / bound.
 

@@ -6,9 +6,11 @@ learning rate 3e-5, one optimizer step per batch, no KL term. TRL generates with
 in fp32 (its CPU default without vLLM); ours samples with its bf16 engine in a background thread
 (staleness 1) or on-policy (staleness 0).
 
-Step time: TRL from a callback (on_step_begin -> on_step_end, generation included); ours is `time/step_s`
-(the trainer's wall time per step, waiting for the rollout included). The first step of each run is a warm-up
-and is left out; medians over the rest.
+Equal lengths: every completion runs to exactly 32 tokens on both sides (TRL: generation_kwargs min_new_tokens;
+ours: no stop tokens), so seconds per step compare the same work. Step time: TRL from a callback (on_step_begin
+-> on_step_end, generation included); ours is `time/step_s` (the trainer's wall time per step, waiting for the
+rollout included). The first step of each run is a warm-up and is left out; medians over the rest. The split's
+cost is `time/shadow_old_s` (the producer's forward of the rollout's own weights) over `time/step_s`.
 
     python bench/bench_trainer.py [--steps 4] [--large-steps 2] [--repeats 2]
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(2)
+MAX_TOKENS = 32
 
 
 def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], list[float]]:
@@ -47,7 +50,7 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
             output_dir=out, per_device_train_batch_size=n, num_generations=group, max_completion_length=32,
             learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1, report_to=[],
             save_strategy="no", temperature=1.0, beta=0.0, loss_type="dapo", shuffle_dataset=False,
-            lr_scheduler_type="constant",
+            lr_scheduler_type="constant", generation_kwargs={"min_new_tokens": MAX_TOKENS},
         )
         trainer = GRPOTrainer(model=lm.model, args=args, reward_funcs=neglen, train_dataset=ds,
                               processing_class=lm.tokenizer, callbacks=[clock])
@@ -57,16 +60,19 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
 
 
 def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tuple[list[float], list[float], list[float]]:
+    import phantomclip.models
     from phantomclip.trainer import TrainConfig, train
+
+    phantomclip.models.stop_token_ids = lambda lm: ()  # no stop token: every completion is MAX_TOKENS long
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "prompts.txt"
         path.write_text("\n".join(prompts) + "\n")
-        cfg = TrainConfig(steps=steps + 1, prompts_per_step=len(prompts), group_size=group, max_tokens=32,
+        cfg = TrainConfig(steps=steps + 1, prompts_per_step=len(prompts), group_size=group, max_tokens=MAX_TOKENS,
                           staleness=staleness, prompts=str(path), lr=3e-5)
         rows = train(cfg).metrics[1:]
     return ([r["time/step_s"] for r in rows], [r["completion/length_mean"] for r in rows],
-            [r["time/shadow_s"] / r["time/step_s"] for r in rows])
+            [r["time/shadow_old_s"] / r["time/step_s"] for r in rows])
 
 
 def main() -> None:
@@ -92,8 +98,8 @@ def main() -> None:
                 t, n, o = our_steps(prompts, 8, steps, s)
                 times[name] += t
                 lengths[name] += n
-                overhead += o
-        # Completion lengths are sampled, so they differ between runs: tokens/s puts the work on one scale.
+                overhead += o if s == 1 else []  # staleness 0 needs no extra forward
+        # Lengths are forced to MAX_TOKENS on both sides; tokens/s is kept as a check that they were.
         rate = {n: sum(ln * len(prompts) * 8 for ln in lengths[n]) / sum(times[n]) for n in names}
         trl = statistics.median(times[names[0]])
         print(f"\n{label}, up to 32 tokens, fp32 trainer ({len(times[names[0]])} timed steps each)")
@@ -103,8 +109,12 @@ def main() -> None:
             med = statistics.median(times[n])
             print(f"| {n} | {med:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {statistics.mean(lengths[n]):.1f} | "
                   f"{rate[n]:.1f} | {trl / med:.2f}x | {rate[n] / rate[names[0]]:.2f}x |")
-        print(f"shadow forward share of our step (median): {100 * statistics.median(overhead):.0f}%")
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}")
+        print(f"the split's forward (time/shadow_old_s) as a share of our step, staleness 1 (median): "
+              f"{100 * statistics.median(overhead):.0f}%")
+    from phantomclip.recipes import native_low_precision_cpu
+
+    kind = "AVX-512-BF16/AMX (native bf16)" if native_low_precision_cpu() else "AVX2 only (emulated bf16)"
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, CPU: {kind}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ class Batch:
     logp_shadow_old: torch.Tensor | None = None
     """[B, L] the rollout's own weights θ_old, engine recipe, prefill path: the θ_old side of α and β_kernel (None at
     staleness 0, where θ_old is the current weights and the trainer's shadow serves)."""
+    shadow_old_s: float = 0.0
+    """seconds spent on logp_shadow_old (part of generate_s): the cost of the three-way split."""
 
 
 class RolloutProducer:

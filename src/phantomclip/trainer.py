@@ -370,11 +370,13 @@ class RolloutMaker:
         if self.old_policy is not None:
             sync_weights(self.old_policy, weights, count_changes=False)
             logp_old = _completion_logprobs(self.old_policy, self.ctx.policy.recipe, packed, rollout.prompt_width, cfg)
+        t_split = time.perf_counter()
         if cfg.staleness > 0:
             logp_shadow_old = _completion_logprobs(self.engine.model, self.ctx.shadow_recipe, packed,
                                                    rollout.prompt_width, cfg)
+        t_end = time.perf_counter()
         return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
-                     time.perf_counter() - t0, logp_shadow_old)
+                     t_end - t0, logp_shadow_old, shadow_old_s=t_end - t_split)
 
 
 def _start_producer(setup: Setup, ctx: StepContext, start: int, snapshots: dict[int, dict]) -> RolloutProducer:
@@ -428,7 +430,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     from .tasks import compute_rewards
 
     cfg, plan = ctx.cfg, ctx.plan
-    timings = {"time/generate_s": batch.generate_s}
+    timings = {"time/generate_s": batch.generate_s, "time/shadow_old_s": batch.shadow_old_s}
     rollout, packed, P = batch.rollout, batch.packed, batch.rollout.prompt_width
     completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
     rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]

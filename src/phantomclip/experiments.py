@@ -215,10 +215,11 @@ def verdict(arms: list[dict]) -> list[str]:
         if not diffs:
             continue
         n = diffs["final_length"]["n"]
+        seeds = f"{n} seed" + ("" if n == 1 else "s")
         told = [f"{_LABEL[key]} {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]" for key, d in diffs.items()
                 if d["n"] >= 2 and (d["low"] > 0 or d["high"] < 0)]
-        lines.append(f"{row['run']}: " + ("; ".join(told) + f" vs {BASELINE} ({n} seeds)" if told
-                                          else f"no detectable difference from {BASELINE} at {n} seeds"))
+        lines.append(f"{row['run']}: " + ("; ".join(told) + f" vs {BASELINE} ({seeds})" if told
+                                          else f"no detectable difference from {BASELINE} at {seeds}"))
     return lines
 
 
@@ -248,19 +249,21 @@ ARM_COLUMNS = (
     ("Δ final length vs none", lambda a: _ci(a["vs_baseline"]["final_length"]) if "vs_baseline" in a else "-"),
     ("mean length over the run", lambda a: _ci(a["length_auc"])),
     ("converged", lambda a: f"{a['converged']}/{len(a['seeds'])}"),
-    ("steps to convergence*", lambda a: _ci(a["steps_to_converge"])),
+    ("steps to convergence*", lambda a: _ci(a["steps_to_converge"], digits=0)),
     ("phantom %, whole run", lambda a: _ci(a["phantom_rate"], 100, 2)),
     ("phantom %, last 5", lambda a: _ci(a["phantom_rate_last"], 100, 2)),
     ("phantom / clipped %", lambda a: _ci(a["phantom_share_of_clipped"], 100, 0)),
-    ("mean |β| start → end", lambda a: f"{a['beta_abs_mean_start']['mean']:.4f} → {a['beta_abs_mean_end']['mean']:.4f}"),
+    ("mean |β| start → end",
+     lambda a: f"{a['beta_abs_mean_start']['mean']:.4f} → {a['beta_abs_mean_end']['mean']:.4f}"),
 )
 """the arm table's columns: header -> cell."""
 
 
 def summary_markdown(summary: dict) -> str:
-    head = "| arm | seeds | " + " | ".join(h for h, _ in ARM_COLUMNS) + " |\n"
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731 (|β| inside a Markdown table cell)
+    head = "| arm | seeds | " + " | ".join(cell(h) for h, _ in ARM_COLUMNS) + " |\n"
     head += "|---|---:|" + "---:|" * len(ARM_COLUMNS) + "\n"
-    rows = "".join(f"| {a['run']} | {len(a['seeds'])} | " + " | ".join(cell(a) for _, cell in ARM_COLUMNS) + " |\n"
+    rows = "".join(f"| {a['run']} | {len(a['seeds'])} | " + " | ".join(cell(draw(a)) for _, draw in ARM_COLUMNS) + " |\n"
                    for a in summary["arms"])
     notes = (f"\nMean [95% interval]: {summary['interval']}. *Steps to convergence is censored at the budget: a run "
              "that did not converge counts as the budget (a lower bound).\n\n")

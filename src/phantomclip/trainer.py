@@ -66,7 +66,8 @@ class TrainConfig:
     engine_dtype: str = "bf16"
     """engine dtype (bf16, fp16, fp32) before interventions."""
     intervention: str = "none"
-    """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or epsilon=0.3."""
+    """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or
+    epsilon=0.3."""
     epsilon: float = 0.2
     """PPO clip ε_low."""
     epsilon_high: float | None = None
@@ -114,7 +115,8 @@ class TrainConfig:
     def validate(self) -> None:
         checks = [
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
-            (self.group_size >= 2, f"--group-size must be >= 2 (GRPO compares completions of one prompt), got {self.group_size}"),
+            (self.group_size >= 2,
+             f"--group-size must be >= 2 (GRPO compares completions of one prompt), got {self.group_size}"),
             (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
             (self.staleness >= 0, f"--staleness must be >= 0 (0 = on-policy), got {self.staleness}"),
             (self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}"),
@@ -123,9 +125,12 @@ class TrainConfig:
             (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
             (self.stop_after_converged >= 0, f"--stop-after-converged must be >= 0, got {self.stop_after_converged}"),
             (self.epsilon > 0, f"--epsilon must be > 0, got {self.epsilon}"),
-            (self.epsilon_high is None or self.epsilon_high > 0, f"--epsilon-high must be > 0, got {self.epsilon_high}"),
-            (self.loss_type in AGGREGATIONS, f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
-            (self.importance_level in ("token", "sequence"), f"unknown --importance-level {self.importance_level!r}: use token or sequence"),
+            (self.epsilon_high is None or self.epsilon_high > 0,
+             f"--epsilon-high must be > 0, got {self.epsilon_high}"),
+            (self.loss_type in AGGREGATIONS,
+             f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
+            (self.importance_level in ("token", "sequence"),
+             f"unknown --importance-level {self.importance_level!r}: use token or sequence"),
             (self.trainer in RECIPES, f"unknown --trainer {self.trainer!r}: use one of {', '.join(RECIPES)}"),
         ]
         for ok, message in checks:
@@ -169,9 +174,11 @@ class TrainerForward:
 class _Scorer(nn.Module):
     """`score_completions` as a module, so torch.func.functional_call can run it with substituted parameters."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool, temperature: float):
+    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool,
+                 temperature: float):
         super().__init__()
-        self.model, self.recipe, self.prompt_width, self.group_size, self.grad = model, recipe, prompt_width, group_size, grad
+        self.model, self.recipe, self.prompt_width, self.group_size, self.grad = (model, recipe, prompt_width,
+                                                                                  group_size, grad)
         self.temperature = temperature
 
     def forward(self, input_ids, attention_mask, completion_mask):
@@ -281,16 +288,19 @@ def train(
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
                                  "time/step_s": time.perf_counter() - t0})
                 metrics.append(step.row)
-                solved = finished_early(metrics, cfg.stop_after_converged)
-                _log_step(setup, ctx, batch, step, snapshots, checkpoint=stop_requested.flag or solved)
+                # Read the Ctrl-C flag once: a checkpoint is written exactly when the loop stops after this step (a
+                # signal arriving later is seen after the next step, which then checkpoints and stops).
+                stop = stop_requested.flag or finished_early(metrics, cfg.stop_after_converged)
+                _log_step(setup, ctx, batch, step, snapshots, checkpoint=stop)
                 progress.update(bar, advance=1, info=_step_info(step.row))
                 if on_step:
                     on_step(step.row)
-                if stop_requested.flag or solved:
+                if stop:
                     break
     finally:
         producer.close()
-    return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=stop_requested.flag)
+    interrupted = stop_requested.flag and len(metrics) < cfg.steps
+    return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=interrupted)
 
 
 def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
@@ -418,7 +428,8 @@ def finished_early(metrics: list[dict], patience: int) -> bool:
 
 
 def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, cfg: TrainConfig) -> torch.Tensor:
-    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch), at the sampling temperature."""
+    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch), at the sampling
+    temperature."""
     from .scoring import score_completions
 
     return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P,
@@ -528,4 +539,5 @@ def _step_info(row: dict) -> str:
             f"phantom {100 * row['clip/phantom_rate']:.1f}%  |β| {row['mismatch/beta_abs_mean']:.4f}")
 
 
-__all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "TrainerForward", "resolve_plan", "train"]
+__all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "TrainerForward",
+           "resolve_plan", "train"]

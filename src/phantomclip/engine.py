@@ -65,7 +65,8 @@ class Rollout:
     logp_engine: list[list[float]]
     """log-prob of each sampled token over the full vocabulary, after temperature (vLLM 'raw' when T = 1)."""
     logp_engine_processed: list[list[float]]
-    """log-prob renormalised over the tokens top-p / top-k kept (vLLM 'processed'); equal to logp_engine without truncation."""
+    """log-prob renormalised over the tokens top-p / top-k kept (vLLM 'processed'); equal to logp_engine without
+    truncation."""
     finished: list[bool] = field(default_factory=list)
     """True where the sequence ended on a stop token, False where it hit max_tokens."""
 
@@ -95,7 +96,8 @@ class Rollout:
                 comp[b, P : P + len(c)] = True
                 lp[b, P : P + len(c)] = torch.tensor(self.logp_engine[b])
                 lpp[b, P : P + len(c)] = torch.tensor(self.logp_engine_processed[b])
-        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "logp_engine": lp, "logp_engine_processed": lpp}
+        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "logp_engine": lp,
+                "logp_engine_processed": lpp}
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +160,9 @@ def sample_next_token(
 class LocalEngine:
     """In-process batched sampler with a KV cache, running a Hugging Face causal LM in one dtype."""
 
-    def __init__(self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto", recipe: Recipe | None = None):
+    def __init__(
+        self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto", recipe: Recipe | None = None
+    ):
         """`recipe` (default: plain `dtype`) lets the engine keep some modules in fp32, e.g. 'fp32-head'."""
         self.recipe = recipe or engine_recipe(dtype)
         self.dtype = self.recipe.weight_dtype
@@ -201,7 +205,8 @@ class LocalEngine:
         done = torch.zeros(B, dtype=torch.bool)
         tokens, logps, logps_proc = [], [], []
         for step in range(params.max_tokens):
-            tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p, params.min_p)
+            tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p,
+                                             params.min_p)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
             attn[:, P + step] = (~done).long()  # a row that stopped earlier gets no more tokens
@@ -226,7 +231,9 @@ class LocalEngine:
 
 
 @torch.no_grad()
-def sync_weights(model: nn.Module, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
+def sync_weights(
+    model: nn.Module, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True
+) -> float:
     """Copy `weights` into `model`'s parameters of the same name, each cast to that parameter's dtype.
 
     Names missing from `weights` are left alone (tied weights appear once). Returns the share of the copied

@@ -263,7 +263,8 @@ def summary_markdown(summary: dict) -> str:
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731 (|β| inside a Markdown table cell)
     head = "| arm | seeds | " + " | ".join(cell(h) for h, _ in ARM_COLUMNS) + " |\n"
     head += "|---|---:|" + "---:|" * len(ARM_COLUMNS) + "\n"
-    rows = "".join(f"| {a['run']} | {len(a['seeds'])} | " + " | ".join(cell(draw(a)) for _, draw in ARM_COLUMNS) + " |\n"
+    rows = "".join(f"| {a['run']} | {len(a['seeds'])} | "
+                   + " | ".join(cell(draw(a)) for _, draw in ARM_COLUMNS) + " |\n"
                    for a in summary["arms"])
     notes = (f"\nMean [95% interval]: {summary['interval']}. *Steps to convergence is censored at the budget: a run "
              "that did not converge counts as the budget (a lower bound).\n\n")

@@ -28,7 +28,8 @@ class Plan:
     trainer_recipe: str
     engine_recipe: str
     ratio_against: str = "engine"
-    """logp_old of the PPO ratio: 'engine' (async GRPO), 'trainer_old' (trainer at the rollout's weights) or 'self' (r = 1)."""
+    """logp_old of the PPO ratio: 'engine' (async GRPO), 'trainer_old' (trainer at the rollout's weights) or 'self'
+    (r = 1)."""
     clip_on: str = "full"
     """'full': clip on log r = α + β; 'shadow': clip on α alone, logp_shadow(θ_t) − logp_shadow(θ_old), the policy's
     own change in the engine's precision (gradient still through logp)."""
@@ -59,7 +60,8 @@ def _epsilon(arg: str | None) -> dict:
 
 def _correction(arg: str | None) -> dict:
     if arg not in CORRECTIONS:
-        raise TrainConfigError(f"intervention correction=MODE: unknown mode {arg!r}; use one of {', '.join(CORRECTIONS)}")
+        raise TrainConfigError(f"intervention correction=MODE: unknown mode {arg!r}; "
+                               f"use one of {', '.join(CORRECTIONS)}")
     return {"correction": arg}
 
 
@@ -73,18 +75,22 @@ INTERVENTIONS: dict[str, Intervention] = {
                              lambda a: {"trainer_recipe": "bf16-autocast"}),
     "fp32-head": Intervention("final norm and lm_head in fp32 on both sides, bf16 bodies (MiniMax-M1)",
                               lambda a: {"trainer_recipe": "fp32-head", "engine_recipe": "fp32-head"}),
-    "shadow-ratio": Intervention("clip on α = logp_shadow(θ_t) − logp_shadow(θ_old) alone (no β_kernel, no β_precision); "
-                                 "the gradient still flows through logp", lambda a: {"clip_on": "shadow"}),
-    "recompute-old": Intervention("logp_old recomputed by the trainer at the rollout's weights (TRL's synchronous default)",
+    "shadow-ratio": Intervention("clip on α = logp_shadow(θ_t) − logp_shadow(θ_old) alone "
+                                 "(no β_kernel, no β_precision); the gradient still flows through logp",
+                                 lambda a: {"clip_on": "shadow"}),
+    "recompute-old": Intervention("logp_old recomputed by the trainer at the rollout's weights "
+                                  "(TRL's synchronous default)",
                                   lambda a: {"ratio_against": "trainer_old"}),
     "force-r1": Intervention("ratio forced to 1 (exp(logp − logp.detach())): plain policy gradient, no clip",
                              lambda a: {"ratio_against": "self"}),
-    "no-clip": Intervention("ε = ∞: β stays in the ratio but never clips", lambda a: {"eps_low": math.inf, "eps_high": math.inf}),
+    "no-clip": Intervention("ε = ∞: β stays in the ratio but never clips",
+                            lambda a: {"eps_low": math.inf, "eps_high": math.inf}),
     "tis": Intervention("token-level truncated importance sampling, min(π/μ, C) (Yao et al. 2025)",
                         lambda a: {"correction": "token_truncate"}),
     "mis": Intervention("sequence-level masked importance sampling, TRL's default sequence_mask",
                         lambda a: {"correction": "sequence_mask"}),
-    "icepop": Intervention("IcePop: mask tokens whose π/μ is outside [0.5, 2] (Ring-1T)", lambda a: {"correction": "icepop"}),
+    "icepop": Intervention("IcePop: mask tokens whose π/μ is outside [0.5, 2] (Ring-1T)",
+                           lambda a: {"correction": "icepop"}),
     "epsilon": Intervention("epsilon=X: clip range ε_low = ε_high = X", _epsilon),
     "correction": Intervention("correction=MODE: any rollout correction of loss.CORRECTIONS", _correction),
 }

@@ -24,7 +24,9 @@ def clip_range(epsilon: float, epsilon_high: float | None = None) -> tuple[float
     return epsilon, epsilon if epsilon_high is None else epsilon_high
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
     """GRPO advantages: reward minus its group's mean, divided by the group's std when `scale_rewards`.
 
     rewards: [N] with N = groups * group_size, groups contiguous. Returns [N]. (Shao et al. 2024, DeepSeekMath;

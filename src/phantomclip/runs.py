@@ -155,7 +155,9 @@ class RunDir:
         return run
 
     @classmethod
-    def resume(cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",)) -> tuple[RunDir, dict | None]:
+    def resume(
+        cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",)
+    ) -> tuple[RunDir, dict | None]:
         """Reopen a run whose config matches `config` (except `ignore`); returns it and its checkpoint (or None)."""
         run = cls(Path(path))
         cfg_path = run.path / "config.json"
@@ -166,7 +168,8 @@ class RunDir:
             raise RunError(f"--resume: {run.path} was made with a different configuration: {'; '.join(diff)}")
         ckpt = torch.load(run.checkpoint_path, weights_only=False) if run.checkpoint_path.exists() else None
         done = ckpt["step"] if ckpt else 0
-        for p in (run.metrics_path, run.samples_path, run.tokens_path):  # drop what came after the checkpoint: it is recomputed
+        # drop what came after the checkpoint: it is recomputed
+        for p in (run.metrics_path, run.samples_path, run.tokens_path):
             rows = [r for r in read_jsonl(p) if r.get("step", 0) <= done]
             atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in rows).encode())
         return run, ckpt

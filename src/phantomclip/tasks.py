@@ -49,7 +49,8 @@ def _target_length(prompts, completions, ids):
 
 def _add_prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"What is {a} + {b}? Answer with the number only." for a, b in ((rng.randint(1, 20), rng.randint(1, 20)) for _ in range(n))]
+    return [f"What is {a} + {b}? Answer with the number only."
+            for a, b in ((rng.randint(1, 20), rng.randint(1, 20)) for _ in range(n))]
 
 
 def _add(prompts, completions, ids):

@@ -78,7 +78,8 @@ def collect(sources: list[str | Path]) -> ReportData:
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
                 name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
                 data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
-                                  "metrics": _read_run_lines(f.parent / "metrics.jsonl"), "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
+                                  "metrics": _read_run_lines(f.parent / "metrics.jsonl"),
+                                  "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
             elif "recipes" in doc and "tokens" in doc:
                 data.diagnose.append(doc)
             elif "runs" in doc and "arms" in doc:
@@ -87,7 +88,8 @@ def collect(sources: list[str | Path]) -> ReportData:
                 data.traces.append(doc)
     if not (data.diagnose or data.runs or data.sanity or data.traces):
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
-                          "experiment directory; give the files that diagnose --json, trace --json, train --out or experiment --out wrote")
+                          "experiment directory; give the files that diagnose --json, trace --json, train --out or "
+                          "experiment --out wrote")
     return data
 
 
@@ -101,8 +103,8 @@ def _read_run_lines(path: Path) -> list[dict]:
     if path.exists():
         lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
         if len(lines) > len(rows):
-            warnings.warn(f"{path}: read {len(rows)} complete lines; the last line is incomplete (a killed run?) and was skipped",
-                          stacklevel=2)
+            warnings.warn(f"{path}: read {len(rows)} complete lines; the last line is incomplete (a killed run?) "
+                          "and was skipped", stacklevel=2)
     return rows
 
 
@@ -121,7 +123,8 @@ def fig_spacing(data: ReportData) -> dict:
     from ..numerics import ulp
 
     x = torch.logspace(-6, 4, 200, dtype=torch.float64)
-    traces = [{"type": "scatter", "mode": "lines", "name": name, "x": x.tolist(), "y": ulp(x.float(), dt).double().tolist()}
+    traces = [{"type": "scatter", "mode": "lines", "name": name, "x": x.tolist(),
+               "y": ulp(x.float(), dt).double().tolist()}
               for name, dt in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16))]
     return {"data": traces, "layout": _layout("Spacing between neighbouring numbers (ulp)", "|x|", "spacing",
                                              xaxis={"type": "log"}, yaxis={"type": "log"})}
@@ -136,7 +139,8 @@ def fig_beta_by_prob(data: ReportData) -> dict | None:
         return None
     diag = data.diagnose[-1]
     logp_engine = diag["tokens"]["logp_engine"]
-    edges = [-math.inf, math.log(1e-4), math.log(1e-3), math.log(1e-2), math.log(0.1), math.log(0.5), math.log(0.9), 0.01]
+    edges = [-math.inf, math.log(1e-4), math.log(1e-3), math.log(1e-2), math.log(0.1), math.log(0.5), math.log(0.9),
+             0.01]
     labels = ["<1e-4", "1e-4–1e-3", "1e-3–0.01", "0.01–0.1", "0.1–0.5", "0.5–0.9", ">0.9"]
     traces = []
     for name, arr in diag["tokens"]["per_recipe"].items():
@@ -151,7 +155,8 @@ def fig_beta_by_prob(data: ReportData) -> dict | None:
                        "y": [s / c if c else None for s, c in zip(sums, counts)],
                        "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
     return {"data": traces, "layout": _layout("Mean |β| by the engine's probability of the sampled token",
-                                             "engine probability of the token", "mean |β| (nats)", yaxis={"type": "log"})}
+                                             "engine probability of the token", "mean |β| (nats)",
+                                             yaxis={"type": "log"})}
 
 
 def fig_beta_hist(data: ReportData) -> dict | None:
@@ -159,12 +164,13 @@ def fig_beta_hist(data: ReportData) -> dict | None:
         return None
     diag = data.diagnose[-1]
     tr = diag["trust_region"]
-    traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6, "visible": True if i == 0 else "legendonly"}
+    traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6,
+               "visible": True if i == 0 else "legendonly"}
               for i, (name, betas) in enumerate(_beta_arrays(diag).items())]
     layout = _layout(f"β = logp − logp_engine per token (α = 0), trust region for ε = {tr['epsilon_low']:g} shaded",
                      "β (nats)", "tokens", barmode="overlay", yaxis={"type": "log"})
-    layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"], "y0": 0, "y1": 1,
-                         "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
+    layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"],
+                         "y0": 0, "y1": 1, "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
     return {"data": traces, "layout": layout}
 
 
@@ -198,16 +204,19 @@ def fig_beta_split(data: ReportData) -> dict | None:
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y,
                        "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
-    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts", "trainer recipe, by engine",
-                                             "mean |β| (nats)", barmode="group", xaxis={"tickangle": 0})}
+    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts",
+                                             "trainer recipe, by engine", "mean |β| (nats)", barmode="group",
+                                             xaxis={"tickangle": 0})}
 
 
 def fig_alpha_beta_steps(data: ReportData) -> dict | None:
     runs = [r for r in data.runs if r["metrics"] and "mismatch/alpha_mean" in r["metrics"][0]]
     if not runs:
         return None
-    traces = [{"type": "scatter", "mode": "markers", "name": r["name"], "x": [m["mismatch/alpha_mean"] for m in r["metrics"]],
-               "y": [m["mismatch/beta_mean"] for m in r["metrics"]], "text": [f"step {m['step']}" for m in r["metrics"]]}
+    traces = [{"type": "scatter", "mode": "markers", "name": r["name"],
+               "x": [m["mismatch/alpha_mean"] for m in r["metrics"]],
+               "y": [m["mismatch/beta_mean"] for m in r["metrics"]],
+               "text": [f"step {m['step']}" for m in r["metrics"]]}
               for r in runs]
     return {"data": traces, "layout": _layout("Per step: mean α against mean β of each run",
                                              "mean α (nats)", "mean β (nats)")}
@@ -226,18 +235,21 @@ def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
     plan = run["config"].get("plan", {})
     eps_low = float(plan.get("eps_low", run["config"].get("epsilon", 0.2)))
     eps_high = float(plan.get("eps_high", eps_low))
-    groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []), "clipped (α alone too)": ([], [])}
+    groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []),
+                                            "clipped (α alone too)": ([], [])}
     for t in run["tokens"]:
-        alpha_clips = phantom_clip_mask(torch.tensor(t["alpha"], dtype=torch.float64), torch.tensor(t["advantage"], dtype=torch.float64),
-                                        eps_low, eps_high).tolist()
+        alpha_clips = phantom_clip_mask(torch.tensor(t["alpha"], dtype=torch.float64),
+                                        torch.tensor(t["advantage"], dtype=torch.float64), eps_low, eps_high).tolist()
         for a, b, c, ac in zip(t["alpha"], t["beta"], t["clipped"], alpha_clips):
             key = "gradient flows" if not c else ("clipped (α alone too)" if ac else "phantom-clipped")
             groups[key][0].append(a)
             groups[key][1].append(b)
-    traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys, "marker": {"size": 5, "opacity": 0.6}}
+    traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys,
+               "marker": {"size": 5, "opacity": 0.6}}
               for k, (xs, ys) in groups.items()]
     steps = len(run["tokens"])
-    return {"data": traces, "layout": _layout(f"Run '{run['name']}', first {steps} steps: α against β per token", "α (nats)", "β (nats)")}
+    return {"data": traces, "layout": _layout(f"Run '{run['name']}', first {steps} steps: α against β per token",
+                                             "α (nats)", "β (nats)")}
 
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
@@ -285,9 +297,9 @@ def _per_step(data: ReportData, key: str, title: str, ylabel: str, carry: bool =
         common = {"legendgroup": arm, "visible": shown}
         if len(runs) > 1:
             lows, highs = [scale * t["low"] for t in stats], [scale * t["high"] for t in stats]
-            traces.append({"type": "scatter", "x": x + x[::-1], "y": highs + lows[::-1], "fill": "toself", "mode": "lines",
-                           "line": {"width": 0}, "fillcolor": colour, "opacity": 0.18, "hoverinfo": "skip",
-                           "showlegend": False, **common})
+            traces.append({"type": "scatter", "x": x + x[::-1], "y": highs + lows[::-1], "fill": "toself",
+                           "mode": "lines", "line": {"width": 0}, "fillcolor": colour, "opacity": 0.18,
+                           "hoverinfo": "skip", "showlegend": False, **common})
         traces.append({"type": "scatter", "mode": "lines", "name": f"{arm} ({len(runs)} seeds)", "x": x,
                        "y": [scale * t["mean"] for t in stats], "line": {"color": colour}, **common})
     return {"data": traces, "layout": _layout(title, "step", ylabel)}
@@ -302,13 +314,16 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
     "alpha_beta_tokens": (fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
     "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
     "training": (lambda d: _per_step(d, "completion/length_mean", "Mean completion length per step (mean over seeds, "
-                                    "95% interval band)", "tokens", carry=True), "phantomclip experiment sanity --out runs/sanity"),
-    "phantom_steps": (lambda d: _per_step(d, "clip/phantom_rate", "Phantom-clip rate per step (mean over seeds, 95% band)",
-                                          "% of tokens"), "phantomclip experiment sanity --out runs/sanity"),
+                                    "95% interval band)", "tokens", carry=True),
+                 "phantomclip experiment sanity --out runs/sanity"),
+    "phantom_steps": (lambda d: _per_step(d, "clip/phantom_rate",
+                                          "Phantom-clip rate per step (mean over seeds, 95% band)", "% of tokens"),
+                      "phantomclip experiment sanity --out runs/sanity"),
     "beta_steps": (lambda d: _per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step (mean over seeds, 95% band)",
                                        "mean |β| (nats)"), "phantomclip experiment sanity --out runs/sanity"),
 }
-"""figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the data)."""
+"""figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the
+data)."""
 
 
 # ------------------------------------------------------------------------------------------- HTML pieces
@@ -323,14 +338,16 @@ def html_sanity_table(data: ReportData) -> str | None:
         return None
     summary = data.sanity[-1]
     verdicts = dict(line.split(": ", 1) for line in summary.get("verdict", []))
-    head = ("<table><thead><tr><th>arm</th><th>seeds</th>" + "".join(f"<th>{html.escape(h)}</th>" for h, _ in ARM_COLUMNS)
+    head = ("<table><thead><tr><th>arm</th><th>seeds</th>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h, _ in ARM_COLUMNS)
             + "<th>what it changes</th><th>against the baseline</th></tr></thead><tbody>")
     body = ""
     for a in summary["arms"]:
         doc = INTERVENTIONS.get(a["run"].split(",")[0].split("=")[0])
         body += (f"<tr><td>{html.escape(a['run'])}</td><td>{len(a['seeds'])}</td>"
                  + "".join(f"<td>{html.escape(cell(a))}</td>" for _, cell in ARM_COLUMNS)
-                 + f"<td>{html.escape(doc.doc if doc else '')}</td><td>{html.escape(verdicts.get(a['run'], 'the baseline'))}</td></tr>")
+                 + f"<td>{html.escape(doc.doc if doc else '')}</td>"
+                   f"<td>{html.escape(verdicts.get(a['run'], 'the baseline'))}</td></tr>")
     note = (f"<p class=\"note\">Mean [95% interval]: {html.escape(summary.get('interval', ''))}. Steps to convergence "
             "is censored at the budget: a run that did not converge counts as the budget.</p>")
     return head + body + "</tbody></table>" + note
@@ -344,11 +361,12 @@ def html_trace_depth(data: ReportData) -> dict | None:
     if not data.traces:
         return None
     t = data.traces[-1]
-    sites = [s for s in t["sites"] if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs")]
-    return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error", "x": [s["site"] for s in sites],
-                      "y": [s["rel_error"] for s in sites]}],
-            "layout": _layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module", "‖x − x_ref‖ / ‖x_ref‖",
-                              yaxis={"type": "log"})}
+    sites = [s for s in t["sites"]
+             if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs")]
+    return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error",
+                      "x": [s["site"] for s in sites], "y": [s["rel_error"] for s in sites]}],
+            "layout": _layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module",
+                              "‖x − x_ref‖ / ‖x_ref‖", yaxis={"type": "log"})}
 
 
 def html_appendix(data: ReportData, copied: dict[Path, str]) -> str:
@@ -369,7 +387,8 @@ def html_appendix(data: ReportData, copied: dict[Path, str]) -> str:
         name = f'<a href="{html.escape(link)}">{html.escape(link)}</a>' if link else html.escape(path)
         out += (f"<li><b>{html.escape(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
                 f"{html.escape(json.dumps(cfg, indent=1, default=str))}</pre></details>"
-                + (f"<details><summary>versions</summary><pre>{html.escape(json.dumps(versions, indent=1))}</pre></details>" if versions else "")
+                + (f"<details><summary>versions</summary><pre>{html.escape(json.dumps(versions, indent=1))}</pre>"
+                   "</details>" if versions else "")
                 + "</li>")
     return out + "</ul>"
 
@@ -408,10 +427,12 @@ def render(data: ReportData, copied: dict[Path, str] | None = None) -> str:
         else:
             block = f'<p class="missing">Unknown figure {html.escape(name)} in article.md.</p>'
         body = body.replace(marker, block, 1)
-    template = Environment(autoescape=False).from_string(resources.files(__package__).joinpath("template.html.j2").read_text(encoding="utf-8"))
+    template = Environment(autoescape=False).from_string(
+        resources.files(__package__).joinpath("template.html.j2").read_text(encoding="utf-8"))
     widgets_js = resources.files(__package__).joinpath("widgets.js").read_text(encoding="utf-8")
-    return template.render(body=body, plotly_js=get_plotlyjs(), figures=json.dumps(figures, allow_nan=False, default=_nan_free),
-                           widgets_js=widgets_js, palette=json.dumps(PALETTE))
+    return template.render(body=body, plotly_js=get_plotlyjs(),
+                           figures=json.dumps(figures, allow_nan=False, default=_nan_free), widgets_js=widgets_js,
+                           palette=json.dumps(PALETTE))
 
 
 def _nan_free(x):
@@ -430,7 +451,8 @@ def _figure_div(name: str, fig: dict, figures: dict) -> str:
 
 
 def _missing(command: str) -> str:
-    return f'<p class="missing">No data for this figure yet. Run <code>{html.escape(command)}</code> and pass its output to <code>phantomclip report --from</code>.</p>'
+    return (f'<p class="missing">No data for this figure yet. Run <code>{html.escape(command)}</code> and pass its '
+            'output to <code>phantomclip report --from</code>.</p>')
 
 
 def build(sources: list[str | Path], out: str | Path) -> Path:

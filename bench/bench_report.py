@@ -34,15 +34,17 @@ def main() -> None:
                 tab = browser.new_page(viewport={"width": 1280, "height": 900})
                 t0 = time.perf_counter()
                 tab.goto(page.as_uri())
-                tab.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0 && typeof grpoToken === 'function'")
+                tab.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0 "
+                                      "&& typeof grpoToken === 'function'")
                 drawn = tab.evaluate("document.querySelectorAll('.figure .plot-container').length")
                 loads.append(time.perf_counter() - t0)
                 tab.close()
             browser.close()
-    print(f"build from the demo data: {', '.join(f'{b:.2f}' for b in builds)} s (median {statistics.median(builds):.2f} s; target < 10 s)")
+    print(f"build from the demo data: {', '.join(f'{b:.2f}' for b in builds)} s "
+          f"(median {statistics.median(builds):.2f} s; target < 10 s)")
     print(f"page + data files: {size / 2**20:.2f} MiB (target < 8 MB)")
-    print(f"interactive in headless Chromium: {', '.join(f'{t:.2f}' for t in loads)} s (median {statistics.median(loads):.2f} s; "
-          f"target < 3 s); {drawn} of {len(FIGURES) + 1} figure slots drawn")
+    print(f"interactive in headless Chromium: {', '.join(f'{t:.2f}' for t in loads)} s "
+          f"(median {statistics.median(loads):.2f} s; target < 3 s); {drawn} of {len(FIGURES) + 1} figure slots drawn")
 
 
 if __name__ == "__main__":

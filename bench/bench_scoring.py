@@ -6,9 +6,10 @@ Both use matmul="emulated" for bf16 (same kernels), so they differ only in what 
 the head in chunks of 128 rows and computes the log-prob in fp32 ("ours": logsumexp + gather; "ours+entropy":
 also the entropy, as diagnose does); naive does one [B, T, V] fp32 log_softmax. "ours, last 64 scored" scores
 only the last 64 of the 256 positions (a prompt of 192 + a completion of 64, what diagnose and a trainer do),
-still against the naive path, which cannot skip the prompt's head. "naive native" is the naive path on PyTorch's own bf16 kernels (what a plain PyTorch user gets
-here). Throughput = 8*256 / seconds, median of 5 timed repeats after one warm-up, ours and naive timed
-alternately so machine noise hits both alike; a per-part breakdown explains the ratio.
+still against the naive path, which cannot skip the prompt's head. "naive native" is the naive path on PyTorch's
+own bf16 kernels (what a plain PyTorch user gets here). Throughput = 8*256 / seconds, median of 5 timed repeats
+after one warm-up, ours and naive timed alternately so machine noise hits both alike; a per-part breakdown
+explains the ratio.
 Roofline: GFLOP/s of a 2048^3 matmul, 5 times at the start and 5 at the end of the run (the host is noisy and
 noise only slows, so the peak is the best of 10); share = tokens/s * 269e6 FLOP/token / peak (emulated bf16
 multiplies in fp32, so its peak is the fp32 one).
@@ -91,7 +92,8 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def gflops(dtype: torch.dtype, repeats: int = 5) -> list[float]:
-    """GFLOP/s of 2048^3 matmuls in nn.Linear's layout (F.linear: x @ w.T; torch.mm(a, b) in bf16 is far slower here)."""
+    """GFLOP/s of 2048^3 matmuls in nn.Linear's layout (F.linear: x @ w.T; torch.mm(a, b) in bf16 is far slower
+    here)."""
     a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
     F.linear(a, b)
     return [2 * 2048**3 / t / 1e9 for t in timed(lambda: F.linear(a, b), repeats)]
@@ -107,7 +109,8 @@ def breakdown(model, ids, attn, repeats: int) -> dict[str, float]:
         "body": lambda: body(input_ids=ids, attention_mask=attn, use_cache=False),
         "head (all rows)": lambda: head(h),
         "naive post: float+log_softmax+gather": lambda: logits.float().log_softmax(-1).gather(-1, tgt[:, None]),
-        "ours post: logp only, chunks of 128": lambda: [logprobs_from_logits(logits[s : s + 128], tgt[s : s + 128], False)
+        "ours post: logp only, chunks of 128": lambda: [logprobs_from_logits(logits[s : s + 128], tgt[s : s + 128],
+                                                                             False)
                                                         for s in range(0, B * T, 128)],
         "ours post: logp+entropy, chunks of 128": lambda: [logprobs_from_logits(logits[s : s + 128], tgt[s : s + 128])
                                                            for s in range(0, B * T, 128)],
@@ -118,7 +121,8 @@ def breakdown(model, ids, attn, repeats: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
-    ap.add_argument("--one", nargs="+", metavar="ARG", help="internal: memory of one step: ours|naive fp32|bf16 [CHUNK]")
+    ap.add_argument("--one", nargs="+", metavar="ARG",
+                    help="internal: memory of one step: ours|naive fp32|bf16 [CHUNK]")
     args = ap.parse_args()
     if args.one:
         return one(*args.one)
@@ -157,9 +161,11 @@ def main() -> None:
         g[d] = (statistics.median(start), statistics.median(end), max(start + end))
 
     for d, (m0, m1, best) in g.items():
-        print(f"matmul 2048^3 (F.linear) {d}: median of 5 at start {m0:.1f}, at end {m1:.1f}, best of 10 {best:.1f} GFLOP/s")
+        print(f"matmul 2048^3 (F.linear) {d}: median of 5 at start {m0:.1f}, at end {m1:.1f}, "
+              f"best of 10 {best:.1f} GFLOP/s")
     print(f"native bf16 is {g[torch.float32][2] / g[torch.bfloat16][2]:.1f}x slower than fp32 (best of 10)\n")
-    print("| path | dtype | matmul | tokens/s | relative to naive (fp32 / emulated kernels) | share of roofline (best-of-10 matmul peak) | max abs diff ours-naive (median; max relative) |")
+    print("| path | dtype | matmul | tokens/s | relative to naive (fp32 / emulated kernels) "
+          "| share of roofline (best-of-10 matmul peak) | max abs diff ours-naive (median; max relative) |")
     print("|---|---|---|---:|---:|---:|---:|")
     for p, dtype, mm, tps, peak, diff in rows:
         flops = tps * FLOP_PER_TOKEN / 1e9
@@ -169,7 +175,8 @@ def main() -> None:
         r = speed["ours", dtype] / speed["naive", dtype]
         print(f"\n{dtype}: ours/naive = {r:.2f}x (target >= {target}x: {'met' if r >= target else 'NOT met'})", end="")
         r64 = speed["ours, last 64 scored", dtype] / speed["naive", dtype]
-        print(f"\n{dtype}: ours scoring the last 64 of 256 positions / naive = {r64:.2f}x (target >= {target}x: {'met' if r64 >= target else 'NOT met'})", end="")
+        print(f"\n{dtype}: ours scoring the last 64 of 256 positions / naive = {r64:.2f}x "
+              f"(target >= {target}x: {'met' if r64 >= target else 'NOT met'})", end="")
     print(f"\nbf16: ours (emulated) / naive native = {speed['ours', 'bf16'] / speed['naive-native', 'bf16']:.1f}x\n")
     print("| part (seconds, median) | fp32 | bf16 emulated |\n|---|---:|---:|")
     for k in parts["fp32"]:
@@ -184,11 +191,12 @@ def main() -> None:
         m = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
         inc[p, dtype, chunk] = (m["peak_kib"] - m["after_load_kib"]) / 1024
         name = p
-        print(f"| {name} | {dtype} | {m['after_load_kib'] / 1024:.0f} | {m['peak_kib'] / 1024:.0f} | {inc[p, dtype, chunk]:.0f} "
-              f"| {m['ru_maxrss_kib'] / 1024:.0f} |")
+        print(f"| {name} | {dtype} | {m['after_load_kib'] / 1024:.0f} | {m['peak_kib'] / 1024:.0f} "
+              f"| {inc[p, dtype, chunk]:.0f} | {m['ru_maxrss_kib'] / 1024:.0f} |")
     for dtype, chunk in (("fp32", "128"), ("bf16", "128")):
         r = inc["ours", dtype, chunk] / inc["naive", dtype, "128"]
-        print(f"\n{dtype}, chunk_size={chunk}: increment ours/naive = {r:.3f} (target <= 0.25: {'met' if r <= 0.25 else 'NOT met'})", end="")
+        print(f"\n{dtype}, chunk_size={chunk}: increment ours/naive = {r:.3f} "
+              f"(target <= 0.25: {'met' if r <= 0.25 else 'NOT met'})", end="")
     print()
 
 

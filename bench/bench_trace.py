@@ -34,16 +34,19 @@ def main() -> None:
     print(f"tokens {result['tokens']}, mean |β| {result['beta']['beta_abs_mean']:.4f}, first order explains "
           f"{100 * result['first_order']['explained_share']:.1f}%")
     for r in result["what_if"]:
-        print(f"  keep {','.join(r['keep_fp32']):40s} mean |β| {r['beta_abs_mean']:.4f}  outside {100 * r['outside_trust_region']:.2f}%  "
-              f"extra {r['extra_mib']:.1f} MiB  forward {r['forward_s']:.2f} s")
+        print(f"  keep {','.join(r['keep_fp32']):40s} mean |β| {r['beta_abs_mean']:.4f}  "
+              f"outside {100 * r['outside_trust_region']:.2f}%  extra {r['extra_mib']:.1f} MiB  "
+              f"forward {r['forward_s']:.2f} s")
     sp = result.get("split")
     if sp:
-        print(f"split: weights-only {sp['weights_only']['beta_abs_mean']:.4f}, compute-only {sp['compute_only']['beta_abs_mean']:.4f}, "
-              f"whole {sp['whole']['beta_abs_mean']:.4f}, weights share of variance {100 * sp['weights_share_of_variance']:.0f}%, "
+        print(f"split: weights-only {sp['weights_only']['beta_abs_mean']:.4f}, "
+              f"compute-only {sp['compute_only']['beta_abs_mean']:.4f}, whole {sp['whole']['beta_abs_mean']:.4f}, "
+              f"weights share of variance {100 * sp['weights_share_of_variance']:.0f}%, "
               f"quadrature ratio {sp['quadrature_ratio']:.2f}")
     for s in result["sites"]:
         if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs"):
-            print(f"  {s['site']:22s} rel {s['rel_error']:.3e}  max|d| {s['max_abs_error']:.3g}  ref rms {s['ref_rms']:.3g}  ref max {s['ref_max_abs']:.3g}")
+            print(f"  {s['site']:22s} rel {s['rel_error']:.3e}  max|d| {s['max_abs_error']:.3g}  "
+                  f"ref rms {s['ref_rms']:.3g}  ref max {s['ref_max_abs']:.3g}")
     for b in result["first_order"]["buckets"]:
         print(f"  p in [{b['p_low']:g}, {b['p_high']:g}): {b['tokens']} tokens, mean |β| {b['beta_abs_mean']:.4f}, "
               f"|dz_y| {b['dz_target_abs_mean']:.4f}, |Σp dz| {b['dz_expected_abs_mean']:.4f}")

@@ -59,7 +59,9 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
     return times[1:], lengths[1:]
 
 
-def our_steps(prompts: list[str], group: int, steps: int, staleness: int) -> tuple[list[float], list[float], list[float]]:
+def our_steps(
+    prompts: list[str], group: int, steps: int, staleness: int
+) -> tuple[list[float], list[float], list[float]]:
     import phantomclip.models
     from phantomclip.trainer import TrainConfig, train
 
@@ -103,12 +105,14 @@ def main() -> None:
         rate = {n: sum(ln * len(prompts) * 8 for ln in lengths[n]) / sum(times[n]) for n in names}
         trl = statistics.median(times[names[0]])
         print(f"\n{label}, up to 32 tokens, fp32 trainer ({len(times[names[0]])} timed steps each)")
-        print("| trainer | s/step (median) | all steps (s) | mean completion length | completion tokens/s | speed-up vs TRL, s/step | speed-up vs TRL, tokens/s |")
+        print("| trainer | s/step (median) | all steps (s) | mean completion length | completion tokens/s "
+              "| speed-up vs TRL, s/step | speed-up vs TRL, tokens/s |")
         print("|---|---:|---|---:|---:|---:|---:|")
         for n in names:
             med = statistics.median(times[n])
-            print(f"| {n} | {med:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {statistics.mean(lengths[n]):.1f} | "
-                  f"{rate[n]:.1f} | {trl / med:.2f}x | {rate[n] / rate[names[0]]:.2f}x |")
+            print(f"| {n} | {med:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} "
+                  f"| {statistics.mean(lengths[n]):.1f} | {rate[n]:.1f} | {trl / med:.2f}x "
+                  f"| {rate[n] / rate[names[0]]:.2f}x |")
         print(f"the split's forward (time/shadow_old_s) as a share of our step, staleness 1 (median): "
               f"{100 * statistics.median(overhead):.0f}%")
     from phantomclip.recipes import native_low_precision_cpu

@@ -16,12 +16,11 @@ torch.set_num_threads(2)
 def run(interval: int | None, steps: int) -> list[float]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
+    from trl_clock import StepClock
 
     from phantomclip.integrations.trl import PrecisionMonitor
     from phantomclip.models import load_model
     from phantomclip.prompts import bundled_prompts
-
-    from trl_clock import StepClock
 
     clock = StepClock()
     times = clock.times
@@ -30,8 +29,8 @@ def run(interval: int | None, steps: int) -> list[float]:
     callbacks = [clock] + ([PrecisionMonitor(engine_dtype="bfloat16", interval=interval)] if interval else [])
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8, max_completion_length=32,
-                         learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1, report_to=[],
-                         save_strategy="no", beta=0.0, shuffle_dataset=False, seed=0,
+                         learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1,
+                         report_to=[], save_strategy="no", beta=0.0, shuffle_dataset=False, seed=0,
                          generation_kwargs={"min_new_tokens": 32})  # every completion 32 tokens: equal work per step
         GRPOTrainer(model=lm.model, args=cfg, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     train_dataset=ds, processing_class=lm.tokenizer, callbacks=callbacks).train()

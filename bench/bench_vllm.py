@@ -32,9 +32,11 @@ if __name__ == "__main__":  # vLLM starts worker processes that re-import this f
     import_s = time.perf_counter() - t0
     cfg = CompareConfig(n=16, max_tokens=args.max_tokens, repeats=args.repeats)
     rows = compare_engines(cfg, load_model(cfg.model), say=lambda *a: None)
-    print(f"vllm {vllm.__version__}: import {import_s:.1f} s; {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats}")
+    print(f"vllm {vllm.__version__}: import {import_s:.1f} s; {cfg.n} prompts x {cfg.max_tokens} tokens, "
+          f"median of {cfg.repeats}")
     print("| engine | dtype | start-up (s) | tokens/s | vs local, same dtype | calls (s) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         calls = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
-        print(f"| {r['engine']} | {r['dtype']} | {r['startup_seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['vs_local']:.2f}x | {calls} |")
+        print(f"| {r['engine']} | {r['dtype']} | {r['startup_seconds']:.1f} | {r['tokens_per_s']:.0f} "
+              f"| {r['vs_local']:.2f}x | {calls} |")

@@ -38,13 +38,15 @@ def main() -> None:
                             learning_rate=3e-5, max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no",
                             bf16=False, use_cpu=True, beta=0.0)
         trainer_cls = with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16") if args.shadow_ratio else GRPOTrainer
-        trainer = trainer_cls(model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset, processing_class=lm.tokenizer,
+        trainer = trainer_cls(model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset,
+                              processing_class=lm.tokenizer,
                               callbacks=[PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)])
         trainer.train()
     for row in trainer.state.log_history:
         if "precision/beta_abs_mean" in row:
             print(f"step {row['step']}: mean |β| {row['precision/beta_abs_mean']:.4f}, outside the trust region "
-                  f"{100 * row['precision/outside_trust_region']:.2f}%, phantom-clip rate {100 * row['precision/phantom_clip_rate']:.2f}%, "
+                  f"{100 * row['precision/outside_trust_region']:.2f}%, "
+                  f"phantom-clip rate {100 * row['precision/phantom_clip_rate']:.2f}%, "
                   f"completion length {row['completions/mean_length']:.1f}")
 
 

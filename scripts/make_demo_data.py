@@ -44,7 +44,8 @@ def main() -> None:
     DEMO.mkdir(parents=True, exist_ok=True)
     if not args.skip_measure:
         cli = [sys.executable, "-m", "phantomclip.cli"]
-        subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--json", str(DEMO / "diagnose.json")], check=True)
+        subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--json", str(DEMO / "diagnose.json")],
+                       check=True)
         if args.vllm_python:
             subprocess.run([args.vllm_python, "-m", "phantomclip.cli", "diagnose", "--engine", "vllm", "--n", "16",
                             "--max-tokens", "32", "--json", str(DEMO / "diagnose-vllm.json")], check=True)

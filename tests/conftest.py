@@ -43,12 +43,28 @@ def forward_terms(config, context: int) -> int:
     weighted sum over `context` positions, o projection over H, MLP gate/up over H and down over the intermediate
     size), plus the head's H. Two forwards that reorder all of them (other shapes: a batch against one row, decode
     against prefill; other kernels) give logits that differ by about eps * max|z| * sqrt(forward_terms)."""
-    H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    H, inter, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     d_head = getattr(config, "head_dim", None) or H // config.num_attention_heads
-    return L * (H + d_head + context + H + H + I) + H
+    return L * (H + d_head + context + H + H + inter) + H
 
 
-def assert_close_eps(a, b, dtype: torch.dtype, scale, terms: int = 1, factor: float = 2.0, name: str = "values") -> float:
+def logit_bound(model) -> float:
+    """An upper bound on |logit| over all inputs of a Llama-style model: max_v ||W_v|| * max|g| * sqrt(H)
+    (Cauchy-Schwarz on the head over the final RMSNorm's output, whose 2-norm is at most max|g| * sqrt(H)). The
+    logit scale for tests that see a run's figures but not its logits (tiny-random:0: 23.7, against 11 seen)."""
+    head, g = model.get_output_embeddings().weight, model.model.norm.weight
+    return head.norm(dim=-1).max().item() * g.abs().max().item() * model.config.hidden_size**0.5
+
+
+def fp32_forward_noise(model, context: int) -> float:
+    """The largest |Δ log p| between two fp32 forwards of `model` that reorder every reduction (decode against
+    prefill, one engine's kernels against another's): 2 eps_fp32 * max|z| * sqrt(forward_terms), max|z| bounded
+    by logit_bound. For checks such as 'an fp32 engine against an fp32 trainer has no gap'."""
+    return 2 * eps(torch.float32) * logit_bound(model) * math.sqrt(forward_terms(model.config, context))
+
+
+def assert_close_eps(a, b, dtype: torch.dtype, scale, terms: int = 1, factor: float = 2.0, name: str = "values"
+                     ) -> float:
     """Assert |a - b| <= factor * eps(dtype) * scale * sqrt(terms), elementwise; returns the worst |a - b| / bound.
 
     The bound for two computations of the same quantity that differ in the order or blocking of their floating

@@ -4,8 +4,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import bad_cli, offline
+import torch
 
+from conftest import bad_cli, eps, fp32_forward_noise, offline
 from phantomclip.cli import main
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12"]
@@ -31,9 +32,13 @@ def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
         assert stats["tokens"] == n and stats["nonfinite"] == 0
         beta = tok["per_recipe"][name]["beta"]
         assert len(beta) == n and len(tok["per_recipe"][name]["entropy"]) == n
-        # the summary figures are the per-token arrays, summarised
-        assert stats["beta_mean"] == pytest.approx(sum(beta) / n, abs=1e-6)
-        assert stats["beta_abs_max"] == pytest.approx(max(abs(b) for b in beta), abs=1e-6)
+        # the summary figures are the per-token arrays, summarised: the JSON rounds each value to 6 decimals
+        # (<= 5e-7), the per-token values are fp32 differences (<= eps_fp32 / 2 * |β| apart from float64 ones), and
+        # the mean sums n float64 values (2 eps_fp64 * max|β| * sqrt(n))
+        big = max(abs(b) for b in beta)
+        tol = 5e-7 + eps(torch.float32) / 2 * big + 2 * eps(torch.float64) * big * n**0.5
+        assert abs(stats["beta_mean"] - sum(beta) / n) <= tol, (name, stats["beta_mean"], sum(beta) / n)
+        assert abs(stats["beta_abs_max"] - big) <= tol, (name, stats["beta_abs_max"], big)
         outside = sum(b < math.log(0.8) or b > math.log(1.2) for b in beta) / n
         assert stats["outside_trust_region"] == pytest.approx(outside)
     # a bf16 trainer against a bf16 engine sees a much smaller gap than fp32 does (tiny model: kernels agree)
@@ -41,11 +46,13 @@ def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
     assert "Smallest gap against the bf16 engine: bf16" in d["verdict"]
 
 
-def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys):
+def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys, tiny, tiny_prompts):
     out = tmp_path / "d.json"
     assert main(TINY + ["--trainer", "fp32", "--engine-dtype", "fp32", "--json", str(out)]) == 0
     stats = json.loads(out.read_text())["recipes"]["fp32"]
-    assert stats["beta_abs_max"] < 1e-4 and stats["outside_trust_region"] == 0
+    # fp32 decode against fp32 prefill: every reduction reordered, no precision gap (was < 1e-4; measured ~2e-5)
+    noise = fp32_forward_noise(tiny.model, max(len(p) for p in tiny_prompts) + 12)
+    assert stats["beta_abs_max"] <= noise and stats["outside_trust_region"] == 0, (stats["beta_abs_max"], noise)
     printed = " ".join(capsys.readouterr().out.split())  # undo the console's word wrap
     assert "No recipe pushes a token outside the trust region" in printed
 

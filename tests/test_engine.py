@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 
+from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 from phantomclip.engine import LocalEngine, Rollout, SamplingParams, sample_next_token
 from phantomclip.recipes import apply_recipe, get_recipe
 from phantomclip.scoring import position_ids_from_mask, score
@@ -92,7 +92,8 @@ def _engine_vs_scorer(tiny, prompts, dtype, params, matmul="auto"):
 
 
 def test_fp32_engine_decode_matches_fp32_prefill_scorer(tiny, tiny_prompts):
-    _, logp, logp_engine, scale = _engine_vs_scorer(tiny, tiny_prompts, torch.float32, SamplingParams(max_tokens=24, seed=3))
+    params = SamplingParams(max_tokens=24, seed=3)
+    _, logp, logp_engine, scale = _engine_vs_scorer(tiny, tiny_prompts, torch.float32, params)
     assert logp.numel() == 6 * 24
     # fp32 both (no low-precision matmul: 'native' and 'emulated' are the same kernels). Decode runs every matmul
     # on one token against the KV cache, prefill on whole rows: every reduction of the forward is reordered.
@@ -142,7 +143,8 @@ def test_generate_is_deterministic_and_stops_on_stop_tokens(tiny, tiny_prompts):
 
 
 def test_pack_layout():
-    ro = Rollout([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]], [[-0.1, -0.2], [-0.3, -0.4, -0.5]])
+    logp = [[-0.1, -0.2], [-0.3, -0.4, -0.5]]
+    ro = Rollout([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], logp, logp)
     b = ro.pack(pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
@@ -168,6 +170,7 @@ def test_weight_sync_moves_the_engine(tiny, tiny_prompts):
 
 
 def test_bad_sampling_params():
-    for kw in ({"max_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1.0}, {"min_p": -0.1}):
+    for kw in ({"max_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1.0},
+               {"min_p": -0.1}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)

@@ -166,7 +166,6 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_trl_config_preflight(tmp_path, capsys):
     from conftest import bad_cli
-
     from phantomclip.cli import main
     from phantomclip.integrations.trl import diagnose_settings_from_trl
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MATMULS, assert_close_eps, eps, report
 
+from conftest import MATMULS, assert_close_eps, eps, report
 from phantomclip.recipes import (
     RECIPES,
     RecipeError,
@@ -113,7 +113,8 @@ def test_emulated_weight_cache_follows_in_place_updates():
     # (w + 1 stored in bf16), the output before and the output after. A stale cache would be off by 4.
     w = lin.weight.float()
     bound = eps(torch.bfloat16) / 2 * (w.abs().sum(-1) + after.abs() + before.float().abs())
-    assert ((after - (before.float() + 4)).abs() <= bound).all(), report("after vs before + 4", after, before.float() + 4)
+    expected = before.float() + 4
+    assert ((after - expected).abs() <= bound).all(), report("after vs before + 4", after, expected)
 
 
 def test_unknown_recipe_lists_valid_names():

@@ -1,7 +1,7 @@
 import pytest
 import torch
-from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 
+from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 from phantomclip.engine import left_pad
 from phantomclip.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.scoring import (
@@ -18,7 +18,8 @@ def _logit_scale(model, recipe, ids, attn) -> torch.Tensor:
     The scale of a log-prob's rounding error: log p_t = z_t - logsumexp(z), and both terms round in proportion to
     the logits' size, not to log p's (which may be near 0)."""
     with torch.no_grad(), forward_context(recipe):
-        z = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits.float()  # [B, T, V]
+        z = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits  # [B, T, V]
+    z = z.float()
     return torch.cat([torch.zeros_like(z[:, :1, 0]), z[:, :-1].abs().amax(-1)], 1)
 
 
@@ -36,7 +37,8 @@ def test_chunked_matches_naive_fp32(tiny, tiny_prompts, chunk):
     # logits (H-term dot products: eps * max|z| * sqrt(H) each) and logsumexp (a V-term sum of terms <= 1:
     # eps * sqrt(V), below that) differ by summation order: 2 eps * max|z| * sqrt(H) per token.
     scale = _logit_scale(model, recipe, ids, attn)[m]
-    assert_close_eps(s.logp[m], naive[m], torch.float32, scale, terms=tiny.model.config.hidden_size, name="chunked vs naive")
+    H = tiny.model.config.hidden_size
+    assert_close_eps(s.logp[m], naive[m], torch.float32, scale, terms=H, name="chunked vs naive")
     assert (s.logp[~m] == 0).all()
 
 
@@ -63,7 +65,8 @@ def test_chunked_matches_naive_low_precision(tiny, tiny_prompts, name, matmul):
         return
     fp32_bound = 2 * eps(torch.float32) * scale * H**0.5
     d = (s.logp[s.mask] - naive[s.mask]).abs()
-    assert (d > fp32_bound).float().mean() <= 0.01, report(f"{name}: share beyond the fp32 bound", s.logp[s.mask], naive[s.mask])
+    beyond = (d > fp32_bound).float().mean()
+    assert beyond <= 0.01, report(f"{name}: share beyond the fp32 bound", s.logp[s.mask], naive[s.mask])
     assert_close_eps(s.logp[s.mask], naive[s.mask], torch.bfloat16, scale, name=f"{name}: bf16 flips")
 
 
@@ -140,8 +143,10 @@ def test_truncate_logprobs_hand_worked():
     scale = logp.abs().max()
     for (k, p, m), expected in cases.items():
         kept = truncate_logprobs(logp, k, p, m)
-        assert_close_eps(kept.exp(), torch.tensor([expected], dtype=torch.float64), torch.float32, scale, terms=4, name=str((k, p, m)))
-        S = {(0, 0.7, 0.0): 0.8, (3, 1.0, 0.0): 0.95, (0, 1.0, 0.5): 0.8, (0, 0.9, 0.2): 0.95, (2, 0.6, 0.0): 0.5}[(k, p, m)]
+        expected = torch.tensor([expected], dtype=torch.float64)
+        assert_close_eps(kept.exp(), expected, torch.float32, scale, terms=4, name=str((k, p, m)))
+        S = {(0, 0.7, 0.0): 0.8, (3, 1.0, 0.0): 0.95, (0, 1.0, 0.5): 0.8, (0, 0.9, 0.2): 0.95,
+             (2, 0.6, 0.0): 0.5}[(k, p, m)]
         assert_close_eps(log_kept_mass(logp, kept).exp(), S, torch.float32, scale, terms=4, name=f"S {(k, p, m)}")
     assert truncate_logprobs(logp) is logp  # nothing truncated: no copy
 
@@ -160,6 +165,7 @@ def test_score_reports_kept_mass(tiny, tiny_prompts):
     # fp32 both, as in test_chunked_matches_naive_fp32: the head on other shapes, so log p (and log S, a logsumexp
     # of kept log p, weighted by kept shares summing to 1) differ by 2 eps * max|z| * sqrt(H)
     scale = logits.abs().amax(-1)  # [T-1]
-    assert_close_eps(s.log_kept[0, 1:], expected, torch.float32, scale, terms=tiny.model.config.hidden_size, name="log S")
+    H = tiny.model.config.hidden_size
+    assert_close_eps(s.log_kept[0, 1:], expected, torch.float32, scale, terms=H, name="log S")
     assert (s.log_kept[0, 1:] < 0).all() and s.log_kept[0, 0] == 0
     assert score(tiny.model, get_recipe("fp32"), ids, attn).log_kept is None

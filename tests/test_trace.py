@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_eps, bad_cli, eps, report
 from torch import nn
 
+from conftest import assert_close_eps, bad_cli, eps, logit_bound, report
 from phantomclip.trace import (
     TraceConfig,
     TraceError,
@@ -80,14 +80,11 @@ def test_what_if_keeping_everything_in_fp32_removes_beta(tiny):
     assert rows["all"]["beta_abs_mean"] == 0 and rows["all"]["outside_trust_region"] == 0
     # The same β by two paths: float64 log-softmax of the traced logits vs scoring's fp32 logsumexp. Per token the
     # two fp32 log-softmaxes in β round by eps_fp32 * (max|z| + sqrt(V)) each; the mean over N tokens of such
-    # independent errors: 2 eps_fp32 * (max|z| + sqrt(V)) / sqrt(N). max|z| <= max_v ||W_v|| * max|g| * sqrt(H)
-    # (Cauchy-Schwarz on the head over the final RMSNorm's output, whose norm is |g| * sqrt(H) at most).
-    cfg = tiny.model.config
-    head, g = tiny.model.lm_head.weight, tiny.model.model.norm.weight
-    max_z = head.norm(dim=-1).max().item() * g.abs().max().item() * cfg.hidden_size**0.5
+    # independent errors: 2 eps_fp32 * (max|z| + sqrt(V)) / sqrt(N), max|z| bounded from the weights.
     n = r["tokens"]
-    assert_close_eps(rows["(none)"]["beta_abs_mean"], r["beta"]["beta_abs_mean"], torch.float32,
-                     (max_z + cfg.vocab_size**0.5) / n, terms=n, name="mean |β| by two paths")
+    scale = (logit_bound(tiny.model) + tiny.model.config.vocab_size**0.5) / n
+    assert_close_eps(rows["(none)"]["beta_abs_mean"], r["beta"]["beta_abs_mean"], torch.float32, scale, terms=n,
+                     name="mean |β| by two paths")
     # tied head: a new fp32 copy, 320 x 64 = 20,480 values x 4 bytes
     assert rows["lm_head"]["extra_mib"] == pytest.approx(320 * 64 * 4 / 2**20)
     assert math.isnan(rows["attention-softmax"]["gain_per_mib"])  # no parameters: gain per MiB undefined

@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 
+from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 from phantomclip.metrics import alpha_beta_stats, ratio_split
 from phantomclip.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.runs import read_jsonl
@@ -151,8 +151,9 @@ def test_shared_prompt_scoring_matches_whole_rows(tiny, tiny_prompts, matmul):
     for name in ("fp32", "bf16", "fp16"):
         recipe = get_recipe(name)
         model = apply_recipe(tiny.model, recipe, matmul)
-        shared = score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, 3)
-        whole = score(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"]).logp[:, P:]
+        ids, attn, comp = packed["input_ids"], packed["attention_mask"], packed["completion_mask"]
+        shared = score_completions(model, recipe, ids, attn, comp, P, 3)
+        whole = score(model, recipe, ids, attn, comp).logp[:, P:]
         m = packed["completion_mask"][:, P:]
         assert torch.equal(shared[~m], torch.zeros_like(shared[~m]))
         with torch.no_grad(), forward_context(recipe):
@@ -162,7 +163,8 @@ def test_shared_prompt_scoring_matches_whole_rows(tiny, tiny_prompts, matmul):
         if name == "fp32":
             # Every matmul and the attention run on other shapes (prompts once per group, then the completions
             # against the cache): summation order only, through the whole forward (measured <= 0.1 of the bound)
-            assert_close_eps(shared[m], whole[m], torch.float32, scale, terms=forward_terms(tiny.model.config, T), name=name)
+            terms = forward_terms(tiny.model.config, T)
+            assert_close_eps(shared[m], whole[m], torch.float32, scale, terms=terms, name=name)
             continue
         # In bf16/fp16 each layer rounds its fp32-accumulated output to the low dtype: where the two orders
         # straddle a rounding boundary an activation moves by one low-precision ulp, and that carries on into
@@ -187,8 +189,8 @@ def test_trainer_forward_equals_the_inference_path_and_reaches_the_master(tiny, 
         recipe = get_recipe(name)
         fwd = TrainerForward(master, recipe, matmul)
         logp = fwd.logprobs(packed, P, 3)
-        ref = score_completions(apply_recipe(master, recipe, matmul), recipe, packed["input_ids"], packed["attention_mask"],
-                                packed["completion_mask"], P, 3)
+        ref = score_completions(apply_recipe(master, recipe, matmul), recipe, packed["input_ids"],
+                                packed["attention_mask"], packed["completion_mask"], P, 3)
         assert torch.equal(logp.detach(), ref), report(name, logp.detach(), ref)
         (-logp.sum()).backward()
         grads = [p.grad for p in master.parameters()]
@@ -206,11 +208,12 @@ def test_shared_prompt_gradient_matches_whole_rows(tiny, tiny_prompts):
     packed, P = rollout.pack(0), rollout.prompt_width
     recipe = get_recipe("fp32")
     grads = []
+    ids, attn, comp = packed["input_ids"], packed["attention_mask"], packed["completion_mask"]
     for shared in (True, False):
         if shared:
-            logp = score_completions(master, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P, 3, grad=True)
+            logp = score_completions(master, recipe, ids, attn, comp, P, 3, grad=True)
         else:
-            logp = score(master, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], grad=True).logp
+            logp = score(master, recipe, ids, attn, comp, grad=True).logp
         (-logp.sum()).backward()
         grads.append({name: p.grad for name, p in master.named_parameters()})
         master.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ loss type and importance-sampling level.
 
 import pytest
 import torch
+
 from conftest import assert_close_eps, eps, forward_terms
 
 trl = pytest.importorskip("trl")
@@ -36,7 +37,8 @@ def trl_setup(tmp_path_factory):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 250, (P_LEN,), generator=gen).tolist() for _ in range(2)]
-    completions = [torch.randint(0, 250, (int(n),), generator=gen).tolist() for n in torch.randint(2, 7, (2 * G,), generator=gen)]
+    lengths = torch.randint(2, 7, (2 * G,), generator=gen)
+    completions = [torch.randint(0, 250, (int(n),), generator=gen).tolist() for n in lengths]
     # "Engine" log-probs: the model's own fp32 values, shifted per row and with noise of std 1, so the
     # correction ratios exp(logp_old - logp_engine) land on both sides of the cap 3 and of 1.
     engine_logps = []
@@ -59,7 +61,8 @@ def trl_setup(tmp_path_factory):
             vllm_importance_sampling_mode=mode or "sequence_mask",
         )
         ds = Dataset.from_dict({"prompt": ["x"] * (2 * G)})
-        tr = GRPOTrainer(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds, processing_class=lm.tokenizer)
+        tr = GRPOTrainer(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds,
+                         processing_class=lm.tokenizer)
         tr.use_vllm = mode is not None  # the correction runs only on the vLLM path; generation itself is replaced
         tr.vllm_importance_sampling_correction = mode is not None
         prompt_lists = [p for p in prompts for _ in range(G)]
@@ -104,13 +107,14 @@ def test_advantages_and_correction_weights_match_trl(trl_setup, mode):
     # (r - mean) / (std + 1e-4) in fp32: the group's mean and std are G-term sums of rewards of size max|r|, so
     # the numerator rounds by eps * max|r| * sqrt(G), then is divided by the std
     std = rewards.view(-1, G).std(-1).repeat_interleave(G)
-    assert_close_eps(adv, out["advantages"], torch.float32, rewards.abs().max() / (std + 1e-4), terms=G, name="advantages")
+    scale = rewards.abs().max() / (std + 1e-4)
+    assert_close_eps(adv, out["advantages"], torch.float32, scale, terms=G, name="advantages")
     logp = _ours_logp(lm, out).detach()
     # fp32 forwards by two code paths (ours: body, then the head on the scored rows; TRL: the whole model, then
     # its selective log-softmax): the whole forward's reductions may be reordered (measured: bit-identical here)
     terms = forward_terms(lm.model.config, out["prompt_ids"].shape[1] + out["completion_ids"].shape[1])
-    assert_close_eps(logp[mask], out["old_per_token_logps"][mask], torch.float32, _logit_scale(lm, out)[mask], terms=terms,
-                     name="logp")
+    scale = _logit_scale(lm, out)[mask]
+    assert_close_eps(logp[mask], out["old_per_token_logps"][mask], torch.float32, scale, terms=terms, name="logp")
     sampling = out["sampling_per_token_logps"]
     weight, masked = rollout_correction(out["old_per_token_logps"], sampling, mask, mode, CorrectionParams(cap=3.0))
     trl_w = out["importance_sampling_ratio"].expand_as(weight)
@@ -145,10 +149,12 @@ def test_loss_matches_trl(trl_setup, loss_type, level, mode):
     # too (0 here: they agree bit for bit; a few fp32 ulps of the logits on other kernels).
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     with torch.no_grad():
-        trl_logp = tr._get_per_token_logps_and_entropies(tr.model, ids, torch.cat([out["prompt_mask"], mask], 1), mask.shape[1])[0]
+        attn = torch.cat([out["prompt_mask"], mask], 1)
+        trl_logp = tr._get_per_token_logps_and_entropies(tr.model, ids, attn, mask.shape[1])[0]
     m = mask.bool()
     delta = (logp.detach() - trl_logp)[m].abs().max()
-    term = (torch.exp(logp.detach() - old) * out["advantages"].abs()[:, None] * (1 if weight is None else weight))[m].abs().max()
+    ratio = torch.exp(logp.detach() - old)
+    term = (ratio * out["advantages"].abs()[:, None] * (1 if weight is None else weight))[m].abs().max()
     K = int(m.sum())
     bound = term * (delta + 2 * eps(torch.float32) * K**0.5)
     assert abs(ours.loss.item() - trl_loss.item()) <= bound, (ours.loss.item(), trl_loss.item(), f"bound {bound:.3e}")

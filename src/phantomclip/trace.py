@@ -381,7 +381,7 @@ def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
     if reference.weight_dtype != torch.float32 or reference.autocast_dtype or recipe.compute_dtype == torch.float32:
         return {}
     say("splitting β into weights and compute")
-    emulated = resolve_matmul(st.cfg.matmul) == "emulated"
+    emulated = resolve_matmul(st.cfg.matmul, dtype=recipe.compute_dtype) == "emulated"
 
     def beta(model: nn.Module, r: Recipe) -> torch.Tensor:  # [N]; the model is dropped once scored
         return _logp(model, r, st.packed) - logp_ref

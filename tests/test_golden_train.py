@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import cpu_kind
 
+from conftest import cpu_kind
 from phantomclip.cli import main
 
 GOLDEN = Path(__file__).parent / "golden" / f"train-tiny-{cpu_kind()}"
@@ -18,12 +18,14 @@ ARGS = ["--model", "tiny-random:30", "--steps", "3", "--group-size", "4", "--max
 
 def _pairs(old: dict, new: dict) -> dict[str, tuple[float, float]]:
     same = {k: (old[k], new[k]) for k in ("reward/mean", "reward/std", "completion/length_mean", "train/loss",
-                                          "train/grad_norm", "sync/changed_share", "mismatch/log_ratio_mean", "clip/rate")}
+                                          "train/grad_norm", "sync/changed_share", "mismatch/log_ratio_mean",
+                                          "clip/rate")}
     return {**same,
             "beta_mean -> beta_precision_mean": (old["mismatch/beta_mean"], new["mismatch/beta_precision_mean"]),
-            "beta_abs_mean -> beta_precision_abs_mean": (old["mismatch/beta_abs_mean"], new["mismatch/beta_precision_abs_mean"]),
-            "alpha_mean -> alpha_mean + beta_kernel_mean": (old["mismatch/alpha_mean"],
-                                                            new["mismatch/alpha_mean"] + new["mismatch/beta_kernel_mean"])}
+            "beta_abs_mean -> beta_precision_abs_mean": (old["mismatch/beta_abs_mean"],
+                                                         new["mismatch/beta_precision_abs_mean"]),
+            "alpha_mean -> alpha_mean + beta_kernel_mean": (
+                old["mismatch/alpha_mean"], new["mismatch/alpha_mean"] + new["mismatch/beta_kernel_mean"])}
 
 
 @pytest.mark.skipif(not GOLDEN.exists(), reason=f"no golden recorded for this CPU kind ({cpu_kind()})")

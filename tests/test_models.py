@@ -3,8 +3,8 @@ import os
 
 import pytest
 import torch
-from conftest import offline
 
+from conftest import offline
 from phantomclip.models import ModelError, atomic_save_dir, load_model, tiny_tokenizer
 
 

@@ -5,23 +5,27 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import bad_cli
 
+from conftest import bad_cli
 from phantomclip.cli import main
 from phantomclip.report import FIGURES, WIDGETS, ReportData, build, collect, render
 
-SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio", "3. From logit error to ratio error",
-            "4. Phantom clipping", "5. The closed loop", "6. Interventions", "7. Appendix"]
+SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
+            "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop", "6. Interventions",
+            "7. Appendix"]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """A diagnose JSON, a trace JSON and a sanity experiment of two arms x two seeds, all from the tiny model."""
     d = tmp_path_factory.mktemp("src")
-    assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10", "--json", str(d / "diagnose.json")]) == 0
-    assert main(["trace", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--no-what-if", "--json", str(d / "trace.json")]) == 0
-    assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3",
-                 "--steps", "3", "--seeds", "2", "--out", str(d / "sanity"), "--only", "none,force-r1"]) == 0
+    assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10",
+                 "--json", str(d / "diagnose.json")]) == 0
+    assert main(["trace", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--no-what-if",
+                 "--json", str(d / "trace.json")]) == 0
+    assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2",
+                 "--lr", "3e-3", "--steps", "3", "--seeds", "2", "--out", str(d / "sanity"),
+                 "--only", "none,force-r1"]) == 0
     return d
 
 
@@ -47,7 +51,8 @@ def test_page_has_every_section_and_figure_offline(sources, tmp_path):
     # the histogram holds every token's β of the first recipe: the figure is drawn from the data, not a sketch
     diag = json.loads((sources / "diagnose.json").read_text())
     first = next(iter(diag["tokens"]["per_recipe"]))
-    assert figures["beta_hist"]["data"][0]["x"] == [b for b in diag["tokens"]["per_recipe"][first]["beta"] if b is not None]
+    assert figures["beta_hist"]["data"][0]["x"] == [b for b in diag["tokens"]["per_recipe"][first]["beta"]
+                                                    if b is not None]
     # the split figure: total, precision and kernel mean |β| per recipe, straight from the JSON
     total, precision, kernel = (t["y"] for t in figures["beta_split"]["data"])
     assert total == [v["beta_abs_mean"] for v in diag["recipes"].values()]
@@ -65,16 +70,19 @@ def test_missing_data_names_the_command():
 
 
 def test_report_bad_input(capsys, tmp_path, sources):
-    assert "no such file or directory" in bad_cli(["report", "--from", str(tmp_path / "nope"), "--out", str(tmp_path / "r")], capsys)
+    assert "no such file or directory" in bad_cli(["report", "--from", str(tmp_path / "nope"),
+                                                   "--out", str(tmp_path / "r")], capsys)
     (tmp_path / "empty").mkdir()
-    assert "found no diagnose JSON" in bad_cli(["report", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")], capsys)
+    assert "found no diagnose JSON" in bad_cli(["report", "--from", str(tmp_path / "empty"),
+                                                "--out", str(tmp_path / "r")], capsys)
     (tmp_path / "afile").write_text("x")
     assert "is a file" in bad_cli(["report", "--from", str(sources), "--out", str(tmp_path / "afile")], capsys)
     newer = tmp_path / "newer"
     newer.mkdir()
     diag = json.loads((sources / "diagnose.json").read_text())
     (newer / "d.json").write_text(json.dumps({**diag, "schema": 99}))
-    assert "data schema 99, newer than this phantomclip reads (1)" in bad_cli(["report", "--from", str(newer), "--out", str(tmp_path / "r")], capsys)
+    assert "data schema 99, newer than this phantomclip reads (1)" in bad_cli(["report", "--from", str(newer),
+                                                                               "--out", str(tmp_path / "r")], capsys)
 
 
 def test_a_killed_run_is_read_up_to_its_last_complete_line(sources, tmp_path):
@@ -131,7 +139,8 @@ def test_page_in_a_real_browser(sources, tmp_path):
         empty.write_text(render(ReportData()))
         page.goto(empty.as_uri())
         notes = page.locator(".missing")
-        assert notes.count() == len(FIGURES) + 1 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text()
+        assert (notes.count() == len(FIGURES) + 1
+                and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text())
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())
         phone.wait_for_function("document.querySelectorAll('.figure .main-svg').length > 0")
@@ -149,8 +158,10 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
     import sys
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli", "report", "--serve", "--port", "0", "--out", str(tmp_path / "r")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli", "report", "--serve", "--port", "0",
+                             "--out", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = None
         for line in proc.stdout:
@@ -180,7 +191,8 @@ def test_arm_bands_are_the_t_interval_over_seeds(sources):
     lengths = [r["metrics"][1]["completion/length_mean"] for r in data.runs if r["name"].startswith("none/")]
     ci = t_interval(lengths)  # step 2 of both seeds
     assert line["y"][1] == pytest.approx(ci["mean"]) and line["name"] == "none (2 seeds)"
-    assert band["y"][1] == pytest.approx(ci["high"]) and band["y"][-2] == pytest.approx(ci["low"])  # upper, then lower reversed
+    # upper, then lower reversed
+    assert band["y"][1] == pytest.approx(ci["high"]) and band["y"][-2] == pytest.approx(ci["low"])
     table = html_sanity_table(data)
     summary = data.sanity[0]
     assert "the baseline" in table and summary["verdict"][0].split(": ", 1)[1] in table

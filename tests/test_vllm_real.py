@@ -14,7 +14,6 @@ else:
     pytest.importorskip("vllm")
 
 from conftest import report
-
 from phantomclip.diagnose import DiagnoseConfig, run_diagnose
 from phantomclip.engine import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine
@@ -66,7 +65,8 @@ def test_processed_logprobs_carry_log_kept_mass(bundled):
     naive = s.logp[m] - processed
     corrected = s.logp[m] - s.log_kept[m] - processed
     assert naive.mean() < -0.02 and (naive <= 1e-3).all(), report("naive vs log S", naive, s.log_kept[m])
-    assert corrected.abs().max() < 1e-3, report("trainer renormalised vs vLLM processed", s.logp[m] - s.log_kept[m], processed)
+    assert corrected.abs().max() < 1e-3, report("trainer renormalised vs vLLM processed", s.logp[m] - s.log_kept[m],
+                                                processed)
 
 
 def test_diagnose_vllm_bf16_gap_and_exact_split(bundled):
@@ -75,11 +75,13 @@ def test_diagnose_vllm_bf16_gap_and_exact_split(bundled):
                          max_model_len=1024)
     d = run_diagnose(cfg)
     fp32, bf16 = d["recipes"]["fp32"], d["recipes"]["bf16"]
-    assert d["engine"]["kind"] == "vllm" and d["engine"]["nonfinite_logprobs"] == 0 and fp32["tokens"] == d["engine"]["tokens"]
+    assert (d["engine"]["kind"] == "vllm" and d["engine"]["nonfinite_logprobs"] == 0
+            and fp32["tokens"] == d["engine"]["tokens"])
     assert fp32["beta_abs_mean"] > 1e-3
     for stats in (fp32, bf16):
         split = stats["split"]
-        assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"], abs=1e-12)
+        assert stats["beta_mean"] == pytest.approx(split["precision"]["beta_mean"] + split["kernel"]["beta_mean"],
+                                                   abs=1e-12)
     beta, precision = d["tokens"]["per_recipe"]["fp32"]["beta"], d["tokens"]["per_recipe"]["fp32"]["beta_precision"]
     kernel, bf16_beta = d["tokens"]["beta_kernel"], d["tokens"]["per_recipe"]["bf16"]["beta"]
     # per token, β = β_precision + β_kernel to the JSON's rounding (each value to 1e-6: the sum within 1.5e-6)

@@ -1,7 +1,9 @@
 """Behaviour kept through the house refactor and the three-way split: 3-step tiny runs recorded at 57c664d (before
 both) give the same numbers now. The split renamed what the old keys meant: old β = logp − logp_shadow is now
 β_precision, and old α = logp_shadow − logp_engine is now α + β_kernel; the optimisation itself (loss, gradient
-norm, rewards, lengths) must not move at all. shadow-ratio is left out: it now clips on α alone, by design."""
+norm, rewards, lengths) must not move at all. shadow-ratio is left out: it now clips on α alone, by design.
+The fp16 file was recorded at 57c664d with `--matmul emulated`: since 9e3e6ef `auto` picks the emulated fp16 kernel on
+CPUs without fp16 instructions (this one), so that is the arithmetic the default run does now."""
 
 import json
 import math

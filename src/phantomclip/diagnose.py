@@ -34,7 +34,7 @@ from .metrics import (
 from .models import BUNDLED_NAME, LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_prompts, read_prompts
-from .recipes import RECIPES, apply_recipe, engine_recipe, get_recipe, resolve_matmul
+from .recipes import RECIPES, apply_recipe, cpu_description, engine_recipe, get_recipe, resolve_matmul
 from .runs import progress_bar, rounded
 from .scoring import score
 
@@ -179,7 +179,7 @@ class Prepared:
     """n prompts (the prompt set reused in order when n exceeds it)."""
     engine_dtype: torch.dtype
     matmul: str
-    """'native' or 'emulated' ('auto' resolved for this machine)."""
+    """the --matmul mode as given ('auto' is resolved per dtype where a model is laid out: recipes.resolve_matmul)."""
     truncation: tuple[int, float, float] | None
     """(top_k, top_p, min_p) when sampling truncates the distribution, else None."""
 
@@ -265,7 +265,7 @@ def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
     check_context(cfg, lm.context_length, prompts_text, prompt_ids)
     return Prepared(
         lm=lm, prompt_ids=[prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)],
-        engine_dtype=parse_dtype(cfg.engine_dtype), matmul=resolve_matmul(cfg.matmul),
+        engine_dtype=parse_dtype(cfg.engine_dtype), matmul=cfg.matmul,
         truncation=(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling(0).truncated else None,
     )
 
@@ -381,6 +381,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         "schema": SCHEMA_VERSION,
         "config": asdict(cfg),
         "versions": _versions(),
+        "cpu": cpu_description(cfg.matmul),
         "model": {
             "name": lm.name, "source": lm.source, "parameters": sum(p.numel() for p in lm.model.parameters()),
             "layers": getattr(lm.model.config, "num_hidden_layers", None),

@@ -216,6 +216,11 @@ def render(result: dict, console: Console) -> None:
         f"sampled by a {e['dtype']} {e['kind']} engine ({how}, {e['tokens_per_s']:.0f} tok/s); "
         f"ε_low={result['trust_region']['epsilon_low']:g}, ε_high={result['trust_region']['epsilon_high']:g}"
     )
+    if "cpu" in result:  # the kernels decide the figures: every run names its machine
+        cpu = result["cpu"]
+        has = ", ".join(f"{d} {'yes' if ok else 'no'}" for d, ok in cpu["native"].items())
+        picked = ", ".join(f"{d} {k}" for d, k in cpu["kernels"].items())
+        console.print(f"CPU: {cpu['model']} (native low-precision matmul: {has}); kernels: {picked}")
     recs = result["recipes"]
     titles = ("β = logp − logp_engine per token, at α = 0",
               "where β lives: probability buckets, sequences, divergences")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .numerics import dtype_name
-from .recipes import Recipe, apply_recipe, engine_recipe
+from .recipes import Recipe, apply_recipe, engine_recipe, kernel_name
 from .scoring import cache_kwarg, position_ids_from_mask, truncate_logprobs
 
 
@@ -179,7 +179,8 @@ class LocalEngine:
         return sync_weights(self.model, weights, count_changes)
 
     def describe(self) -> dict:
-        return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": self.matmul, "startup_seconds": 0.0}
+        kernel = kernel_name(self.matmul, self.recipe.compute_dtype)
+        return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": kernel, "startup_seconds": 0.0}
 
     def close(self) -> None:
         """Nothing to free: the engine is its model copy, released with the object."""

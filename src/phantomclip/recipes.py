@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PhantomclipError
+from .numerics import dtype_name
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,24 @@ def resolve_matmul(matmul: str, device: torch.device | str = "cpu", dtype: torch
     if matmul != "auto":
         return matmul
     return "native" if torch.device(device).type != "cpu" or native_low_precision_cpu(dtype) else "emulated"
+
+
+def kernel_name(matmul: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """What a forward in `dtype` runs: 'fp32', else the resolved 'native' or 'emulated' low-precision matmul."""
+    return "fp32" if dtype == torch.float32 else resolve_matmul(matmul, device, dtype)
+
+
+def cpu_description(matmul: str = "auto") -> dict:
+    """This CPU's model name, whether it has native bf16 / fp16 matmul instructions, and the kernel `matmul` picks for
+    each (diagnose's header and JSON: figures depend on the kernel, so every one names its machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        name = "unknown"
+    native = {dtype_name(d): native_low_precision_cpu(d) for d in (torch.bfloat16, torch.float16)}
+    kernels = {dtype_name(d): kernel_name(matmul, d) for d in (torch.bfloat16, torch.float16)}
+    return {"model": name, "native": native, "kernels": kernels}
 
 
 def _emulated_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import cpu_kind
 
+from conftest import cpu_kind
 from phantomclip.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"

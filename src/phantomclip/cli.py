@@ -1,4 +1,5 @@
-"""Command line: `phantomclip diagnose | train | experiment sanity | trace | report`. Bad input exits with status 2 and one line, never a traceback."""
+"""Command line: `phantomclip diagnose | train | experiment | trace | engines | report`. Bad input exits with status 2
+and one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                    defaults: dict | None = None) -> None:
     """One --flag per dataclass field, typed from its default, with the field's docstring as help.
     `defaults` overrides some fields' defaults for this command."""
     import dataclasses
@@ -77,7 +79,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
             continue
         flag = "--" + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
-        if isinstance(default, list):  # list fields take comma-separated values (the config's __post_init__ splits them)
+        # list fields take comma-separated values (the config's __post_init__ splits them)
+        if isinstance(default, list):
             default = ",".join(map(str, default))
         help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if isinstance(default, bool):
@@ -143,7 +146,8 @@ def _run_train(args) -> int:
     result = train(cfg, out=out, resume=args.resume, console=err)
     last = result.metrics[-1] if result.metrics else {}
     state = "stopped (checkpoint written; --resume continues)" if result.interrupted else "done"
-    err.print(f"{state}: {len(result.metrics)}/{cfg.steps} steps in {out}; last reward {last.get('reward/mean', float('nan')):.2f}, "
+    err.print(f"{state}: {len(result.metrics)}/{cfg.steps} steps in {out}; "
+              f"last reward {last.get('reward/mean', float('nan')):.2f}, "
               f"mean length {last.get('completion/length_mean', float('nan')):.1f}")
     if result.metrics:
         err.print(whole_run_line(run_phantom_summary(result.metrics)))
@@ -169,7 +173,8 @@ def _experiment_parser(sub) -> None:
         add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS)
         s.add_argument("--seeds", type=_whole_number, default=DEFAULT_SEEDS,
                        help=f"seeds per arm: --seed, --seed + 1, ... (default {DEFAULT_SEEDS})")
-        s.add_argument("--out", default=f"runs/{name}", help=f"experiment directory (default: runs/{name}); rerun to continue")
+        s.add_argument("--out", default=f"runs/{name}",
+                       help=f"experiment directory (default: runs/{name}); rerun to continue")
         s.add_argument("--only", default=None, help="comma-separated arm names to run (default: all)")
         s.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoint.pt (default: "
                        "deleted once a run is finished; only needed to extend a run)")
@@ -216,9 +221,11 @@ def _split_run_names(text: str) -> list[str]:
 def _trace_parser(sub) -> None:
     from .trace import TraceConfig
 
-    p = sub.add_parser("trace", help="where β is born: error along depth, first-order link, weights vs compute, what-if recipes",
-                       description="Run a recipe and a reference on the same tokens with forward hooks and report where their "
-                       "outputs diverge, how logit errors become log-prob errors, and which modules kept in fp32 remove most of β.")
+    p = sub.add_parser("trace", help="where β is born: error along depth, first-order link, weights vs compute, "
+                       "what-if recipes",
+                       description="Run a recipe and a reference on the same tokens with forward hooks and report "
+                       "where their outputs diverge, how logit errors become log-prob errors, and which modules kept in "
+                       "fp32 remove most of β.")
     add_config_args(p, TraceConfig)
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
 
@@ -252,9 +259,11 @@ def _run_trace(args) -> int:
 def _engines_parser(sub) -> None:
     from .engines.compare import CompareConfig
 
-    p = sub.add_parser("engines", help="what the real engine costs: start-up and tokens/s of the in-process engine and vLLM",
-                       description="Sample the same prompts with the same seeds in each dtype with each engine, and report "
-                       "start-up and median sampling throughput (vLLM must be installed for --engines vllm: see README).")
+    p = sub.add_parser("engines", help="what the real engine costs: start-up and tokens/s of the in-process engine "
+                       "and vLLM",
+                       description="Sample the same prompts with the same seeds in each dtype with each engine, and "
+                       "report start-up and median sampling throughput (vLLM must be installed for --engines vllm: see "
+                       "README).")
     add_config_args(p, CompareConfig)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH")
 
@@ -267,11 +276,14 @@ def _run_engines(args) -> int:
 
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="an interactive, offline HTML article built from your measurements",
-                       description="Build report/index.html from diagnose JSON files, trace JSON files, run directories and "
-                       "experiment directories (searched recursively). With --serve, build from the bundled demo data "
+                       description="Build report/index.html from diagnose JSON files, trace JSON files, run "
+                       "directories and experiment directories (searched recursively). With --serve, build from the "
+                       "bundled demo data "
                        "(or --from) and serve it on http://127.0.0.1:PORT.")
-    p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="PATH", help="files or directories to read (default with --serve: the bundled demo data)")
-    p.add_argument("--out", default=None, help="output directory (default: report/; a temporary directory with --serve)")
+    p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="PATH",
+                   help="files or directories to read (default with --serve: the bundled demo data)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: report/; a temporary directory with --serve)")
     p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="port for --serve (default 8000; 0 picks a free one)")
 
@@ -284,7 +296,8 @@ def _run_report(args) -> int:
     from .report import ReportError, build, demo_sources
 
     if not args.sources and not args.serve:
-        raise ReportError("give --from PATH... (diagnose JSON, run or experiment directories), or --serve for the demo data")
+        raise ReportError("give --from PATH... (diagnose JSON, run or experiment directories), or --serve for the "
+                          "demo data")
     sources = args.sources or demo_sources()
     out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
     page = build(sources, out)
@@ -294,7 +307,8 @@ def _run_report(args) -> int:
         try:
             server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler)
         except OSError as e:
-            raise ReportError(f"--port {args.port}: cannot serve there ({e.strerror or e}); pick another port, or 0 for a free one") from None
+            raise ReportError(f"--port {args.port}: cannot serve there ({e.strerror or e}); pick another port, or 0 "
+                              "for a free one") from None
         with server:
             print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
             try:
@@ -305,7 +319,8 @@ def _run_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
+    parser = OneLineParser(prog="phantomclip",
+                           description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
     _diagnose_parser(sub)
     _train_parser(sub)
@@ -317,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
     from .errors import PhantomclipError
 
-    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace, "engines": _run_engines,
+    commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace,
+                "engines": _run_engines,
                 "report": _run_report}
     try:
         return commands[args.command](args)

@@ -224,8 +224,8 @@ def _trace_parser(sub) -> None:
     p = sub.add_parser("trace", help="where β is born: error along depth, first-order link, weights vs compute, "
                        "what-if recipes",
                        description="Run a recipe and a reference on the same tokens with forward hooks and report "
-                       "where their outputs diverge, how logit errors become log-prob errors, and which modules kept in "
-                       "fp32 remove most of β.")
+                       "where their outputs diverge, how logit errors become log-prob errors, and which modules kept "
+                       "in fp32 remove most of β.")
     add_config_args(p, TraceConfig)
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
 

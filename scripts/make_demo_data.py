@@ -76,7 +76,7 @@ def copy_sanity(src: Path) -> None:
             cfg = json.loads((run / "config.json").read_text())
             configs[arm] = cfg
             rows = read_jsonl(run / "metrics.jsonl")
-            results.append(summarize_run(arm, seed, rows, cfg["steps"]))
+            results.append(summarize_run(arm, seed, rows, cfg["steps"], patience=max(1, cfg["stop_after_converged"])))
             out = run_dir(dst, arm, seed)
             out.mkdir(parents=True)
             shutil.copyfile(run / "config.json", out / "config.json")

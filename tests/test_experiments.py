@@ -57,6 +57,12 @@ def test_summarize_run_hand_worked():
     assert s["wall_s"] == 14.0
     never = summarize_run("none", 0, _rows([9.0] * 4), budget=4)
     assert not never["converged"] and never["steps_to_converge"] == 4  # censored at the budget
+    # patience 3: converged flags at steps 2, 4, 5, 6 -> the first 3-step streak starts at step 4
+    flaky = _rows([9.0, 1, 9, 1, 1, 1], converged_from=4)
+    flaky[1]["task/converged"] = True
+    assert summarize_run("none", 0, flaky, budget=6)["steps_to_converge"] == 2  # patience 1: the first flag
+    assert summarize_run("none", 0, flaky, budget=6, patience=3)["steps_to_converge"] == 4
+    assert not summarize_run("none", 0, flaky[:5], budget=6, patience=3)["converged"]  # steps 4, 5 only
 
 
 def test_intervals_and_verdict_on_a_made_up_3_seed_table():

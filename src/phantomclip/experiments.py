@@ -136,7 +136,8 @@ def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoin
             done, interrupted = result.metrics, result.interrupted
         if not interrupted and not keep_checkpoints:
             (path / "checkpoint.pt").unlink(missing_ok=True)
-        results.append(summarize_run(arm, seed, done, cfg.steps, finished=not interrupted))
+        results.append(summarize_run(arm, seed, done, cfg.steps, finished=not interrupted,
+                                     patience=max(1, cfg.stop_after_converged)))
         summary = summarize(matrix, results)
         write_summary(summary, out)  # after every run, so an interrupted experiment still has its table
         if interrupted:  # Ctrl-C: the run has its checkpoint; rerunning the command continues from it
@@ -157,10 +158,14 @@ def length_curve(metrics: list[dict], budget: int) -> list[float]:
     return lengths
 
 
-def summarize_run(arm: str, seed: int, metrics: list[dict], budget: int, finished: bool = True) -> dict:
+def summarize_run(arm: str, seed: int, metrics: list[dict], budget: int, finished: bool = True,
+                  patience: int = 1) -> dict:
     """One run's row: its length figures, convergence (censored at the budget) and whole-run clip accounting.
+    A run converged at the first step that starts `patience` consecutive converged steps (the run's
+    stop_after_converged, so the step it stopped for): one lucky batch below the threshold does not count.
     `finished`: False for a run interrupted before its budget (left out of the per-arm figures)."""
-    converged = next((r["step"] for r in metrics if r.get("task/converged")), None)
+    flags = [bool(r.get("task/converged")) for r in metrics]
+    converged = next((metrics[i]["step"] for i in range(len(flags) - patience + 1) if all(flags[i:i + patience])), None)
     last = metrics[-RUN_WINDOW:]
     curve = length_curve(metrics, budget)
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows) if rows else float("nan")  # noqa: E731

@@ -300,7 +300,8 @@ def _per_step(data: ReportData, key: str, title: str, ylabel: str, carry: bool =
             traces.append({"type": "scatter", "x": x + x[::-1], "y": highs + lows[::-1], "fill": "toself",
                            "mode": "lines", "line": {"width": 0}, "fillcolor": colour, "opacity": 0.18,
                            "hoverinfo": "skip", "showlegend": False, **common})
-        traces.append({"type": "scatter", "mode": "lines", "name": f"{arm} ({len(runs)} seeds)", "x": x,
+        seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
+        traces.append({"type": "scatter", "mode": "lines", "name": f"{arm} ({seeds})", "x": x,
                        "y": [scale * t["mean"] for t in stats], "line": {"color": colour}, **common})
     return {"data": traces, "layout": _layout(title, "step", ylabel)}
 

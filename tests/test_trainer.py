@@ -407,3 +407,21 @@ def test_trainer_scores_at_the_sampling_temperature():
     noise = fp32_forward_noise(model, model.config.max_position_embeddings) / 0.7
     assert all(abs(r["mismatch/log_ratio_mean"]) <= noise and r["mismatch/beta_abs_mean"] <= noise for r in rows), (
         noise, rows)
+
+
+def test_icepop_bounds_reach_the_correction_and_old_runs_resume_without_them(tmp_path):
+    """--icepop-low/--icepop-high set the band IcePop masks outside of: a band of ±0.1% around 1 masks most tokens
+    (π/μ carries the bf16 gap, mean |β| ~1e-2 here), the default [0.5, 2] almost none. A run written before the
+    fields existed (no such keys in config.json) resumes as if they had their defaults."""
+    import json
+
+    narrow = train(TrainConfig(**TINY, steps=2, intervention="icepop", icepop_low=0.999, icepop_high=1.001)).metrics
+    wide = train(TrainConfig(**TINY, steps=2, intervention="icepop")).metrics
+    assert narrow[0]["clip/masked_rate"] > 0.5 > wide[0]["clip/masked_rate"]
+    with pytest.raises(TrainConfigError, match="icepop"):
+        TrainConfig(icepop_low=1.5).validate()
+    train(TrainConfig(**TINY, steps=1), out=tmp_path / "old")
+    cfg_path = tmp_path / "old" / "config.json"
+    old = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("icepop")}
+    cfg_path.write_text(json.dumps(old))
+    assert len(train(TrainConfig(**TINY, steps=2), out=tmp_path / "old", resume=True).metrics) == 2

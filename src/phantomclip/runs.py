@@ -156,14 +156,17 @@ class RunDir:
 
     @classmethod
     def resume(
-        cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",)
+        cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",),
+        defaults: dict[str, Any] | None = None,
     ) -> tuple[RunDir, dict | None]:
-        """Reopen a run whose config matches `config` (except `ignore`); returns it and its checkpoint (or None)."""
+        """Reopen a run whose config matches `config` (except `ignore`); returns it and its checkpoint (or None).
+        `defaults`: values of config keys added since older runs were made; a key the run's config.json lacks
+        counts as its default (a setting that did not exist then ran as its default does now)."""
         run = cls(Path(path))
         cfg_path = run.path / "config.json"
         if not cfg_path.exists():
             raise RunError(f"{run.path} holds no run to resume (no config.json): drop --resume to start one")
-        diff = config_diff(json.loads(cfg_path.read_text()), config, ignore)
+        diff = config_diff({**(defaults or {}), **json.loads(cfg_path.read_text())}, config, ignore)
         if diff:
             raise RunError(f"--resume: {run.path} was made with a different configuration: {'; '.join(diff)}")
         ckpt = torch.load(run.checkpoint_path, weights_only=False) if run.checkpoint_path.exists() else None

@@ -47,6 +47,8 @@ from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import GracefulStop, RunDir, progress_bar, rounded
 
 EXPERIMENT_LR = 3e-5
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0}
+"""config fields added after runs were first written: an older run resumes as if they had their defaults."""
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
 
@@ -97,6 +99,10 @@ class TrainConfig:
     """the engine samples with weights this many steps old (0 = on-policy)."""
     correction_cap: float = 3.0
     """cap C of the truncate / mask rollout corrections."""
+    icepop_low: float = 0.5
+    """IcePop (`icepop` intervention): tokens whose π/μ is below this are masked (Ring-1T's 0.5)."""
+    icepop_high: float = 2.0
+    """IcePop: tokens whose π/μ is above this are masked (Ring-1T's 2)."""
     seed: int = 0
     """seeds prompt choice and sampling: a run is deterministic for a seed."""
     stop_after_converged: int = 0
@@ -118,6 +124,8 @@ class TrainConfig:
             (self.group_size >= 2,
              f"--group-size must be >= 2 (GRPO compares completions of one prompt), got {self.group_size}"),
             (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
+            (0 <= self.icepop_low < 1 < self.icepop_high,
+             f"IcePop needs 0 <= --icepop-low < 1 < --icepop-high, got {self.icepop_low} and {self.icepop_high}"),
             (self.staleness >= 0, f"--staleness must be >= 0 (0 = on-policy), got {self.staleness}"),
             (self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
@@ -321,7 +329,7 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
     run, ckpt = None, None
     if out is not None and resume:
-        run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE)
+        run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1)
     elif out is not None:
         run = RunDir.create(out, config)
     return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool,
@@ -462,7 +470,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).
     is_ref = batch.logp_old if batch.logp_old is not None else logp.detach()
     is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction,
-                                              CorrectionParams(cap=cfg.correction_cap))
+                                              CorrectionParams(cfg.correction_cap, cfg.icepop_low, cfg.icepop_high))
     alpha = logp_shadow - logp_shadow_old  # [B, L] the policy's own change, engine recipe on both sides
     out = grpo_loss(
         logp, logp_old, advantages, mask, plan.eps_low, plan.eps_high, cfg.loss_type, cfg.importance_level,

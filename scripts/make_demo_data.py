@@ -28,11 +28,11 @@ DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converged", 
 
 def _finished(run: Path) -> bool:
     from phantomclip.runs import read_jsonl
-    from phantomclip.trainer import finished_early
+    from phantomclip.trainer import run_finished
 
     cfg = json.loads((run / "config.json").read_text())
     rows = read_jsonl(run / "metrics.jsonl")
-    return len(rows) >= cfg["steps"] or finished_early(rows, cfg.get("stop_after_converged", 0))
+    return run_finished(rows, cfg["steps"], cfg.get("stop_after_converged", 0))
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from . import SCHEMA_VERSION
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import RunDir, atomic_write_bytes, write_json
-from .trainer import TrainConfig, finished_early, train
+from .trainer import TrainConfig, run_finished, train
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",
@@ -131,7 +131,7 @@ def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoin
             note = f" (continuing at step {len(done)})" if done else ""
             console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {arm} seed {seed}{note}")
         interrupted = False
-        if len(done) < cfg.steps and not finished_early(done, cfg.stop_after_converged):
+        if not run_finished(done, cfg.steps, cfg.stop_after_converged):
             result = train(cfg, out=path, resume=(path / "config.json").exists(), console=console)
             done, interrupted = result.metrics, result.interrupted
         if not interrupted and not keep_checkpoints:

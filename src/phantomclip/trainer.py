@@ -435,6 +435,11 @@ def finished_early(metrics: list[dict], patience: int) -> bool:
     return patience > 0 and len(metrics) >= patience and all(r["task/converged"] for r in metrics[-patience:])
 
 
+def run_finished(metrics: list[dict], steps: int, patience: int) -> bool:
+    """A run with these metric rows has nothing left to do: its whole budget ran, or it stopped early once converged."""
+    return len(metrics) >= steps or finished_early(metrics, patience)
+
+
 def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, cfg: TrainConfig) -> torch.Tensor:
     """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch), at the sampling
     temperature."""

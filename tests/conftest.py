@@ -103,7 +103,10 @@ def bad_cli(args: list[str], capsys, after_progress: bool = False) -> str:
     progress lines; the error must still be one line, the last."""
     from phantomclip.cli import main
 
-    code = main(args)
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own errors exit from inside parse_args
+        code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert "Traceback" not in err, err

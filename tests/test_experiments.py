@@ -128,8 +128,8 @@ def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsy
 
 def test_train_bad_inputs_exit_2(tmp_path, capsys):
     assert "unknown task 'nope'" in bad_cli(["train", *TINY, "--task", "nope", "--out", str(tmp_path / "a")], capsys)
-    assert "--staleness must be >= 0" in bad_cli(["train", "--staleness", "-1"], capsys)
-    assert "--group-size must be >= 2" in bad_cli(["train", "--group-size", "1"], capsys)
+    assert "--staleness must be a whole number >= 0, got -1" in bad_cli(["train", "--staleness", "-1"], capsys)
+    assert "--group-size must be a whole number >= 2, got 1" in bad_cli(["train", "--group-size", "1"], capsys)
     assert "unknown intervention" in bad_cli(["train", "--intervention", "magic"], capsys)
     assert "cannot import nosuchmodule" in bad_cli(["train", *TINY, "--reward", "nosuchmodule:f",
                                                     "--out", str(tmp_path / "b")], capsys)

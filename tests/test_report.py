@@ -90,7 +90,7 @@ def test_a_killed_run_is_read_up_to_its_last_complete_line(sources, tmp_path):
     shutil.copytree(sources / "sanity" / "none" / "seed-0", run)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "reward/me')  # torn by SIGKILL
-    with pytest.warns(UserWarning, match="last line is incomplete"):
+    with pytest.warns(UserWarning, match=r"the last line \(4\) is incomplete"):
         data = collect([run])
     assert [m["step"] for m in data.runs[0]["metrics"]] == [1, 2, 3]
 

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from phantomclip.errors import PhantomclipWarning, WriteError
 from phantomclip.runs import RunDir, RunError, config_diff, read_jsonl
 
 
@@ -15,17 +16,20 @@ def test_create_log_checkpoint_resume(tmp_path):
             run.save_checkpoint({"step": 3, "w": torch.ones(2) * 3})
     with open(run.metrics_path, "a") as f:
         f.write('{"step": 6, "lo')  # torn line from a SIGKILL
-    assert [r["step"] for r in run.metrics()] == [1, 2, 3, 4, 5]
+    with pytest.warns(PhantomclipWarning, match=r"metrics.jsonl: the last line \(6\) is incomplete"):
+        assert [r["step"] for r in run.metrics()] == [1, 2, 3, 4, 5]
     with pytest.raises(RunError, match="already holds a run"):
         RunDir.create(tmp_path / "r", cfg)
-    again, ckpt = RunDir.resume(tmp_path / "r", {**cfg, "steps": 20})  # more steps is allowed
+    run.close()
+    with pytest.warns(PhantomclipWarning):
+        again, ckpt = RunDir.resume(tmp_path / "r", {**cfg, "steps": 20})  # more steps is allowed
     assert ckpt["step"] == 3 and torch.equal(ckpt["w"], torch.ones(2) * 3)
     assert [r["step"] for r in again.metrics()] == [1, 2, 3]  # steps after the checkpoint are dropped
     assert json.loads((tmp_path / "r" / "config.json").read_text()) == cfg
 
 
 def test_resume_refuses_a_different_config(tmp_path):
-    RunDir.create(tmp_path / "r", {"seed": 1, "lr": 1e-5})
+    RunDir.create(tmp_path / "r", {"seed": 1, "lr": 1e-5}).close()
     with pytest.raises(RunError, match="lr: 1e-05 -> 0.001"):
         RunDir.resume(tmp_path / "r", {"seed": 1, "lr": 1e-3})
     with pytest.raises(RunError, match="no config.json"):
@@ -60,5 +64,138 @@ def test_interrupted_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
         run.save_checkpoint({"step": 2})
     monkeypatch.undo()
     assert torch.load(run.checkpoint_path)["step"] == 1
-    assert sorted(p.name for p in run.path.iterdir()) == ["checkpoint.pt", "config.json"]
+    assert sorted(p.name for p in run.path.iterdir()) == [".lock", "checkpoint.pt", "config.json"]
     assert read_jsonl(run.metrics_path) == []
+
+
+# ---------------------------------------------------------------------------------------------- hostile input
+
+
+def _finished_run(path, cfg=None):
+    run = RunDir.create(path, cfg or {"seed": 1})
+    for step in (1, 2):
+        run.log_metrics({"step": step, "loss": float(step)})
+    run.save_checkpoint({"step": 2, "w": torch.ones(2)})
+    run.close()
+    return run
+
+
+def test_a_crafted_checkpoint_runs_nothing(tmp_path):
+    """A pickle whose __reduce__ calls os.system must be refused unread: the marker file is never created."""
+    import os
+    import pickle
+
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    run = _finished_run(tmp_path / "r")
+    run.checkpoint_path.write_bytes(pickle.dumps({"step": 2, "payload": Evil()}))
+    with pytest.raises(RunError, match="checkpoint.pt is not a checkpoint this tool can read safely"):
+        RunDir.resume(run.path, {"seed": 1})
+    assert not marker.exists()
+    torch.save({"step": 2, "payload": Evil()}, run.checkpoint_path)  # the same inside torch's zip container
+    with pytest.raises(RunError, match="holds objects other than tensors"):
+        RunDir.resume(run.path, {"seed": 1})
+    assert not marker.exists()
+    for damaged in (b"", b"random bytes", run.checkpoint_path.read_bytes()[:100]):
+        run.checkpoint_path.write_bytes(damaged)
+        with pytest.raises(RunError, match="it is damaged"):
+            RunDir.resume(run.path, {"seed": 1})
+
+
+def test_damaged_config_json_is_named(tmp_path):
+    run = _finished_run(tmp_path / "r")
+    cases = {"{not json": "is not readable JSON", "[1, 2]": "holds a JSON list, not an object",
+             '{"schema": 99, "seed": 1}': "has schema 99", '{"schema": "99", "seed": 1}': "has schema '99'"}
+    for text, message in cases.items():
+        (run.path / "config.json").write_text(text)
+        with pytest.raises(RunError, match=message):
+            RunDir.resume(run.path, {"seed": 1})
+
+
+def test_a_bad_line_mid_file_is_an_error_and_nothing_is_rewritten(tmp_path):
+    """Only a torn last line is a crash artefact; damage in the middle must not silently drop the rows after it."""
+    run = _finished_run(tmp_path / "r")
+    lines = run.metrics_path.read_text().splitlines()
+    damaged = "\n".join([lines[0][:-5], *lines[1:]]) + "\n"
+    run.metrics_path.write_text(damaged)
+    with pytest.raises(RunError, match=r"metrics.jsonl, line 1: not a JSON object"):
+        RunDir.resume(run.path, {"seed": 1})
+    assert run.metrics_path.read_text() == damaged
+
+
+def test_nan_is_written_as_null_and_read_back_as_nan(tmp_path):
+    run = RunDir.create(tmp_path / "r", {})
+    run.log_metrics({"step": 1, "loss": float("nan"), "norm": float("inf"), "ok": 1.5})
+    line = run.metrics_path.read_text()
+    assert json.loads(line) == {"step": 1, "loss": None, "norm": None, "ok": 1.5}  # strict JSON: no bare NaN
+    with open(run.metrics_path, "a") as f:
+        f.write('{"step": 2, "loss": NaN, "norm": 1.0, "ok": 2.0}\n')  # older files: bare NaN
+    rows = run.metrics()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["loss"] != r["loss"] for r in rows) and rows[0]["norm"] != rows[0]["norm"] and rows[1]["ok"] == 2.0
+
+
+def test_orphan_run_files_and_stranded_temp_files(tmp_path):
+    path = tmp_path / "r"
+    path.mkdir()
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunError, match=r"holds run files \(metrics.jsonl\) but no config.json"):
+        RunDir.create(path, {})
+    run = _finished_run(tmp_path / "s")
+    stranded = run.path / ".checkpoint.pt.abc123.tmp"
+    stranded.write_bytes(b"half a checkpoint")
+    again, ckpt = RunDir.resume(run.path, {"seed": 1})
+    assert ckpt["step"] == 2 and not stranded.exists()
+
+
+def test_a_write_error_is_one_line_naming_the_path(tmp_path, monkeypatch):
+    """A full disk (ENOSPC) at any write: WriteError with the path and the reason, and the checkpoint survives."""
+    import errno
+    import os
+
+    run = RunDir.create(tmp_path / "r", {})
+    run.save_checkpoint({"step": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(WriteError, match=r"cannot write .*checkpoint.pt \(No space left on device\)"):
+        run.save_checkpoint({"step": 2})
+    with pytest.raises(WriteError, match=r"cannot write .*metrics.jsonl \(No space left on device\)"):
+        run.log_metrics({"step": 2})
+    monkeypatch.undo()
+    assert torch.load(run.checkpoint_path, weights_only=True)["step"] == 1
+    assert not list(run.path.glob(".*.tmp"))
+
+
+LOCK_HOLDER = """
+import sys, time
+from phantomclip.runs import RunDir
+run = RunDir.create(sys.argv[1], {"seed": 1})
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_one_writer_per_run_directory_across_processes(tmp_path):
+    """A second process gets one line naming the holder's pid; once the holder is killed (SIGKILL: no clean-up)
+    its stale lock is free at once."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "r"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunError, match=rf"in use by another phantomclip process \(pid {holder.pid}\)"):
+            RunDir.resume(path, {"seed": 1})
+    finally:
+        holder.kill()
+        holder.wait()
+    run, ckpt = RunDir.resume(path, {"seed": 1})
+    assert ckpt is None and (path / ".lock").read_text() == str(__import__("os").getpid())

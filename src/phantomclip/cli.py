@@ -14,7 +14,7 @@ class OneLineParser(argparse.ArgumentParser):
     bad input (argparse prints the whole usage block first)."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _diagnose_parser(sub) -> None:
@@ -285,7 +285,18 @@ def _report_parser(sub) -> None:
     p.add_argument("--out", default=None,
                    help="output directory (default: report/; a temporary directory with --serve)")
     p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C")
-    p.add_argument("--port", type=int, default=8000, help="port for --serve (default 8000; 0 picks a free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port for --serve (default 8000; 0 picks a free one)")
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: a whole number in 0..65535 (0: the system picks a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 0..65535 (0 picks a free one)")
+    return port
 
 
 def _run_report(args) -> int:
@@ -318,6 +329,21 @@ def _run_report(args) -> int:
     return 0
 
 
+def _warnings_as_lines(prog: str, category: type[Warning]) -> None:
+    """Print warnings of `category` as one line on stderr (Python's default adds the source line that raised it)."""
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message, cat, filename, lineno, file=None, line=None):
+        if issubclass(cat, category):
+            print(f"{prog}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, cat, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="phantomclip",
                            description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
@@ -328,9 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     _trace_parser(sub)
     _engines_parser(sub)
     _report_parser(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's own parser, so the hint names its --help
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
-    from .errors import PhantomclipError
+    from .errors import PhantomclipError, PhantomclipWarning
+
+    _warnings_as_lines(f"phantomclip {args.command}", PhantomclipWarning)
 
     commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace,
                 "engines": _run_engines,

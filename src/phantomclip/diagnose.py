@@ -22,7 +22,7 @@ import torch
 from . import SCHEMA_VERSION, __version__
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
-from .errors import ConfigError
+from .errors import ConfigError, check_number, check_seed
 from .loss import clip_range
 from .metrics import (
     mean_or_nan,
@@ -33,7 +33,7 @@ from .metrics import (
 )
 from .models import BUNDLED_NAME, LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
-from .prompts import bundled_prompts, encode_prompts, read_prompts
+from .prompts import bundled_prompts, encode_within, read_prompts
 from .recipes import RECIPES, apply_recipe, cpu_description, engine_recipe, get_recipe, resolve_matmul
 from .runs import progress_bar, rounded
 from .scoring import score
@@ -105,18 +105,14 @@ class DiagnoseConfig:
         except ValueError as e:
             raise ConfigError(f"--engine-dtype: {e}") from None
         for flag, eps in (("--epsilon", self.epsilon), ("--epsilon-high", self.epsilon_high)):
-            if not (0 < eps < 1):
-                raise ConfigError(f"{flag} must be in (0, 1), got {eps}: e.g. 0.2 for PPO's usual trust region")
-        if self.n < 1:
-            raise ConfigError(f"--n must be at least 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise ConfigError(f"--max-tokens must be at least 1, got {self.max_tokens}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if not (0 <= self.seed < 2**63):
-            raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
-        if not math.isfinite(self.temperature):
-            raise ConfigError(f"--temperature must be finite, got {self.temperature}")
+            check_number(flag, eps, 0, 1, low_open=True)
+        for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
+            check_number(flag, value, 1, integer=True)
+        check_number("--max-model-len", self.max_model_len, 0, integer=True)
+        check_seed("--seed", self.seed)
+        check_number("--temperature", self.temperature, 0, low_open=True)
+        # C <= 1 would drop sequences whose ratio never moved (exp(Σβ) = 1)
+        check_number("--seq-mask-cap", self.seq_mask_cap, 1, low_open=True)
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
         from .engines.vllm import (  # vLLM itself is not imported
@@ -126,10 +122,6 @@ class DiagnoseConfig:
         )
 
         check_logprobs_mode(self.logprobs_mode)  # for the local engine too: a typo is refused, not ignored
-        if self.max_model_len < 0:
-            raise ConfigError(f"--max-model-len must be >= 0, got {self.max_model_len}")
-        if self.seq_mask_cap <= 1:
-            raise ConfigError(f"--seq-mask-cap must be > 1, got {self.seq_mask_cap}")
         try:
             self.sampling(0)
         except ValueError as e:
@@ -261,26 +253,15 @@ def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
     """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels."""
     prompts_text = read_prompts(cfg.prompts) if cfg.prompts else bundled_prompts()
     lm = load_model(cfg.model, progress=say)
-    prompt_ids = encode_prompts(lm.tokenizer, prompts_text)
-    check_context(cfg, lm.context_length, prompts_text, prompt_ids)
+    limit, what = lm.context_length, "the model's context"
+    if cfg.engine == "vllm" and cfg.max_model_len and cfg.max_model_len < limit:
+        limit, what = cfg.max_model_len, "--max-model-len"
+    prompt_ids = encode_within(lm.tokenizer, prompts_text, cfg.max_tokens, limit, what)
     return Prepared(
         lm=lm, prompt_ids=[prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)],
         engine_dtype=parse_dtype(cfg.engine_dtype), matmul=cfg.matmul,
         truncation=(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling(0).truncated else None,
     )
-
-
-def check_context(cfg: DiagnoseConfig, context_length: int, texts: list[str], prompt_ids: list[list[int]]) -> None:
-    """Refuse, before any engine starts, a prompt whose tokens plus --max-tokens exceed the context limit."""
-    limit, what = context_length, "the model's context"
-    if cfg.engine == "vllm" and cfg.max_model_len:
-        limit, what = min(limit, cfg.max_model_len), "--max-model-len" if cfg.max_model_len < limit else what
-    for text, ids in zip(texts, prompt_ids):
-        if len(ids) + cfg.max_tokens > limit:
-            raise ConfigError(
-                f"a prompt of {len(ids)} tokens plus --max-tokens {cfg.max_tokens} exceeds {what} of "
-                f"{limit} tokens ({text[:40]!r}...): shorten the prompt or lower --max-tokens"
-            )
 
 
 def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., None]) -> Sampled:

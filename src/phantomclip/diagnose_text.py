@@ -40,9 +40,14 @@ def verdict(result: dict) -> str:
     eng = result["engine"]["dtype"]
     region = f"[1-{result['config']['epsilon']:g}, 1+{result['config']['epsilon_high']:g}]"
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
-    if not usable:
-        return "No completion tokens were scored: raise --max-tokens or --n."
     engine_missing = result["engine"].get("nonfinite_logprobs", 0)
+    if not usable:
+        lost = max([engine_missing, *(v.get("nonfinite", 0) for v in recs.values())])
+        if lost:  # tokens were sampled, but no recipe has a finite log-prob for any of them
+            return (f"No β could be measured: {lost} completion tokens were sampled but their log-probs are not finite "
+                    "(NaN or inf) in the engine or in every trainer recipe. The weights hold NaN/inf, or the dtype "
+                    "overflows: check the model, or try a wider engine dtype (bf16 or fp32).")
+        return "No completion tokens were scored: raise --max-tokens or --n."
 
     def overflow(k: str) -> int:  # the recipe's own non-finite log-probs, not the tokens the engine left without one
         return recs[k]["nonfinite"] - engine_missing

@@ -6,6 +6,7 @@ catches them all through `PhantomclipError` instead of listing them by hand.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -28,3 +29,41 @@ def check_output_path(path: str | Path, flag: str = "--json") -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
+
+
+class WriteError(PhantomclipError):
+    """A file that could not be written (read-only directory, full disk): the path and the system's reason."""
+
+
+class PhantomclipWarning(UserWarning):
+    """Something the user should know that does not stop the command (a torn last line skipped); the CLI prints it as
+    one line on stderr."""
+
+
+SEED_LIMIT = 2**32
+"""seeds are in [0, 2^32): what NumPy, vLLM and every seed stream derived from a seed here accept."""
+
+
+def check_number(flag: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,
+                 integer: bool = False, error: type[PhantomclipError] = ConfigError) -> None:
+    """Refuse a flag's value outside [low, high] (low excluded if low_open), or not finite, or (integer) not a whole
+    number, with one line naming the flag and the range: the one rule every command's config validates with."""
+    if integer:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        kind = "a whole number" if integer else "a finite number"
+        show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"  # noqa: E731 (a seed's limit stays exact)
+        lo = "" if low is None else f"{'>' if low_open else '>='} {show(low)}"
+        hi = "" if high is None else f"<= {show(high)}"
+        bounds = " and ".join(b for b in (lo, hi) if b)
+        raise error(f"{flag} must be {kind}{' ' + bounds if bounds else ''}, got {value!r}")
+
+
+def check_seed(flag: str, value, error: type[PhantomclipError] = ConfigError) -> None:
+    check_number(flag, value, 0, SEED_LIMIT - 1, integer=True, error=error)

@@ -13,7 +13,6 @@ checkpoint is deleted unless asked to keep it (the weights are only needed to co
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 from . import SCHEMA_VERSION
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
-from .runs import RunDir, atomic_write_bytes, write_json
-from .trainer import TrainConfig, run_finished, train
+from .runs import DirLock, RunDir, atomic_write_bytes, read_json_object, write_json
+from .trainer import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, run_config, run_finished, train
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",
@@ -105,7 +104,7 @@ def check_manifest(matrix: Matrix, out: Path) -> None:
     if not path.exists():
         write_json(manifest, path)
         return
-    old = json.loads(path.read_text())
+    old = read_json_object(path, "experiment's manifest")
     if old == manifest:
         return
     have = {f"{a}/seed-{s}" for a in old.get("arms", []) for s in old.get("seeds", [])}
@@ -121,9 +120,34 @@ def check_manifest(matrix: Matrix, out: Path) -> None:
 def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoints: bool = False) -> dict:
     """Run (or continue) every run of `matrix` under `out`; returns the summary (also summary.json / .md)."""
     out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainConfigError(f"cannot create {out} ({e.strerror}): choose a writable --out") from None
+    lock = DirLock(out, "experiment")  # one writer per experiment; each run's own directory is locked by train
     check_manifest(matrix, out)
-    results: list[dict] = []
     runs = matrix.runs()
+    check_continuation(out, runs)
+    try:
+        return _run_all(matrix, out, runs, console, keep_checkpoints)
+    finally:
+        lock.release()
+
+
+def check_continuation(out: Path, runs: list[tuple[str, int, TrainConfig]]) -> None:
+    """Refuse to continue an experiment whose existing runs were made with another configuration (another --lr, say),
+    naming the run and the keys, before any step: finished runs are read back, not rerun, so their numbers would be
+    filed under the new settings."""
+    for arm, seed, cfg in runs:
+        path = run_dir(out, arm, seed)
+        if (path / "config.json").exists():
+            cfg.validate()
+            RunDir.check_config(path, run_config(cfg), RESUME_MAY_CHANGE, ADDED_SINCE_SCHEMA_1)
+
+
+def _run_all(matrix: Matrix, out: Path, runs: list[tuple[str, int, TrainConfig]], console,
+             keep_checkpoints: bool) -> dict:
+    results: list[dict] = []
     for i, (arm, seed, cfg) in enumerate(runs):
         path = run_dir(out, arm, seed)
         done = RunDir(path).metrics() if (path / "config.json").exists() else []

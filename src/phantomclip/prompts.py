@@ -59,3 +59,22 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
             out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         return out
     return [tokenizer(p).input_ids for p in prompts]
+
+
+def encode_within(tokenizer, prompts: list[str], max_tokens: int, limit: int,
+                  what: str = "the model's context") -> list[list[int]]:
+    """`encode_prompts`, refusing a prompt whose tokens plus `max_tokens` exceed `limit` (positions), before any
+    engine starts. A prompt longer in characters than `limit` × the longest vocabulary entry cannot fit (no token
+    covers more characters than its own string has), so it is refused before tokenizing: a 5M-character line would
+    otherwise take minutes to encode."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    for text in prompts:
+        if len(text) > limit * longest:
+            raise PromptError(f"a prompt of {len(text):,} characters ({text[:40]!r}...) cannot fit {what} of {limit} "
+                              "tokens: shorten it")
+    ids = encode_prompts(tokenizer, prompts)
+    for text, row in zip(prompts, ids):
+        if len(row) + max_tokens > limit:
+            raise PromptError(f"a prompt of {len(row)} tokens plus --max-tokens {max_tokens} exceeds {what} of {limit} "
+                              f"tokens ({text[:40]!r}...): shorten the prompt or lower --max-tokens")
+    return ids

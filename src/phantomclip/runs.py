@@ -5,10 +5,14 @@ Layout of a run directory:
     metrics.jsonl      one JSON object per step, flushed and fsynced as it is written
     samples.jsonl      a few completions per step
     tokens.jsonl       per-token α, β, advantage and clip flags of the first steps (for the report)
-    checkpoint.pt      the latest checkpoint (temp file + fsync + rename: never half-written)
+    checkpoint.pt      the latest checkpoint (temp file + fsync + rename: never half-written); tensors and plain
+                       containers only, read back with torch.load(weights_only=True): a crafted file cannot run code
+    .lock              held (an advisory flock) by the one process writing the run; it names that process's pid
 
-A SIGKILL can leave at most a torn last line in the JSONL files; readers skip it and `resume` truncates both
-files back to the checkpoint's step, so the steps after it are recomputed and logged exactly once.
+A SIGKILL can leave at most a torn last line in the JSONL files; readers skip it with a warning and `resume`
+truncates the files back to the checkpoint's step, so the steps after it are recomputed and logged exactly once. A
+bad line anywhere else is damage, not a crash artefact: reading stops with an error naming the file and line, and
+nothing is rewritten.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import os
 import signal
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import PhantomclipError
+from . import SCHEMA_VERSION
+from .errors import PhantomclipError, PhantomclipWarning, WriteError
 
 
 class RunError(PhantomclipError):
@@ -35,9 +41,10 @@ class RunError(PhantomclipError):
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same directory, fsync, rename: a reader sees the old
     file or the new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -46,9 +53,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except OSError as e:
+        raise write_error(path, e) from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            Path(tmp).unlink(missing_ok=True)
+
+
+TEMP_SUFFIX = ".tmp"
+"""atomic_write_bytes's temp files are `.<name>.<random>.tmp` beside the target; a kill can strand one."""
+
+
+def write_error(path: Path, e: OSError) -> WriteError:
+    """An OSError while writing `path` as one line: the path, the system's reason, what to do."""
+    return WriteError(f"cannot write {path} ({e.strerror or e}): free some space or choose a writable location; "
+                      "a run stays resumable from its last checkpoint")
 
 
 def json_safe(x):
@@ -114,16 +133,73 @@ def write_json(result: dict, path: str | Path) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """All complete JSON lines of `path` (a torn last line from a killed writer is skipped)."""
+    """Every JSON object line of `path`. A torn last line (a writer killed mid-line) is skipped with a warning; a bad
+    line anywhere else is damage and raises RunError naming the file and line (nothing after it is dropped)."""
     if not path.exists():
         return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): check the file") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for i, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif i == len(lines):
+            warnings.warn(f"{path}: the last line ({i}) is incomplete, as a killed run leaves it: skipped",
+                          PhantomclipWarning, stacklevel=2)
+        else:
+            raise RunError(f"{path}, line {i}: not a JSON object (the file was edited or damaged): repair or remove "
+                           "that line; nothing was read past it")
     return rows
+
+
+def nan_for_null(row: dict) -> dict:
+    """A metrics row with null (how strict JSON writes NaN) read back as NaN, so arithmetic sees the same values the
+    run computed; older files with bare NaN read the same."""
+    return {k: float("nan") if v is None else v for k, v in row.items()}
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold an object (config.json, experiment.json): one line naming the file otherwise."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{path} is not readable JSON ({getattr(e, 'strerror', None) or e}): the {what} is damaged; "
+                       "restore it or start a new --out") from None
+    if not isinstance(doc, dict):
+        raise RunError(f"{path} holds a JSON {type(doc).__name__}, not an object: the {what} is damaged; restore it "
+                       "or start a new --out")
+    schema = doc.get("schema", SCHEMA_VERSION)
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema > SCHEMA_VERSION:
+        raise RunError(f"{path} has schema {schema!r}, not one this phantomclip reads (<= {SCHEMA_VERSION}): "
+                       "upgrade phantomclip")
+    return doc
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (their relative paths and contents, in sorted order)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        digest.update(str(f.relative_to(path) if path.is_dir() else "").encode() + b"\0")
+        with open(f, "rb") as fh:
+            digest.update(hashlib.file_digest(fh, "sha256").digest())
+    return digest.hexdigest()
+
+
+def input_record(files: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """config.json's "inputs": each input file (or model directory) with its content hash, so a resume can tell
+    that a file under the same path changed."""
+    return {what: {"path": str(p), "sha256": content_hash(Path(p))} for what, p in files.items()}
 
 
 def config_diff(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> list[str]:
@@ -132,8 +208,44 @@ def config_diff(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> list[str]
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+class DirLock:
+    """An exclusive advisory lock (fcntl.flock) on DIR/.lock for as long as this object lives: one writer per run or
+    experiment directory. The kernel drops a flock when its holder dies, so a killed run's lock is free at once (a
+    stale .lock file holds no lock); the file's text, the holder's pid, is only for the message a second writer gets."""
+
+    def __init__(self, directory: Path, what: str):
+        import fcntl
+
+        self.path, self.fd = Path(directory) / ".lock", None
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            self.release()
+            raise RunError(f"{directory} is in use by another phantomclip process (pid {holder}) writing this {what}: "
+                           "wait for it to finish, or stop it first") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __del__(self):
+        self.release()
+
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tokens.jsonl", "checkpoint.pt")
+
+
 class RunDir:
-    """One run's directory. Create with `RunDir.create` (new run) or `RunDir.resume` (continue one)."""
+    """One run's directory, locked for the life of this object. Create with `RunDir.create` (new run) or
+    `RunDir.resume` (continue one); `close()` releases the lock."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -141,47 +253,111 @@ class RunDir:
         self.samples_path = self.path / "samples.jsonl"
         self.tokens_path = self.path / "tokens.jsonl"
         self.checkpoint_path = self.path / "checkpoint.pt"
+        self.lock: DirLock | None = None
+
+    def _take(self) -> None:
+        """Lock the directory, then remove temp files a killed writer stranded (only the lock holder may)."""
+        self.lock = DirLock(self.path, "run")
+        for tmp in self.path.glob(f".*{TEMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     @classmethod
     def create(cls, path: str | Path, config: dict[str, Any]) -> RunDir:
         run = cls(Path(path))
+        taken = f"{run.path} already holds a run: pass --resume to continue it, or choose another --out"
         if (run.path / "config.json").exists():
-            raise RunError(f"{run.path} already holds a run: pass --resume to continue it, or choose another --out")
+            raise RunError(taken)
         try:
             run.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RunError(f"cannot create run directory {run.path} ({e.strerror})") from None
+            raise RunError(f"cannot create run directory {run.path} ({e.strerror}): choose a writable --out") from None
+        run._take()
+        if (run.path / "config.json").exists():  # another process created it between the check and the lock
+            run.close()
+            raise RunError(taken)
+        orphans = [name for name in RUN_FILES if (run.path / name).exists()]
+        if orphans:
+            run.close()
+            raise RunError(f"{run.path} holds run files ({', '.join(orphans)}) but no config.json, so they belong to "
+                           "no run this tool can continue: choose another --out or remove them")
         atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode())
         return run
+
+    @staticmethod
+    def check_config(path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
+                     defaults: dict[str, Any] | None = None) -> None:
+        """Refuse to continue the run in `path` as `config` when they differ (except `ignore`), naming the keys; an
+        input file whose content hash changed is named first. `defaults`: values of config keys added since older
+        runs were made; a key the run's config.json lacks counts as its default."""
+        path = Path(path)
+        old = {**(defaults or {}), **read_json_object(path / "config.json", "run's config")}
+        old_inputs, new_inputs = old.get("inputs") or {}, config.get("inputs") or {}
+        changed = [f"{what} {new_inputs[what]['path']}" for what in new_inputs
+                   if (old_inputs.get(what) or {}).get("sha256") != new_inputs[what]["sha256"]]
+        if changed:
+            raise RunError(f"{path} was made from other input files: {', '.join(changed)} changed since (content hash "
+                           "differs): restore them, or start a new --out")
+        diff = config_diff(old, config, (*ignore, "inputs"))
+        if diff:
+            raise RunError(f"{path} was made with a different configuration: {'; '.join(diff)}: continue it with the "
+                           "same settings, or choose another --out")
 
     @classmethod
     def resume(
         cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",),
         defaults: dict[str, Any] | None = None,
     ) -> tuple[RunDir, dict | None]:
-        """Reopen a run whose config matches `config` (except `ignore`); returns it and its checkpoint (or None).
-        `defaults`: values of config keys added since older runs were made; a key the run's config.json lacks
-        counts as its default (a setting that did not exist then ran as its default does now)."""
+        """Reopen a run whose config matches `config` (see check_config); returns it and its checkpoint (or None)."""
         run = cls(Path(path))
-        cfg_path = run.path / "config.json"
-        if not cfg_path.exists():
+        if not (run.path / "config.json").exists():
             raise RunError(f"{run.path} holds no run to resume (no config.json): drop --resume to start one")
-        diff = config_diff({**(defaults or {}), **json.loads(cfg_path.read_text())}, config, ignore)
-        if diff:
-            raise RunError(f"--resume: {run.path} was made with a different configuration: {'; '.join(diff)}")
-        ckpt = torch.load(run.checkpoint_path, weights_only=False) if run.checkpoint_path.exists() else None
-        done = ckpt["step"] if ckpt else 0
-        # drop what came after the checkpoint: it is recomputed
-        for p in (run.metrics_path, run.samples_path, run.tokens_path):
-            rows = [r for r in read_jsonl(p) if r.get("step", 0) <= done]
-            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        run._take()
+        try:
+            cls.check_config(run.path, config, ignore, defaults)
+            ckpt = run.load_checkpoint()
+            done = ckpt["step"] if ckpt else 0
+            rows = {p: [r for r in read_jsonl(p) if r.get("step", 0) <= done]
+                    for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+        except BaseException:
+            run.close()
+            raise
+        # drop what came after the checkpoint: it is recomputed (every file was read whole before any is rewritten)
+        for p, kept in rows.items():
+            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in kept).encode())
         return run, ckpt
 
+    def load_checkpoint(self) -> dict | None:
+        """The checkpoint (None if there is none), read as tensors and plain containers only: a file holding
+        anything else (a crafted pickle, damage) is refused with one line and runs nothing."""
+        if not self.checkpoint_path.exists():
+            return None
+        try:
+            with warnings.catch_warnings():  # torch's notes on a foreign pickle protocol: the refusal below says it
+                warnings.simplefilter("ignore")
+                ckpt = torch.load(self.checkpoint_path, weights_only=True)
+        except Exception as e:  # UnpicklingError (a forbidden object), EOFError, RuntimeError (a truncated zip)...
+            # torch's weights-only unpickler names a refused object a GLOBAL; anything else is damage
+            why = "it holds objects other than tensors" if "GLOBAL" in str(e) else "it is damaged"
+            raise RunError(f"{self.checkpoint_path} is not a checkpoint this tool can read safely ({why}; "
+                           f"{type(e).__name__}): nothing in it was run; remove it to restart the run from step 0, or "
+                           "restore it") from None
+        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("step"), int):
+            raise RunError(f"{self.checkpoint_path} holds no step count: it is not a checkpoint this tool wrote; "
+                           "remove it to restart the run from step 0")
+        return ckpt
+
     def _append(self, path: Path, row: dict) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(path, e) from None
 
     def log_metrics(self, row: dict) -> None:
         self._append(self.metrics_path, row)
@@ -193,7 +369,7 @@ class RunDir:
         self._append(self.tokens_path, row)
 
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.metrics_path)
+        return [nan_for_null(r) for r in read_jsonl(self.metrics_path)]
 
     def save_checkpoint(self, state: dict) -> None:
         """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint."""

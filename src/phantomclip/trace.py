@@ -20,11 +20,11 @@ from torch import nn
 
 from . import SCHEMA_VERSION
 from .engine import LocalEngine, SamplingParams
-from .errors import PhantomclipError
+from .errors import PhantomclipError, check_number, check_seed
 from .metrics import pearson, trust_region_split
 from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import round_to
-from .prompts import bundled_prompts, encode_prompts
+from .prompts import bundled_prompts, encode_within
 from .recipes import (
     ATTENTION_FP32,
     MODULE_ROLES,
@@ -94,10 +94,9 @@ class TraceConfig:
             except ValueError as e:
                 raise TraceError(f"{flag}: {e}") from None
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--sub-batch", self.sub_batch)):
-            if value < 1:
-                raise TraceError(f"{flag} must be at least 1, got {value}")
-        if not 0 < self.epsilon < 1:
-            raise TraceError(f"--epsilon must be in (0, 1), got {self.epsilon}")
+            check_number(flag, value, 1, integer=True, error=TraceError)
+        check_seed("--seed", self.seed, error=TraceError)
+        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, error=TraceError)
 
 
 def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:
@@ -308,7 +307,7 @@ class DepthErrors:
 
 def sample_tokens(lm: LoadedModel, master: nn.Module, cfg: TraceConfig, say: Say) -> dict[str, torch.Tensor]:
     """Completions sampled once by an fp32 engine, packed [B, T]: every comparison runs on these tokens."""
-    prompts = encode_prompts(lm.tokenizer, bundled_prompts()[: cfg.n])
+    prompts = encode_within(lm.tokenizer, bundled_prompts()[: cfg.n], cfg.max_tokens, lm.context_length)
     say(f"sampling {cfg.n} completions of up to {cfg.max_tokens} tokens (fp32 engine)")
     stops = stop_token_ids(lm)
     rollout = LocalEngine(master, torch.float32).generate(

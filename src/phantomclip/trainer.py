@@ -23,6 +23,7 @@ conflicts; the loss itself is `loss.grpo_loss`, a pure function.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from .engine import LocalEngine, SamplingParams, sync_weights
+from .errors import PhantomclipError, check_number, check_seed
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
     AGGREGATIONS,
@@ -44,10 +46,10 @@ from .loss import (
 from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutProducer, snapshot
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
-from .runs import GracefulStop, RunDir, progress_bar, rounded
+from .runs import GracefulStop, RunDir, input_record, progress_bar, rounded
 
 EXPERIMENT_LR = 3e-5
-ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0}
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
@@ -119,22 +121,30 @@ class TrainConfig:
     """low-precision matmul kernels: auto, native or emulated (see README)."""
 
     def validate(self) -> None:
+        """Refuse a setting that cannot run, with one line naming the flag (errors.check_number's rules, shared by
+        every command), before anything loads."""
+        # a GRPO group needs 2 completions of a prompt to compare (a group of one has no advantage)
+        whole = [("--steps", self.steps, 1), ("--prompts-per-step", self.prompts_per_step, 1),
+                 ("--group-size", self.group_size, 2), ("--max-tokens", self.max_tokens, 1),
+                 ("--staleness", self.staleness, 0), ("--checkpoint-every", self.checkpoint_every, 1),
+                 ("--stop-after-converged", self.stop_after_converged, 0),
+                 ("--samples-per-step", self.samples_per_step, 0), ("--token-log-steps", self.token_log_steps, 0)]
+        for flag, value, low in whole:
+            check_number(flag, value, low, integer=True, error=TrainConfigError)
+        check_seed("--seed", self.seed, error=TrainConfigError)
+        # an lr above 1 is no AdamW step size: it diverges in one step (NaN from step 2)
+        check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
+        check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)
+        check_number("--max-grad-norm", self.max_grad_norm, 0, low_open=True, error=TrainConfigError)
+        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, error=TrainConfigError)
+        if self.epsilon_high is not None:
+            check_number("--epsilon-high", self.epsilon_high, 0, low_open=True, error=TrainConfigError)
+        # a cap below 1 would cut ratios the policy never moved (π/μ = 1)
+        check_number("--correction-cap", self.correction_cap, 1, error=TrainConfigError)
+        check_number("--icepop-low", self.icepop_low, 0, error=TrainConfigError)
+        check_number("--icepop-high", self.icepop_high, 1, low_open=True, error=TrainConfigError)
         checks = [
-            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
-            (self.group_size >= 2,
-             f"--group-size must be >= 2 (GRPO compares completions of one prompt), got {self.group_size}"),
-            (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
-            (0 <= self.icepop_low < 1 < self.icepop_high,
-             f"IcePop needs 0 <= --icepop-low < 1 < --icepop-high, got {self.icepop_low} and {self.icepop_high}"),
-            (self.staleness >= 0, f"--staleness must be >= 0 (0 = on-policy), got {self.staleness}"),
-            (self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
-            (self.stop_after_converged >= 0, f"--stop-after-converged must be >= 0, got {self.stop_after_converged}"),
-            (self.epsilon > 0, f"--epsilon must be > 0, got {self.epsilon}"),
-            (self.epsilon_high is None or self.epsilon_high > 0,
-             f"--epsilon-high must be > 0, got {self.epsilon_high}"),
+            (self.icepop_low < 1, f"--icepop-low must be < 1 (IcePop masks π/μ below it), got {self.icepop_low}"),
             (self.loss_type in AGGREGATIONS,
              f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
             (self.importance_level in ("token", "sequence"),
@@ -217,7 +227,8 @@ class TrainResult:
 
 
 def run_config(cfg: TrainConfig) -> dict:
-    """config.json: every field, the resolved plan, versions. Resume compares this (minus steps/versions)."""
+    """config.json: every field, the resolved plan, versions, the content hash of every input file. Resume compares
+    this (minus RESUME_MAY_CHANGE). Call after cfg.validate() and load_reward (the reward's module must import)."""
     import transformers
 
     from . import SCHEMA_VERSION, __version__
@@ -225,6 +236,7 @@ def run_config(cfg: TrainConfig) -> dict:
     return {
         "schema": SCHEMA_VERSION, **asdict(cfg), "plan": asdict(resolve_plan(cfg)),
         "versions": {"phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "inputs": input_record(_input_files(cfg)),
     }
 
 
@@ -305,35 +317,60 @@ def train(
                     on_step(step.row)
                 if stop:
                     break
+                check_finite(metrics)
     finally:
         producer.close()
+        if setup.run is not None:
+            setup.run.close()
     interrupted = stop_requested.flag and len(metrics) < cfg.steps
     return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=interrupted)
 
 
 def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
-    """Validate, load the model and prompts, then open the run directory (in that order: a bad --model or
-    --prompts must not leave a directory behind)."""
+    """Validate, load the model and prompts and check them against the context, then open the run directory (in
+    that order: bad input must not leave a directory behind)."""
     from .models import load_model, stop_token_ids
-    from .prompts import bundled_prompts, encode_prompts, read_prompts
+    from .prompts import bundled_prompts, encode_within, read_prompts
     from .tasks import get_task, load_reward
 
     cfg.validate()
     task = get_task(cfg.task)
     reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
-    config = run_config(cfg)
     lm = load_model(cfg.model)
     if cfg.prompts:
         pool = read_prompts(cfg.prompts)
     else:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
+    pool_ids = encode_within(lm.tokenizer, pool, cfg.max_tokens, lm.context_length)
     run, ckpt = None, None
-    if out is not None and resume:
-        run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1)
-    elif out is not None:
-        run = RunDir.create(out, config)
-    return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool,
-                 encode_prompts(lm.tokenizer, pool), stop_token_ids(lm), run, ckpt)
+    if out is not None:
+        config = run_config(cfg)
+        if resume:
+            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1)
+            if ckpt is not None and ckpt["step"] > cfg.steps:
+                run.close()
+                raise TrainConfigError(f"{out} already has {ckpt['step']} steps, more than --steps {cfg.steps}: give "
+                                       f"--steps {ckpt['step']} or more to continue it")
+        else:
+            run = RunDir.create(out, config)
+    return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool, pool_ids,
+                 stop_token_ids(lm), run, ckpt)
+
+
+def _input_files(cfg: TrainConfig) -> dict[str, Path]:
+    """The files a run reads besides its flags, hashed into config.json so a resume notices one that changed: the
+    prompts file, the reward function's module, a model loaded from a local directory."""
+    import importlib.util
+
+    files = {}
+    if cfg.prompts:
+        files["prompts"] = Path(cfg.prompts)
+    spec = importlib.util.find_spec(cfg.reward.partition(":")[0]) if cfg.reward else None
+    if spec is not None and spec.origin and Path(spec.origin).is_file():
+        files["reward"] = Path(spec.origin)
+    if Path(cfg.model).expanduser().is_dir():  # not the bundled model's cache (it is rebuilt from a pinned package)
+        files["model"] = Path(cfg.model).expanduser()
+    return files
 
 
 def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
@@ -430,6 +467,28 @@ def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snaps
         _save(run, done, setup.master, ctx.optimizer, ctx.scaler, snapshots, cfg.staleness)
 
 
+NONFINITE_STOP = 3
+"""a run stops after this many consecutive steps with a non-finite loss: the weights or the recipe overflow, and
+skipping more updates only burns the budget."""
+
+
+class TrainError(PhantomclipError):
+    """A run that cannot go on (its loss stays non-finite); the message says what happened and what to try."""
+
+
+def check_finite(metrics: list[dict], patience: int = NONFINITE_STOP) -> None:
+    """Stop the run with one line once the last `patience` steps all had a non-finite loss (each skipped its update)."""
+    last = metrics[-patience:]
+    if len(last) == patience and all(not math.isfinite(r["train/loss"]) for r in last):
+        bad = sum(r.get("mismatch/nonfinite", 0) for r in last)
+        total = bad + sum(r["mismatch/tokens"] for r in last)
+        raise TrainError(
+            f"the loss was not finite in steps {last[0]['step']}-{last[-1]['step']} ({bad} of {total} completion "
+            "tokens had a non-finite log-prob), so those updates were skipped: the weights or the precision recipe "
+            "overflow; check the model's weights, or use a wider dtype (e.g. bf16 instead of fp16); the run resumes "
+            "from its last checkpoint")
+
+
 def finished_early(metrics: list[dict], patience: int) -> bool:
     """True once the last `patience` steps all counted as converged (never when patience is 0)."""
     return patience > 0 and len(metrics) >= patience and all(r["task/converged"] for r in metrics[-patience:])
@@ -482,7 +541,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked,
         clip_log_ratio=alpha if plan.clip_on == "shadow" else None,
     )
-    grad_norm = _optimizer_step(out.loss, ctx)
+    grad_norm, stepped = _optimizer_step(out.loss, ctx)
     timings["time/train_s"] = time.perf_counter() - t0
     # The shadow (current weights in the engine's precision) follows the update now. The share of its values
     # that changed is what the engine sees of this update at its next sync: bf16 hides steps below ~|w|/256.
@@ -492,6 +551,9 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
 
     split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)  # float64 [B, L] each
     zeroed = out.clipped_low | out.clipped_high  # [B, L]
+    # a token whose log-prob overflowed on any side (NaN weights, fp16 overflow) is counted, not averaged in
+    finite = torch.stack([split["log_ratio"], split["alpha"], split["beta"]]).isfinite().all(0)  # [B, L]
+    scored = mask.bool() & finite  # [B, L]
     lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
     row = {
         "step": batch.step + 1,
@@ -499,26 +561,35 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         "reward/std": rewards.double().std().item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/stopped_share": sum(rollout.finished) / len(rollout.finished),
-        **alpha_beta_stats(split, mask, advantages, zeroed, out.masked, plan.eps_low, plan.eps_high),
+        **alpha_beta_stats(split, scored, advantages, zeroed, out.masked, plan.eps_low, plan.eps_high),
+        "mismatch/nonfinite": int((mask.bool() & ~finite).sum()),
         "train/loss": out.loss.item(),
+        "train/skipped": not stepped,
         "train/grad_norm": grad_norm,
         "train/loss_scale": ctx.scaler.get_scale() if plan.loss_scaling else 1.0,
         "sync/changed_share": changed_share,
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
     }
-    return StepOut(row, _token_record(split, mask, advantages, zeroed, out.masked))
+    return StepOut(row, _token_record(split, scored, advantages, zeroed, out.masked))
 
 
-def _optimizer_step(loss: torch.Tensor, ctx: StepContext) -> float:
-    """Backward through the (scaled) loss, clip the gradient norm, one AdamW step; returns the norm before clipping."""
+def _optimizer_step(loss: torch.Tensor, ctx: StepContext) -> tuple[float, bool]:
+    """Backward through the (scaled) loss, clip the gradient norm, one AdamW step; returns the norm before clipping
+    and whether the weights moved. A non-finite loss, or a non-finite gradient without loss scaling, skips the update:
+    one NaN would otherwise poison every weight. (With loss scaling the scaler skips overflowed steps itself and
+    lowers the scale, as it is meant to.)"""
+    if not torch.isfinite(loss):
+        return float("nan"), False
     ctx.scaler.scale(loss).backward()
     ctx.scaler.unscale_(ctx.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(ctx.policy.master.parameters(), ctx.cfg.max_grad_norm)
-    ctx.scaler.step(ctx.optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
-    ctx.scaler.update()
+    finite = bool(torch.isfinite(grad_norm))
+    if finite or ctx.scaler.is_enabled():
+        ctx.scaler.step(ctx.optimizer)  # skipped (and the scale lowered) when fp16 gradients overflowed
+        ctx.scaler.update()
     ctx.optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: reallocating them costs 0.6 s here
-    return grad_norm.item()
+    return grad_norm.item(), finite
 
 
 def _token_record(split: dict[str, torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor, zeroed: torch.Tensor,

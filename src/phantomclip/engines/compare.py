@@ -13,10 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..engine import SamplingParams
-from ..errors import PhantomclipError
+from ..errors import PhantomclipError, check_number, check_seed
 from ..models import BUNDLED_NAME
 from ..numerics import dtype_name, parse_dtype
-from ..prompts import bundled_prompts, encode_prompts
+from ..prompts import bundled_prompts, encode_within
 from . import ENGINE_KINDS, start_engine
 
 
@@ -61,8 +61,8 @@ class CompareConfig:
         if not self.dtypes:
             raise CompareError("--dtypes is empty: give e.g. fp32,bf16")
         for flag, v in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--repeats", self.repeats)):
-            if v < 1:
-                raise CompareError(f"{flag} must be at least 1, got {v}")
+            check_number(flag, v, 1, integer=True, error=CompareError)
+        check_seed("--seed", self.seed, error=CompareError)
         if "vllm" in self.engines:
             from .vllm import require_vllm
 
@@ -72,7 +72,7 @@ class CompareConfig:
 def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
     """One row per (dtype, engine): start-up seconds, tokens per call, median seconds and tokens/s."""
     cfg.validate()
-    prompts = encode_prompts(lm.tokenizer, bundled_prompts())[: cfg.n]
+    prompts = encode_within(lm.tokenizer, bundled_prompts()[: cfg.n], cfg.max_tokens, lm.context_length)
     params = SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed)
     rows = []
     for dname in cfg.dtypes:

@@ -47,6 +47,18 @@ class ReportData:
         return out
 
 
+DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
+              "traces": {"sites": list, "first_order": dict}}
+"""what each kind of JSON file holds at its top level (the keys that tell the kinds apart, with their types)."""
+
+
+def _check_shape(path: Path, doc: dict, shape: dict[str, type]) -> None:
+    for key, kind in shape.items():
+        if not isinstance(doc[key], kind):
+            raise ReportError(f"{path}: \"{key}\" holds a {type(doc[key]).__name__}, not a {kind.__name__}: the file "
+                              "was edited or is not one phantomclip wrote")
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -71,7 +83,11 @@ def collect(sources: list[str | Path]) -> ReportData:
             doc = _read_json(f)
             if doc is None:
                 continue
-            if isinstance(doc.get("schema"), int) and doc["schema"] > SCHEMA_VERSION:
+            schema = doc.get("schema", SCHEMA_VERSION)
+            if not isinstance(schema, int) or isinstance(schema, bool):
+                raise ReportError(f"{f}: \"schema\" is {schema!r}, not a whole number: the file was edited or is not "
+                                  "one phantomclip wrote")
+            if schema > SCHEMA_VERSION:
                 raise ReportError(f"{f}: written with data schema {doc['schema']}, newer than this phantomclip reads "
                                   f"({SCHEMA_VERSION}): upgrade phantomclip")
             doc["_path"] = str(f)
@@ -80,12 +96,11 @@ def collect(sources: list[str | Path]) -> ReportData:
                 data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
                                   "metrics": _read_run_lines(f.parent / "metrics.jsonl"),
                                   "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
-            elif "recipes" in doc and "tokens" in doc:
-                data.diagnose.append(doc)
-            elif "runs" in doc and "arms" in doc:
-                data.sanity.append(doc)
-            elif "sites" in doc and "first_order" in doc:
-                data.traces.append(doc)
+            else:
+                kind = next((k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)), None)
+                if kind is not None:
+                    _check_shape(f, doc, DOC_SHAPES[kind])
+                    getattr(data, kind).append(doc)
     if not (data.diagnose or data.runs or data.sanity or data.traces):
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "
@@ -94,18 +109,10 @@ def collect(sources: list[str | Path]) -> ReportData:
 
 
 def _read_run_lines(path: Path) -> list[dict]:
-    """A JSONL file's complete lines; a torn last line (a killed run) is skipped with a warning."""
-    import warnings
-
+    """A JSONL file's rows (runs.read_jsonl: a torn last line, from a killed run, is skipped with a warning)."""
     from ..runs import read_jsonl
 
-    rows = read_jsonl(path)
-    if path.exists():
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        if len(lines) > len(rows):
-            warnings.warn(f"{path}: read {len(rows)} complete lines; the last line is incomplete (a killed run?) "
-                          "and was skipped", stacklevel=2)
-    return rows
+    return read_jsonl(path)
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -474,7 +481,12 @@ def build(sources: list[str | Path], out: str | Path) -> Path:
             if f.name == "metrics.jsonl":
                 copied[f.parent] = rel
         page = out / "index.html"
-        atomic_write_bytes(page, render(data, copied).encode("utf-8"))
+        try:
+            body = render(data, copied)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a file damaged below its top level
+            raise ReportError(f"cannot draw the report from {', '.join(map(str, sources))} ({type(e).__name__}: {e}): "
+                              "a file there was edited or is not one phantomclip wrote") from None
+        atomic_write_bytes(page, body.encode("utf-8"))
     except OSError as e:
         raise ReportError(f"--out {out}: cannot write the report ({e.strerror or e})") from None
     return page

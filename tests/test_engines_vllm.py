@@ -261,7 +261,8 @@ def test_engines_table(tmp_path, capsys, fake_vllm):
 
 def test_engines_bad_inputs(capsys):
     assert "use one or both of local, vllm" in bad_cli(["engines", "--engines", "sglang"], capsys)
-    assert "--repeats must be a whole number >= 1" in bad_cli(["engines", "--engines", "local", "--repeats", "0"], capsys)
+    line = bad_cli(["engines", "--engines", "local", "--repeats", "0"], capsys)
+    assert "--repeats must be a whole number >= 1" in line
     assert "unknown dtype 'fp8'" in bad_cli(["engines", "--engines", "local", "--dtypes", "fp8"], capsys)
 
 

@@ -44,6 +44,7 @@ def test_three_step_train_matches_the_recorded_run(tmp_path, intervention):
     # 1e-12: the same fp32 computations in the same order give the same bits; the only new arithmetic is the float64
     # sum α + β_kernel of means of ~30 values of size <= 1 (rounding ~30 · 2^-53 ≈ 3e-15).
     bad = [f"step {o['step']} {k}: {a!r} -> {b!r}" for o, n in zip(old, new) for k, (a, b) in _pairs(o, n).items()
-           if not (a == b or (a is None and b is None) or (isinstance(a, float) and not math.isfinite(a) and math.isnan(b))
+           if not (a == b or (a is None and b is None)
+                   or (isinstance(a, float) and not math.isfinite(a) and math.isnan(b))
                    or abs(a - b) <= 1e-12)]
     assert not bad, "\n".join(bad[:10])

@@ -31,7 +31,8 @@ ROOT = ""
 """module name of phantomclip/__init__.py (displayed as 'phantomclip')."""
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions"),
+    "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
+             "frameworks"),
     "core": ("scoring", "engine", "engines", "producer"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text"),

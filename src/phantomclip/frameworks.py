@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phantomclip.errors import ConfigError, PhantomclipError
-from phantomclip.metrics import mean_or_nan, pearson
+from .errors import ConfigError, PhantomclipError
+from .metrics import mean_or_nan, pearson
 
 Figures = dict[str, float]
 FrameworkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Figures]

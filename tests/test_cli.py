@@ -155,8 +155,9 @@ def test_nonfinite_logprobs_are_counted_not_fatal(tmp_path, capsys, monkeypatch)
 
 
 def test_diagnose_flags_are_the_config_fields():
-    """The parser is built from DiagnoseConfig: every field a flag with the field's default, plus --json and
-    --from-trl-config; an unknown --engine, --logprobs-mode or --matmul is one line, exit 2 (no choices list needed)."""
+    """The parser is built from DiagnoseConfig: every field a flag with the field's default, plus --json,
+    --from-trl-config and --fail-if; an unknown --engine, --logprobs-mode or --matmul is one line, exit 2 (no
+    choices list needed)."""
     import argparse
     import dataclasses
 
@@ -166,10 +167,11 @@ def test_diagnose_flags_are_the_config_fields():
     sub = argparse.ArgumentParser().add_subparsers()
     _diagnose_parser(sub)
     args = vars(sub.choices["diagnose"].parse_args([]))
-    assert args.pop("json") is None and args.pop("from_trl_config") is None
+    assert args.pop("json") is None and args.pop("from_trl_config") is None and args.pop("fail_if") is None
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(DiagnoseConfig)}
     defaults["trainer"] = ",".join(defaults["trainer"])
+    defaults["framework"] = ",".join(defaults["framework"])
     assert args == defaults
 
 

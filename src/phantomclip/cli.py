@@ -7,6 +7,8 @@ import argparse
 import sys
 
 EXIT_USAGE = 2
+EXIT_GATE = 1
+"""`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -32,12 +34,45 @@ def _diagnose_parser(sub) -> None:
     p.add_argument("--from-trl-config", default=None, metavar="YAML",
                    help="take the trainer recipe, engine dtype, sampling settings, ε and max completion length from a "
                    "TRL GRPOConfig YAML (these override the flags)")
+    p.add_argument("--fail-if", action="append", default=None, metavar="EXPR",
+                   help="CI gate, repeatable: exit 1 if KEY OP NUMBER holds (OP: > >= < <=), KEY a dotted path into "
+                   "the JSON result, tried as given and then under 'recipes.', e.g. 'fp32.outside_trust_region>0.01' "
+                   "or 'fp32.frameworks.verl.training/rollout_probs_diff_mean>0.01'; a NaN figure fails no gate. "
+                   "Exit 2 for a malformed EXPR (before any work) or a KEY the result lacks")
+
+
+DIAGNOSE_GATE_UNDER = ("recipes",)
+"""where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
+
+
+def _check_gates(gates, result: dict) -> int:
+    """Evaluate the --fail-if gates on the finished result: one stderr line per failed gate and exit 1, else 0.
+    A key the result lacks is a GateError (exit 2); a gate on a NaN figure cannot fail, so it is named in a
+    warning line."""
+    import math
+
+    from .frameworks import failed_gates, lookup
+
+    if not gates:
+        return 0
+    failed = failed_gates(result, gates, DIAGNOSE_GATE_UNDER)
+    for g in gates:
+        if math.isnan(lookup(result, g.key, DIAGNOSE_GATE_UNDER)):
+            print(f"phantomclip diagnose: warning: --fail-if {g}: the figure is NaN (nothing measured), so this gate "
+                  "cannot fail", file=sys.stderr)
+    for line in failed:
+        print(f"phantomclip diagnose: gate failed: {line}", file=sys.stderr)
+    if not failed:
+        print(f"phantomclip diagnose: all {len(gates)} --fail-if gates hold", file=sys.stderr)
+    return EXIT_GATE if failed else 0
 
 
 def _run_diagnose(args) -> int:
     from .diagnose import DiagnoseConfig, run_diagnose
     from .diagnose_text import render, with_verdict
+    from .frameworks import parse_gate
 
+    gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.from_trl_config:
         from rich.console import Console
 
@@ -50,7 +85,8 @@ def _run_diagnose(args) -> int:
         err.print("from the TRL config: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
         for note in notes:
             err.print(f"note: {note}")
-    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render)
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render,
+                           check=lambda result: _check_gates(gates, result))
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -230,9 +266,10 @@ def _trace_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
 
 
-def _run_config_job(cls, args, run, render) -> int:
+def _run_config_job(cls, args, run, render, check=None) -> int:
     """A config-driven command: flags -> validated config (failing before any work, --json path included),
-    run(cfg, stderr console) -> result, render(result, stdout console), then the result written to --json."""
+    run(cfg, stderr console) -> result, render(result, stdout console), then the result written to --json;
+    the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0."""
     from rich.console import Console
 
     from .errors import check_output_path
@@ -247,7 +284,7 @@ def _run_config_job(cls, args, run, render) -> int:
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
-    return 0
+    return check(result) if check else 0
 
 
 def _run_trace(args) -> int:

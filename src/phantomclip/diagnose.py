@@ -4,8 +4,9 @@ contract, and say how much of PPO's trust region it eats.
 Phases (`run_diagnose` reads top to bottom): `prepare` the model and prompts -> `sample` completions with an
 engine in `engine_dtype` (its own decode-path log-probs, logp_engine) -> `score_recipe` the same tokens with the
 shadow (the trainer's forward in the engine's dtype, logp_shadow) and each trainer recipe (logp) -> `reference`
-(both engine columns) -> `figures`, comparing token by token at α = 0, where log r = logp − logp_engine = β ->
-`result_dict`. Figures are defined in docs/metrics.md; the verdict and the tables are diagnose_text.py's.
+(both engine columns) -> `figures`, comparing token by token at α = 0, where log r = logp − logp_engine = β (and
+what each RL framework would log for the same tokens, frameworks.py) -> `result_dict`. Figures are defined in
+docs/metrics.md; the verdict and the tables are diagnose_text.py's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import SCHEMA_VERSION, __version__
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
 from .errors import ConfigError, check_number, check_seed
+from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
 from .loss import clip_range
 from .metrics import (
     mean_or_nan,
@@ -88,10 +90,15 @@ class DiagnoseConfig:
     """cap C of TRL's sequence_mask: sequences with exp(Σβ) > C would be dropped."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
+    framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
+    """RL frameworks whose own mismatch figures to compute for each recipe, comma-separated (frameworks.FRAMEWORKS;
+    default all of them: a few masked means, negligible next to scoring)."""
 
     def __post_init__(self):
         if isinstance(self.trainer, str):
             self.trainer = [t.strip() for t in self.trainer.split(",") if t.strip()]
+        if isinstance(self.framework, str):
+            self.framework = [t.strip() for t in self.framework.split(",") if t.strip()]
         self.epsilon, self.epsilon_high = clip_range(self.epsilon, self.epsilon_high)
 
     def validate(self) -> None:
@@ -100,6 +107,7 @@ class DiagnoseConfig:
             raise ConfigError("--trainer is empty: give one or more of " + ", ".join(RECIPES))
         for name in self.trainer:
             get_recipe(name)
+        check_frameworks(self.framework)
         try:
             parse_dtype(self.engine_dtype)
         except ValueError as e:
@@ -339,12 +347,14 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
 def recipe_figures(
     cfg: DiagnoseConfig, s: Scored, ref: Reference, kernel: dict, mask: torch.Tensor
 ) -> tuple[dict, dict]:
-    """One recipe: its mismatch statistics with the precision/kernel split (and truncation's bias when sampling
-    truncated), and its per-token β, entropy and β_precision."""
+    """One recipe: its mismatch statistics with the precision/kernel split, each selected framework's own figures
+    on the same tokens (frameworks.py), truncation's bias when sampling truncated, and its per-token β, entropy and
+    β_precision."""
     stats = _stats(cfg, s.logp, ref.logp_engine, mask)
     stats["seconds"] = s.seconds
     stats["split"] = {"precision": _pick(_stats(cfg, s.logp, ref.logp_shadow, mask)), "kernel": _pick(kernel),
                       "correlation": _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)}
+    stats["frameworks"] = framework_figures(s.logp, ref.logp_engine, mask, cfg.framework)
     tokens = {"beta": rounded((s.logp - ref.logp_engine)[mask]), "entropy": rounded(s.entropy[mask]),
               "beta_precision": rounded((s.logp - ref.logp_shadow)[mask])}
     if cfg.sampling(0).truncated:

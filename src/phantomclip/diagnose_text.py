@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
 from .recipes import engine_recipe, get_recipe
@@ -186,6 +187,17 @@ LABEL_WIDTH, CELL_WIDTH = 16, 14
 """terminal columns a row label and a figure take: a table wider than the terminal is printed transposed."""
 FIXED_FROM = 1e-2
 """figures of this size or more print as 3 significant digits, smaller ones in scientific notation."""
+FRAMEWORK_HEADLINE = {
+    "trl": "sampling/sampling_logp_difference/mean",
+    "verl": "training/rollout_probs_diff_mean",
+    "nemo-rl": "token_mult_prob_error",
+    "slime": "train_rollout_logprob_abs_diff",
+    "skyrl": "policy/rollout_train_logprobs_abs_diff_mean",
+    "prime-rl": "mismatch_kl/all/mean",
+    "openrlhf": "vllm_kl",
+}
+"""each framework's figure the printed table always shows (its mean mismatch, the one its docs and users watch);
+the table adds every figure with a published bound (frameworks.THRESHOLDS), the JSON holds them all."""
 
 
 def _fmt(key: str, v) -> str:
@@ -246,4 +258,41 @@ def render(result: dict, console: Console) -> None:
     title = f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)" + (
         "; truncation bias log S" if truncated else "")
     console.print(_table(title, list(recs), list(split), cell))
+    if "frameworks" in next(iter(recs.values()), {}):  # a JSON written before the framework figures has none
+        console.print(_framework_table(result))
+        console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
+
+
+def framework_rows(result: dict) -> list[tuple[str, str, float | None, str | None, str]]:
+    """(framework, figure, value, published threshold, verdict) for the first trainer recipe (the user's): each
+    framework's headline figure and every figure with a published bound, in the JSON's order."""
+    figs = next(iter(result["recipes"].values()))["frameworks"]
+    return [(fw, figure, value, *judge(fw, figure, value))
+            for fw, by_figure in figs.items() for figure, value in by_figure.items()
+            if figure == FRAMEWORK_HEADLINE.get(fw) or (fw, figure) in THRESHOLDS]
+
+
+def _fmt_figure(v: float | None) -> str:
+    """4 significant digits (a bound such as NeMo-RL's 1.05 needs the third decimal), scientific below FIXED_FROM."""
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    return f"{v:.4g}" if abs(v) >= FIXED_FROM or v == 0 else f"{v:.2e}"
+
+
+def _framework_table(result: dict):
+    from rich import box
+    from rich.table import Table
+
+    recipe = next(iter(result["recipes"]))
+    table = Table(title=f"what each framework would log: {recipe} trainer against the {result['engine']['dtype']} "
+                  f"engine (every figure: JSON recipes.{recipe}.frameworks)",
+                  title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    # figure names run to 43 characters: one space between columns (the box's) and a two-line header fit 80 columns
+    for name, justify in (("framework", "left"), ("figure", "left"), ("value", "right"),
+                          ("published\nthreshold", "right"), ("verdict", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for fw, figure, value, threshold, verdict_ in framework_rows(result):
+        table.add_row(fw, figure, _fmt_figure(value), threshold or "-",
+                      "[bold red]over[/]" if verdict_ == "over" else verdict_)
+    return table

@@ -307,25 +307,46 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
 }
 
 
+def check_frameworks(names: list[str]) -> None:
+    """ConfigError, one line naming the unknown names and listing the known ones, unless every name is in
+    FRAMEWORKS (and there is at least one)."""
+    if not names:
+        raise ConfigError(f"--framework is empty: give one or more of {', '.join(FRAMEWORKS)}")
+    unknown = [n for n in names if n not in FRAMEWORKS]
+    if unknown:
+        raise ConfigError(f"--framework {', '.join(unknown)}: unknown; choose from {', '.join(FRAMEWORKS)}")
+
+
+def framework_figures(
+    logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, names: list[str]
+) -> dict[str, Figures]:
+    """{framework: {figure: value}} for each named framework, in the order given (diagnose's JSON layout)."""
+    check_frameworks(names)
+    return {name: FRAMEWORKS[name](logp, logp_engine, mask) for name in names}
+
+
+def judge(framework: str, figure: str, value: float | None) -> tuple[str | None, str]:
+    """(threshold, verdict) of one figure against its published bound: threshold as "<= 0.01" or None without one;
+    verdict "ok" when the bound holds, "over" when it does not, "-" without a bound or for a NaN (or JSON null)
+    value (nothing to judge)."""
+    bound = THRESHOLDS.get((framework, figure))
+    if bound is None:
+        return None, "-"
+    op, limit, _ = bound
+    if value is None or math.isnan(value):
+        return f"{op} {limit:g}", "-"
+    return f"{op} {limit:g}", "ok" if _OPS[op](value, limit) else "over"
+
+
 def framework_table(
     logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> list[dict]:
     """One row per figure of each named framework, in FRAMEWORKS order within a framework:
-    {framework, figure, value, threshold ("<= 0.01" or None), verdict}. verdict: "ok" when the published bound
-    holds, "over" when it does not, "-" without a bound or for a NaN value (nothing to judge)."""
-    unknown = [n for n in names if n not in FRAMEWORKS]
-    if unknown:
-        raise ConfigError(f"--framework {', '.join(unknown)}: unknown; choose from {', '.join(FRAMEWORKS)}")
+    {framework, figure, value, threshold ("<= 0.01" or None), verdict} (`judge`)."""
     rows = []
-    for name in names:
-        for figure, value in FRAMEWORKS[name](logp, logp_engine, mask).items():
-            bound = THRESHOLDS.get((name, figure))
-            if bound is None:
-                threshold, verdict = None, "-"
-            else:
-                op, limit, _ = bound
-                threshold = f"{op} {limit:g}"
-                verdict = "-" if math.isnan(value) else ("ok" if _OPS[op](value, limit) else "over")
+    for name, figs in framework_figures(logp, logp_engine, mask, names).items():
+        for figure, value in figs.items():
+            threshold, verdict = judge(name, figure, value)
             rows.append({"framework": name, "figure": figure, "value": value, "threshold": threshold,
                          "verdict": verdict})
     return rows
@@ -372,11 +393,11 @@ def parse_gate(expr: str) -> Gate:
     return Gate(key=key, op=op, bound=bound)
 
 
-def lookup(summary: dict, key: str) -> float:
-    """The number at dotted path `key` in a nested dict (a list is indexed by a whole-number part). A dict key that
-    itself holds dots ("eps=0.2") is matched whole, longest first. JSON null reads as NaN.
+_MISSING = object()
 
-    GateError, naming the key and listing the top-level keys, when the path is absent or does not end on a number."""
+
+def _walk(summary: dict, key: str):
+    """The node at dotted path `key` in `summary`, or _MISSING."""
     parts = key.split(".")
     node, i = summary, 0
     while i < len(parts):
@@ -389,8 +410,27 @@ def lookup(summary: dict, key: str) -> float:
                 node, i = node[int(part)], j
                 break
         else:
-            raise GateError(f"--fail-if: no figure {key!r} in the summary; its top-level keys: "
-                            f"{', '.join(map(str, summary)) or '(none)'}")
+            return _MISSING
+    return node
+
+
+def lookup(summary: dict, key: str, under: tuple[str, ...] = ()) -> float:
+    """The number at dotted path `key` in a nested dict (a list is indexed by a whole-number part). A dict key that
+    itself holds dots ("eps=0.2") is matched whole, longest first. JSON null reads as NaN. A path absent from the
+    top level is tried under each group of `under` in turn (diagnose passes ("recipes",), so that
+    'fp32.outside_trust_region' reads recipes.fp32.outside_trust_region); the path as given wins.
+
+    GateError, naming the key and listing the top-level keys (and those of `under`'s groups), when the path is
+    absent or does not end on a number."""
+    for prefix in ("", *under):
+        node = _walk(summary, f"{prefix}.{key}" if prefix else key)
+        if node is not _MISSING:
+            break
+    else:
+        groups = "".join(f"; under {g}: {', '.join(map(str, summary[g])) or '(none)'}"
+                         for g in under if isinstance(summary.get(g), dict))
+        raise GateError(f"--fail-if: no figure {key!r} in the summary; its top-level keys: "
+                        f"{', '.join(map(str, summary)) or '(none)'}{groups}")
     if node is None:
         return float("nan")
     if isinstance(node, (int, float)):
@@ -399,12 +439,13 @@ def lookup(summary: dict, key: str) -> float:
     raise GateError(f"--fail-if: {key!r} is {kind}, not a number; name a figure inside it")
 
 
-def failed_gates(summary: dict, gates: list[Gate]) -> list[str]:
-    """One line per gate whose bad condition holds: "key = value, bound: op bound". A NaN figure (nothing measured)
-    satisfies no comparison and so fails no gate; gate on a count (e.g. 'fp32.tokens<1') to require data."""
+def failed_gates(summary: dict, gates: list[Gate], under: tuple[str, ...] = ()) -> list[str]:
+    """One line per gate whose bad condition holds: "key = value, bound: op bound" (keys read by `lookup`, with
+    `under`). A NaN figure (nothing measured) satisfies no comparison and so fails no gate; gate on a count (e.g.
+    'fp32.tokens<1') to require data. ±inf compares as a number: 'x>0.1' fails on +inf."""
     lines = []
     for g in gates:
-        value = lookup(summary, g.key)
+        value = lookup(summary, g.key, under)
         if _OPS[g.op](value, g.bound):
             lines.append(f"{g.key} = {value:g}, bound: {g.op} {g.bound:g}")
     return lines

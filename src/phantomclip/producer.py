@@ -44,12 +44,8 @@ class RolloutProducer:
     max(1, staleness) batches ahead. Batch k waits for weights version max(0, k − staleness), which the trainer
     publishes after step version − 1: so the content of every batch is fixed by (seed, k), not by timing."""
 
-    def __init__(self, make_batch: Callable[[int, int, dict], Batch], first: int, last: int, staleness: int,
-                 threads: int | None = None):
-        """`threads`: intra-op threads of the producer thread (torch.set_num_threads is per OS thread), None: the
-        process default."""
+    def __init__(self, make_batch: Callable[[int, int, dict], Batch], first: int, last: int, staleness: int):
         self.make_batch, self.first, self.last, self.staleness = make_batch, first, last, staleness
-        self.threads = threads
         self._weights: dict[int, dict[str, torch.Tensor]] = {}
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, staleness))
@@ -89,8 +85,6 @@ class RolloutProducer:
             self._thread.join(timeout=0.1)
 
     def _run(self) -> None:
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
         try:
             for k in range(self.first, self.last):
                 version = max(0, k - self.staleness)

@@ -294,10 +294,8 @@ def train(
     with a checkpoint (a second Ctrl-C aborts at once; the last periodic checkpoint stays valid)."""
     setup = _prepare(cfg, out, resume)
     ctx, start, snapshots = _step_context(setup)
-    cores = torch.get_num_threads()
     producer = _start_producer(setup, ctx, start, snapshots)
     stop_requested, metrics = GracefulStop(), (list(setup.run.metrics()) if setup.run else [])
-    torch.set_num_threads(thread_split(cfg.staleness, cores)[1])
     try:
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
@@ -322,7 +320,6 @@ def train(
                 check_finite(metrics)
     finally:
         producer.close()
-        torch.set_num_threads(cores)
         if setup.run is not None:
             setup.run.close()
     interrupted = stop_requested.flag and len(metrics) < cfg.steps
@@ -437,19 +434,8 @@ class RolloutMaker:
                      t_end - t0, logp_shadow_old, shadow_old_s=t_end - t_split)
 
 
-def thread_split(staleness: int, cores: int) -> tuple[int, int]:
-    """Intra-op threads (producer, trainer). With staleness ≥ 1 the producer samples batch k+1 while the trainer
-    trains on batch k: each gets half the cores, since two OpenMP pools of `cores` threads each oversubscribe the
-    machine (on 2 cores, 1 + 1 threads ran a 1 x 8 bundled-model step in 4.9 s against 5.8 s for 2 + 2, 6.6 s for
-    1 + 2 and 6.9 s for 2 + 1: bench/RESULTS.md). At staleness 0 they take turns, so each keeps every core."""
-    if staleness == 0 or cores < 2:
-        return cores, cores
-    return cores // 2, cores - cores // 2
-
-
 def _start_producer(setup: Setup, ctx: StepContext, start: int, snapshots: dict[int, dict]) -> RolloutProducer:
-    threads, _ = thread_split(setup.cfg.staleness, torch.get_num_threads())
-    producer = RolloutProducer(RolloutMaker(setup, ctx), start, setup.cfg.steps, setup.cfg.staleness, threads)
+    producer = RolloutProducer(RolloutMaker(setup, ctx), start, setup.cfg.steps, setup.cfg.staleness)
     for version in sorted(snapshots):
         producer.publish(version, snapshots[version])
     return producer.start()

@@ -75,3 +75,47 @@ def test_mismatch_stats_advantages_and_nonfinite():
     # seq 0 (A>0): 0.3 zeroed, -0.3 not; seq 1 (A<0): 0.3 not, -0.3 zeroed -> 2 of 4
     assert s["phantom_clip_rate"] == pytest.approx(0.5)
     assert math.isfinite(s["beta_abs_mean"]) and s["beta_abs_mean"] == pytest.approx(0.3)
+
+
+# ---------------------------------------------------------------------------------------------- shift-share
+
+
+def test_shift_share_by_hand():
+    """A: bucket 0 holds |β| 1, 3 and bucket 1 holds 10 (w = 2/3, 1/3; m = 2, 10; mean 14/3). B: bucket 0 holds 2,
+    bucket 1 holds 12, 14, 10 (w = 1/4, 3/4; m = 2, 12; mean 9.5). Change 29/6 = mix (−5/12·2 + 5/12·10 = 10/3)
+    + within (2/3·0 + 1/3·2 = 2/3) + interaction (−5/12·0 + 5/12·2 = 5/6). Float64 sums of a few terms of size
+    ≤ 10: exact to a few ulps of 10 (1e-14 is ~50 ulps)."""
+    from phantomclip.metrics import shift_share
+
+    out = shift_share(torch.tensor([1.0, 3.0, 10.0]), torch.tensor([0, 0, 1]),
+                      torch.tensor([2.0, 12.0, 14.0, 10.0]), torch.tensor([0, 1, 1, 1]), n_buckets=3)
+    expected = {"mean_a": 14 / 3, "mean_b": 9.5, "change": 29 / 6, "mix": 10 / 3, "within": 2 / 3,
+                "interaction": 5 / 6}
+    assert all(abs(out[k] - v) < 1e-14 for k, v in expected.items()), (out, expected)
+    assert abs(out["mix"] + out["within"] + out["interaction"] - out["change"]) < 1e-14
+
+
+def test_shift_share_empty_buckets_count_as_mix_and_the_identity_holds_on_random_data():
+    from phantomclip.metrics import shift_share
+
+    # bucket 2 is empty in A: B's 6 there takes A's side as its own mean, so it adds w_B·6 = 6/2 to mix only
+    out = shift_share(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 6.0]), torch.tensor([0, 2]),
+                      n_buckets=4)
+    assert abs(out["change"] - 2.5) < 1e-14 and abs(out["within"]) < 1e-14 and abs(out["interaction"]) < 1e-14
+    assert abs(out["mix"] - (-0.5 * 1.0 + 0.5 * 6.0)) < 1e-14
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        na, nb = (int(torch.randint(1, 50, (1,), generator=g)) for _ in range(2))
+        va, vb = torch.rand(na, generator=g, dtype=torch.float64), torch.rand(nb, generator=g, dtype=torch.float64)
+        ba, bb = torch.randint(0, 8, (na,), generator=g), torch.randint(0, 8, (nb,), generator=g)
+        out = shift_share(va, ba, vb, bb, n_buckets=8)
+        # values ≤ 1, ≤ 24 float64 terms: the three parts and the change agree to ~1e-15
+        assert abs(out["mix"] + out["within"] + out["interaction"] - out["change"]) < 1e-12, out
+
+
+def test_prob_buckets_edges():
+    from phantomclip.metrics import PROB_EDGES, prob_buckets
+
+    p = torch.tensor([0.005, 0.01, 0.05, 0.4, 0.95, 0.995, 1.0], dtype=torch.float64)
+    assert prob_buckets(p.log()).tolist() == [0, 1, 1, 3, 6, 7, 7]
+    assert len(PROB_EDGES) - 1 == 8

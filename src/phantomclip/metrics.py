@@ -227,6 +227,51 @@ RUN_WINDOW = 5
 batch of a few hundred tokens)."""
 
 
+PROB_EDGES = (0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+"""engine-probability bucket edges of the shift-share decomposition: finer at both ends, where |β| differs most
+(low-probability tokens carry tens of times the |β| of confident ones)."""
+
+
+def prob_buckets(logp_engine: torch.Tensor, edges: tuple[float, ...] = PROB_EDGES) -> torch.Tensor:
+    """Bucket index (0 .. len(edges) − 2) of each token's engine probability p = exp(logp_engine): bucket i holds
+    edges[i] <= p < edges[i+1], the last one also p = 1."""
+    p = logp_engine.double().exp()  # [N]
+    inner = torch.tensor(edges[1:-1], dtype=torch.float64)
+    return torch.bucketize(p, inner, right=True)  # [N]
+
+
+def bucket_means(values: torch.Tensor, buckets: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, m) over buckets [K]: w_k the share of tokens in bucket k, m_k the mean of `values` there (NaN if empty)."""
+    counts = torch.bincount(buckets, minlength=n_buckets).double()  # [K]
+    sums = torch.zeros(n_buckets, dtype=torch.float64).index_add_(0, buckets, values.double())  # [K]
+    w = counts / counts.sum() if counts.sum() > 0 else counts
+    return w, torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, float("nan")))
+
+
+def shift_share(
+    values_a: torch.Tensor, buckets_a: torch.Tensor, values_b: torch.Tensor, buckets_b: torch.Tensor, n_buckets: int,
+) -> dict[str, float]:
+    """The change of a mean between two token sets A and B (e.g. |β| at two snapshots of a run), split exactly into
+    the part due to the bucket mix and the part within buckets (a shift-share decomposition):
+
+        mean_B − mean_A = Σ_k (w_B − w_A) m_A   [mix: which buckets the tokens fall in]
+                        + Σ_k w_A (m_B − m_A)   [within: the mean at a given bucket]
+                        + Σ_k (w_B − w_A)(m_B − m_A)   [interaction]
+
+    with w the bucket shares and m the bucket means (`bucket_means`). The three terms add up to the change for any
+    m of an empty bucket (its w is 0 on that side); an empty bucket takes the other side's mean, so all of its change
+    counts as mix. values_*: [N_*] float; buckets_*: [N_*] int in 0 .. n_buckets − 1.
+    """
+    w_a, m_a = bucket_means(values_a, buckets_a, n_buckets)
+    w_b, m_b = bucket_means(values_b, buckets_b, n_buckets)
+    m_a, m_b = torch.where(m_a.isnan(), m_b, m_a), torch.where(m_b.isnan(), m_a, m_b)
+    m_a, m_b = m_a.nan_to_num(0.0), m_b.nan_to_num(0.0)  # empty on both sides: w is 0 on both, any m will do
+    mix, within, both = ((w_b - w_a) * m_a).sum(), (w_a * (m_b - m_a)).sum(), ((w_b - w_a) * (m_b - m_a)).sum()
+    return {"mean_a": mean_or_nan(values_a), "mean_b": mean_or_nan(values_b),
+            "change": mean_or_nan(values_b) - mean_or_nan(values_a),
+            "mix": mix.item(), "within": within.item(), "interaction": both.item()}
+
+
 def _token_weighted(rows: list[dict], key: str, weight: str = "mismatch/tokens") -> float:
     """Σ key·weight / Σ weight over rows (rows whose key is NaN or missing are left out); NaN when none remain."""
     pairs = [(r[key], r[weight]) for r in rows if r.get(key) is not None and math.isfinite(r[key]) and r.get(weight)]

@@ -2,7 +2,7 @@
 and none reaches for another module's private name.
 
 Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
-  leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions
+  leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs
   core      scoring, engine, engines (engines/__init__, engines/vllm), producer
   jobs      diagnose, trainer, trace, experiments, engines.compare (the `phantomclip engines` command)
   surfaces  report, integrations, cli, diagnose_text
@@ -32,7 +32,7 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks"),
+             "frameworks", "knobs"),
     "core": ("scoring", "engine", "engines", "producer"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text"),

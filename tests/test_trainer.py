@@ -1,3 +1,4 @@
+import json
 import math
 import os
 import signal
@@ -425,3 +426,26 @@ def test_icepop_bounds_reach_the_correction_and_old_runs_resume_without_them(tmp
     old = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("icepop")}
     cfg_path.write_text(json.dumps(old))
     assert len(train(TrainConfig(**TINY, steps=2), out=tmp_path / "old", resume=True).metrics) == 2
+
+
+def test_kept_snapshots_round_trip_bit_exactly(tmp_path):
+    """--keep-snapshots 2 over 4 steps: weights at steps 0, 2, 4 (safetensors), the tokens sampled with θ_0 and θ_2;
+    the last snapshot equals the checkpoint's master weights bit for bit."""
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(**{**TINY, "steps": 4, "keep_snapshots": 2})
+    rows = train(cfg, out=tmp_path / "run").metrics
+    snaps = tmp_path / "run" / "snapshots"
+    assert sorted(p.name for p in snaps.iterdir()) == [
+        "step-000000.safetensors", "step-000000.tokens.json", "step-000002.safetensors", "step-000002.tokens.json",
+        "step-000004.safetensors"]
+    master = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["master"]
+    last = load_file(snaps / "step-000004.safetensors")
+    assert last.keys() <= master.keys() and all(torch.equal(last[k], master[k]) for k in last)
+    first = load_file(snaps / "step-000000.safetensors")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the weights moved
+    tokens = json.loads((snaps / "step-000002.tokens.json").read_text())
+    assert tokens["step"] == 2 and tokens["batch"] == 3  # staleness 1: batch 3 is the first sampled with θ_2
+    assert len(tokens["completion_ids"]) == 2 * 8 and len(rows) == 4  # prompts_per_step x group_size
+    with pytest.raises(TrainConfigError, match="--keep-snapshots writes into the run directory: give --out"):
+        train(TrainConfig(**{**TINY, "keep_snapshots": 2}))

@@ -3,10 +3,11 @@ contract, and say how much of PPO's trust region it eats.
 
 Phases (`run_diagnose` reads top to bottom): `prepare` the model and prompts -> `sample` completions with an
 engine in `engine_dtype` (its own decode-path log-probs, logp_engine) -> `score_recipe` the same tokens with the
-shadow (the trainer's forward in the engine's dtype, logp_shadow) and each trainer recipe (logp) -> `reference`
-(both engine columns) -> `figures`, comparing token by token at α = 0, where log r = logp − logp_engine = β (and
-what each RL framework would log for the same tokens, frameworks.py) -> `result_dict`. Figures are defined in
-docs/metrics.md; the verdict and the tables are diagnose_text.py's.
+shadow (the trainer's forward in the engine's dtype, logp_shadow) and each trainer recipe (logp; and, for batch
+invariance, some sequences again one at a time: `score_alone`) -> `reference` (both engine columns) -> `figures`,
+comparing token by token at α = 0, where log r = logp − logp_engine = β (and what each RL framework would log for
+the same tokens, frameworks.py; and what each correction knob does to the first recipe's β, knobs.py) ->
+`result_dict`. Figures are defined in docs/metrics.md; the verdict and the tables are diagnose_text.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
 from .errors import ConfigError, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
-from .loss import clip_range
+from .knobs import KnobSettings, knob_figures
+from .loss import CorrectionParams, clip_range
 from .metrics import (
     mean_or_nan,
     mismatch_stats,
@@ -88,6 +90,21 @@ class DiagnoseConfig:
     token)."""
     seq_mask_cap: float = 3.0
     """cap C of TRL's sequence_mask: sequences with exp(Σβ) > C would be dropped."""
+    token_cap: float = CorrectionParams().cap
+    """cap C of the token-level corrections, for the knob advice: TIS (token_truncate) truncates r to C, token_mask
+    drops tokens with r > C (loss.CorrectionParams.cap; TRL's vllm_importance_sampling_cap)."""
+    icepop_low: float = CorrectionParams().icepop_low
+    """IcePop's lower bound, for the knob advice: tokens with r below it are dropped (loss.CorrectionParams)."""
+    icepop_high: float = CorrectionParams().icepop_high
+    """IcePop's upper bound, for the knob advice: tokens with r above it are dropped (loss.CorrectionParams)."""
+    keep_share: float = 0.99
+    """the knob advice's target: for each correction knob, the setting that leaves this share of tokens (token
+    knobs) or of sequences (sequence knobs) untouched on the measured β of the first trainer recipe, in (0, 1)."""
+    batch_invariance: bool = True
+    """also score up to 16 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
+    each trainer recipe, and report split.batch = logp in the run's batch − logp alone. Costs 16 single-sequence
+    forwards per recipe: about a quarter of a recipe's batched scoring at the defaults (n = batch = 64), so an
+    estimated 15-20% of the default run's wall time on the bundled model; 0.1-0.2 s per recipe on tiny-random."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
     framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
@@ -121,6 +138,10 @@ class DiagnoseConfig:
         check_number("--temperature", self.temperature, 0, low_open=True)
         # C <= 1 would drop sequences whose ratio never moved (exp(Σβ) = 1)
         check_number("--seq-mask-cap", self.seq_mask_cap, 1, low_open=True)
+        check_number("--token-cap", self.token_cap, 1, low_open=True)  # as --seq-mask-cap
+        check_number("--icepop-low", self.icepop_low, 0, 1, low_open=True)  # r = 1 is never dropped
+        check_number("--icepop-high", self.icepop_high, 1)
+        check_number("--keep-share", self.keep_share, 0, 1, low_open=True, high_open=True)
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
         from .engines.vllm import (  # vLLM itself is not imported
@@ -141,6 +162,11 @@ class DiagnoseConfig:
         if self.engine == "vllm":
             check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
             require_vllm()
+
+    def knob_settings(self) -> KnobSettings:
+        """The user's current setting of every correction knob (knobs.py)."""
+        return KnobSettings(self.epsilon, self.epsilon_high, self.token_cap, self.seq_mask_cap, self.icepop_low,
+                            self.icepop_high)
 
     def sampling(self, batch: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """The engine's sampling settings for batch number `batch` (each batch has its own seed)."""
@@ -212,6 +238,9 @@ class Scored:
     log_kept: torch.Tensor  # [n, T] log S, the mass truncated sampling keeps under this recipe (0 without truncation)
     seconds: float
     """wall time of laying the model out for the recipe and scoring."""
+    logp_alone: torch.Tensor | None = None  # [n, T] the `alone_rows` scored one at a time, unpadded; 0 elsewhere
+    seconds_alone: float = 0.0
+    """wall time of scoring those rows alone (`score_alone`)."""
 
 
 @dataclass
@@ -236,6 +265,8 @@ class Figures:
     """shadow against engine: the kernel part of β, the same for every recipe."""
     recipes: dict[str, dict]
     per_token: dict[str, dict[str, list]]
+    knobs: dict
+    """the knob advice (knobs.knob_figures) on the first trainer recipe's β, naming it."""
 
 
 # -------------------------------------------------------------------------------------------- phases
@@ -320,7 +351,39 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
         entropy.append(sc.entropy)  # [B_i, T_i]
         log_kept.append(sc.log_kept if prep.truncation else torch.zeros_like(sc.logp))  # [B_i, T_i]
         progress.advance(task)
-    return Scored(_concat(logp), _concat(entropy), _concat(log_kept), time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    alone = score_alone(cfg, sampled, model, name, progress) if cfg.batch_invariance and name in cfg.trainer else {}
+    return Scored(_concat(logp), _concat(entropy), _concat(log_kept), seconds, **alone)
+
+
+BATCH_INVARIANCE_SEQUENCES = 16
+"""at most this many sequences are scored alone for split.batch: every one scored alone costs a forward of its own,
+and all n of them would cost about as much as the batched scoring again (the bundled model's default run: + 60-70%
+of its wall time); 16 sequences (several hundred tokens) pin β_batch's mean and tail at about a quarter of that."""
+
+
+def alone_rows(n: int, k: int = BATCH_INVARIANCE_SEQUENCES) -> list[int]:
+    """The rows scored alone: all n when n ≤ k, else k spread evenly over them (row i·n // k), so every batch of
+    the run is represented."""
+    return list(range(n)) if n <= k else [i * n // k for i in range(k)]
+
+
+def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progress) -> dict:
+    """Scored's `logp_alone` and `seconds_alone`: each of the `alone_rows` scored as a batch of one without its
+    padding (micro-batch 1), by the same `score` call as the batch, with `model` laid out for recipe `name`."""
+    recipe, rows = get_recipe(name), alone_rows(sampled.mask.shape[0])
+    task = progress.add_task(f"scoring alone ({name}, batch invariance)", total=len(rows))
+    t0 = time.perf_counter()
+    logp = torch.zeros(sampled.mask.shape)  # [n, T]
+    for row in rows:
+        p, b = sampled.packed[row // cfg.batch_size], row % cfg.batch_size
+        cols = p["attention_mask"][b].nonzero().squeeze(-1)  # [L] the row's own tokens (contiguous), no padding
+        ids = p["input_ids"][b, cols][None]  # [1, L]
+        sc = score(model, recipe, ids, torch.ones_like(ids), p["completion_mask"][b, cols][None],
+                   temperature=cfg.temperature)
+        logp[row, cols] = sc.logp[0]  # [L]
+        progress.advance(task)
+    return {"logp_alone": logp, "seconds_alone": time.perf_counter() - t0}
 
 
 def reference(sampled: Sampled, shadow: Scored, shadow_name: str) -> Reference:
@@ -341,19 +404,27 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
     recipes, per_token = {}, {}
     for name in cfg.trainer:
         recipes[name], per_token[name] = recipe_figures(cfg, scored[name], ref, kernel, mask)
-    return Figures(kernel, recipes, per_token)
+    first = cfg.trainer[0]
+    knobs = knob_figures(scored[first].logp - ref.logp_engine, mask, cfg.knob_settings(), cfg.keep_share,
+                         cfg.max_tokens)  # β [n, T] of the user's recipe
+    return Figures(kernel, recipes, per_token, {"recipe": first, **knobs})
 
 
 def recipe_figures(
     cfg: DiagnoseConfig, s: Scored, ref: Reference, kernel: dict, mask: torch.Tensor
 ) -> tuple[dict, dict]:
-    """One recipe: its mismatch statistics with the precision/kernel split, each selected framework's own figures
-    on the same tokens (frameworks.py), truncation's bias when sampling truncated, and its per-token β, entropy and
-    β_precision."""
+    """One recipe: its mismatch statistics with the precision/kernel split (and the batch layout's part, where the
+    rows were scored alone), each selected framework's own figures on the same tokens (frameworks.py), truncation's
+    bias when sampling truncated, and its per-token β, entropy and β_precision."""
     stats = _stats(cfg, s.logp, ref.logp_engine, mask)
     stats["seconds"] = s.seconds
-    stats["split"] = {"precision": _pick(_stats(cfg, s.logp, ref.logp_shadow, mask)), "kernel": _pick(kernel),
-                      "correlation": _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)}
+    stats["split"] = {"precision": _pick(_stats(cfg, s.logp, ref.logp_shadow, mask)), "kernel": _pick(kernel)}
+    if s.logp_alone is not None:
+        rows = torch.zeros(mask.shape[0], dtype=torch.bool)  # [n]
+        rows[alone_rows(mask.shape[0])] = True
+        stats["split"]["batch"] = _pick(_stats(cfg, s.logp, s.logp_alone, mask & rows[:, None]))
+        stats["seconds_alone"] = s.seconds_alone
+    stats["split"]["correlation"] = _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)
     stats["frameworks"] = framework_figures(s.logp, ref.logp_engine, mask, cfg.framework)
     tokens = {"beta": rounded((s.logp - ref.logp_engine)[mask]), "entropy": rounded(s.entropy[mask]),
               "beta_precision": rounded((s.logp - ref.logp_shadow)[mask])}
@@ -386,6 +457,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
                          "log_low": math.log1p(-cfg.epsilon), "log_high": math.log1p(cfg.epsilon_high)},
         "shadow": {"recipe": ref.shadow, "kernel": figs.kernel},
         "recipes": figs.recipes,
+        "knobs": figs.knobs,
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),

@@ -76,7 +76,7 @@ def verdict(result: dict) -> str:
     # The split and the truncation bias are told for the first recipe that differs from the engine's own
     # dtype (by default fp32, the usual trainer); the shadow recipe's precision part is zero by definition.
     told = next((k for k in usable if k != result["shadow"]["recipe"]), next(iter(usable)))
-    parts += [_split_verdict(result, told), _truncation_verdict(result, told)]
+    parts += [_split_verdict(result, told), _batch_verdict(result, told), _truncation_verdict(result, told)]
     if engine_missing:
         parts.append(f"The engine returned no finite log-prob for {engine_missing} sampled tokens; "
                      "they are left out of every figure.")
@@ -124,6 +124,26 @@ def _split_verdict(result: dict, name: str) -> str:
         return head + (f" {lever_cap} would shrink it only a little (mean |β| {now:.4f} -> "
                        f"{left[lever]:.4f}) and {rest}: tolerate or correct β instead.")
     return head + f" {lever_cap} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); {rest}."
+
+
+def _num(v) -> float:
+    """A figure as a float: JSON null (NaN written out) reads as NaN."""
+    return math.nan if v is None else float(v)
+
+
+def _batch_verdict(result: dict, name: str) -> str:
+    """One sentence when batch layout alone (recipe `name` in the run's batch against the same sequences scored one
+    at a time) puts more tokens outside the trust region than β_precision does."""
+    split = result["recipes"][name].get("split", {})
+    if "batch" not in split:
+        return ""
+    batch, prec = _num(split["batch"]["outside_trust_region"]), _num(split["precision"]["outside_trust_region"])
+    if not batch > prec:  # NaN (no token scored alone) says nothing
+        return ""
+    return (f"Batch layout alone puts {100 * batch:.2f}% of {name}'s tokens outside the trust region ({name} in the "
+            f"run's padded batch of {result['config']['batch_size']} against the same sequences scored one at a "
+            f"time), more than β_precision does ({100 * prec:.2f}%): the trainer's micro-batch layout moves the ratio "
+            f"more than its precision; batch-invariant kernels, or one layout on both sides, remove that part.")
 
 
 def _truncation_verdict(result: dict, name: str) -> str:
@@ -179,6 +199,10 @@ SPLIT_CELLS = {"precision |β|": ("split", "precision", "beta_abs_mean"),
                "precision out": ("split", "precision", "outside_trust_region"),
                "kernel out": ("split", "kernel", "outside_trust_region")}
 """the split table's columns: the path to each figure inside a recipe's result."""
+BATCH_CELLS = {"batch |β|": ("split", "batch", "beta_abs_mean"),
+               "batch out": ("split", "batch", "outside_trust_region")}
+"""the split table's further columns when rows were scored alone (split.batch: the run's batch against micro-batch
+1)."""
 TRUNCATION_CELLS = {"mean log S": ("truncation", "log_kept_mean"), "pushed out": ("truncation", "pushed_out"),
                     "naive out": ("truncation", "naive", "outside_trust_region"),
                     "corrected out": ("truncation", "corrected", "outside_trust_region")}
@@ -247,19 +271,27 @@ def render(result: dict, console: Console) -> None:
         else:
             console.print(_table(title, cols, list(recs), lambda c, r: _fmt(c, recs[r][c])))
     truncated = any("truncation" in r for r in recs.values())
-    split = SPLIT_CELLS | (TRUNCATION_CELLS if truncated else {})
+    batched = any("batch" in r.get("split", {}) for r in recs.values())
+    split = SPLIT_CELLS | (BATCH_CELLS if batched else {}) | (TRUNCATION_CELLS if truncated else {})
 
     def cell(r: str, c: str) -> str:
         v = recs[r]
         for key in split[c]:
-            v = v[key]
+            v = v.get(key) if isinstance(v, dict) else None  # a recipe without the part: n/a
         return _fmt("outside_trust_region" if c.endswith("out") else c, v)
 
-    title = f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)" + (
-        "; truncation bias log S" if truncated else "")
+    title = (f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)"
+             + ("; β_batch (the run's batch vs one sequence at a time)" if batched else "")
+             + ("; truncation bias log S" if truncated else ""))
     console.print(_table(title, list(recs), list(split), cell))
     if "frameworks" in next(iter(recs.values()), {}):  # a JSON written before the framework figures has none
         console.print(_framework_table(result))
+        console.print()
+    if "knobs" in result:  # a JSON written before the knob advice has none
+        knobs = result["knobs"]
+        console.print(f"[bold]for your config[/] ({knobs['recipe']} trainer's β; every figure: JSON knobs):")
+        for line in knob_lines(knobs):
+            console.print("  " + line, markup=False)
         console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
 
@@ -296,3 +328,63 @@ def _framework_table(result: dict):
         table.add_row(fw, figure, _fmt_figure(value), threshold or "-",
                       "[bold red]over[/]" if verdict_ == "over" else verdict_)
     return table
+
+
+KNOB_LABELS = {"clip": "PPO clip", "token_truncate": "TIS (token_truncate)", "token_mask": "token_mask",
+               "sequence_mask": "sequence_mask", "geo_mask": "geo-mean mask (GSPO)", "icepop": "IcePop"}
+"""the knobs of the "for your config" block, in print order, with their labels (keys of the JSON's knobs)."""
+KNOB_VERBS = {"clip": "clips", "token_truncate": "truncates"}
+"""what a knob does to what it touches; the others drop it."""
+
+
+def _bound(x, up: bool) -> str:
+    """x to 3 significant digits, rounded up (a lower bound on a setting, '≥') or down ('≤'), so the printed setting
+    still does what the line says; n/a for NaN or null."""
+    if x is None or math.isnan(x):
+        return "n/a"
+    if x == 0 or math.isinf(x):
+        return f"{x:g}"
+    scale = 10 ** (2 - math.floor(math.log10(abs(x))))
+    return f"{(math.ceil if up else math.floor)(x * scale) / scale:g}"
+
+
+def _knob_now(setting: dict) -> str:
+    """A knob's current setting as the user writes it."""
+    if "cap" in setting:
+        return f"C = {setting['cap']:g}"
+    if "low" in setting:
+        return f"[{setting['low']:g}, {setting['high']:g}]"
+    return f"ε {setting['epsilon_low']:g}/{setting['epsilon_high']:g}"
+
+
+def _knob_advice(keep: dict) -> str:
+    """The advised setting as inequalities, each bound rounded so that it still holds."""
+    if "cap" in keep:
+        return f"C ≥ {_bound(keep['cap'], True)}"
+    if "low" in keep:
+        return f"low ≤ {_bound(keep['low'], False)}, high ≥ {_bound(keep['high'], True)}"
+    return f"ε_low ≥ {_bound(keep['epsilon_low'], True)}, ε_high ≥ {_bound(keep['epsilon_high'], True)}"
+
+
+def knob_lines(knobs: dict) -> list[str]:
+    """One line per knob of a result's `knobs` block: its current setting -> what it touches; the setting that
+    leaves `keep_share` untouched. Sequence figures extrapolated to the target length say so."""
+    keep = f"{100 * knobs['keep_share']:g}%"
+    n = knobs["length"]["target"]
+    pct = lambda v: _fmt("outside_trust_region", _num(v))  # noqa: E731 (a share, as the tables print it)
+    lines = []
+    for name, label in KNOB_LABELS.items():
+        k = knobs.get(name)
+        if k is None:
+            continue
+        at, verb = k.get("at_length"), KNOB_VERBS.get(name, "drops")
+        longer = f"; {pct(at['sequences'])} of {n}-token ones (extrapolated)" if at else ""
+        if k["unit"] == "token":
+            touched = f"{verb} {pct(k['tokens'])} of tokens, {pct(k['sequences'])} of sequences{longer}"
+            advice = f"{_knob_advice(k['keep'])} for {keep} of tokens untouched"
+        else:
+            touched = f"{verb} {pct(k['sequences'])} of sequences ({pct(k['tokens'])} of tokens){longer}"
+            advice = (f"{_knob_advice(at['keep'])} for {keep} of {n}-token sequences untouched (extrapolated)" if at
+                      else f"{_knob_advice(k['keep'])} for {keep} of sequences untouched")
+        lines.append(f"{label} {_knob_now(k['setting'])}: {touched} -> {advice}")
+    return lines

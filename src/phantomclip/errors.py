@@ -45,9 +45,10 @@ SEED_LIMIT = 2**32
 
 
 def check_number(flag: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,
-                 integer: bool = False, error: type[PhantomclipError] = ConfigError) -> None:
-    """Refuse a flag's value outside [low, high] (low excluded if low_open), or not finite, or (integer) not a whole
-    number, with one line naming the flag and the range: the one rule every command's config validates with."""
+                 integer: bool = False, error: type[PhantomclipError] = ConfigError, high_open: bool = False) -> None:
+    """Refuse a flag's value outside [low, high] (low excluded if low_open, high if high_open), or not finite, or
+    (integer) not a whole number, with one line naming the flag and the range: the one rule every command's config
+    validates with."""
     if integer:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:
@@ -55,12 +56,12 @@ def check_number(flag: str, value, low: float | None = None, high: float | None 
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
-        ok = value <= high
+        ok = value < high if high_open else value <= high
     if not ok:
         kind = "a whole number" if integer else "a finite number"
         show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"  # noqa: E731 (a seed's limit stays exact)
         lo = "" if low is None else f"{'>' if low_open else '>='} {show(low)}"
-        hi = "" if high is None else f"<= {show(high)}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {show(high)}"
         bounds = " and ".join(b for b in (lo, hi) if b)
         raise error(f"{flag} must be {kind}{' ' + bounds if bounds else ''}, got {value!r}")
 

@@ -7,6 +7,8 @@ Layout of a run directory:
     tokens.jsonl       per-token α, β, advantage and clip flags of the first steps (for the report)
     checkpoint.pt      the latest checkpoint (temp file + fsync + rename: never half-written); tensors and plain
                        containers only, read back with torch.load(weights_only=True): a crafted file cannot run code
+    snapshots/         with `train --keep-snapshots N`: step-NNNNNN.safetensors (the fp32 weights after that many
+                       steps) and step-NNNNNN.tokens.json (the tokens sampled with those weights)
     .lock              held (an advisory flock) by the one process writing the run; it names that process's pid
 
 A SIGKILL can leave at most a torn last line in the JSONL files; readers skip it with a warning and `resume`
@@ -258,7 +260,7 @@ class RunDir:
     def _take(self) -> None:
         """Lock the directory, then remove temp files a killed writer stranded (only the lock holder may)."""
         self.lock = DirLock(self.path, "run")
-        for tmp in self.path.glob(f".*{TEMP_SUFFIX}"):
+        for tmp in [*self.path.glob(f".*{TEMP_SUFFIX}"), *self.snapshots_path.glob(f".*{TEMP_SUFFIX}")]:
             tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -370,6 +372,34 @@ class RunDir:
 
     def metrics(self) -> list[dict]:
         return [nan_for_null(r) for r in read_jsonl(self.metrics_path)]
+
+    @property
+    def snapshots_path(self) -> Path:
+        return self.path / "snapshots"
+
+    def save_snapshot(self, model: torch.nn.Module, step: int) -> int:
+        """The model's weights after `step` optimizer steps as snapshots/step-NNNNNN.safetensors (safetensors: no
+        pickle; tied weights stored once), written to a temp file and renamed. Returns its size in bytes."""
+        from safetensors.torch import save_model
+
+        path = self.snapshots_path / f"step-{step:06d}.safetensors"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            save_model(model, str(tmp))
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise write_error(path, e) from None
+        return path.stat().st_size
+
+    def save_snapshot_tokens(self, version: int, record: dict) -> None:
+        """The tokens sampled with the weights of snapshot `version` (prompt and completion ids), beside it."""
+        path = self.snapshots_path / f"step-{version:06d}.tokens.json"
+        atomic_write_bytes(path, json.dumps({"step": version, **record}).encode())
 
     def save_checkpoint(self, state: dict) -> None:
         """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint."""

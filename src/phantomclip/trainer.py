@@ -49,9 +49,10 @@ from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import GracefulStop, RunDir, input_record, progress_bar, rounded
 
 EXPERIMENT_LR = 3e-5
-ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}}
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
-RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps")
+RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps",
+                     "keep_snapshots")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
 
 
@@ -115,6 +116,9 @@ class TrainConfig:
     """completions per step written to samples.jsonl."""
     token_log_steps: int = 5
     """per-token α, β, advantage and clip flags are written to tokens.jsonl for this many first steps."""
+    keep_snapshots: int = 0
+    """keep the fp32 weights every this many steps (and at step 0) in OUT/snapshots/, with the tokens sampled with
+    them, for `trace`'s analysis of how β grows (0: none; the bundled model's snapshot is about 540 MB)."""
     prompts: str | None = None
     """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
     matmul: str = "auto"
@@ -128,7 +132,8 @@ class TrainConfig:
                  ("--group-size", self.group_size, 2), ("--max-tokens", self.max_tokens, 1),
                  ("--staleness", self.staleness, 0), ("--checkpoint-every", self.checkpoint_every, 1),
                  ("--stop-after-converged", self.stop_after_converged, 0),
-                 ("--samples-per-step", self.samples_per_step, 0), ("--token-log-steps", self.token_log_steps, 0)]
+                 ("--samples-per-step", self.samples_per_step, 0), ("--token-log-steps", self.token_log_steps, 0),
+                 ("--keep-snapshots", self.keep_snapshots, 0)]
         for flag, value, low in whole:
             check_number(flag, value, low, integer=True, error=TrainConfigError)
         check_seed("--seed", self.seed, error=TrainConfigError)
@@ -299,10 +304,13 @@ def train(
     try:
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
+            if start == 0:
+                _keep_weights(setup, 0, progress)
             for k in range(start, cfg.steps):
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
+                _keep_tokens(setup, batch)
                 step = _train_step(batch, ctx)
                 _publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
@@ -312,6 +320,7 @@ def train(
                 # signal arriving later is seen after the next step, which then checkpoints and stops).
                 stop = stop_requested.flag or finished_early(metrics, cfg.stop_after_converged)
                 _log_step(setup, ctx, batch, step, snapshots, checkpoint=stop)
+                _keep_weights(setup, k + 1, progress)
                 progress.update(bar, advance=1, info=_step_info(step.row))
                 if on_step:
                     on_step(step.row)
@@ -334,6 +343,8 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
     from .tasks import get_task, load_reward
 
     cfg.validate()
+    if cfg.keep_snapshots and out is None:
+        raise TrainConfigError("--keep-snapshots writes into the run directory: give --out")
     task = get_task(cfg.task)
     reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
     lm = load_model(cfg.model)
@@ -451,6 +462,26 @@ def _publish_weights(producer: RolloutProducer, snapshots: dict[int, dict], mast
         del snapshots[v]
     snapshots[version] = snapshot(master, reuse=free)
     producer.publish(version, snapshots[version])
+
+
+def _keep_weights(setup: Setup, step: int, progress) -> None:
+    """With --keep-snapshots N: the fp32 weights after `step` steps, when step is a multiple of N."""
+    every = setup.cfg.keep_snapshots
+    if every and setup.run is not None and step % every == 0:
+        size = setup.run.save_snapshot(setup.master, step)
+        if hasattr(progress, "console"):
+            progress.console.print(f"snapshot of the weights at step {step}: {size / 2**20:.0f} MiB")
+
+
+def _keep_tokens(setup: Setup, batch: Batch) -> None:
+    """With --keep-snapshots N: the tokens sampled with a snapshot's weights (the first batch sampled with them)."""
+    every, version = setup.cfg.keep_snapshots, batch.weights_version
+    if not every or setup.run is None or version % every:
+        return
+    path = setup.run.snapshots_path / f"step-{version:06d}.tokens.json"
+    if not path.exists():  # at staleness s, batches 0 .. s all sample with θ_0
+        setup.run.save_snapshot_tokens(version, {"batch": batch.step, "prompt_ids": batch.rollout.prompt_ids,
+                                                 "completion_ids": batch.rollout.completion_ids})
 
 
 def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snapshots: dict, checkpoint: bool) -> None:

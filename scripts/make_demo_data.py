@@ -27,11 +27,11 @@ DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converged", 
 
 
 def _finished(run: Path) -> bool:
-    from phantomclip.runs import read_jsonl
+    from phantomclip.runs import RunDir
     from phantomclip.trainer import run_finished
 
     cfg = json.loads((run / "config.json").read_text())
-    rows = read_jsonl(run / "metrics.jsonl")
+    rows = RunDir(run).metrics()
     return run_finished(rows, cfg["steps"], cfg.get("stop_after_converged", 0))
 
 
@@ -61,7 +61,7 @@ def copy_sanity(src: Path) -> None:
     also keeps tokens.jsonl) and a summary of exactly those runs (an experiment still running is summarised as far
     as it got; its current run is left out)."""
     from phantomclip.experiments import Matrix, run_dir, summarize, summarize_run, write_summary
-    from phantomclip.runs import read_jsonl
+    from phantomclip.runs import RunDir, json_safe
     from phantomclip.trainer import TrainConfig
 
     manifest = json.loads((src / "experiment.json").read_text())
@@ -75,12 +75,12 @@ def copy_sanity(src: Path) -> None:
                 continue
             cfg = json.loads((run / "config.json").read_text())
             configs[arm] = cfg
-            rows = read_jsonl(run / "metrics.jsonl")
+            rows = RunDir(run).metrics()  # null read back as NaN, for the summary's arithmetic
             results.append(summarize_run(arm, seed, rows, cfg["steps"], patience=max(1, cfg["stop_after_converged"])))
             out = run_dir(dst, arm, seed)
             out.mkdir(parents=True)
             shutil.copyfile(run / "config.json", out / "config.json")
-            trimmed = [{k: r[k] for k in DEMO_KEYS if k in r} for r in rows]
+            trimmed = [json_safe({k: r[k] for k in DEMO_KEYS if k in r}) for r in rows]  # NaN written as null
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trimmed))
             if arm == "none" and seed == manifest["seeds"][0] and (run / "tokens.jsonl").exists():
                 shutil.copyfile(run / "tokens.jsonl", out / "tokens.jsonl")

@@ -103,8 +103,10 @@ class DiagnoseConfig:
     batch_invariance: bool = True
     """also score up to 16 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
     each trainer recipe, and report split.batch = logp in the run's batch − logp alone. Costs 16 single-sequence
-    forwards per recipe: about a quarter of a recipe's batched scoring at the defaults (n = batch = 64), so an
-    estimated 15-20% of the default run's wall time on the bundled model; 0.1-0.2 s per recipe on tiny-random."""
+    forwards per recipe (`seconds_alone`). Measured on tiny-random (n 64, 16 tokens): 0.03-0.07 s per recipe, +0.3 s
+    on a 5 s run. Estimated for the bundled model's default run (not measured): 16 unpadded rows are about a fifth of
+    the tokens of a recipe's batched scoring (16-22 s, bench/RESULTS.md), so about 4 s per recipe, 20 s on 127 s:
+    about 15%."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
     framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
@@ -358,8 +360,9 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
 
 BATCH_INVARIANCE_SEQUENCES = 16
 """at most this many sequences are scored alone for split.batch: every one scored alone costs a forward of its own,
-and all n of them would cost about as much as the batched scoring again (the bundled model's default run: + 60-70%
-of its wall time); 16 sequences (several hundred tokens) pin β_batch's mean and tail at about a quarter of that."""
+and all n of them would cost about as much as the batched scoring again (the bundled model's default run, where
+scoring is 95 of 127 s: an estimated +50-65% of its wall time, against a target of 30%); 16 sequences (several
+hundred tokens) measure β_batch's mean and tail at about a quarter of that."""
 
 
 def alone_rows(n: int, k: int = BATCH_INVARIANCE_SEQUENCES) -> list[int]:

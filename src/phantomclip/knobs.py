@@ -97,7 +97,8 @@ def ar1_sum_variance(n: int, var: float, rho: float) -> float:
         return 0.0
     k = torch.arange(1, n, dtype=torch.float64)  # [n − 1] lags
     powers = torch.full((n - 1,), float(rho), dtype=torch.float64).cumprod(0)  # [n − 1] ρ^k (negative ρ too)
-    return n * var * (1 + 2 * ((1 - k / n) * powers).sum().item())
+    # ρ < 0 cancels: the exact 0 of ρ = −1, n even, can round to −1e-15; a variance is never below 0
+    return max(0.0, n * var * (1 + 2 * ((1 - k / n) * powers).sum().item()))
 
 
 def ar1_fit(t: BetaTable) -> tuple[float, float, float]:

@@ -60,8 +60,8 @@ def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys, tiny, ti
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "unknown recipe 'int8'" in bad_cli(TINY + ["--trainer", "fp32,int8"], capsys)
     assert "unknown dtype 'fp8'" in bad_cli(TINY + ["--engine-dtype", "fp8"], capsys)
-    assert "--epsilon must be a finite number > 0 and <= 1" in bad_cli(TINY + ["--epsilon", "1.5"], capsys)
-    assert "--epsilon must be a finite number > 0 and <= 1" in bad_cli(TINY + ["--epsilon", "0"], capsys)
+    assert "--epsilon must be a finite number > 0 and < 1" in bad_cli(TINY + ["--epsilon", "1.5"], capsys)
+    assert "--epsilon must be a finite number > 0 and < 1" in bad_cli(TINY + ["--epsilon", "0"], capsys)
     assert "--n must be a whole number >= 1" in bad_cli(TINY + ["--n", "0"], capsys)
     assert "does not exist" in bad_cli(["diagnose", "--model", str(tmp_path / "missing")], capsys)
     empty = tmp_path / "empty.txt"
@@ -91,7 +91,7 @@ def test_real_process_bad_input_has_no_traceback():
     p = subprocess.run([sys.executable, "-m", "phantomclip.cli", "diagnose", "--epsilon", "2"],
                        capture_output=True, text=True)
     assert p.returncode == 2
-    assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be a finite number > 0 and <= 1, got 2.0"
+    assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be a finite number > 0 and < 1, got 2.0"
 
 
 

@@ -149,7 +149,8 @@ def test_check_gates_nan_warns_and_holds(capsys):
     assert _check_gates([parse_gate("fp32.lowp_highp_ratio>1"), parse_gate("fp32.tokens>5")], result) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["phantomclip diagnose: warning: --fail-if fp32.lowp_highp_ratio>1: the figure is NaN (nothing "
-                   "measured), so this gate cannot fail", "phantomclip diagnose: all 2 --fail-if gates hold"]
+                   "measured), so this gate cannot fail",
+                   "phantomclip diagnose: all 2 --fail-if gates hold (1 on a NaN figure, which no gate can fail)"]
     assert _check_gates([parse_gate("fp32.tokens<1")], result) == 1  # gate on a count to require data
     assert _check_gates([parse_gate("fp32.inf>1e300")], result) == 1  # +inf compares as a number
     assert _check_gates([], result) == 0

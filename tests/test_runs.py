@@ -41,25 +41,15 @@ def test_interrupted_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     run = RunDir.create(tmp_path / "r", {})
     run.save_checkpoint({"step": 1})
 
-    import os
+    from pathlib import Path
 
-    real_fdopen = os.fdopen
+    real_write = Path.write_bytes
 
-    class Dying:  # the temp file gets a few bytes, then the process is interrupted
-        def __init__(self, f):
-            self.f = f
+    def dying(self, data):  # the temp file gets a few bytes, then the process is interrupted
+        real_write(self, data[:10])
+        raise KeyboardInterrupt
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            self.f.write(data[:10])
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Dying(real_fdopen(fd, mode)))
+    monkeypatch.setattr(Path, "write_bytes", dying)
     with pytest.raises(KeyboardInterrupt):
         run.save_checkpoint({"step": 2})
     monkeypatch.undo()

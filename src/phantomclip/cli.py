@@ -63,7 +63,9 @@ def _check_gates(gates, result: dict) -> int:
     for line in failed:
         print(f"phantomclip diagnose: gate failed: {line}", file=sys.stderr)
     if not failed:
-        print(f"phantomclip diagnose: all {len(gates)} --fail-if gates hold", file=sys.stderr)
+        unjudged = sum(math.isnan(lookup(result, g.key, DIAGNOSE_GATE_UNDER)) for g in gates)
+        note = f" ({unjudged} on a NaN figure, which no gate can fail)" if unjudged else ""
+        print(f"phantomclip diagnose: all {len(gates)} --fail-if gates hold{note}", file=sys.stderr)
     return EXIT_GATE if failed else 0
 
 
@@ -366,11 +368,9 @@ def _run_report(args) -> int:
     return 0
 
 
-def _warnings_as_lines(prog: str, category: type[Warning]) -> None:
-    """Print warnings of `category` as one line on stderr (Python's default adds the source line that raised it)."""
-    import warnings
-
-    default = warnings.showwarning
+def _show_as_line(prog: str, category: type[Warning], default):
+    """A warnings.showwarning that prints warnings of `category` as one line on stderr (Python's default adds the
+    source line that raised it) and hands others to `default`."""
 
     def show(message, cat, filename, lineno, file=None, line=None):
         if issubclass(cat, category):
@@ -378,7 +378,7 @@ def _warnings_as_lines(prog: str, category: type[Warning]) -> None:
         else:
             default(message, cat, filename, lineno, file, line)
 
-    warnings.showwarning = show
+    return show
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,13 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
     from .errors import PhantomclipError, PhantomclipWarning
 
-    _warnings_as_lines(f"phantomclip {args.command}", PhantomclipWarning)
 
     commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace,
                 "engines": _run_engines,
                 "report": _run_report}
+    import warnings
+
     try:
-        return commands[args.command](args)
+        with warnings.catch_warnings():  # the one-line form lasts for this command only
+            warnings.showwarning = _show_as_line(f"phantomclip {args.command}", PhantomclipWarning,
+                                                 warnings.showwarning)
+            return commands[args.command](args)
     except PhantomclipError as e:
         print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -132,7 +132,7 @@ class DiagnoseConfig:
         except ValueError as e:
             raise ConfigError(f"--engine-dtype: {e}") from None
         for flag, eps in (("--epsilon", self.epsilon), ("--epsilon-high", self.epsilon_high)):
-            check_number(flag, eps, 0, 1, low_open=True)
+            check_number(flag, eps, 0, 1, low_open=True, high_open=True)
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
         check_number("--max-model-len", self.max_model_len, 0, integer=True)

@@ -41,7 +41,8 @@ class PhantomclipWarning(UserWarning):
 
 
 SEED_LIMIT = 2**32
-"""seeds are in [0, 2^32): what NumPy, vLLM and every seed stream derived from a seed here accept."""
+"""seeds are in [0, 2^32), NumPy's range, the one users know. The streams derived from a seed stay far inside what
+torch.Generator accepts (< 2^64): the trainer's seed · 7919 + step and seed · 1_000_003 + step are below 2^53."""
 
 
 def check_number(flag: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
+from .errors import SEED_LIMIT
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import DirLock, RunDir, atomic_write_bytes, read_json_object, write_json
@@ -81,6 +82,9 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
         raise TrainConfigError(f"unknown experiment {experiment!r}: use one of {', '.join(EXPERIMENTS)}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise TrainConfigError(f"--seeds must be a whole number >= 1, got {seeds!r}")
+    if base.seed + seeds > SEED_LIMIT:
+        raise TrainConfigError(f"--seed {base.seed} with --seeds {seeds} runs seeds up to {base.seed + seeds - 1}, "
+                               f"past the largest seed {SEED_LIMIT - 1}: lower --seed")
     arms = EXPERIMENTS[experiment](base)
     if only:
         unknown = [n for n in only if n not in arms]
@@ -125,10 +129,10 @@ def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoin
     except OSError as e:
         raise TrainConfigError(f"cannot create {out} ({e.strerror}): choose a writable --out") from None
     lock = DirLock(out, "experiment")  # one writer per experiment; each run's own directory is locked by train
-    check_manifest(matrix, out)
-    runs = matrix.runs()
-    check_continuation(out, runs)
     try:
+        check_manifest(matrix, out)
+        runs = matrix.runs()
+        check_continuation(out, runs)
         return _run_all(matrix, out, runs, console, keep_checkpoints)
     finally:
         lock.release()
@@ -138,10 +142,17 @@ def check_continuation(out: Path, runs: list[tuple[str, int, TrainConfig]]) -> N
     """Refuse to continue an experiment whose existing runs were made with another configuration (another --lr, say),
     naming the run and the keys, before any step: finished runs are read back, not rerun, so their numbers would be
     filed under the new settings."""
+    from .prompts import read_prompts
+    from .tasks import load_reward
+
     for arm, seed, cfg in runs:
         path = run_dir(out, arm, seed)
         if (path / "config.json").exists():
             cfg.validate()
+            if cfg.reward:  # the inputs are hashed into the config: each must load first (one line if not)
+                load_reward(cfg.reward)
+            if cfg.prompts:
+                read_prompts(cfg.prompts)
             RunDir.check_config(path, run_config(cfg), RESUME_MAY_CHANGE, ADDED_SINCE_SCHEMA_1)
 
 
@@ -264,11 +275,11 @@ def write_summary(summary: dict, out: Path) -> None:
     atomic_write_bytes(out / "summary.md", summary_markdown(summary).encode())
 
 
-def _ci(x: dict, scale: float = 1.0, digits: int = 1) -> str:
-    """'mean [low, high]' (or just the mean with one seed)."""
-    if x["n"] == 0:
+def _ci(x: dict, scale: float = 1.0, digits: int = 1, bare: bool = False) -> str:
+    """'mean [low, high]' (or just the mean with one seed, or `bare`); '-' with no seed or no value."""
+    if x["n"] == 0 or x["mean"] is None or x["mean"] != x["mean"]:
         return "-"
-    if x["n"] < 2:
+    if x["n"] < 2 or bare:
         return f"{scale * x['mean']:.{digits}f}"
     return f"{scale * x['mean']:.{digits}f} [{scale * x['low']:.{digits}f}, {scale * x['high']:.{digits}f}]"
 
@@ -283,7 +294,7 @@ ARM_COLUMNS = (
     ("phantom %, last 5", lambda a: _ci(a["phantom_rate_last"], 100, 2)),
     ("phantom / clipped %", lambda a: _ci(a["phantom_share_of_clipped"], 100, 0)),
     ("mean |β| start → end",
-     lambda a: f"{a['beta_abs_mean_start']['mean']:.4f} → {a['beta_abs_mean_end']['mean']:.4f}"),
+     lambda a: " → ".join(_ci(a[k], digits=4, bare=True) for k in ("beta_abs_mean_start", "beta_abs_mean_end"))),
 )
 """the arm table's columns: header -> cell."""
 

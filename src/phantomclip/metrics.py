@@ -234,7 +234,8 @@ PROB_EDGES = (0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 def prob_buckets(logp_engine: torch.Tensor, edges: tuple[float, ...] = PROB_EDGES) -> torch.Tensor:
     """Bucket index (0 .. len(edges) − 2) of each token's engine probability p = exp(logp_engine): bucket i holds
-    edges[i] <= p < edges[i+1], the last one also p = 1."""
+    edges[i] <= p < edges[i+1], the last one also p = 1 (a NaN log-prob lands in the last bucket: leave such tokens
+    out, as shift_share does by their value)."""
     p = logp_engine.double().exp()  # [N]
     inner = torch.tensor(edges[1:-1], dtype=torch.float64)
     return torch.bucketize(p, inner, right=True)  # [N]
@@ -260,8 +261,11 @@ def shift_share(
 
     with w the bucket shares and m the bucket means (`bucket_means`). The three terms add up to the change for any
     m of an empty bucket (its w is 0 on that side); an empty bucket takes the other side's mean, so all of its change
-    counts as mix. values_*: [N_*] float; buckets_*: [N_*] int in 0 .. n_buckets − 1.
+    counts as mix. values_*: [N_*] float; buckets_*: [N_*] int in 0 .. n_buckets − 1. A non-finite value (a token
+    with a NaN log-prob) is left out with its bucket, on either side.
     """
+    keep_a, keep_b = values_a.isfinite(), values_b.isfinite()  # [N_a], [N_b]
+    values_a, buckets_a, values_b, buckets_b = values_a[keep_a], buckets_a[keep_a], values_b[keep_b], buckets_b[keep_b]
     w_a, m_a = bucket_means(values_a, buckets_a, n_buckets)
     w_b, m_b = bucket_means(values_b, buckets_b, n_buckets)
     m_a, m_b = torch.where(m_a.isnan(), m_b, m_a), torch.where(m_b.isnan(), m_a, m_b)

@@ -27,6 +27,7 @@ import signal
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,16 @@ class RunError(PhantomclipError):
     """A run directory that cannot be created or resumed as asked."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same directory, fsync, rename: a reader sees the old
-    file or the new one, never a half-written one."""
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Write `path` through `write(tmp_path)` into a temp file in the same directory, fsync, rename: a reader sees the
+    old file or the new one, never a half-written one; an OSError becomes one WriteError line naming `path`."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        os.close(fd)
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
@@ -62,14 +63,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` into `path`, atomically (atomic_write)."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 TEMP_SUFFIX = ".tmp"
 """atomic_write_bytes's temp files are `.<name>.<random>.tmp` beside the target; a kill can strand one."""
 
 
 def write_error(path: Path, e: OSError) -> WriteError:
     """An OSError while writing `path` as one line: the path, the system's reason, what to do."""
-    return WriteError(f"cannot write {path} ({e.strerror or e}): free some space or choose a writable location; "
-                      "a run stays resumable from its last checkpoint")
+    return WriteError(f"cannot write {path} ({e.strerror or e}): free some space or choose a writable location")
 
 
 def json_safe(x):
@@ -150,16 +155,22 @@ def read_jsonl(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
+            if i == len(lines):  # only a line cut short is what a killed writer leaves
+                warnings.warn(f"{path}: the last line ({i}) is incomplete, as a killed run leaves it: skipped",
+                              PhantomclipWarning, stacklevel=2)
+                break
             row = None
-        if isinstance(row, dict):
-            rows.append(row)
-        elif i == len(lines):
-            warnings.warn(f"{path}: the last line ({i}) is incomplete, as a killed run leaves it: skipped",
-                          PhantomclipWarning, stacklevel=2)
-        else:
-            raise RunError(f"{path}, line {i}: not a JSON object (the file was edited or damaged): repair or remove "
-                           "that line; nothing was read past it")
+        step = row.get("step", 0) if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise RunError(f"{path}, line {i}: not a JSON object with a whole-number step (the file was edited or "
+                           "damaged): repair or remove that line; nothing was read past it")
+        rows.append(row)
     return rows
+
+
+def jsonl_line(row: dict) -> str:
+    """One strict-JSON line of a run file (NaN and ±inf as null)."""
+    return json.dumps(json_safe(row), allow_nan=False) + "\n"
 
 
 def nan_for_null(row: dict) -> dict:
@@ -228,8 +239,12 @@ class DirLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
             self.release()
-            raise RunError(f"{directory} is in use by another phantomclip process (pid {holder}) writing this {what}: "
-                           "wait for it to finish, or stop it first") from None
+            who = "this process" if holder == str(os.getpid()) else f"another phantomclip process (pid {holder})"
+            raise RunError(f"{directory} is in use by {who} writing this {what}: wait for it to finish, or stop it "
+                           "first") from None
+        except OSError as e:  # no flock on this filesystem (some network mounts), or interrupted
+            self.release()
+            raise RunError(f"cannot lock {self.path} ({e.strerror or e}): put the run on a local filesystem") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 
@@ -278,15 +293,17 @@ class RunDir:
         except OSError as e:
             raise RunError(f"cannot create run directory {run.path} ({e.strerror}): choose a writable --out") from None
         run._take()
-        if (run.path / "config.json").exists():  # another process created it between the check and the lock
+        try:
+            if (run.path / "config.json").exists():  # another process created it between the check and the lock
+                raise RunError(taken)
+            orphans = [name for name in RUN_FILES if (run.path / name).exists()]
+            if orphans:
+                raise RunError(f"{run.path} holds run files ({', '.join(orphans)}) but no config.json, so they belong "
+                               "to no run this tool can continue: choose another --out or remove them")
+            atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode())
+        except BaseException:
             run.close()
-            raise RunError(taken)
-        orphans = [name for name in RUN_FILES if (run.path / name).exists()]
-        if orphans:
-            run.close()
-            raise RunError(f"{run.path} holds run files ({', '.join(orphans)}) but no config.json, so they belong to "
-                           "no run this tool can continue: choose another --out or remove them")
-        atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode())
+            raise
         return run
 
     @staticmethod
@@ -298,8 +315,10 @@ class RunDir:
         path = Path(path)
         old = {**(defaults or {}), **read_json_object(path / "config.json", "run's config")}
         old_inputs, new_inputs = old.get("inputs") or {}, config.get("inputs") or {}
+        # an input the old run did not record (written before hashes were) cannot be checked; a file added or dropped
+        # since shows as a changed flag (--prompts, --reward, --model) in the diff below
         changed = [f"{what} {new_inputs[what]['path']}" for what in new_inputs
-                   if (old_inputs.get(what) or {}).get("sha256") != new_inputs[what]["sha256"]]
+                   if what in old_inputs and (old_inputs[what] or {}).get("sha256") != new_inputs[what]["sha256"]]
         if changed:
             raise RunError(f"{path} was made from other input files: {', '.join(changed)} changed since (content hash "
                            "differs): restore them, or start a new --out")
@@ -311,30 +330,36 @@ class RunDir:
     @classmethod
     def resume(
         cls, path: str | Path, config: dict[str, Any], ignore: tuple[str, ...] = ("steps",),
-        defaults: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None, required: tuple[str, ...] = (), max_step: int | None = None,
     ) -> tuple[RunDir, dict | None]:
-        """Reopen a run whose config matches `config` (see check_config); returns it and its checkpoint (or None)."""
+        """Reopen a run whose config matches `config` (see check_config); returns it and its checkpoint (or None).
+        `required`: keys the checkpoint must hold; `max_step`: the most steps it may have (the run's budget). Every
+        check runs, and every file is read whole, before anything is rewritten."""
         run = cls(Path(path))
         if not (run.path / "config.json").exists():
             raise RunError(f"{run.path} holds no run to resume (no config.json): drop --resume to start one")
         run._take()
         try:
             cls.check_config(run.path, config, ignore, defaults)
-            ckpt = run.load_checkpoint()
+            ckpt = run.load_checkpoint(required)
             done = ckpt["step"] if ckpt else 0
+            if max_step is not None and done > max_step:
+                raise RunError(f"{run.path} already has {done} steps, more than --steps {max_step}: give --steps "
+                               f"{done} or more to continue it")
             rows = {p: [r for r in read_jsonl(p) if r.get("step", 0) <= done]
                     for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+            # drop what came after the checkpoint: it is recomputed
+            for p, kept in rows.items():
+                atomic_write_bytes(p, "".join(jsonl_line(r) for r in kept).encode())
         except BaseException:
             run.close()
             raise
-        # drop what came after the checkpoint: it is recomputed (every file was read whole before any is rewritten)
-        for p, kept in rows.items():
-            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in kept).encode())
         return run, ckpt
 
-    def load_checkpoint(self) -> dict | None:
+    def load_checkpoint(self, required: tuple[str, ...] = ()) -> dict | None:
         """The checkpoint (None if there is none), read as tensors and plain containers only: a file holding
-        anything else (a crafted pickle, damage) is refused with one line and runs nothing."""
+        anything else (a crafted pickle, damage) is refused with one line and runs nothing. It must hold a step
+        count >= 0 and the `required` keys."""
         if not self.checkpoint_path.exists():
             return None
         try:
@@ -347,15 +372,18 @@ class RunDir:
             raise RunError(f"{self.checkpoint_path} is not a checkpoint this tool can read safely ({why}; "
                            f"{type(e).__name__}): nothing in it was run; remove it to restart the run from step 0, or "
                            "restore it") from None
-        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("step"), int):
-            raise RunError(f"{self.checkpoint_path} holds no step count: it is not a checkpoint this tool wrote; "
-                           "remove it to restart the run from step 0")
+        step = ckpt.get("step") if isinstance(ckpt, dict) else None
+        missing = [k for k in required if k not in ckpt] if isinstance(ckpt, dict) else list(required)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or missing:
+            what = f"no {', '.join(missing)}" if missing else f"step {step!r}"
+            raise RunError(f"{self.checkpoint_path} is not a checkpoint this tool wrote ({what}): remove it to restart "
+                           "the run from step 0, or restore it")
         return ckpt
 
     def _append(self, path: Path, row: dict) -> None:
         try:
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+                f.write(jsonl_line(row))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
@@ -377,29 +405,24 @@ class RunDir:
     def snapshots_path(self) -> Path:
         return self.path / "snapshots"
 
+    def snapshot_path(self, step: int, suffix: str = ".safetensors") -> Path:
+        """snapshots/step-NNNNNN.safetensors (the weights after `step` steps) or .tokens.json (tokens sampled with
+        them)."""
+        return self.snapshots_path / f"step-{step:06d}{suffix}"
+
     def save_snapshot(self, model: torch.nn.Module, step: int) -> int:
-        """The model's weights after `step` optimizer steps as snapshots/step-NNNNNN.safetensors (safetensors: no
-        pickle; tied weights stored once), written to a temp file and renamed. Returns its size in bytes."""
+        """The model's weights after `step` optimizer steps (safetensors: no pickle; tied weights stored once),
+        written atomically. Returns its size in bytes."""
         from safetensors.torch import save_model
 
-        path = self.snapshots_path / f"step-{step:06d}.safetensors"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            save_model(model, str(tmp))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise write_error(path, e) from None
+        path = self.snapshot_path(step)
+        atomic_write(path, lambda tmp: save_model(model, tmp))
         return path.stat().st_size
 
     def save_snapshot_tokens(self, version: int, record: dict) -> None:
         """The tokens sampled with the weights of snapshot `version` (prompt and completion ids), beside it."""
-        path = self.snapshots_path / f"step-{version:06d}.tokens.json"
-        atomic_write_bytes(path, json.dumps({"step": version, **record}).encode())
+        record = {"step": version, **record}
+        atomic_write_bytes(self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode())
 
     def save_checkpoint(self, state: dict) -> None:
         """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint."""

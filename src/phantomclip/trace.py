@@ -96,7 +96,7 @@ class TraceConfig:
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--sub-batch", self.sub_batch)):
             check_number(flag, value, 1, integer=True, error=TraceError)
         check_seed("--seed", self.seed, error=TraceError)
-        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, error=TraceError)
+        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, high_open=True, error=TraceError)
 
 
 def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:

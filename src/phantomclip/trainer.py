@@ -141,7 +141,7 @@ class TrainConfig:
         check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
         check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)
         check_number("--max-grad-norm", self.max_grad_norm, 0, low_open=True, error=TrainConfigError)
-        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, error=TrainConfigError)
+        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, high_open=True, error=TrainConfigError)
         if self.epsilon_high is not None:
             check_number("--epsilon-high", self.epsilon_high, 0, low_open=True, error=TrainConfigError)
         # a cap below 1 would cut ratios the policy never moved (π/μ = 1)
@@ -298,14 +298,14 @@ def train(
     """Run GRPO as configured; log to `out` (a run directory) if given. Ctrl-C stops after the current step
     with a checkpoint (a second Ctrl-C aborts at once; the last periodic checkpoint stays valid)."""
     setup = _prepare(cfg, out, resume)
-    ctx, start, snapshots = _step_context(setup)
-    producer = _start_producer(setup, ctx, start, snapshots)
-    stop_requested, metrics = GracefulStop(), (list(setup.run.metrics()) if setup.run else [])
-    try:
+    producer, stop_requested = None, GracefulStop()
+    try:  # from here on the run directory is locked: every way out releases it
+        ctx, start, snapshots = _step_context(setup)
+        producer = _start_producer(setup, ctx, start, snapshots)
+        metrics = list(setup.run.metrics()) if setup.run else []
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
-            if start == 0:
-                _keep_weights(setup, 0, progress)
+            _keep_weights(setup, start, progress, missing_only=True)  # step 0, or the first one of a resume
             for k in range(start, cfg.steps):
                 t0 = time.perf_counter()
                 batch = producer.get()
@@ -326,9 +326,10 @@ def train(
                     on_step(step.row)
                 if stop:
                     break
-                check_finite(metrics)
+                check_finite(metrics, scaled=ctx.plan.loss_scaling)
     finally:
-        producer.close()
+        if producer is not None:
+            producer.close()
         if setup.run is not None:
             setup.run.close()
     interrupted = stop_requested.flag and len(metrics) < cfg.steps
@@ -357,11 +358,8 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
     if out is not None:
         config = run_config(cfg)
         if resume:
-            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1)
-            if ckpt is not None and ckpt["step"] > cfg.steps:
-                run.close()
-                raise TrainConfigError(f"{out} already has {ckpt['step']} steps, more than --steps {cfg.steps}: give "
-                                       f"--steps {ckpt['step']} or more to continue it")
+            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1,
+                                      required=CHECKPOINT_KEYS, max_step=cfg.steps)
         else:
             run = RunDir.create(out, config)
     return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool, pool_ids,
@@ -374,9 +372,12 @@ def _input_files(cfg: TrainConfig) -> dict[str, Path]:
     import importlib.util
 
     files = {}
-    if cfg.prompts:
+    if cfg.prompts and Path(cfg.prompts).is_file():  # read_prompts refuses anything else, in one line
         files["prompts"] = Path(cfg.prompts)
-    spec = importlib.util.find_spec(cfg.reward.partition(":")[0]) if cfg.reward else None
+    try:
+        spec = importlib.util.find_spec(cfg.reward.partition(":")[0]) if cfg.reward else None
+    except (ImportError, ValueError):  # load_reward says what is wrong with it, in one line
+        spec = None
     if spec is not None and spec.origin and Path(spec.origin).is_file():
         files["reward"] = Path(spec.origin)
     if Path(cfg.model).expanduser().is_dir():  # not the bundled model's cache (it is rebuilt from a pinned package)
@@ -464,10 +465,13 @@ def _publish_weights(producer: RolloutProducer, snapshots: dict[int, dict], mast
     producer.publish(version, snapshots[version])
 
 
-def _keep_weights(setup: Setup, step: int, progress) -> None:
-    """With --keep-snapshots N: the fp32 weights after `step` steps, when step is a multiple of N."""
+def _keep_weights(setup: Setup, step: int, progress, missing_only: bool = False) -> None:
+    """With --keep-snapshots N: the fp32 weights after `step` steps, when step is a multiple of N (missing_only: unless
+    the file exists: a resumed run's first step, or a run that turned snapshots on when resumed)."""
     every = setup.cfg.keep_snapshots
     if every and setup.run is not None and step % every == 0:
+        if missing_only and setup.run.snapshot_path(step).exists():
+            return
         size = setup.run.save_snapshot(setup.master, step)
         if hasattr(progress, "console"):
             progress.console.print(f"snapshot of the weights at step {step}: {size / 2**20:.0f} MiB")
@@ -478,8 +482,8 @@ def _keep_tokens(setup: Setup, batch: Batch) -> None:
     every, version = setup.cfg.keep_snapshots, batch.weights_version
     if not every or setup.run is None or version % every:
         return
-    path = setup.run.snapshots_path / f"step-{version:06d}.tokens.json"
-    if not path.exists():  # at staleness s, batches 0 .. s all sample with θ_0
+    # at staleness s, batches 0 .. s all sample with θ_0: the first one is kept
+    if not setup.run.snapshot_path(version, ".tokens.json").exists():
         setup.run.save_snapshot_tokens(version, {"batch": batch.step, "prompt_ids": batch.rollout.prompt_ids,
                                                  "completion_ids": batch.rollout.completion_ids})
 
@@ -498,6 +502,8 @@ def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snaps
         _save(run, done, setup.master, ctx.optimizer, ctx.scaler, snapshots, cfg.staleness)
 
 
+CHECKPOINT_KEYS = ("master", "optimizer", "scaler", "snapshots")
+"""what a checkpoint must hold to continue a run (`_save` writes them)."""
 NONFINITE_STOP = 3
 """a run stops after this many consecutive steps with a non-finite loss: the weights or the recipe overflow, and
 skipping more updates only burns the budget."""
@@ -507,17 +513,18 @@ class TrainError(PhantomclipError):
     """A run that cannot go on (its loss stays non-finite); the message says what happened and what to try."""
 
 
-def check_finite(metrics: list[dict], patience: int = NONFINITE_STOP) -> None:
-    """Stop the run with one line once the last `patience` steps all had a non-finite loss (each skipped its update)."""
+def check_finite(metrics: list[dict], patience: int = NONFINITE_STOP, scaled: bool = False) -> None:
+    """Stop the run with one line once the last `patience` steps all skipped their update for a non-finite loss, or
+    (without loss scaling, where an overflowed gradient is not the scaler's routine) for a non-finite gradient."""
     last = metrics[-patience:]
-    if len(last) == patience and all(not math.isfinite(r["train/loss"]) for r in last):
-        bad = sum(r.get("mismatch/nonfinite", 0) for r in last)
-        total = bad + sum(r["mismatch/tokens"] for r in last)
+    bad = lambda r: not math.isfinite(r["train/loss"]) or (r.get("train/skipped", False) and not scaled)  # noqa: E731
+    if len(last) == patience and all(bad(r) for r in last):
+        lost = sum(r.get("mismatch/nonfinite", 0) for r in last)
+        total = lost + sum(r["mismatch/tokens"] for r in last)
         raise TrainError(
-            f"the loss was not finite in steps {last[0]['step']}-{last[-1]['step']} ({bad} of {total} completion "
-            "tokens had a non-finite log-prob), so those updates were skipped: the weights or the precision recipe "
-            "overflow; check the model's weights, or use a wider dtype (e.g. bf16 instead of fp16); the run resumes "
-            "from its last checkpoint")
+            f"steps {last[0]['step']}-{last[-1]['step']} skipped their update: the loss or the gradient was not finite "
+            f"({lost} of {total} completion tokens had a non-finite log-prob). The weights or the precision recipe "
+            "overflow: check the model's weights, or start a new --out with a wider dtype (e.g. bf16 instead of fp16)")
 
 
 def finished_early(metrics: list[dict], patience: int) -> bool:

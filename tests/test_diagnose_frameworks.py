@@ -11,26 +11,18 @@ import torch
 
 from conftest import bad_cli
 from phantomclip.cli import _check_gates, main
-from phantomclip.diagnose import DiagnoseConfig, figures, prepare, reference, sample, score_recipe
+from phantomclip.diagnose import DiagnoseConfig, figures, measure
 from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render
 from phantomclip.frameworks import FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
-from phantomclip.recipes import engine_recipe
-from phantomclip.runs import progress_bar
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 QUIET = lambda *a, **k: None  # noqa: E731
 
 
 def _tensors(cfg: DiagnoseConfig):
-    """The diagnose phases as run_diagnose runs them, keeping the unrounded tensors: {recipe: logp [n, T]}, the
-    engine's full-vocabulary logp_engine [n, T], the completion mask [n, T], and the figures phase's records."""
-    prep = prepare(cfg, QUIET)
-    with progress_bar(None) as bar:
-        sampled = sample(cfg, prep, bar, QUIET)
-        shadow = engine_recipe(prep.engine_dtype).name
-        scored = {name: score_recipe(cfg, prep, sampled, name, name == shadow, bar)
-                  for name in dict.fromkeys([shadow, *cfg.trainer])}
-    ref = reference(sampled, scored[shadow], shadow)
+    """diagnose's phases (diagnose.measure), keeping the unrounded tensors: {recipe: logp [n, T]}, the reference
+    (the engine's full-vocabulary logp_engine [n, T]), the completion mask [n, T], and the figures phase's records."""
+    _, sampled, scored, ref = measure(cfg)
     return {k: s.logp for k, s in scored.items()}, ref, sampled.mask, figures(cfg, scored, ref, sampled.mask)
 
 

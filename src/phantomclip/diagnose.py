@@ -277,6 +277,15 @@ class Figures:
 def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     """Run the diagnose job and return every figure as a JSON-ready dict (`runs.write_json`); the words that
     say what they mean are `diagnose_text.with_verdict`'s."""
+    prep, sampled, scored, ref = measure(cfg, console)
+    return result_dict(cfg, prep, sampled, ref, figures(cfg, scored, ref, sampled.mask))
+
+
+def measure(
+    cfg: DiagnoseConfig, console: Console | None = None,
+) -> tuple[Prepared, Sampled, dict[str, Scored], Reference]:
+    """The phases before the figures: the prepared model, the sampled tokens, every recipe's scores (the shadow's
+    included) and the reference columns, as unrounded tensors (what the figures and the tests compare)."""
     cfg.validate()
     say = console.print if console is not None else (lambda *a, **k: None)
     prep = prepare(cfg, say)
@@ -286,8 +295,7 @@ def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
         # the shadow first: every recipe's split needs it (a recipe that is the shadow is scored once)
         scored = {name: score_recipe(cfg, prep, sampled, name, name == shadow, progress)
                   for name in dict.fromkeys([shadow, *cfg.trainer])}
-    ref = reference(sampled, scored[shadow], shadow)
-    return result_dict(cfg, prep, sampled, ref, figures(cfg, scored, ref, sampled.mask))
+    return prep, sampled, scored, reference(sampled, scored[shadow], shadow)
 
 
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:

@@ -16,7 +16,6 @@ from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_C
 from phantomclip.frameworks import FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
-QUIET = lambda *a, **k: None  # noqa: E731
 
 
 def _tensors(cfg: DiagnoseConfig):

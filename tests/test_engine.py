@@ -174,3 +174,26 @@ def test_bad_sampling_params():
                {"min_p": -0.1}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_rescore_reproduces_the_engines_own_logprobs_and_follows_its_weights(tiny, tiny_prompts, matmul):
+    """Teacher-forcing a rollout through the engine that sampled it (same weights, batch, kernels, decode path)
+    repeats the same arithmetic: the log-probs equal the rollout's bit for bit, rows of different lengths included
+    (a stop token ends some rows early). With other weights they move; with the first weights back they return."""
+    engine = LocalEngine(tiny.model, torch.bfloat16, matmul=matmul)
+    stop = engine.generate(tiny_prompts, SamplingParams(max_tokens=30, seed=5)).completion_ids[0][4]
+    params = SamplingParams(max_tokens=30, seed=5, top_p=0.9, stop_token_ids=(stop,))
+    ro = engine.generate(tiny_prompts, params)
+    assert len({len(c) for c in ro.completion_ids}) > 1  # rows end at different steps
+    again = engine.rescore(ro, params)
+    assert again.completion_ids == ro.completion_ids and again.finished == ro.finished
+    assert again.logp_engine == ro.logp_engine and again.logp_engine_processed == ro.logp_engine_processed
+    original = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    engine.load_weights({k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g)
+                         for k, v in original.items()})
+    moved = engine.rescore(ro, params)
+    assert moved.completion_ids == ro.completion_ids and moved.logp_engine != ro.logp_engine
+    engine.load_weights(original)
+    assert engine.rescore(ro, params).logp_engine == ro.logp_engine

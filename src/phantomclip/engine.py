@@ -134,6 +134,15 @@ def check_prompts(prompts: list[list[int]]) -> None:
         raise ValueError("every prompt needs at least one token")
 
 
+def next_token_logprobs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_all, logp_kept) [B, V]: fp32 log-softmax of logits [B, V] at `temperature`, and the same renormalised
+    over the tokens truncation keeps (-inf elsewhere). The one computation sampling and re-scoring share."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    return logp_all, truncate_logprobs(logp_all, top_k, top_p, min_p)
+
+
 def sample_next_token(
     logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
     min_p: float = 0.0,
@@ -143,8 +152,7 @@ def sample_next_token(
     Returns (token [B] long, logp [B] over the full vocabulary at this temperature,
     logp_processed [B] renormalised over the kept set: logp - log S where S is the kept probability mass).
     """
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    logp_kept = truncate_logprobs(logp_all, top_k, top_p, min_p)  # [B, V]
+    logp_all, logp_kept = next_token_logprobs(logits, temperature, top_k, top_p, min_p)  # [B, V] each
     # Inverse-CDF sampling with one uniform per row. (torch.multinomial draws an exponential per vocabulary
     # entry: ~20 ms per step for 16 x 49,152 on a CPU core, a third of a decode step.) The CDF is built in fp64
     # so that tail tokens of 1e-9 probability keep their own step instead of vanishing in fp32 rounding.
@@ -185,17 +193,36 @@ class LocalEngine:
     def close(self) -> None:
         """Nothing to free: the engine is its model copy, released with the object."""
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        return self._decode(prompts, params)
+
+    def rescore(self, rollout: Rollout, params: SamplingParams) -> Rollout:
+        """The same prompts and completions, teacher-forced through the engine's own decode path (KV cache, one token
+        a step, this batch's layout) with its current weights: the engine's log-probs of given tokens, as it would
+        have reported them had it sampled them. With the weights that sampled `rollout` (and the same batch), the
+        log-probs equal the rollout's bit for bit (tested)."""
+        return self._decode(rollout.prompt_ids, params, forced=rollout.completion_ids)
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], params: SamplingParams,
+                forced: list[list[int]] | None = None) -> Rollout:
+        """The decode loop: sample each next token (`sample_next_token`), or take it from `forced` (a row ends
+        after its last forced token), reporting each token's log-prob from the same logits."""
         from transformers import DynamicCache
 
         check_prompts(prompts)
         pad = params.stop_token_ids[0] if params.stop_token_ids else 0
         ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
         B, P = ids.shape
-        attn = torch.cat([prompt_attn, torch.zeros(B, params.max_tokens, dtype=torch.long)], dim=1)  # [B, P + max]
+        steps = params.max_tokens if forced is None else max(max((len(c) for c in forced), default=0), 1)
+        attn = torch.cat([prompt_attn, torch.zeros(B, steps, dtype=torch.long)], dim=1)  # [B, P + steps]
         gen = torch.Generator().manual_seed(params.seed)
         stop = torch.tensor(params.stop_token_ids or [-1])
+        if forced is not None:
+            given = torch.full((B, steps), pad, dtype=torch.long)  # [B, steps]
+            for b, c in enumerate(forced):
+                given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+            lengths_given = torch.tensor([len(c) for c in forced])  # [B]
         cache = DynamicCache()
         pos = position_ids_from_mask(attn[:, :P])  # [B, P]
         out = self.model(
@@ -203,16 +230,22 @@ class LocalEngine:
             **{self._cache_kw: cache},
         )
         next_pos = pos[:, -1:] + 1  # [B, 1]
-        done = torch.zeros(B, dtype=torch.bool)
+        done = torch.zeros(B, dtype=torch.bool) if forced is None else lengths_given == 0
         tokens, logps, logps_proc = [], [], []
-        for step in range(params.max_tokens):
-            tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k, params.top_p,
-                                             params.min_p)
+        for step in range(steps):
+            if forced is None:
+                tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k,
+                                                 params.top_p, params.min_p)
+            else:
+                tok = given[:, step]  # [B]
+                logp_all, logp_kept = next_token_logprobs(out.logits[:, -1], params.temperature, params.top_k,
+                                                          params.top_p, params.min_p)
+                lp, lpp = logp_all.gather(-1, tok[:, None]).squeeze(-1), logp_kept.gather(-1, tok[:, None]).squeeze(-1)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
             attn[:, P + step] = (~done).long()  # a row that stopped earlier gets no more tokens
-            done = done | torch.isin(tok, stop)
-            if bool(done.all()) or step == params.max_tokens - 1:
+            done = done | (torch.isin(tok, stop) if forced is None else lengths_given <= step + 1)
+            if bool(done.all()) or step == steps - 1:
                 break
             out = self.model(
                 input_ids=tok[:, None], attention_mask=attn[:, : P + step + 1], position_ids=next_pos, use_cache=True,
@@ -227,7 +260,8 @@ class LocalEngine:
             completion_ids=[tok_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine=[lp_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine_processed=[lpp_t[b, : lengths[b]].tolist() for b in range(B)],
-            finished=done.tolist(),  # a row is done exactly when it sampled a stop token
+            finished=done.tolist() if forced is None else [bool(torch.isin(torch.tensor(c[-1:]), stop).any())
+                                                          for c in forced],
         )
 
 

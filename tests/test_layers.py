@@ -34,7 +34,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
              "frameworks", "knobs"),
     "core": ("scoring", "engine", "engines", "producer"),
-    "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare"),
+    "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}

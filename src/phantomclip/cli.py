@@ -290,9 +290,14 @@ def _run_config_job(cls, args, run, render, check=None) -> int:
 
 
 def _run_trace(args) -> int:
+    from . import growth
     from .trace import TraceConfig, render, run_trace
 
-    return _run_config_job(TraceConfig, args, lambda cfg, err: run_trace(cfg, console=err), render)
+    def run(cfg, err):
+        return growth.run_growth(cfg.run, cfg.matmul, console=err) if cfg.run else run_trace(cfg, console=err)
+
+    return _run_config_job(TraceConfig, args, run,
+                           lambda result, out: (growth.render if "snapshots" in result else render)(result, out))
 
 
 def _engines_parser(sub) -> None:

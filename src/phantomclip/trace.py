@@ -78,6 +78,9 @@ class TraceConfig:
     """trust region for the share of tokens outside it."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native or emulated."""
+    run: str | None = None
+    """a run directory made with `train --keep-snapshots N`: trace how β grows along it instead (its model, recipes
+    and kept tokens; of the other flags only --matmul applies)."""
 
     def keep_roles(self) -> tuple[str, ...]:
         names = [k.strip() for k in self.keep_fp32.split(",") if k.strip()]

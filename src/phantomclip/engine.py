@@ -260,7 +260,7 @@ class LocalEngine:
             completion_ids=[tok_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine=[lp_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine_processed=[lpp_t[b, : lengths[b]].tolist() for b in range(B)],
-            finished=done.tolist() if forced is None else [bool(torch.isin(torch.tensor(c[-1:]), stop).any())
+            finished=done.tolist() if forced is None else [bool(c) and c[-1] in params.stop_token_ids
                                                           for c in forced],
         )
 

@@ -52,8 +52,7 @@ def open_run(path: str | Path) -> RunSnapshots:
     """The run's config and its snapshots; one line naming the flag when it kept none."""
     run = RunDir(Path(path))
     config = read_json_object(run.path / "config.json", "run's config")
-    steps = sorted(int(p.name[5:11]) for p in run.snapshots_path.glob("step-*.safetensors")
-                   if p.name[5:11].isdigit()) if run.snapshots_path.is_dir() else []
+    steps = run.snapshot_steps()
     if not steps:
         raise GrowthError(f"{run.path} holds no weight snapshots: train it with --keep-snapshots N (e.g. "
                           "--keep-snapshots 5) to analyse how β grows")

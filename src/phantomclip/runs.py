@@ -410,6 +410,12 @@ class RunDir:
         them)."""
         return self.snapshots_path / f"step-{step:06d}{suffix}"
 
+    def snapshot_steps(self) -> list[int]:
+        """Steps with a weights snapshot (snapshots/step-NNNNNN.safetensors), ascending."""
+        names = (p.name.removeprefix("step-").removesuffix(".safetensors")
+                 for p in self.snapshots_path.glob("step-*.safetensors"))
+        return sorted(int(n) for n in names if n.isdigit())
+
     def save_snapshot(self, model: torch.nn.Module, step: int) -> int:
         """The model's weights after `step` optimizer steps (safetensors: no pickle; tied weights stored once),
         written atomically. Returns its size in bytes."""

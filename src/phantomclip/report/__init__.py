@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import SCHEMA_VERSION
 from ..errors import PhantomclipError
-from ..runs import json_safe
+from ..runs import json_safe, read_jsonl
 
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
@@ -94,8 +94,8 @@ def collect(sources: list[str | Path]) -> ReportData:
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
                 name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
                 data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
-                                  "metrics": _read_run_lines(f.parent / "metrics.jsonl"),
-                                  "tokens": _read_run_lines(f.parent / "tokens.jsonl")})
+                                  "metrics": read_jsonl(f.parent / "metrics.jsonl"),
+                                  "tokens": read_jsonl(f.parent / "tokens.jsonl")})
             else:
                 kind = next((k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)), None)
                 if kind is not None:
@@ -106,13 +106,6 @@ def collect(sources: list[str | Path]) -> ReportData:
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "
                           "experiment --out wrote")
     return data
-
-
-def _read_run_lines(path: Path) -> list[dict]:
-    """A JSONL file's rows (runs.read_jsonl: a torn last line, from a killed run, is skipped with a warning)."""
-    from ..runs import read_jsonl
-
-    return read_jsonl(path)
 
 
 # ---------------------------------------------------------------------------------------------- figures

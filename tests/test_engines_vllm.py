@@ -16,6 +16,7 @@ from phantomclip.engine import LocalEngine, SamplingParams
 from phantomclip.engines import vllm as backend
 from phantomclip.engines.vllm import VLLMEngine, VLLMError
 from phantomclip.prompts import bundled_prompts, encode_prompts
+from phantomclip.runs import RunDir, read_jsonl
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12", "--engine", "vllm"]
 
@@ -33,9 +34,24 @@ class FakeLLM:
         self.llm_engine = SimpleNamespace(model_config=config)
         self.tokenizer = tokenizer
         self.requests = []
+        self.synced: list[dict] = []  # every weight sync's tensors, by name
+        self.cache_resets = 0
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def collective_rpc(self, method, args=()):
+        """vLLM runs `method` in each worker; here the one 'worker' loads the safetensors blob it was sent into the
+        engine's model, as vLLM's reload does (names missing from the blob keep their values)."""
+        from safetensors.torch import load
+
+        weights = load(args[0])
+        self.synced.append(weights)
+        self.engine.load_weights(weights, count_changes=False)
+        return [0.0]
+
+    def reset_prefix_cache(self):
+        self.cache_resets += 1
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         assert len(prompts) == len(sampling_params)
@@ -297,3 +313,115 @@ def test_split_verdict_names_the_lever():
     assert "all of its gap is kernels" in _split_verdict(result(0.043, 0.0, 0.043, None), "fp32")
     # a tie names both levers, not one of them twice
     assert "matching the kernels alone would leave 0.0200" in _split_verdict(result(0.04, 0.02, 0.02), "fp32")
+
+
+# ------------------------------------------------------------------------------------ train --engine vllm
+
+TRAIN = dict(model="tiny-random:30", max_tokens=8, prompts_per_step=2, lr=3e-3, engine="vllm", engine_dtype="fp32",
+             token_log_steps=10)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Started(list):
+    """The fakes started so far, and `fail`: {'sync': n} makes each engine's n-th weight sync raise."""
+
+    fail: dict
+
+
+@pytest.fixture
+def fake_vllm_train(monkeypatch, tiny):
+    """Route `train --engine vllm` to a FakeLLM over the model directory vLLM was started on: its own copy of the
+    weights, changed only by weight syncs, as vLLM's are."""
+    from transformers import AutoModelForCausalLM
+
+    started = Started()
+    started.fail = {}
+
+    def build(model_dir, **args):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        llm = FakeLLM(model, DTYPES[args["dtype"]], args["logprobs_mode"], tokenizer=tiny.tokenizer,
+                      max_model_len=args["max_model_len"])
+        if "sync" in started.fail:  # as a name vLLM's loader refuses would
+            real, n = llm.collective_rpc, started.fail["sync"]
+
+            def refusing(*a, **k):
+                if len(llm.synced) >= n - 1:
+                    raise KeyError("model.layers.0.weird")
+                return real(*a, **k)
+
+            llm.collective_rpc = refusing
+        started.append(llm)
+        return llm
+
+    monkeypatch.setattr(backend, "require_vllm", lambda: None)
+    monkeypatch.setattr(backend, "build_llm", build)
+    monkeypatch.setattr(backend, "make_sampling_params", lambda **f: SimpleNamespace(**f))
+    monkeypatch.setenv(backend.SYNC_ENV, "1")  # restored after the test (start() would set it for the process)
+    return started
+
+
+def test_train_through_vllm_syncs_every_weight_version(tmp_path, fake_vllm_train):
+    """The engine gets each weight version it samples with, once, tied head dropped; β_kernel then stays at the fp32
+    noise of decode against prefill (an engine left on θ_0 would carry the policy's whole change, ≫ that noise)."""
+    from phantomclip.models import load_model
+    from phantomclip.trainer import TrainConfig, train
+
+    rows = train(TrainConfig(**TRAIN, steps=4, staleness=1), out=tmp_path / "run").metrics
+    (llm,) = fake_vllm_train
+    # batch k samples with θ_{k−1} (θ_0 for batches 0 and 1): versions 0, 1, 2, each synced once, cache reset each
+    assert len(llm.synced) == 3 and llm.cache_resets == 3
+    assert [r["time/engine_sync_s"] > 0 for r in rows] == [True, False, True, True]
+    master = load_model(TRAIN["model"]).model
+    assert set(llm.synced[0]) == set(master.state_dict()) - {"lm_head.weight"}  # the tied alias is not sent
+    # θ_0 goes in unchanged (fp32 engine): bit-identical to the weights vLLM started from
+    assert all(torch.equal(w, master.state_dict()[n]) for n, w in llm.synced[0].items())
+    tokens = read_jsonl(tmp_path / "run" / "tokens.jsonl")
+    noise = fp32_forward_noise(master, 64) + 5e-7  # + tokens.jsonl's rounding to 6 decimals
+    for t in tokens:
+        kernel = max(abs(v) for v in t["beta_kernel"])
+        assert kernel <= noise, f"step {t['step']}: max |β_kernel| {kernel:.2e} > fp32 noise {noise:.2e}"
+    moved = max(abs(v) for v in tokens[-1]["alpha"])
+    assert moved > 100 * noise, f"the policy barely moved (max |α| {moved:.2e}): the check above proves nothing"
+
+
+def test_train_through_vllm_resumes_to_the_same_numbers(tmp_path, fake_vllm_train):
+    """2 steps, then --resume to 4 (a new engine, synced to the checkpoint's weights) = 4 steps uninterrupted."""
+    from phantomclip.trainer import TrainConfig, train
+
+    cfg = TrainConfig(**{**TRAIN, "engine_dtype": "bf16"}, steps=4, staleness=1, checkpoint_every=2)
+    full = train(cfg, out=tmp_path / "full").metrics
+    train(TrainConfig(**{**vars(cfg), "steps": 2}), out=tmp_path / "split")
+    resumed = train(cfg, out=tmp_path / "split", resume=True).metrics
+    assert len(fake_vllm_train) == 3  # one engine per run
+    numbers = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert json.dumps(numbers(resumed)) == json.dumps(numbers(full))
+    assert resumed[1]["mismatch/beta_kernel_abs_mean"] > 0  # bf16 'vLLM' decode vs our bf16 prefill: a real gap
+
+
+def test_train_engine_vllm_bad_inputs(tmp_path, capsys, fake_vllm_train, monkeypatch):
+    args = ["train", "--model", "tiny-random:30", "--max-tokens", "8", "--engine", "vllm", "--engine-dtype", "fp32"]
+    assert "unknown --engine 'sglang': use one of local, vllm" in bad_cli(args[:-4] + ["--engine", "sglang"], capsys)
+    assert ("'fp32-head' keeps modules in fp32 over a lower-precision body, which vLLM cannot"
+            in bad_cli(args + ["--intervention", "fp32-head"], capsys))
+    assert not fake_vllm_train  # refused before any engine started
+    # a sync vLLM refuses: one line, and the checkpoint written before it stays valid and resumes
+    fake_vllm_train.fail["sync"] = 2
+    out = tmp_path / "run"
+    line = bad_cli(args + ["--steps", "4", "--checkpoint-every", "1", "--out", str(out)], capsys, after_progress=True)
+    assert "weight sync into vLLM failed" in line
+    ckpt = RunDir(out).load_checkpoint()
+    assert ckpt["step"] >= 1
+    fake_vllm_train.fail.clear()
+    assert main(args + ["--steps", "4", "--checkpoint-every", "1", "--out", str(out), "--resume"]) == 0
+    assert len(RunDir(out).metrics()) == 4
+
+
+def test_train_engine_vllm_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    out = tmp_path / "run"
+    assert "vLLM is not installed in this environment" in bad_cli(
+        ["train", "--model", "tiny-random:30", "--engine", "vllm", "--out", str(out)], capsys)
+    assert not out.exists()  # nothing written before the engine could start

@@ -37,6 +37,8 @@ class Batch:
     staleness 0, where θ_old is the current weights and the trainer's shadow serves)."""
     shadow_old_s: float = 0.0
     """seconds spent on logp_shadow_old (part of generate_s): the cost of the three-way split."""
+    sync_s: float = 0.0
+    """seconds the engine's weight sync took before sampling (part of generate_s; 0 when it held the version)."""
 
 
 class RolloutProducer:

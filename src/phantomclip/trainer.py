@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .engine import LocalEngine, SamplingParams, sync_weights
+from .engine import Engine, LocalEngine, SamplingParams, sync_weights
+from .engines import ENGINE_KINDS, cannot_run, start_engine
 from .errors import PhantomclipError, check_number, check_seed
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
@@ -49,7 +50,7 @@ from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import GracefulStop, RunDir, input_record, progress_bar, rounded
 
 EXPERIMENT_LR = 3e-5
-ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0}
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps",
                      "keep_snapshots")
@@ -68,6 +69,10 @@ class TrainConfig:
     """a user reward 'module:function' taking (prompts, completions, completion_ids) -> list of floats."""
     trainer: str = "fp32"
     """trainer precision recipe (fp32, bf16, fp16, bf16-autocast, fp32-head) before interventions."""
+    engine: str = "local"
+    """the sampling engine: 'local' (the in-process engine) or 'vllm' (vLLM's offline engine, as in the reference
+    analysis: started once per run, the weights synced into it in place before every batch; needs vLLM, see
+    scripts/install_vllm_cpu.sh on a CPU)."""
     engine_dtype: str = "bf16"
     """engine dtype (bf16, fp16, fp32) before interventions."""
     intervention: str = "none"
@@ -155,11 +160,14 @@ class TrainConfig:
             (self.importance_level in ("token", "sequence"),
              f"unknown --importance-level {self.importance_level!r}: use token or sequence"),
             (self.trainer in RECIPES, f"unknown --trainer {self.trainer!r}: use one of {', '.join(RECIPES)}"),
+            (self.engine in ENGINE_KINDS, f"unknown --engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise TrainConfigError(message)
-        resolve_plan(self)
+        unsupported = cannot_run(self.engine, get_recipe(resolve_plan(self).engine_recipe))
+        if unsupported:
+            raise TrainConfigError(unsupported)
 
 
 # ------------------------------------------------------------------------------------------ components
@@ -264,6 +272,8 @@ class Setup:
     run: RunDir | None
     ckpt: dict | None
     """the checkpoint a resumed run continues from (None for a fresh run)."""
+    engine: Engine
+    """the sampling engine, started once per run; the producer syncs each weight version into it before sampling."""
 
 
 @dataclass
@@ -330,6 +340,7 @@ def train(
     finally:
         if producer is not None:
             producer.close()
+        setup.engine.close()  # after the producer's thread, which may be sampling with it
         if setup.run is not None:
             setup.run.close()
     interrupted = stop_requested.flag and len(metrics) < cfg.steps
@@ -354,16 +365,41 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
     else:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
     pool_ids = encode_within(lm.tokenizer, pool, cfg.max_tokens, lm.context_length)
+    master, plan = lm.model.float().eval(), resolve_plan(cfg)
+    # The engine starts before the run directory is touched: a model vLLM cannot load leaves nothing behind.
+    engine = _start_engine(cfg, plan, lm, pool_ids)
     run, ckpt = None, None
-    if out is not None:
-        config = run_config(cfg)
-        if resume:
-            run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1,
-                                      required=CHECKPOINT_KEYS, max_step=cfg.steps)
-        else:
-            run = RunDir.create(out, config)
-    return Setup(cfg, resolve_plan(cfg), task, reward_fn, lm.tokenizer, lm.model.float().eval(), pool, pool_ids,
-                 stop_token_ids(lm), run, ckpt)
+    try:
+        if out is not None:
+            config = run_config(cfg)
+            if resume:
+                run, ckpt = RunDir.resume(out, config, ignore=RESUME_MAY_CHANGE, defaults=ADDED_SINCE_SCHEMA_1,
+                                          required=CHECKPOINT_KEYS, max_step=cfg.steps)
+            else:
+                run = RunDir.create(out, config)
+    except BaseException:
+        engine.close()
+        raise
+    return Setup(cfg, plan, task, reward_fn, lm.tokenizer, master, pool, pool_ids, stop_token_ids(lm), run, ckpt,
+                 engine)
+
+
+def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: list[list[int]]) -> Engine:
+    """The run's sampling engine on the model's weights in the plan's engine recipe. Its weights are replaced before
+    the first batch (θ_0 of a fresh run, the checkpoint's of a resumed one), through the same sync as every later
+    step, so a resumed run's engine holds bit for bit what an uninterrupted run's did.
+
+    vLLM: its raw log-probs are taken before temperature, the processed ones after (and without truncation they are
+    the whole distribution's), so the mode follows the temperature; its context is the longest prompt plus the
+    completion budget, which bounds the KV cache it reserves."""
+    if cfg.engine == "vllm":
+        from .engines.vllm import require_vllm
+
+        require_vllm()  # the install hint before the model is saved for vLLM
+    recipe = get_recipe(plan.engine_recipe)
+    return start_engine(cfg.engine, lm, recipe.weight_dtype, matmul=cfg.matmul, recipe=recipe,
+                        logprobs_mode="raw" if cfg.temperature == 1 else "processed",
+                        max_model_len=max(len(p) for p in pool_ids) + cfg.max_tokens, seed=cfg.seed, weight_sync=True)
 
 
 def _input_files(cfg: TrainConfig) -> dict[str, Path]:
@@ -409,22 +445,32 @@ def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
 class RolloutMaker:
     """The producer thread's work for batch k: sync the engine to θ_version if it holds other weights, sample,
     and score the rollout where the trainer needs its θ_old side (all no-grad, off the trainer's thread):
-    - logp_shadow_old: the engine's own weights scored the way the shadow is (prefill, engine recipe), the θ_old
-      side of α and of β_kernel; skipped at staleness 0, where θ_old = θ_t and the trainer's shadow serves;
+    - logp_shadow_old: θ_old scored the way the shadow is (prefill, engine recipe, our kernels; the local engine's
+      own model, or a copy synced beside vLLM), the θ_old side of α and of β_kernel; skipped at staleness 0, where
+      θ_old = θ_t and the trainer's shadow serves;
     - logp_old: the trainer's recipe at θ_old (recompute-old only)."""
 
     def __init__(self, setup: Setup, ctx: StepContext):
         self.setup, self.ctx = setup, ctx
-        self.engine = LocalEngine(setup.master, recipe=ctx.shadow_recipe, matmul=setup.cfg.matmul)
+        self.engine = setup.engine
         self.engine_version = -1
+        # The shadow at θ_old: the local engine's own copy of θ_old is that model (same recipe, same kernels); vLLM's
+        # weights live in another process, so the shadow at θ_old is a copy of its own, synced with the engine.
+        self.own_shadow_old = setup.cfg.staleness > 0 and not isinstance(self.engine, LocalEngine)
+        self.shadow_old = (apply_recipe(setup.master, ctx.shadow_recipe, matmul=setup.cfg.matmul) if self.own_shadow_old
+                           else self.engine.model if setup.cfg.staleness > 0 else None)
         trainer_recipe = get_recipe(ctx.plan.trainer_recipe)
         self.old_policy = (apply_recipe(setup.master, trainer_recipe, matmul=setup.cfg.matmul)
                            if ctx.plan.ratio_against == "trainer_old" else None)
 
     def __call__(self, k: int, version: int, weights: dict) -> Batch:
         cfg, pool, t0 = self.setup.cfg, self.setup.pool, time.perf_counter()
+        sync_s = 0.0
         if self.engine_version != version:
             self.engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
+            sync_s = time.perf_counter() - t0
+            if self.own_shadow_old:
+                sync_weights(self.shadow_old, weights, count_changes=False)
             self.engine_version = version
         rng = random.Random(cfg.seed * PROMPT_STREAM + k)
         chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
@@ -438,12 +484,12 @@ class RolloutMaker:
             sync_weights(self.old_policy, weights, count_changes=False)
             logp_old = _completion_logprobs(self.old_policy, self.ctx.policy.recipe, packed, rollout.prompt_width, cfg)
         t_split = time.perf_counter()
-        if cfg.staleness > 0:
-            logp_shadow_old = _completion_logprobs(self.engine.model, self.ctx.shadow_recipe, packed,
+        if self.shadow_old is not None:
+            logp_shadow_old = _completion_logprobs(self.shadow_old, self.ctx.shadow_recipe, packed,
                                                    rollout.prompt_width, cfg)
         t_end = time.perf_counter()
         return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
-                     t_end - t0, logp_shadow_old, shadow_old_s=t_end - t_split)
+                     t_end - t0, logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s)
 
 
 def _start_producer(setup: Setup, ctx: StepContext, start: int, snapshots: dict[int, dict]) -> RolloutProducer:
@@ -551,7 +597,8 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     from .tasks import compute_rewards
 
     cfg, plan = ctx.cfg, ctx.plan
-    timings = {"time/generate_s": batch.generate_s, "time/shadow_old_s": batch.shadow_old_s}
+    timings = {"time/generate_s": batch.generate_s, "time/engine_sync_s": batch.sync_s,
+               "time/shadow_old_s": batch.shadow_old_s}
     rollout, packed, P = batch.rollout, batch.packed, batch.rollout.prompt_width
     completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
     rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]

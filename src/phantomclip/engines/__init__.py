@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+from ..recipes import Recipe, engine_recipe
+
 ENGINE_KINDS = ("local", "vllm")
-"""the engines `diagnose --engine` and `phantomclip engines` can use."""
+"""the engines `diagnose --engine`, `train --engine` and `phantomclip engines` can use."""
 
 
 def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str = "raw",
-                 max_model_len: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, seed: int = 0, recipe: Recipe | None = None,
+                 weight_sync: bool = False):
     """An engine of `kind` on the weights of `lm` (a models.LoadedModel) in `dtype`; vLLM is imported only here.
-    `matmul` applies to the local engine, the log-probs mode, context limit and seed to vLLM. Call close() after."""
+    `matmul` and `recipe` (default: plain `dtype`; the local engine can keep modules in fp32) apply to the local
+    engine; the log-probs mode, context limit, seed and `weight_sync` (allow `load_weights`) to vLLM, which computes
+    in one dtype only. Call close() after."""
+    recipe = recipe or engine_recipe(dtype)
     if kind == "local":
         from ..engine import LocalEngine
 
-        return LocalEngine(lm.model, dtype, matmul=matmul)
-    from .vllm import VLLMEngine
+        return LocalEngine(lm.model, recipe=recipe, matmul=matmul)
+    from .vllm import VLLMEngine, VLLMError
 
-    return VLLMEngine.for_model(lm, dtype, logprobs_mode, max_model_len, seed)
+    unsupported = cannot_run(kind, recipe)
+    if unsupported:
+        raise VLLMError(unsupported)
+    return VLLMEngine.for_model(lm, recipe.weight_dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync)
+
+
+def cannot_run(kind: str, recipe: Recipe) -> str | None:
+    """Why an engine of `kind` cannot compute in `recipe` (None when it can): vLLM runs one dtype throughout, so a
+    recipe that keeps modules in fp32 over a lower-precision body (fp32-head) exists only in the local engine."""
+    if kind == "vllm" and recipe != engine_recipe(recipe.weight_dtype):
+        return (f"the engine recipe {recipe.name!r} keeps modules in fp32 over a lower-precision body, which vLLM "
+                "cannot (it runs one dtype): run it with --engine local")
+    return None

@@ -174,6 +174,8 @@ class VLLMEngine:
         self.owned_dir: str | None = None
         """a temporary model directory this engine wrote (in-memory models) and removes on close()."""
         self.nonfinite = 0
+        """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout), so
+        far; reported by describe() as 'nonfinite_logprobs'."""
         self.loaded: dict[str, torch.Tensor] | None = None
         """the weights vLLM holds, in its dtype, by checkpoint name (set by for_model and load_weights): what
         load_weights compares against to count changed values and checks names and shapes against."""
@@ -181,8 +183,9 @@ class VLLMEngine:
         """seconds of the last load_weights (cast, transfer, vLLM's reload and the head's repacking)."""
         self.last_reload_s = math.nan
         """seconds of that sync spent inside vLLM's worker."""
-        """sampled tokens for which vLLM returned no log-prob, or a non-finite one (kept as NaN in the Rollout), so
-        far; reported by describe() as 'nonfinite_logprobs'."""
+        self.aliases: set[str] = set()
+        """names of the model's state dict that alias another tensor (a tied `lm_head.weight`): load_weights drops
+        them, so a snapshot that copied each name apart (producer.snapshot) syncs like the model itself."""
         config = llm.llm_engine.model_config
         self.max_model_len = int(config.max_model_len)
         self.vocab_size = int(config.get_vocab_size())
@@ -237,7 +240,9 @@ class VLLMEngine:
         except BaseException:
             engine.close()
             raise
-        engine.loaded = engine._cast(lm.model.state_dict())  # vLLM casts the saved fp32 weights the same way
+        state = lm.model.state_dict()
+        engine.loaded = engine._cast(state)  # vLLM casts the saved fp32 weights the same way
+        engine.aliases = set(state) - set(engine.loaded)
         return engine
 
     def _cast(self, source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -274,7 +279,7 @@ class VLLMEngine:
                             f"vLLM pickle the reload call over its local socket: {SYNC_ENV}=1)")
         t0 = time.perf_counter()
         source = weights.state_dict() if isinstance(weights, nn.Module) else weights
-        new = self._cast(source)
+        new = self._cast({name: w for name, w in source.items() if name not in self.aliases})
         if self.loaded is not None:
             for name, w in new.items():
                 old = self.loaded.get(name)

@@ -59,9 +59,9 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
     return times[1:], lengths[1:]
 
 
-def our_steps(
-    prompts: list[str], group: int, steps: int, staleness: int
-) -> tuple[list[float], list[float], list[float]]:
+def our_rows(prompts: list[str], group: int, steps: int, staleness: int, **engine: str) -> list[dict]:
+    """Our trainer's metric rows for `steps` timed steps (a warm-up step first, left out); `engine`: TrainConfig's
+    engine and engine_dtype (default: the local bf16 engine)."""
     import phantomclip.models
     from phantomclip.trainer import TrainConfig, train
 
@@ -71,8 +71,14 @@ def our_steps(
         path = Path(d) / "prompts.txt"
         path.write_text("\n".join(prompts) + "\n")
         cfg = TrainConfig(steps=steps + 1, prompts_per_step=len(prompts), group_size=group, max_tokens=MAX_TOKENS,
-                          staleness=staleness, prompts=str(path), lr=3e-5)
-        rows = train(cfg).metrics[1:]
+                          staleness=staleness, prompts=str(path), lr=3e-5, **engine)
+        return train(cfg).metrics[1:]
+
+
+def our_steps(
+    prompts: list[str], group: int, steps: int, staleness: int
+) -> tuple[list[float], list[float], list[float]]:
+    rows = our_rows(prompts, group, steps, staleness)
     return ([r["time/step_s"] for r in rows], [r["completion/length_mean"] for r in rows],
             [r["time/shadow_old_s"] / r["time/step_s"] for r in rows])
 

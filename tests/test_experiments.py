@@ -33,6 +33,12 @@ def test_matrices_names_configs_and_seeds():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(TrainConfigError, match="--seeds must be a whole number"):
             build_matrix("sanity", TrainConfig(), seeds=bad)
+    # vLLM runs one dtype: the fp32-head arm is left out of the whole matrix, said why, and refused when named
+    vllm = build_matrix("sanity", TrainConfig(engine="vllm"), seeds=1)
+    assert list(vllm.arms) == [a for a in SANITY_INTERVENTIONS if a != "fp32-head"] and m.left_out == {}
+    assert "vLLM cannot" in vllm.left_out["fp32-head"] and all(c.engine == "vllm" for c in vllm.arms.values())
+    with pytest.raises(TrainConfigError, match="run it with --engine local"):
+        build_matrix("sanity", TrainConfig(engine="vllm"), seeds=1, only=["none", "fp32-head"])
 
 
 def _rows(lengths, phantom=0.0, clip=0.0, beta=0.03, converged_from=None):

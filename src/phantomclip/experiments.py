@@ -14,7 +14,7 @@ checkpoint is deleted unless asked to keep it (the weights are only needed to co
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
@@ -22,7 +22,15 @@ from .errors import SEED_LIMIT
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import DirLock, RunDir, atomic_write_bytes, read_json_object, write_json
-from .trainer import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, run_config, run_finished, train
+from .trainer import (
+    ADDED_SINCE_SCHEMA_1,
+    RESUME_MAY_CHANGE,
+    TrainConfig,
+    engine_refuses,
+    run_config,
+    run_finished,
+    train,
+)
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",
@@ -69,6 +77,8 @@ class Matrix:
     base: TrainConfig
     arms: dict[str, TrainConfig]
     seeds: tuple[int, ...]
+    left_out: dict[str, str] = field(default_factory=dict)
+    """arms of the experiment this engine cannot run, with the reason (fp32-head under vLLM)."""
 
     def runs(self) -> list[tuple[str, int, TrainConfig]]:
         """(arm, seed, config) for every run, seed-major: after each full pass every arm has the same seeds, so an
@@ -85,15 +95,18 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
     if base.seed + seeds > SEED_LIMIT:
         raise TrainConfigError(f"--seed {base.seed} with --seeds {seeds} runs seeds up to {base.seed + seeds - 1}, "
                                f"past the largest seed {SEED_LIMIT - 1}: lower --seed")
-    arms = EXPERIMENTS[experiment](base)
+    arms, left_out = EXPERIMENTS[experiment](base), {}
     if only:
         unknown = [n for n in only if n not in arms]
         if unknown:
             raise TrainConfigError(f"--only: unknown run(s) {', '.join(unknown)}; the runs are: {', '.join(arms)}")
-        arms = {n: arms[n] for n in only}
+        arms = {n: arms[n] for n in only}  # an arm named here that the engine cannot run is refused by validate
+    else:  # the whole experiment: what the engine cannot run is left out, and said
+        left_out = {name: engine_refuses(cfg) for name, cfg in arms.items() if engine_refuses(cfg)}
+        arms = {name: cfg for name, cfg in arms.items() if name not in left_out}
     for cfg in arms.values():
         cfg.validate()
-    return Matrix(experiment, base, arms, tuple(range(base.seed, base.seed + seeds)))
+    return Matrix(experiment, base, arms, tuple(range(base.seed, base.seed + seeds)), left_out)
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -130,6 +143,9 @@ def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoin
         raise TrainConfigError(f"cannot create {out} ({e.strerror}): choose a writable --out") from None
     lock = DirLock(out, "experiment")  # one writer per experiment; each run's own directory is locked by train
     try:
+        if console is not None:
+            for arm, reason in matrix.left_out.items():
+                console.print(f"left out: {arm} ({reason})")
         check_manifest(matrix, out)
         runs = matrix.runs()
         check_continuation(out, runs)
@@ -243,7 +259,7 @@ def summarize(matrix: Matrix, results: list[dict]) -> dict:
     return {"schema": SCHEMA_VERSION, "experiment": matrix.experiment, "base_config": asdict(matrix.base),
             "seeds": list(matrix.seeds),
             "baseline": BASELINE, "interval": "95% Student t over seeds (paired by seed for differences)",
-            "arms": arms, "runs": results, "verdict": verdict(arms)}
+            "left_out": matrix.left_out, "arms": arms, "runs": results, "verdict": verdict(arms)}
 
 
 def verdict(arms: list[dict]) -> list[str]:

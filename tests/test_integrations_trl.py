@@ -196,3 +196,35 @@ def test_trl_config_preflight(tmp_path, capsys):
     capsys.readouterr()
     (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
     assert "not valid YAML" in bad_cli(["diagnose", "--from-trl-config", str(tmp_path / "bad.yaml")], capsys)
+
+
+def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
+    """TRL's importance-sampling cap goes to the knob advice at the level its mode acts at (the deprecated
+    vllm_importance_sampling_cap overrides clip_max, as TRL's __post_init__ does); max_completion_length fills
+    --knob-length, and --max-tokens only where it was not given."""
+    import json
+
+    from phantomclip.cli import main
+    from phantomclip.integrations.trl import diagnose_settings_from_trl
+
+    assert diagnose_settings_from_trl({})[0]["seq_mask_cap"] == 3.0  # TRL's defaults: sequence_mask, clip_max 3
+    token = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.5}
+    settings = diagnose_settings_from_trl(token)[0]
+    assert settings["token_cap"] == 2.5 and "seq_mask_cap" not in settings
+    assert diagnose_settings_from_trl({**token, "vllm_importance_sampling_cap": 4})[0]["token_cap"] == 4.0
+    settings, notes = diagnose_settings_from_trl({"vllm_importance_sampling_correction": False})
+    assert "token_cap" not in settings and "seq_mask_cap" not in settings
+    assert any("vllm_importance_sampling_correction is false" in n for n in notes)
+    yaml_path, out = tmp_path / "grpo.yaml", tmp_path / "d.json"
+    yaml_path.write_text("model_name_or_path: tiny-random:0\nmax_completion_length: 8\n"
+                         "vllm_importance_sampling_mode: token_mask\nvllm_importance_sampling_clip_max: 2.0\n")
+    assert main(["diagnose", "--from-trl-config", str(yaml_path), "--n", "3", "--max-tokens", "4",
+                 "--no-batch-invariance", "--json", str(out)]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    assert (d["config"]["max_tokens"], d["config"]["knob_length"], d["knobs"]["length"]["target"]) == (4, 8, 8)
+    assert d["knobs"]["token_mask"]["setting"]["cap"] == 2.0
+    assert main(["diagnose", "--from-trl-config", str(yaml_path), "--n", "3", "--no-batch-invariance",
+                 "--json", str(out)]) == 0  # no --max-tokens: the config's length is sampled
+    capsys.readouterr()
+    assert json.loads(out.read_text())["config"]["max_tokens"] == 8

@@ -1,3 +1,4 @@
+import html
 import json
 import os
 import re
@@ -8,11 +9,11 @@ import pytest
 
 from conftest import bad_cli
 from phantomclip.cli import main
-from phantomclip.report import FIGURES, WIDGETS, ReportData, build, collect, render
+from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build, collect, render
 
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
-            "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop", "6. Interventions",
-            "7. Appendix"]
+            "3. From logit error to ratio error", "4. Phantom clipping", "Your framework", "5. The closed loop",
+            "6. Interventions", "7. Appendix"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_missing_data_names_the_command():
     text = render(ReportData())
     assert "phantomclip diagnose --json diagnose.json" in text
     assert "phantomclip experiment sanity --out runs/sanity" in text
-    assert text.count('class="missing"') == len(FIGURES) - 1 + 2  # all data figures but 'spacing'; trace; sanity table
+    # all data figures but 'spacing'; trace; sanity table; the "Your framework" panel
+    assert text.count('class="missing"') == len(FIGURES) - 1 + 3
     for w in WIDGETS:
         assert f'id="{w}"' in text  # widgets need no data
 
@@ -81,7 +83,7 @@ def test_report_bad_input(capsys, tmp_path, sources):
     newer.mkdir()
     diag = json.loads((sources / "diagnose.json").read_text())
     (newer / "d.json").write_text(json.dumps({**diag, "schema": 99}))
-    assert "data schema 99, newer than this phantomclip reads (1)" in bad_cli(["report", "--from", str(newer),
+    assert "data schema 99, newer than this phantomclip reads (2)" in bad_cli(["report", "--from", str(newer),
                                                                                "--out", str(tmp_path / "r")], capsys)
 
 
@@ -139,7 +141,7 @@ def test_page_in_a_real_browser(sources, tmp_path):
         empty.write_text(render(ReportData()))
         page.goto(empty.as_uri())
         notes = page.locator(".missing")
-        assert (notes.count() == len(FIGURES) + 1
+        assert (notes.count() == len(FIGURES) + 2
                 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text())
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())
@@ -203,3 +205,36 @@ def test_arm_bands_are_the_t_interval_over_seeds(sources):
     table = html_sanity_table(data)
     summary = data.sanity[0]
     assert "the baseline" in table and summary["verdict"][0].split(": ", 1)[1] in table
+
+
+def test_your_framework_panel_shows_the_framework_table_and_knob_advice(sources):
+    """The panel holds every row of diagnose_text.framework_rows and every line of knob_lines, from the JSON alone."""
+    from phantomclip.diagnose_text import framework_rows, knob_lines
+    from phantomclip.report.framework_panel import html_framework_panel
+
+    diag = json.loads((sources / "diagnose.json").read_text())
+    panel = html_framework_panel([diag])
+    rows = framework_rows(diag)
+    assert panel.count("<tr><td>") == len(rows) > 0
+    for fw, figure, *_ in rows:
+        assert f"<td>{fw}</td><td><code>{figure}</code></td>" in panel
+    for line in knob_lines(diag["knobs"]):
+        assert f"<li>{html.escape(line)}</li>" in panel
+    assert "earlier phantomclip" not in panel
+    assert html_framework_panel([]) is None
+
+
+def test_an_old_schema_1_diagnose_json_still_builds_a_report(tmp_path):
+    """tests/golden's diagnose JSON is a real schema-1 file, written before the framework figures and the knob advice:
+    it still builds, and the panel says how to produce what it lacks; a diagnose file from a newer schema is
+    refused in one line."""
+    old = Path(__file__).parent / "golden" / "diagnose-tiny-avx512bf16.json"
+    doc = json.loads(old.read_text())
+    assert doc["schema"] == 1 and "knobs" not in doc and "frameworks" not in next(iter(doc["recipes"].values()))
+    text = build([old], tmp_path / "report").read_text()
+    assert text.count("This diagnose JSON has no") == 2  # framework figures, knob advice
+    assert text.count("Rerun <code>phantomclip diagnose --json diagnose.json</code> with this version") == 2
+    doc["schema"] = 3
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    with pytest.raises(ReportError, match=r"written with data schema 3, newer than this phantomclip reads \(2\)"):
+        collect([tmp_path / "new.json"])

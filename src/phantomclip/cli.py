@@ -28,12 +28,24 @@ def _diagnose_parser(sub) -> None:
         description="Sample completions with an engine, re-score them under each trainer recipe, and report β = "
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
-    add_config_args(p, DiagnoseConfig)  # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others
+    # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
+    add_config_args(p, DiagnoseConfig, skip=("drift",))
+    p.set_defaults(max_tokens=None)  # None = not given: a config file's completion length may fill it (_run_diagnose)
+    p.add_argument("--drift", type=_whole_number, default=None, metavar="K",
+                   help="push the same (unchanged) weights into the engine K times (K >= 1) and re-read the same "
+                   "sampled tokens after each push; a gap that moves is an engine defect and fails the gate "
+                   f"'{DRIFT_GATE}' (exit 1) unless you give your own --fail-if on a drift.* key. Off by default; "
+                   "its cost is printed")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write every figure and the per-token arrays to PATH")
-    p.add_argument("--from-trl-config", default=None, metavar="YAML",
-                   help="take the trainer recipe, engine dtype, sampling settings, ε and max completion length from a "
-                   "TRL GRPOConfig YAML (these override the flags)")
+    configs = p.add_mutually_exclusive_group()
+    configs.add_argument("--from-trl-config", default=None, metavar="YAML",
+                         help="take the trainer recipe, engine dtype, sampling settings, ε, the correction cap and the "
+                         "completion length from a TRL GRPOConfig YAML (these override the flags, except --max-tokens "
+                         "and --knob-length when given)")
+    configs.add_argument("--from-verl-config", default=None, metavar="YAML",
+                         help="the same from a verl PPO/GRPO trainer YAML (actor and rollout dtypes, rollout sampling, "
+                         "clip ratios, algorithm.rollout_correction, data.max_response_length)")
     p.add_argument("--fail-if", action="append", default=None, metavar="EXPR",
                    help="CI gate, repeatable: exit 1 if KEY OP NUMBER holds (OP: > >= < <=), KEY a dotted path into "
                    "the JSON result, tried as given and then under 'recipes.', e.g. 'fp32.outside_trust_region>0.01' "
@@ -43,6 +55,11 @@ def _diagnose_parser(sub) -> None:
 
 DIAGNOSE_GATE_UNDER = ("recipes",)
 """where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
+DRIFT_GATE = "drift.max_abs>0"
+"""the gate --drift adds: any movement of a log-prob with unchanged weights is an engine defect. It goes through
+--fail-if's machinery (exit 1, one line naming key, value and bound) rather than a separate exit path, so a user
+who must tolerate some drift (a GPU engine without batch-invariant kernels) replaces it with a --fail-if of their
+own on any drift.* key."""
 
 
 def _check_gates(gates, result: dict) -> int:
@@ -75,20 +92,46 @@ def _run_diagnose(args) -> int:
     from .frameworks import parse_gate
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
-    if args.from_trl_config:
+    if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
+        gates.append(parse_gate(DRIFT_GATE))
+    _apply_config_file(args)
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render,
+                           check=lambda result: _check_gates(gates, result))
+
+
+def _apply_config_file(args) -> None:
+    """Fill the diagnose flags from --from-trl-config or --from-verl-config (integrations.trl / integrations.verl),
+    printing what was taken and the notes on stderr. The config's settings override the flags, except its completion
+    length: it sets --max-tokens and --knob-length only where they were not given, so `--max-tokens 48` samples
+    short while the knob advice is still judged (extrapolated) at the config's length."""
+    settings: dict = {}
+    if args.from_trl_config or args.from_verl_config:
         from rich.console import Console
 
-        from .integrations.trl import diagnose_settings_from_trl
+        if args.from_trl_config:
+            from .integrations.trl import diagnose_settings_from_trl
 
-        settings, notes = diagnose_settings_from_trl(args.from_trl_config)
+            name, (settings, notes) = "TRL", diagnose_settings_from_trl(args.from_trl_config)
+        else:
+            from .integrations.verl import diagnose_settings_from_verl
+
+            name, (settings, notes) = "verl", diagnose_settings_from_verl(args.from_verl_config)
+        length = settings.pop("max_tokens", None)
+        if length is not None:
+            if args.max_tokens is None:
+                settings["max_tokens"] = length
+            if not args.knob_length:
+                settings["knob_length"] = length
         for key, value in settings.items():
             setattr(args, key, value)
         err = Console(stderr=True)
-        err.print("from the TRL config: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+        err.print(f"from the {name} config: " + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
         for note in notes:
-            err.print(f"note: {note}")
-    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render,
-                           check=lambda result: _check_gates(gates, result))
+            err.print(f"note: {note}", markup=False)
+    if args.max_tokens is None:
+        from .diagnose import DiagnoseConfig
+
+        args.max_tokens = DiagnoseConfig.max_tokens
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -7,7 +7,9 @@ shadow (the trainer's forward in the engine's dtype, logp_shadow) and each train
 invariance, some sequences again one at a time: `score_alone`) -> `reference` (both engine columns) -> `figures`,
 comparing token by token at α = 0, where log r = logp − logp_engine = β (and what each RL framework would log for
 the same tokens, frameworks.py; and what each correction knob does to the first recipe's β, knobs.py) ->
-`result_dict`. Figures are defined in docs/metrics.md; the verdict and the tables are diagnose_text.py's.
+`result_dict`. With --drift K, `sample` also pushes the unchanged weights into the engine K times before closing it
+and re-reads the same tokens after each push (engines/drift.py). Figures are defined in docs/metrics.md; the
+verdict and the tables are diagnose_text.py's.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from . import SCHEMA_VERSION, __version__
+from . import DIAGNOSE_SCHEMA, __version__
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
+from .engines.drift import Drift, first_rows, measure_drift
 from .errors import ConfigError, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
 from .knobs import KnobSettings, knob_figures
@@ -112,12 +115,21 @@ class DiagnoseConfig:
     framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
     """RL frameworks whose own mismatch figures to compute for each recipe, comma-separated (frameworks.FRAMEWORKS;
     default all of them: a few masked means, negligible next to scoring)."""
+    knob_length: int = 0
+    """completion length in tokens the knob advice judges the sequence knobs at (extrapolated when longer than the
+    sampled completions); 0: --max-tokens. --from-trl-config / --from-verl-config fill it from the config's
+    completion length when it is 0."""
+    drift: int | None = None
+    """push the same (unchanged) weights into the engine this many times and re-read the same tokens after each
+    push (engines/drift.py); a gap that moves is an engine defect. None: off."""
 
     def __post_init__(self):
         if isinstance(self.trainer, str):
             self.trainer = [t.strip() for t in self.trainer.split(",") if t.strip()]
         if isinstance(self.framework, str):
             self.framework = [t.strip() for t in self.framework.split(",") if t.strip()]
+        if self.framework == ["all"]:  # the issue's spelling of the default
+            self.framework = list(FRAMEWORKS)
         self.epsilon, self.epsilon_high = clip_range(self.epsilon, self.epsilon_high)
 
     def validate(self) -> None:
@@ -135,6 +147,9 @@ class DiagnoseConfig:
             check_number(flag, eps, 0, 1, low_open=True, high_open=True)
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
+        check_number("--knob-length", self.knob_length, 0, integer=True)
+        if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
+            check_number("--drift", self.drift, 1, integer=True)
         check_number("--max-model-len", self.max_model_len, 0, integer=True)
         check_seed("--seed", self.seed)
         check_number("--temperature", self.temperature, 0, low_open=True)
@@ -229,6 +244,8 @@ class Sampled:
     """the engine's describe()."""
     seconds: float
     """wall time of sampling (engine start-up excluded)."""
+    drift: Drift | None = None
+    """--drift: the same weights pushed K times into the engine before it closed, and the gap after each push."""
 
 
 @dataclass
@@ -314,13 +331,14 @@ def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
 
 
 def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., None]) -> Sampled:
-    """Sample the completions batch by batch (each batch with its own seed), then close the engine."""
+    """Sample the completions batch by batch (each batch with its own seed), with --drift measure the engine's drift
+    on its first batch (engines/drift.py), then close the engine."""
     stop = stop_token_ids(prep.lm)
     batches = [prep.prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
     if cfg.engine == "vllm":
         say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
     engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, prep.matmul, cfg.logprobs_mode,
-                          cfg.max_model_len or None, cfg.seed)
+                          cfg.max_model_len or None, cfg.seed, weight_sync=bool(cfg.drift))
     try:
         task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
         rollouts: list[Rollout] = []
@@ -330,6 +348,9 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
             progress.advance(task, len(batch))
         seconds = time.perf_counter() - t0
         info = engine.describe()
+        # drift runs on the engine already started (vLLM's start-up is about 30 s) and before anything is scored
+        drift = (measure_drift(engine, prep.lm.model, first_rows(rollouts[0]), cfg.sampling(0, stop), cfg.drift,
+                               progress) if cfg.drift else None)
     finally:  # a real engine holds a process and its KV cache: free them before scoring, or on any error
         engine.close()
     packed = [r.pack(prep.lm.tokenizer.pad_token_id) for r in rollouts]
@@ -338,7 +359,7 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
     return Sampled(packed, mask, logp_engine, logp_engine_processed, measured_column(info, prep.truncation),
-                   int(nonfinite.sum()), info, seconds)
+                   int(nonfinite.sum()), info, seconds, drift)
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
@@ -417,7 +438,7 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
         recipes[name], per_token[name] = recipe_figures(cfg, scored[name], ref, kernel, mask)
     first = cfg.trainer[0]
     knobs = knob_figures(scored[first].logp - ref.logp_engine, mask, cfg.knob_settings(), cfg.keep_share,
-                         cfg.max_tokens)  # β [n, T] of the user's recipe
+                         cfg.knob_length or cfg.max_tokens)  # β [n, T] of the user's recipe
     return Figures(kernel, recipes, per_token, {"recipe": first, **knobs})
 
 
@@ -451,7 +472,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
     seq_index, position = _token_index(mask)
     tokens = int(mask.sum())
     return {
-        "schema": SCHEMA_VERSION,
+        "schema": DIAGNOSE_SCHEMA,
         "config": asdict(cfg),
         "versions": _versions(),
         "cpu": cpu_description(cfg.matmul),
@@ -469,6 +490,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         "shadow": {"recipe": ref.shadow, "kernel": figs.kernel},
         "recipes": figs.recipes,
         "knobs": figs.knobs,
+        **({"drift": sampled.drift.as_dict()} if sampled.drift else {}),
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),

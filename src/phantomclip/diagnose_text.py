@@ -76,7 +76,8 @@ def verdict(result: dict) -> str:
     # The split and the truncation bias are told for the first recipe that differs from the engine's own
     # dtype (by default fp32, the usual trainer); the shadow recipe's precision part is zero by definition.
     told = next((k for k in usable if k != result["shadow"]["recipe"]), next(iter(usable)))
-    parts += [_split_verdict(result, told), _batch_verdict(result, told), _truncation_verdict(result, told)]
+    parts += [_split_verdict(result, told), _batch_verdict(result, told), _truncation_verdict(result, told),
+              _drift_verdict(result)]
     if engine_missing:
         parts.append(f"The engine returned no finite log-prob for {engine_missing} sampled tokens; "
                      "they are left out of every figure.")
@@ -162,6 +163,30 @@ def _truncation_verdict(result: dict, name: str) -> str:
             f"{100 * trunc['corrected']['outside_trust_region']:.2f}%"
             + (f" (the engine's processed log-probs rebuilt from the {result['shadow']['recipe']} shadow's S: vLLM "
                "reported raw ones)." if rebuilt else "."))
+
+
+def _drift_verdict(result: dict) -> str:
+    """One sentence on --drift: an engine whose log-probs move under unchanged weights is defective (every β above
+    carries the defect, and no trainer recipe removes it); one that stays put is said to, with how it was read."""
+    d = result.get("drift")
+    if not d:
+        return ""
+    e = result["engine"]
+    if not d["moving"]:
+        return (f"Drift: {d['syncs']} pushes of unchanged weights left the {e['dtype']} {e['kind']} engine's log-probs "
+                f"of the same {d['tokens']} tokens bit-identical ({DRIFT_METHODS[d['method']]}).")
+    first = next(s for s in d["steps"] if s["max_abs"] > 0 or s["changed_share"] > 0 or s["token_changed_share"] > 0)
+    tokens = (f", {100 * d['token_changed_share']:.2f}% of sampled tokens differ" if d["token_changed_share"] else "")
+    return (f"Engine defect: the same weights pushed {d['syncs']} times into the {e['dtype']} {e['kind']} engine moved "
+            f"its log-probs of the same tokens (from push {first['sync']}; max |Δ| {fmt_figure(d['max_abs'])}, "
+            f"{100 * d['changed_share']:.2f}% of tokens changed{tokens}; {DRIFT_METHODS[d['method']]}). Every β above "
+            "carries this and no trainer recipe removes it: check the engine's weight sync (every parameter group, "
+            "tied embeddings, cached prefixes).")
+
+
+DRIFT_METHODS = {"rescore": "the fixed tokens teacher-forced through its decode path after each push",
+                 "resample": "the same prompts re-sampled with the same seeds after each push"}
+"""how --drift read the tokens again (engines/drift.py), as the verdict and the printed block say it."""
 
 
 def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> str:
@@ -293,6 +318,10 @@ def render(result: dict, console: Console) -> None:
         for line in knob_lines(knobs):
             console.print("  " + line, markup=False)
         console.print()
+    if "drift" in result:
+        for line in drift_lines(result["drift"]):
+            console.print(line, markup=False)
+        console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
 
 
@@ -305,7 +334,7 @@ def framework_rows(result: dict) -> list[tuple[str, str, float | None, str | Non
             if figure == FRAMEWORK_HEADLINE.get(fw) or (fw, figure) in THRESHOLDS]
 
 
-def _fmt_figure(v: float | None) -> str:
+def fmt_figure(v: float | None) -> str:
     """4 significant digits (a bound such as NeMo-RL's 1.05 needs the third decimal), scientific below FIXED_FROM."""
     if v is None or not math.isfinite(v):
         return "n/a"
@@ -325,7 +354,7 @@ def _framework_table(result: dict):
                           ("published\nthreshold", "right"), ("verdict", "left")):
         table.add_column(name, justify=justify, overflow="fold")
     for fw, figure, value, threshold, verdict_ in framework_rows(result):
-        table.add_row(fw, figure, _fmt_figure(value), threshold or "-",
+        table.add_row(fw, figure, fmt_figure(value), threshold or "-",
                       "[bold red]over[/]" if verdict_ == "over" else verdict_)
     return table
 
@@ -387,4 +416,18 @@ def knob_lines(knobs: dict) -> list[str]:
             advice = (f"{_knob_advice(at['keep'])} for {keep} of {n}-token sequences untouched (extrapolated)" if at
                       else f"{_knob_advice(k['keep'])} for {keep} of sequences untouched")
         lines.append(f"{label} {_knob_now(k['setting'])}: {touched} -> {advice}")
+    return lines
+
+
+def drift_lines(drift: dict) -> list[str]:
+    """The printed --drift block: a heading with its cost, then one line per push (the JSON's `drift`)."""
+    pct = lambda v: _fmt("outside_trust_region", _num(v))  # noqa: E731 (a share, as the tables print it)
+    head = (f"drift: {drift['syncs']} pushes of unchanged weights, {drift['sequences']} sequences ({drift['tokens']} "
+            f"tokens) read by {drift['method']}; cost {drift['seconds']:.1f} s; "
+            + ("MOVING: engine defect" if drift["moving"] else "no movement"))
+    lines = [head]
+    for s in drift["steps"]:
+        lines.append(f"  push {s['sync']}: max |Δ logp| {fmt_figure(_num(s['max_abs']))}, {pct(s['changed_share'])} "
+                     f"of tokens changed, {pct(s['token_changed_share'])} of sampled tokens differ; weights changed "
+                     f"{pct(s['weights_changed_share'])}; {s['seconds']:.2f} s")
     return lines

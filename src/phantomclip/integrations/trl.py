@@ -234,6 +234,35 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
 # ------------------------------------------------------------------------------------------ pre-flight
 
 
+TRL_IS_CLIP_MAX = 3.0
+"""GRPOConfig.vllm_importance_sampling_clip_max's default (trl 1.16 grpo_config.py)."""
+TOKEN_MODES = ("token_truncate", "token_mask")
+SEQUENCE_MODES = ("sequence_truncate", "sequence_mask")
+"""GRPOConfig.vllm_importance_sampling_mode's values (trl 1.16; default sequence_mask), by the level they act at."""
+
+
+def _correction_cap(cfg: dict, notes: list[str]) -> dict:
+    """The knob advice's cap from TRL's vLLM importance-sampling correction: the cap C (clip_max, or the deprecated
+    vllm_importance_sampling_cap, which TRL copies over clip_max when set) as --token-cap for the token modes, as
+    --seq-mask-cap for the sequence modes (a sequence mode that truncates touches the same sequences a mask at C
+    drops). Nothing when the correction is off."""
+    if cfg.get("vllm_importance_sampling_correction") is False:
+        notes.append("vllm_importance_sampling_correction is false: no correction; the knob advice shows what each "
+                     "would do")
+        return {}
+    mode = str(cfg.get("vllm_importance_sampling_mode") or "sequence_mask")
+    cap = cfg.get("vllm_importance_sampling_cap")
+    cap = cfg.get("vllm_importance_sampling_clip_max") if cap is None else cap
+    cap = TRL_IS_CLIP_MAX if cap is None else float(cap)
+    if mode in TOKEN_MODES:
+        return {"token_cap": cap}
+    if mode in SEQUENCE_MODES:
+        return {"seq_mask_cap": cap}
+    known = ", ".join(TOKEN_MODES + SEQUENCE_MODES)
+    notes.append(f"vllm_importance_sampling_mode {mode!r} is not one of TRL's ({known}): the cap is not read")
+    return {}
+
+
 def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     """`phantomclip diagnose` settings matching a TRL GRPO config (a YAML path, a dict or a GRPOConfig), and
     notes on what could not be matched. Reads no TRL internals, so it works without trl installed.
@@ -241,7 +270,9 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     Trainer recipe: cast_lm_head_to_fp32 -> fp32-head; fp16 -> fp16; a model loaded in bf16 (model_init_kwargs
     dtype) -> bf16; bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32. Engine: bf16 (vLLM's
     'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a `vllm_dtype` key of our own may say
-    otherwise). Sampling and ε are TRL's (ε defaults to TRL's 0.2).
+    otherwise). Sampling and ε are TRL's (ε defaults to TRL's 0.2). The importance-sampling cap goes to the knob
+    advice (`_correction_cap`); max_completion_length to max_tokens (the CLI lets an explicit --max-tokens win and
+    sends the length to the knob advice's --knob-length too).
     """
     import yaml
 
@@ -295,6 +326,7 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
         settings["epsilon"], settings["epsilon_high"] = clip_range(epsilon, epsilon_high)
         if cfg.get("max_completion_length"):
             settings["max_tokens"] = int(cfg["max_completion_length"])
+        settings.update(_correction_cap(cfg, notes))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--from-trl-config: a sampling or clip setting is not a number ({e})") from None
     if model_dtype == "auto":

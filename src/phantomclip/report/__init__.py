@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .. import SCHEMA_VERSION
+from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError
 from ..runs import json_safe, read_jsonl
 
@@ -83,24 +83,24 @@ def collect(sources: list[str | Path]) -> ReportData:
             doc = _read_json(f)
             if doc is None:
                 continue
+            kind = next((k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)), None)
+            newest = DIAGNOSE_SCHEMA if kind == "diagnose" else SCHEMA_VERSION  # diagnose's file has its own number
             schema = doc.get("schema", SCHEMA_VERSION)
             if not isinstance(schema, int) or isinstance(schema, bool):
                 raise ReportError(f"{f}: \"schema\" is {schema!r}, not a whole number: the file was edited or is not "
                                   "one phantomclip wrote")
-            if schema > SCHEMA_VERSION:
+            if schema > newest:
                 raise ReportError(f"{f}: written with data schema {doc['schema']}, newer than this phantomclip reads "
-                                  f"({SCHEMA_VERSION}): upgrade phantomclip")
+                                  f"({newest}): upgrade phantomclip")
             doc["_path"] = str(f)
             if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
                 name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
                 data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
                                   "metrics": read_jsonl(f.parent / "metrics.jsonl"),
                                   "tokens": read_jsonl(f.parent / "tokens.jsonl")})
-            else:
-                kind = next((k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)), None)
-                if kind is not None:
-                    _check_shape(f, doc, DOC_SHAPES[kind])
-                    getattr(data, kind).append(doc)
+            elif kind is not None:
+                _check_shape(f, doc, DOC_SHAPES[kind])
+                getattr(data, kind).append(doc)
     if not (data.diagnose or data.runs or data.sanity or data.traces):
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "
@@ -404,6 +404,8 @@ def render(data: ReportData, copied: dict[Path, str] | None = None) -> str:
     from markdown_it import MarkdownIt
     from plotly.offline import get_plotlyjs
 
+    from .framework_panel import html_framework_panel
+
     copied = copied or {}
     article = resources.files(__package__).joinpath("article.md").read_text(encoding="utf-8")
     md = MarkdownIt("commonmark", {"html": True})
@@ -418,6 +420,8 @@ def render(data: ReportData, copied: dict[Path, str] | None = None) -> str:
             block = table or _missing("phantomclip experiment sanity --out runs/sanity")
         elif name == "appendix":
             block = html_appendix(data, copied)
+        elif name == "your_framework":
+            block = html_framework_panel(data.diagnose) or _missing("phantomclip diagnose --json diagnose.json")
         elif name == "trace_depth":
             fig = html_trace_depth(data)
             block = _figure_div(name, fig, figures) if fig else _missing("phantomclip trace --json trace.json")

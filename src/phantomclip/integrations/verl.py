@@ -1,0 +1,242 @@
+"""`phantomclip diagnose --from-verl-config`: the diagnose settings matching a verl PPO/GRPO trainer config.
+
+A pure mapping, YAML -> (settings, notes), that imports nothing of verl. Key names and defaults are verl's own, read
+from volcengine/verl at commit b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29):
+  verl/trainer/config/_generated_ppo_trainer.yaml   the flattened default config (every key below, its default)
+  verl/trainer/config/engine/fsdp.yaml              fsdp_config.model_dtype ("model dtype of fsdp", fp32) and
+                                                    fsdp_config.dtype ("Mixed precision training param dtype", bf16)
+  verl/workers/fsdp_workers.py                      the actor's FSDP MixedPrecision: param_dtype =
+                                                    fsdp_config.mixed_precision.param_dtype if that block is given,
+                                                    else fsdp_config.dtype; every parameter is cast to it for the
+                                                    forward, so the loss's log-probs come from a forward in that dtype
+  verl/trainer/ppo/core_algos.py                    clip_ratio_low / clip_ratio_high, each falling back to clip_ratio
+  verl/trainer/config/algorithm.py                  RolloutCorrectionConfig: rollout_is (None/token/sequence),
+                                                    rollout_is_threshold (the upper truncation C), rollout_rs,
+                                                    rollout_rs_threshold, bypass_mode
+  verl/trainer/ppo/rollout_corr_helper.py           rejection sampling: token_k1 keeps a token where
+                                                    log(lower) <= −log r <= log(upper), i.e. r in [1/upper, 1/lower]
+                                                    (a single number U means lower = 1/U); thresholds are one spec
+                                                    per option or one shared by all
+The mapping, key by key, with what is not mapped, is in docs/metrics.md ("Reading a trainer's config").
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..recipes import RECIPES
+
+FLAG = "--from-verl-config"
+SECTIONS = ("actor_rollout_ref", "algorithm", "data")
+"""a verl trainer config has at least one of these at its top level; a mapping with none of them is another file."""
+VERL_DTYPES = {"fp32": "fp32", "float32": "fp32", "32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+               "fp16": "fp16", "float16": "fp16", "16": "fp16", "half": "fp16"}
+"""verl's dtype spellings (verl/utils/torch_dtypes.py PrecisionType: HALF_LIST, FLOAT_LIST, BFLOAT_LIST; vLLM's
+'half' for the rollout) -> phantomclip's."""
+TOKEN_RS = "token_k1"
+"""the one rejection-sampling option the knob advice models: token masking outside a ratio band (IcePop's band)."""
+
+
+def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[str]]:
+    """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a verl config (a YAML path or a
+    dict), and notes on what was missing or could not be matched. Keys absent from the file keep diagnose's own
+    defaults and are named in a note; a file that is not a YAML mapping with a verl section is a ConfigError."""
+    cfg = read_mapping(config)
+    if not any(section in cfg for section in SECTIONS):
+        raise ConfigError(f"{FLAG}: no {', '.join(SECTIONS)} at the top level: not a verl trainer config (give the "
+                          "YAML verl was run with, e.g. one written from its resolved config)")
+    settings: dict = {}
+    notes: list[str] = []
+    for part in (_trainer_and_engine, _sampling, _clip, _length, _correction, _model):
+        part(cfg, settings, notes)
+    return settings, notes
+
+
+def read_mapping(config: str | Path | dict) -> dict:
+    """The YAML file's top-level mapping (a dict is taken as it is); ConfigError, one line, when the file cannot be
+    read, is not YAML, or does not hold a mapping."""
+    if isinstance(config, dict):
+        return config
+    import yaml
+
+    path = Path(config)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{FLAG} {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{FLAG} {path}: not a text file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{FLAG} {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{FLAG} {path}: expected a mapping of verl config sections at the top level, found "
+                          f"{type(doc).__name__}")
+    return doc
+
+
+def get(cfg: dict, dotted: str):
+    """The value at a dotted path of nested mappings, or None where a part is missing. An OmegaConf interpolation
+    ('${...}', resolved by Hydra only when verl runs) reads as None too: its value is not in the file."""
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return None if isinstance(node, str) and "${" in node else node
+
+
+def _number(dotted: str, value, cast=float):
+    """A config value as a number, or ConfigError naming its key."""
+    try:
+        number = cast(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{FLAG}: {dotted} is {value!r}, not a number") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"{FLAG}: {dotted} is {value!r}, not a finite number")
+    return number
+
+
+def _dtype(dotted: str, value, notes: list[str]) -> str | None:
+    """A verl dtype spelling as phantomclip's, or None with a note for one it does not know."""
+    name = VERL_DTYPES.get(str(value).lower().replace("torch.", ""))
+    if name is None:
+        notes.append(f"{dotted} = {value!r} is not a dtype phantomclip knows (fp32, bf16, fp16): ignored")
+    return name
+
+
+ACTOR_FSDP = "actor_rollout_ref.actor.fsdp_config"
+
+
+def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """The actor's forward dtype (FSDP's param_dtype) as the first trainer recipe, the rollout dtype as the engine's.
+    verl's defaults when absent: fsdp_config.dtype bfloat16, rollout.dtype bfloat16 (_generated_ppo_trainer.yaml)."""
+    strategy = get(cfg, "actor_rollout_ref.actor.strategy")
+    if strategy not in (None, "fsdp", "fsdp2"):
+        notes.append(f"actor strategy {strategy!r}: only the FSDP actor's dtype keys are read; pass --trainer "
+                     "yourself if its forward dtype differs")
+    mixed = get(cfg, f"{ACTOR_FSDP}.mixed_precision")
+    where = f"{ACTOR_FSDP}.mixed_precision.param_dtype" if isinstance(mixed, dict) else f"{ACTOR_FSDP}.dtype"
+    raw = mixed.get("param_dtype", "bf16") if isinstance(mixed, dict) else get(cfg, f"{ACTOR_FSDP}.dtype")
+    if raw is None:
+        notes.append(f"{where} not set: verl's default bfloat16 assumed (FSDP casts every parameter to it for the "
+                     "forward)")
+        raw = "bfloat16"
+    trainer = _dtype(where, raw, notes) or "bf16"
+    master = get(cfg, f"{ACTOR_FSDP}.model_dtype")
+    if master is not None and _dtype(f"{ACTOR_FSDP}.model_dtype", master, notes) not in (None, "fp32"):
+        notes.append(f"model_dtype {master}: the actor's master weights are {master} too, so the optimizer's updates "
+                     "are rounded as well; the forward is what diagnose measures")
+    settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
+    notes.append(f"your trainer recipe is {trainer} ({where}: FSDP runs the actor's forward in it), first row; the "
+                 "other recipes are measured too, to say what to change")
+    rollout = get(cfg, "actor_rollout_ref.rollout.dtype")
+    if rollout is None:
+        notes.append("actor_rollout_ref.rollout.dtype not set: verl's default bfloat16 assumed")
+    settings["engine_dtype"] = _dtype("actor_rollout_ref.rollout.dtype", rollout or "bfloat16", notes) or "bf16"
+    name = get(cfg, "actor_rollout_ref.rollout.name")
+    if name not in (None, "vllm", "???"):
+        notes.append(f"rollout engine {name!r}: measured against phantomclip's engine in {settings['engine_dtype']} "
+                     "(--engine local or vllm); its own kernels differ")
+
+
+def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """Rollout temperature, top_p, top_k (verl's −1 = off is diagnose's 0) and the log-prob mode vLLM reports."""
+    rollout = "actor_rollout_ref.rollout"
+    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = get(cfg, f"{rollout}.{key}")
+        if value is None:
+            notes.append(f"{rollout}.{key} not set: diagnose's default")
+            continue
+        number = _number(f"{rollout}.{key}", value, cast)
+        settings[key] = 0 if key == "top_k" and number < 0 else number
+    mode = get(cfg, f"{rollout}.logprobs_mode")
+    if mode in ("raw_logprobs", "processed_logprobs"):
+        settings["logprobs_mode"] = mode.removesuffix("_logprobs")
+    elif mode is not None:
+        notes.append(f"{rollout}.logprobs_mode {mode!r}: only raw_logprobs and processed_logprobs are measured")
+
+
+def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """PPO's ε: clip_ratio_low / clip_ratio_high, each falling back to clip_ratio (verl core_algos.py), then to
+    verl's default 0.2."""
+    actor = "actor_rollout_ref.actor"
+    both = get(cfg, f"{actor}.clip_ratio")
+    for key, side in (("epsilon", "low"), ("epsilon_high", "high")):
+        name, value = f"{actor}.clip_ratio_{side}", get(cfg, f"{actor}.clip_ratio_{side}")
+        if value is None:
+            name, value = f"{actor}.clip_ratio", both
+        if value is None:
+            notes.append(f"{actor}.clip_ratio_{side} and clip_ratio not set: verl's default 0.2")
+            value = 0.2
+        settings[key] = _number(name, value)
+
+
+def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """The completion budget: data.max_response_length (rollout.response_length interpolates it by default)."""
+    value = get(cfg, "data.max_response_length")
+    value = get(cfg, "actor_rollout_ref.rollout.response_length") if value is None else value
+    if value is None:
+        notes.append("data.max_response_length not set: the knob advice is judged at --max-tokens")
+        return
+    settings["max_tokens"] = _number("data.max_response_length", value, int)
+
+
+CORRECTION = "algorithm.rollout_correction"
+
+
+def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """algorithm.rollout_correction as the knob advice's settings: rollout_is token -> the token cap C (TIS
+    truncates r at C), sequence -> the sequence cap (verl truncates the sequence weight at C; the share it touches
+    is the share a mask at C drops, which the knob advice reports); rollout_rs token_k1 -> IcePop's band."""
+    block = get(cfg, CORRECTION)
+    if not isinstance(block, dict):
+        notes.append(f"{CORRECTION} not set: no rollout correction (verl's default rollout_is: null); the knob "
+                     "advice shows diagnose's default settings")
+        return
+    level, threshold = block.get("rollout_is"), block.get("rollout_is_threshold", 2.0)
+    if level == "token":
+        settings["token_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
+    elif level == "sequence":
+        settings["seq_mask_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
+        notes.append(f"rollout_is sequence at C = {threshold}: verl truncates the sequence weight at C; the knob "
+                     "advice's sequence_mask line counts the same sequences (exp(S) > C)")
+    elif level is not None:
+        notes.append(f"{CORRECTION}.rollout_is {level!r} is not one of verl's (null, token, sequence): ignored")
+    if block.get("rollout_rs"):
+        _rejection(str(block["rollout_rs"]), block.get("rollout_rs_threshold"), settings, notes)
+    if block.get("bypass_mode"):
+        notes.append("bypass_mode: the PPO ratio is taken against the rollout's log-probs directly, so β sits inside "
+                     "the clipped ratio: the setting where phantom clipping appears")
+
+
+def _rejection(options: str, spec, settings: dict, notes: list[str]) -> None:
+    """rollout_rs: token_k1's band as IcePop's [low, high]; the other options named in a note (not modelled)."""
+    names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
+    specs = [s.strip() for s in str(spec).split(",") if s.strip()] if spec is not None else []
+    if TOKEN_RS in names:
+        if not specs:
+            notes.append(f"rollout_rs {TOKEN_RS} without rollout_rs_threshold (verl refuses it): band not read")
+        else:
+            text = specs[names.index(TOKEN_RS)] if len(specs) == len(names) else specs[0]
+            lower_s, _, upper_s = text.partition("_") if "_" in text else ("", "", text)
+            upper = _number(f"{CORRECTION}.rollout_rs_threshold", upper_s)
+            lower = _number(f"{CORRECTION}.rollout_rs_threshold", lower_s) if lower_s else 1 / upper
+            if lower <= 0 or upper <= 0:
+                raise ConfigError(f"{FLAG}: {CORRECTION}.rollout_rs_threshold {text!r}: bounds must be positive")
+            # verl keeps log(lower) <= −log r <= log(upper): r in [1/upper, 1/lower]
+            settings["icepop_low"], settings["icepop_high"] = 1 / upper, 1 / lower
+    other = [n for n in names if n != TOKEN_RS]
+    if other:
+        notes.append(f"rollout_rs {', '.join(other)}: not modelled by the knob advice (it models {TOKEN_RS}, as "
+                     "IcePop's band; the geometric-mean mask line uses the PPO ε)")
+
+
+def _model(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """actor_rollout_ref.model.path, where it names a model."""
+    path = get(cfg, "actor_rollout_ref.model.path")
+    if path:
+        settings["model"] = str(path)
+    else:
+        notes.append("actor_rollout_ref.model.path not set: the bundled model is measured (or pass --model)")

@@ -1,0 +1,65 @@
+"""The article's "Your framework" panel: what the user's own RL framework would log for their last diagnose run
+(`diagnose_text.framework_rows`: each framework's headline figure and every figure with a published bound, judged
+against it) and the "for your config" knob advice (`diagnose_text.knob_lines`), as HTML, from the diagnose JSON
+alone. The words are the terminal's, so the page and `phantomclip diagnose` cannot disagree.
+
+A diagnose JSON written before these keys existed (schema 1 files may lack `recipes.*.frameworks` and `knobs`) gets a
+note saying how to produce them instead of an empty table.
+"""
+
+from __future__ import annotations
+
+import html
+
+from ..diagnose_text import drift_lines, fmt_figure, framework_rows, knob_lines
+
+RERUN = "phantomclip diagnose --json diagnose.json"
+"""the command that writes every key the panel reads."""
+
+
+def html_framework_panel(diagnose: list[dict]) -> str | None:
+    """The panel for the last diagnose JSON of `diagnose`; None when there is none (the page names the command)."""
+    if not diagnose:
+        return None
+    result = diagnose[-1]
+    parts = [framework_table(result), knob_list(result)]
+    if "drift" in result:
+        parts.append("<pre>" + html.escape("\n".join(drift_lines(result["drift"]))) + "</pre>")
+    return "\n".join(parts)
+
+
+def _older(what: str) -> str:
+    return (f'<p class="note">This diagnose JSON has no {what}: it was written by an earlier phantomclip. Rerun '
+            f"<code>{html.escape(RERUN)}</code> with this version and pass the file to "
+            "<code>phantomclip report --from</code>.</p>")
+
+
+def framework_table(result: dict) -> str:
+    """The framework table of the first trainer recipe (the user's), or the note for an older file."""
+    first = next(iter(result["recipes"].values()), {})
+    if "frameworks" not in first:
+        return _older("framework figures")
+    recipe = next(iter(result["recipes"]))
+    rows = "".join(
+        f"<tr><td>{html.escape(fw)}</td><td><code>{html.escape(figure)}</code></td><td>{fmt_figure(value)}</td>"
+        f"<td>{html.escape(threshold or '—')}</td><td>{_verdict_cell(verdict)}</td></tr>"
+        for fw, figure, value, threshold, verdict in framework_rows(result))
+    return (f"<p>What each framework would log for a <b>{html.escape(recipe)}</b> trainer against the "
+            f"{html.escape(str(result['engine']['dtype']))} engine, each by its own definition, beside the bound its "
+            "project publishes (every figure: the JSON's <code>recipes." + html.escape(recipe) + ".frameworks</code>)"
+            ":</p><table><thead><tr><th>framework</th><th>figure</th><th>value</th><th>published threshold</th>"
+            f"<th>verdict</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _verdict_cell(verdict: str) -> str:
+    return '<span class="verdict-zero">over</span>' if verdict == "over" else html.escape(verdict)
+
+
+def knob_list(result: dict) -> str:
+    """The knob advice as a list, or the note for an older file."""
+    if "knobs" not in result:
+        return _older("knob advice")
+    knobs = result["knobs"]
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in knob_lines(knobs))
+    return (f"<p><b>For your config</b> ({html.escape(knobs['recipe'])} trainer's β; every figure: the JSON's "
+            f"<code>knobs</code>):</p><ul>{items}</ul>")

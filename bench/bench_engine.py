@@ -1,14 +1,15 @@
 """Sampling throughput of `engine.LocalEngine` against Hugging Face `generate` on the same weights.
 
-Workload: bundled SmolLM2-135M, 16 prompts of 24 random token ids (seed 1), 64 sampled tokens each
+Workload: bundled SmolLM2-135M, 16 and 64 prompts of 24 random token ids (seed 1), 64 sampled tokens each
 (temperature 1, full vocabulary, no stop tokens: every sequence runs to 64), fp32 and bf16.
 Baseline: `copy.deepcopy(master).to(dtype).generate(..., do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-max_new_tokens=64, min_new_tokens=64)`: plain PyTorch, native kernels. For bf16 also HF `generate` on the
-emulated-matmul model (`apply_recipe(master, engine_recipe(dtype), matmul="emulated")`, the kernels LocalEngine
-uses), which splits any gain into kernels vs engine loop. tokens/s = sampled tokens / seconds, median of
-timed repeats after one warm-up, all paths of a dtype timed alternately in one process. A breakdown of one
-decode step (weights read, matmuls alone, model forward, sampler) bounds what any engine loop can gain over HF
-on the same kernels. Then LocalEngine at batch 64 x 64 tokens, to show batching.
+max_new_tokens=64, min_new_tokens=64)`: plain PyTorch on its native kernels, what a user of HF runs.
+Ours, per dtype: LocalEngine as users run it (`--matmul auto`: the kernel this CPU gets, static decode), the same
+with the Hugging Face forward inside the engine loop (`static_decode=False`: what the static decoder buys), and in
+bf16 the other low-precision kernel, labelled. tokens/s = sampled tokens / seconds, median of the timed repeats
+after one warm-up, all paths of a (dtype, batch) timed alternately in one process so they share the machine's noise.
+A breakdown of one decode step at 16 rows (weights read, matmuls alone, HF forward, static decoder step, sampler)
+bounds what any engine loop can gain on the same kernels.
 
     python bench/bench_engine.py [--quick]
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from phantomclip.engine import LocalEngine, SamplingParams, sample_next_token
 from phantomclip.models import load_model
-from phantomclip.recipes import apply_recipe, engine_recipe
+from phantomclip.recipes import kernel_name
 
 PROMPT_LEN, NEW = 24, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -97,54 +98,73 @@ def measure(paths: dict, repeats: int) -> dict[str, float]:
     return {k: tokens[k] / statistics.median(ts) for k, ts in times.items()}
 
 
+def decoder_step_ms(engine: LocalEngine, batch: list[list[int]], repeats: int = 5) -> float:
+    """Median ms of one static-decoder step at len(batch) rows with ~56 cached tokens (what LocalEngine runs)."""
+    from phantomclip.decode import StaticDecoder
+
+    n, ctx = len(batch), PROMPT_LEN + 32
+    dec = StaticDecoder(engine.model, n, ctx + repeats + 2)
+    ids = torch.tensor(batch)
+    mask = torch.ones(n, ctx + repeats + 2, dtype=torch.long)
+    pos = torch.arange(ctx + repeats + 2)[None].expand(n, -1)
+    with torch.no_grad():
+        dec(torch.cat([ids, ids[:, :8]], 1), pos[:, :ctx], mask[:, :ctx])
+        ts = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            dec(ids[:, :1], pos[:, ctx + i : ctx + i + 1], mask[:, : ctx + i + 1])
+            ts.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(ts[1:])
+
+
 def main() -> None:
+    import sys
+    from pathlib import Path
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from conftest import cpu_kind
+
     reps = 1 if args.quick else 3
     lm = load_model("smollm2-135m", progress=lambda *a: None)
     master, pad_id = lm.model, lm.tokenizer.pad_token_id
-    p16, p64 = prompts(16), prompts(64)
-    rows, big, floor = [], {}, {}
+    batches = {16: prompts(16), 64: prompts(64)}
+    rows, floor = [], {}
     for name, dtype in DTYPES.items():
-        engine = LocalEngine(master, dtype, matmul="emulated")
+        auto = kernel_name("auto", dtype)
+        engines = {f"LocalEngine ({auto})": LocalEngine(master, dtype),
+                   f"LocalEngine ({auto}), HF forward in the loop": LocalEngine(master, dtype, static_decode=False)}
+        if dtype != torch.float32:  # in fp32 both kernels are the plain fp32 one
+            other = "emulated" if auto == "native" else "native"
+            engines[f"LocalEngine ({other}, not what auto picks here)"] = LocalEngine(master, dtype, matmul=other)
         hf_native = copy.deepcopy(master).to(dtype).eval()
-        paths = {
-            "LocalEngine": partial(run_engine, engine, p16),
-            "HF generate, native kernels": partial(run_hf, hf_native, p16, pad_id),
-        }
-        if dtype != torch.float32:  # in fp32 the emulated model is the plain fp32 model
-            hf_emul = apply_recipe(master, engine_recipe(dtype), matmul="emulated")
-            paths["HF generate, emulated kernels"] = partial(run_hf, hf_emul, p16, pad_id)
-        tps = measure(paths, reps)
-        base = tps["HF generate, native kernels"]
-        for k, v in tps.items():
-            rows.append((name, k, v, v / base, 1000 * 16 / v))
-        floor[name] = step_ms(engine.model, p16)
-        big[name] = measure({"LocalEngine 64x64": partial(run_engine, engine, p64)}, reps)["LocalEngine 64x64"]
-        del engine, hf_native, paths
+        for n, batch in batches.items():
+            paths = {k: partial(run_engine, e, batch) for k, e in engines.items()}
+            paths["HF generate, native kernels"] = partial(run_hf, hf_native, batch, pad_id)
+            tps = measure(paths, reps)
+            base = tps["HF generate, native kernels"]
+            rows += [(name, n, k, v, v / base) for k, v in tps.items()]
+        first = next(iter(engines.values()))
+        floor[name] = {**step_ms(first.model, batches[16]), "static step": decoder_step_ms(first, batches[16])}
+        del engines, hf_native, paths
 
-    print(f"16 sequences x {NEW} sampled tokens, prompts of {PROMPT_LEN} tokens; median of {reps} after warm-up\n")
-    print("| dtype | path | tokens/s | vs HF generate (native, same dtype) | ms per step (wall / 64, 16 rows) |")
-    print("|---|---|---:|---:|---:|")
-    for name, k, v, r, ms in rows:
-        print(f"| {name} | {k} | {v:.0f} | {r:.2f}x | {ms:.0f} |")
-    for name, k, v, r, _ in rows:
-        if k == "LocalEngine":
-            print(f"\n{name}: LocalEngine / HF generate = {r:.2f}x "
-                  f"(target >= 1.5x: {'met' if r >= 1.5 else 'NOT met'})", end="")
-    print("\n\n| dtype | read all weights (ms) | all matmuls alone (ms) | model forward (ms) | sampler (ms) "
-          "| LocalEngine step (ms) | HF generate step (ms) | ceiling vs HF (HF step / forward) |\n|---|" + "---:|" * 7)
-    for name in DTYPES:
-        ms, f = {k: m for n, k, _, _, m in rows if n == name}, floor[name]
-        hf = ms["HF generate, native kernels"]
+    print(f"CPU kind: {cpu_kind()}; {NEW} sampled tokens per sequence, prompts of {PROMPT_LEN} tokens; tokens/s are "
+          f"medians of {reps} after a warm-up\n")
+    print("| dtype | rows | path | tokens/s | vs HF generate (native, same dtype and rows) |\n|---|---:|---|---:|---:|")
+    for name, n, k, v, r in rows:
+        print(f"| {name} | {n} | {k} | {v:.0f} | {r:.2f}x |")
+    print()
+    for name, n, k, v, r in rows:
+        if k == f"LocalEngine ({kernel_name('auto', DTYPES[name])})":
+            print(f"{name} {n} x {NEW}: LocalEngine / HF generate = {r:.2f}x (target >= 1.5x: "
+                  f"{'met' if r >= 1.5 else 'NOT met'})")
+    print("\n| dtype | read all weights (ms) | all matmuls alone (ms) | HF model forward (ms) "
+          "| static decoder step (ms) | sampler (ms) |\n|---|" + "---:|" * 5)
+    for name, f in floor.items():
         print(f"| {name} | {f['read weights']:.0f} | {f['matmuls alone']:.0f} | {f['model forward']:.0f} "
-              f"| {f['sampler']:.0f} | {ms['LocalEngine']:.0f} | {hf:.0f} | {hf / f['model forward']:.2f}x |")
-    print("\n\n| dtype | LocalEngine 16 x 64 tokens/s | LocalEngine 64 x 64 tokens/s | gain from batching |"
-          "\n|---|---:|---:|---:|")
-    for name in DTYPES:
-        small = next(v for n, k, v, _, _ in rows if n == name and k == "LocalEngine")
-        print(f"| {name} | {small:.0f} | {big[name]:.0f} | {big[name] / small:.2f}x |")
+              f"| {f['static step']:.0f} | {f['sampler']:.0f} |")
 
 
 if __name__ == "__main__":

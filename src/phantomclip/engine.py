@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from . import decode
 from .numerics import dtype_name
 from .recipes import Recipe, apply_recipe, engine_recipe, kernel_name
 from .scoring import cache_kwarg, position_ids_from_mask, truncate_logprobs
@@ -169,14 +170,22 @@ class LocalEngine:
     """In-process batched sampler with a KV cache, running a Hugging Face causal LM in one dtype."""
 
     def __init__(
-        self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto", recipe: Recipe | None = None
+        self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto",
+        recipe: Recipe | None = None, static_decode: bool | None = None,
     ):
-        """`recipe` (default: plain `dtype`) lets the engine keep some modules in fp32, e.g. 'fp32-head'."""
+        """`recipe` (default: plain `dtype`) lets the engine keep some modules in fp32, e.g. 'fp32-head'.
+        `static_decode`: run `decode.StaticDecoder` (None: wherever `decode.supports` the model and recipe; False: the
+        model's own forward with a DynamicCache, for any architecture)."""
         self.recipe = recipe or engine_recipe(dtype)
         self.dtype = self.recipe.weight_dtype
         self.matmul = matmul
         self.model = apply_recipe(master, self.recipe, matmul=matmul)
         self._cache_kw = cache_kwarg(self.model)
+        supported = decode.supports(self.model, self.recipe)
+        if static_decode and not supported:
+            raise ValueError(f"the static decode path does not support {self.model.config.model_type!r} under this "
+                             f"recipe (see decode.supports); leave static_decode unset")
+        self.static_decode = supported if static_decode is None else static_decode
 
     def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: cast fp32 master weights (a model or a state dict) into this engine's layout, in place.
@@ -188,7 +197,8 @@ class LocalEngine:
 
     def describe(self) -> dict:
         kernel = kernel_name(self.matmul, self.recipe.compute_dtype)
-        return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": kernel, "startup_seconds": 0.0}
+        return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": kernel, "startup_seconds": 0.0,
+                "decode": "static" if self.static_decode else "hf"}
 
     def close(self) -> None:
         """Nothing to free: the engine is its model copy, released with the object."""
@@ -203,13 +213,28 @@ class LocalEngine:
         log-probs equal the rollout's bit for bit (tested)."""
         return self._decode(rollout.prompt_ids, params, forced=rollout.completion_ids)
 
+    def _stepper(self, batch: int, max_len: int):
+        """The forward the decode loop calls: (ids [B, T], positions [B, T], attention_mask [B, >= seen + T]) ->
+        logits of the last position [B, V]. Our static-cache forward for the Llama/Qwen families, else the model's
+        own with a DynamicCache."""
+        if self.static_decode:
+            return decode.StaticDecoder(self.model, batch, max_len)
+        from transformers import DynamicCache
+
+        cache, kw = DynamicCache(), self._cache_kw
+
+        def hf_step(ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **{kw: cache})
+            return out.logits[:, -1]  # [B, V]
+
+        return hf_step
+
     @torch.no_grad()
     def _decode(self, prompts: list[list[int]], params: SamplingParams,
                 forced: list[list[int]] | None = None) -> Rollout:
         """The decode loop: sample each next token (`sample_next_token`), or take it from `forced` (a row ends
         after its last forced token), reporting each token's log-prob from the same logits."""
-        from transformers import DynamicCache
-
         check_prompts(prompts)
         pad = params.stop_token_ids[0] if params.stop_token_ids else 0
         ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
@@ -223,23 +248,20 @@ class LocalEngine:
             for b, c in enumerate(forced):
                 given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             lengths_given = torch.tensor([len(c) for c in forced])  # [B]
-        cache = DynamicCache()
+        step_fn = self._stepper(B, P + steps)
         pos = position_ids_from_mask(attn[:, :P])  # [B, P]
-        out = self.model(
-            input_ids=ids, attention_mask=attn[:, :P], position_ids=pos, use_cache=True, logits_to_keep=1,
-            **{self._cache_kw: cache},
-        )
+        logits = step_fn(ids, pos, attn[:, :P])  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
         done = torch.zeros(B, dtype=torch.bool) if forced is None else lengths_given == 0
         tokens, logps, logps_proc = [], [], []
         for step in range(steps):
             if forced is None:
-                tok, lp, lpp = sample_next_token(out.logits[:, -1], gen, params.temperature, params.top_k,
-                                                 params.top_p, params.min_p)
+                tok, lp, lpp = sample_next_token(logits, gen, params.temperature, params.top_k, params.top_p,
+                                                 params.min_p)
             else:
                 tok = given[:, step]  # [B]
-                logp_all, logp_kept = next_token_logprobs(out.logits[:, -1], params.temperature, params.top_k,
-                                                          params.top_p, params.min_p)
+                logp_all, logp_kept = next_token_logprobs(logits, params.temperature, params.top_k, params.top_p,
+                                                          params.min_p)
                 lp, lpp = logp_all.gather(-1, tok[:, None]).squeeze(-1), logp_kept.gather(-1, tok[:, None]).squeeze(-1)
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
@@ -247,10 +269,7 @@ class LocalEngine:
             done = done | (torch.isin(tok, stop) if forced is None else lengths_given <= step + 1)
             if bool(done.all()) or step == steps - 1:
                 break
-            out = self.model(
-                input_ids=tok[:, None], attention_mask=attn[:, : P + step + 1], position_ids=next_pos, use_cache=True,
-                **{self._cache_kw: cache},
-            )
+            logits = step_fn(tok[:, None], next_pos, attn[:, : P + step + 1])
             next_pos = next_pos + 1
         tok_t = torch.stack(tokens, 1)  # [B, L]
         lp_t, lpp_t = torch.stack(logps, 1), torch.stack(logps_proc, 1)  # [B, L]

@@ -1,0 +1,111 @@
+"""A decode forward for the Llama and Qwen families with a preallocated KV cache: what `engine.LocalEngine` runs.
+
+Why its own forward. At 16 rows the Hugging Face forward spends as long around its matmuls as in them (profile in
+bench/RESULTS.md, issue 19): its `DynamicCache` concatenates every layer's keys and values into a new tensor at each
+step (a copy of the whole cache, 60 times a step), and the model builds masks and dispatches through several layers
+of Python per call. Here the cache is allocated once per `generate` and written in place, the mask is built once
+per step and shared by every layer, and the layers run as straight-line code.
+
+What it keeps. Every Linear, norm and MLP is called as the recipe left it (`recipes.apply_recipe`): emulated matmuls,
+modules kept in fp32 with their casting hooks and weight syncs into those modules all act here exactly as in the
+Hugging Face forward, because it is their forward that runs. Only the attention block's glue is ours: RoPE (the
+model's own rotary module computes cos/sin), the cache, the mask and the SDPA call. Agreement with the Hugging Face
+forward on the same tokens is tested per family and dtype (tests/test_decode.py).
+
+Which models. `supports` says: model_type llama, qwen2 or qwen3 (qwen3 adds per-head q/k norms), every layer full
+attention (no sliding window), and a recipe without autocast or fp32 attention. Everything else keeps the Hugging
+Face path in the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .recipes import ATTENTION_FP32, Recipe, decoder_body, lm_head
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+"""model_type values whose decoder layer is: norm -> attention (q/k/v/o Linears, RoPE, optional per-head q/k norms)
+-> residual -> norm -> MLP -> residual; attention biases come with the Linears."""
+
+
+def supports(model: nn.Module, recipe: Recipe) -> bool:
+    """True if `StaticDecoder` computes what `model`'s own forward computes under `recipe`."""
+    cfg = model.config
+    full = all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"]))
+    return (cfg.model_type in FAMILIES and full and recipe.autocast_dtype is None
+            and ATTENTION_FP32 not in recipe.fp32_modules)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, heads, T, D] with cos/sin [B, 1, T, D]: x*cos + rotate_half(x)*sin, the same operations in the
+    same dtype as transformers' `apply_rotary_pos_emb` (models/llama/modeling_llama.py), so the same values."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StaticDecoder:
+    """One batch's decode state: keys and values of every layer in preallocated [B, kv_heads, max_len, D] tensors
+    (the static layout of transformers' `StaticCache`, cache_utils.py, and of gpt-fast's KVCache), filled in place.
+
+    All rows share the cache slot of a step: prompts are left-padded to one width, so slot t holds every row's token
+    t and rows differ only in their position ids. `attention_mask` [B, max_len] marks real tokens; padding slots are
+    masked out of every query."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int):
+        self.model, self.body, self.head = model, decoder_body(model), lm_head(model)
+        self.layers = list(self.body.layers)
+        attn = self.layers[0].self_attn
+        cfg = model.config
+        kv_heads, self.head_dim = cfg.num_key_value_heads, attn.head_dim
+        self.groups = cfg.num_attention_heads // kv_heads  # query heads per key/value head (GQA)
+        dtype = attn.k_proj.weight.dtype  # what the k/v projections produce (the recipe's weight dtype)
+        shape = (len(self.layers), batch, kv_heads, max_len, self.head_dim)
+        self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)  # [L, B, Hkv, max_len, D]
+        self.filled = 0  # slots written so far
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run tokens ids [B, T] (positions [B, T]) into slots filled..filled+T; attention_mask [B, >= filled+T]
+        marks real tokens. Returns the logits of the last slot [B, V] in the head's output dtype."""
+        B, T = ids.shape
+        start, end = self.filled, self.filled + T
+        keep = attention_mask[:, None, None, :end].bool()  # [B, 1, 1, end]
+        if T > 1:  # prefill: causal, and a padding query attends to itself so that no row of the softmax is empty
+            slot = torch.arange(start, end)
+            causal = slot[:, None] >= torch.arange(end)[None, :]  # [T, end]
+            keep = (keep & causal) | (slot[:, None] == torch.arange(end)[None, :])  # [B, 1, T, end]
+        h = self.body.get_input_embeddings()(ids)  # [B, T, H]
+        cos, sin = self.body.rotary_emb(h, positions)  # [B, T, D] each, in h's dtype (the model's own RoPE)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, keep, start, end)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, T, H]
+        self.filled = end
+        return self.head(self.body.norm(h[:, -1]))  # [B, V]
+
+    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keep: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Self-attention of layer i on normed x [B, T, H], writing this step's keys and values into the cache."""
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hq, D]
+        k = attn.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, Hkv, D]
+        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head's D before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]  # [B, Hkv, end, D], views
+        if T == 1:
+            # One query per row: fold each kv head's query group into the query axis, [B, Hkv, groups, D], so that
+            # attention runs on the kv heads without repeating them (transformers' `pack_gqa`,
+            # integrations/sdpa_attention.py); the mask [B, 1, 1, end] is shared by every head and query.
+            out = F.scaled_dot_product_attention(q.reshape(B, -1, self.groups, self.head_dim), keys, values,
+                                                 attn_mask=keep, scale=attn.scaling)  # [B, Hkv, groups, D]
+            out = out.reshape(B, 1, -1)  # [B, 1, Hq * D]: head order kv-major, as q's heads were
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep, scale=attn.scaling,
+                                                 enable_gqa=self.groups > 1)  # [B, Hq, T, D]
+            out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, Hq * D]
+        return attn.o_proj(out)  # [B, T, H]

@@ -1,0 +1,117 @@
+"""decode.StaticDecoder against the Hugging Face forward of the same model, per family and dtype, and the engine's
+choice of path (decode.supports).
+
+The reference is the model's own forward over the whole padded sequence (prefill of every position at once, HF's
+attention and mask). The decoder runs the prompt as one prefill and then one token a step against its preallocated
+cache, so every reduction of the forward is reordered: they agree to the rounding of reordered sums
+(`assert_close_eps`), not bit for bit.
+"""
+
+import pytest
+import torch
+
+from conftest import assert_close_eps, forward_terms
+from phantomclip import decode
+from phantomclip.engine import LocalEngine, SamplingParams, left_pad
+from phantomclip.recipes import apply_recipe, engine_recipe, get_recipe
+from phantomclip.scoring import position_ids_from_mask
+
+PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 8], [300, 2, 64, 64]]
+"""Three prompts of other lengths, so that two of them are left-padded (padding slots must be masked out)."""
+STEPS = 10
+
+
+def tiny_family(model_type: str) -> torch.nn.Module:
+    """A 2-layer random model of `model_type` (hidden 64, 4 query heads on 2 key/value heads, head_dim 16), init std
+    0.3 so its distributions are as peaked as a real model's. qwen2 has q/k/v biases, qwen3 per-head q/k norms."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    cfg = configs[model_type](vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                              initializer_range=0.3, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if model_type == "qwen2":  # biases start at zero: make them count
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.data.normal_(0, 0.3)
+    return model.eval()
+
+
+def decode_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """StaticDecoder's logits [B, STEPS, V] of the completion slots: the left-padded prompts as one prefill, then
+    tokens [B, STEPS] one at a time; row b's logits at step s predict tokens[b, s]."""
+    ids, attn = left_pad(PROMPTS, 0)  # [B, P]
+    B, P = ids.shape
+    attn = torch.cat([attn, torch.ones(B, STEPS, dtype=torch.long)], 1)  # [B, P + STEPS]
+    pos = position_ids_from_mask(attn)  # [B, P + STEPS]
+    dec = decode.StaticDecoder(model, B, P + STEPS)
+    out = [dec(ids, pos[:, :P], attn[:, :P])]
+    for s in range(STEPS - 1):
+        out.append(dec(tokens[:, s : s + 1], pos[:, P + s : P + s + 1], attn[:, : P + s + 1]))
+    return torch.stack(out, 1).float()  # [B, STEPS, V]
+
+
+def reference_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's own forward over prompt + tokens at once, logits [B, STEPS, V] of the same slots."""
+    ids, attn = left_pad(PROMPTS, 0)
+    P = ids.shape[1]
+    ids, attn = torch.cat([ids, tokens], 1), torch.cat([attn, torch.ones_like(tokens)], 1)
+    with torch.no_grad():
+        z = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+    return z[:, P - 1 : P - 1 + STEPS].float()  # [B, STEPS, V]
+
+
+@pytest.mark.parametrize("model_type", decode.FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_decoder_matches_the_models_own_forward(model_type, dtype):
+    master = tiny_family(model_type)
+    model = apply_recipe(master, engine_recipe(dtype))
+    assert decode.supports(model, engine_recipe(dtype))
+    tokens = torch.randint(0, 320, (len(PROMPTS), STEPS), generator=torch.Generator().manual_seed(1))
+    ours, ref = decode_logits(model, tokens), reference_logits(model, tokens)
+    # The same forward with every reduction reordered (cached decode against prefill, packed-GQA attention against
+    # HF's): each rounding is eps(dtype)/2 of what it produces, the logits' size max|z| per position, and the
+    # rounding events on the path to one logit are forward_terms of this config; factor 2 for two computations.
+    # In bf16 every stage also rounds its output, and the reordered sums reach the logits the same way.
+    scale = ref.abs().amax(-1, keepdim=True)  # [B, STEPS, 1]
+    context = max(len(p) for p in PROMPTS) + STEPS
+    assert_close_eps(ours, ref, dtype, scale, terms=forward_terms(master.config, context),
+                     name=f"{model_type} {dtype} static decode vs HF forward")
+
+
+def test_engine_takes_the_static_path_where_supported_and_hf_elsewhere(tiny):
+    assert LocalEngine(tiny.model, torch.bfloat16).describe()["decode"] == "static"  # tiny-random is a Llama
+    autocast = get_recipe("bf16-autocast")
+    assert not decode.supports(apply_recipe(tiny.model, autocast), autocast)  # autocast casts inside the forward
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    engine = LocalEngine(mistral, torch.float32)
+    assert engine.describe()["decode"] == "hf"  # another family keeps the model's own forward
+    ro = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0))
+    assert len(ro.completion_ids[0]) == 4
+    with pytest.raises(ValueError, match="static decode path does not support 'mistral'"):
+        LocalEngine(mistral, torch.float32, static_decode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_and_hf_engine_paths_report_the_same_logprobs(tiny, tiny_prompts, dtype):
+    """The engine on either path, the same sampled tokens teacher-forced: the log-probs agree to reordered
+    rounding, and sampling stays `sample_next_token` (the same seed gives the same tokens where logits agree)."""
+    params = SamplingParams(max_tokens=16, seed=5)
+    static = LocalEngine(tiny.model, dtype)
+    hf = LocalEngine(tiny.model, dtype, static_decode=False)
+    ro = static.generate(tiny_prompts, params)
+    again = hf.rescore(ro, params)
+    a = torch.tensor([x for row in ro.logp_engine for x in row])
+    b = torch.tensor([x for row in again.logp_engine for x in row])
+    # log-probs of size |log p| <= max|z| + log V; use the tokens' own |log p| plus the log-softmax's log V as the
+    # scale of the rounding, with the same forward_terms as above.
+    context = max(len(p) for p in tiny_prompts) + 16
+    scale = a.abs() + torch.log(torch.tensor(320.0))
+    assert_close_eps(a, b, dtype, scale, terms=forward_terms(tiny.model.config, context),
+                     name=f"{dtype} engine, static vs HF path")

@@ -3,12 +3,14 @@ kept. On tiny-random: a 4-step run with snapshots every 2 gives every figure, an
 into mix + within + interaction exactly."""
 
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import bad_cli
 from phantomclip.cli import main
+from phantomclip.scoring import LOGIT_STATS
 
 RUN = ["train", "--model", "tiny-random:30", "--steps", "4", "--group-size", "4", "--max-tokens", "8", "--lr", "3e-3",
        "--keep-snapshots", "2"]
@@ -38,6 +40,8 @@ def test_every_snapshot_measured_and_the_decomposition_adds_up(run_dir, tmp_path
             # float64 sums of 8 bucket terms of size <= 1: the identity holds to ~1e-16; 1e-12 leaves room
             assert abs(d["mix"] + d["within"] + d["interaction"] - d["change"]) < 1e-12, d
             assert abs(r["beta_abs_mean"] - d["mean_b"]) < 1e-12 and abs(sum(r["bucket_share"]) - 1) < 1e-12
+            # logit statistics (checked by hand in test_scoring): finite, and the logits spread
+            assert r["logit_std_mean"] > 0 and all(math.isfinite(r[f"{n}_mean"]) for n in LOGIT_STATS), r
     assert rows[2]["reference"]["change_since_first"]["change"] != 0  # the network moved under fixed tokens
     assert "how β grows along" in capsys.readouterr().out
 

@@ -5,6 +5,8 @@ from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
 from phantomclip.engine import left_pad
 from phantomclip.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.scoring import (
+    LOGIT_STATS,
+    logit_statistics,
     logprobs_from_logits,
     naive_logprobs,
     position_ids_from_mask,
@@ -169,3 +171,26 @@ def test_score_reports_kept_mass(tiny, tiny_prompts):
     assert_close_eps(s.log_kept[0, 1:], expected, torch.float32, scale, terms=H, name="log S")
     assert (s.log_kept[0, 1:] < 0).all() and s.log_kept[0, 0] == 0
     assert score(tiny.model, get_recipe("fp32"), ids, attn).log_kept is None
+
+
+def test_logit_statistics_hand_worked_and_through_score(tiny, tiny_prompts):
+    # z = [1, 3, 2]: mean 2, population variance (1 + 1 + 0) / 3, std sqrt(2/3) = 0.81650; max 3.
+    # Target 1 (the top): margin 3 - 2 = 1. Target 0: margin 1 - 3 = -2. A tie [2, 2, 0] with target 0: margin 0.
+    z = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0], [2.0, 2.0, 0.0]])
+    got = logit_statistics(z, torch.tensor([1, 0, 0]))  # [3, 3]
+    want = torch.tensor([[(2 / 3) ** 0.5, 3.0, 1.0], [(2 / 3) ** 0.5, 3.0, -2.0], [(8 / 9) ** 0.5, 2.0, 0.0]])
+    # a handful of fp32 operations on numbers of size <= 3
+    assert_close_eps(got, want, torch.float32, 3.0, terms=3, name="logit statistics")
+    assert len(LOGIT_STATS) == got.shape[1]
+    # through score: the same statistics as the full logits of the model give, at every scored position
+    ids = torch.tensor([tiny_prompts[0]])
+    s = score(tiny.model, get_recipe("fp32"), ids, torch.ones_like(ids), logit_stats=True)
+    with torch.no_grad():
+        logits = tiny.model(input_ids=ids).logits[0, :-1].float()  # [T-1, V] predicts tokens 1..T-1
+    expected = logit_statistics(logits, ids[0, 1:])  # [T-1, 3]
+    # the head on other shapes (chunked hidden states against the whole forward): 2 eps * max|z| * sqrt(H)
+    scale = logits.abs().amax(-1, keepdim=True)  # [T-1, 1]
+    assert_close_eps(s.logit_stats[0, 1:], expected, torch.float32, scale, terms=tiny.model.config.hidden_size,
+                     name="score's logit statistics")
+    assert (s.logit_stats[0, 0] == 0).all() and score(tiny.model, get_recipe("fp32"), ids, torch.ones_like(ids)
+                                                      ).logit_stats is None

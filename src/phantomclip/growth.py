@@ -28,7 +28,7 @@ from .errors import PhantomclipError, PhantomclipWarning
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
 from .recipes import apply_recipe, get_recipe
 from .runs import RunDir, read_json_object
-from .scoring import score
+from .scoring import LOGIT_STATS, score
 
 
 class GrowthError(PhantomclipError):
@@ -91,7 +91,8 @@ def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
 
 def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: str) -> dict[str, torch.Tensor]:
     """Per completion token [N] (float64): logp_engine (the engine's decode path, teacher-forced), β, β_kernel,
-    β_precision, the engine-probability bucket, and the trainer's entropy at that position."""
+    β_precision, the engine-probability bucket, and the trainer's entropy and logit statistics (scoring.LOGIT_STATS:
+    std, max, the token's margin) at that position."""
     plan = config["plan"]
     engine = LocalEngine(master, recipe=get_recipe(plan["engine_recipe"]), matmul=matmul)
     params = SamplingParams(max_tokens=max(len(c) for c in tokens["completion_ids"]),
@@ -104,22 +105,25 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
     shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"], entropy=False)
     trainer_recipe = get_recipe(plan["trainer_recipe"])
     trainer = score(apply_recipe(master, trainer_recipe, matmul=matmul), trainer_recipe, *args,
-                    temperature=config["temperature"])
+                    temperature=config["temperature"], logit_stats=True)
     eng = packed["logp_engine"][mask].double()  # [N]
     sh, lp = shadow.logp[mask].double(), trainer.logp[mask].double()  # [N] each
     return {"logp_engine": eng, "beta": lp - eng, "beta_kernel": sh - eng, "beta_precision": lp - sh,
-            "bucket": prob_buckets(eng), "entropy": trainer.entropy[mask].double()}
+            "bucket": prob_buckets(eng), "entropy": trainer.entropy[mask].double(),
+            **{name: col.double() for name, col in zip(LOGIT_STATS, trainer.logit_stats[mask].unbind(-1))}}
 
 
 def summarize_tokens(t: dict[str, torch.Tensor]) -> dict:
-    """A token set's figures: mean |β| and of each part, the bucket mix and mean |β| per bucket, mean entropy."""
+    """A token set's figures: mean |β| and of each part, the bucket mix and mean |β| per bucket, mean entropy and
+    mean logit statistics."""
     k = len(PROB_EDGES) - 1
     counts = torch.bincount(t["bucket"], minlength=k).double()
     by_bucket = [mean_or_nan(t["beta"].abs()[t["bucket"] == i]) for i in range(k)]
     return {"tokens": int(t["beta"].numel()), "beta_abs_mean": mean_or_nan(t["beta"].abs()),
             "beta_kernel_abs_mean": mean_or_nan(t["beta_kernel"].abs()),
             "beta_precision_abs_mean": mean_or_nan(t["beta_precision"].abs()),
-            "entropy_mean": mean_or_nan(t["entropy"]), "bucket_share": (counts / counts.sum()).tolist(),
+            "entropy_mean": mean_or_nan(t["entropy"]), **{f"{n}_mean": mean_or_nan(t[n]) for n in LOGIT_STATS},
+            "bucket_share": (counts / counts.sum()).tolist(),
             "bucket_beta_abs_mean": by_bucket}
 
 

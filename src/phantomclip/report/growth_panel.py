@@ -1,0 +1,136 @@
+"""The article's "Why the gap grows" section: what `phantomclip trace --run` measured along training runs, drawn from
+its JSON alone (growth.py writes it; every key is defined in docs/metrics.md, "Metrics of `phantomclip trace --run`").
+
+Three pieces: mean |β| and its parts at each snapshot on the fixed reference tokens (`fig_growth`); mean |β| per
+engine-probability bucket at the first and the last snapshot (`fig_growth_buckets`); and the exact split of mean
+|β|'s change since the first snapshot into mix, within-bucket and interaction parts, as stacked bars and as a table
+whose last column names the part that carries most of the change in that run (`fig_growth_split`,
+`html_growth_table`). A run is one seed: the table says how many runs agree, and the page claims nothing the runs
+do not all show.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from .plots import PALETTE, plot_layout
+
+COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
+"""what writes the data of this section."""
+PARTS = ("mix", "within", "interaction")
+"""the three terms of `metrics.shift_share`, in the order they are stacked."""
+PART_WORDS = {"mix": "the token mix (which probability buckets the sampled tokens fall in)",
+              "within": "the network (|β| at a given token probability)",
+              "interaction": "the two together (their interaction)"}
+
+
+def run_name(doc: dict) -> str:
+    """'none/seed-0' for OUT/none/seed-0, else the run directory's name."""
+    p = Path(doc["run"])
+    return f"{p.parent.name}/{p.name}" if p.name.startswith("seed-") else p.name
+
+
+def bucket_labels(edges: list[float]) -> list[str]:
+    """'0-0.01', '0.01-0.1', ... for engine-probability bucket edges."""
+    return [f"{a:g}-{b:g}" for a, b in zip(edges[:-1], edges[1:])]
+
+
+def fig_growth(growths: list[dict]) -> dict | None:
+    """Mean |β|, |β_precision| and |β_kernel| on the reference tokens at each snapshot, one colour per run."""
+    if not growths:
+        return None
+    traces = []
+    for i, doc in enumerate(growths):
+        rows = [s for s in doc["snapshots"] if "reference" in s]
+        x = [s["step"] for s in rows]
+        for key, dash, label in (("beta_abs_mean", "solid", "|β|"), ("beta_precision_abs_mean", "dash", "precision"),
+                                 ("beta_kernel_abs_mean", "dot", "kernel")):
+            traces.append({"type": "scatter", "mode": "lines+markers", "name": f"{run_name(doc)}: {label}", "x": x,
+                           "y": [s["reference"][key] for s in rows], "legendgroup": str(i),
+                           "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}})
+    return {"data": traces, "layout": plot_layout("Mean |β| and its parts on fixed tokens along the run (the tokens "
+                                              "sampled at the first snapshot)", "step", "mean |·| (nats)")}
+
+
+def fig_growth_buckets(growths: list[dict]) -> dict | None:
+    """Mean |β| per engine-probability bucket on the reference tokens, at the first and the last snapshot."""
+    if not growths:
+        return None
+    traces = []
+    for i, doc in enumerate(growths):
+        rows = [s for s in doc["snapshots"] if "reference" in s]
+        labels = bucket_labels(doc["prob_edges"])
+        for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
+            traces.append({"type": "scatter", "mode": "lines+markers", "name": f"{run_name(doc)}, step {s['step']}",
+                           "x": labels, "y": s["reference"]["bucket_beta_abs_mean"], "legendgroup": str(i),
+                           "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}})
+    return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the token, first and last "
+                                              "snapshot (fixed tokens)", "engine probability", "mean |β| (nats)",
+                                              yaxis={"type": "log"})}
+
+
+def last_changes(doc: dict) -> dict[str, tuple[int, dict]]:
+    """token set -> (step, change_since_first) at the last snapshot that measured that set."""
+    out = {}
+    for s in doc["snapshots"]:
+        for which in ("reference", "own"):
+            if which in s:
+                out[which] = (s["step"], s[which]["change_since_first"])
+    return out
+
+
+def fig_growth_split(growths: list[dict]) -> dict | None:
+    """The change of mean |β| since the first snapshot, at the last one, as stacked mix / within / interaction bars,
+    one pair of bars (reference and own tokens) per run."""
+    if not growths:
+        return None
+    x, parts = [], {p: [] for p in PARTS}
+    for doc in growths:
+        for which, (step, d) in last_changes(doc).items():
+            x.append(f"{run_name(doc)} {which} (step {step})")
+            for p in PARTS:
+                parts[p].append(d[p])
+    traces = [{"type": "bar", "name": p, "x": x, "y": parts[p]} for p in PARTS]
+    return {"data": traces, "layout": plot_layout("Change of mean |β| since the first snapshot = mix + within + "
+                                              "interaction", "run and token set", "Δ mean |β| (nats)",
+                                              barmode="relative")}
+
+
+def dominant_part(d: dict) -> str:
+    """The part of `shift_share`'s split with the largest share of the change, by absolute size."""
+    return max(PARTS, key=lambda p: abs(d[p]))
+
+
+def html_growth_table(growths: list[dict]) -> str | None:
+    """Per run and token set: mean |β| at the first and last snapshot, the three parts of the change, and which part
+    carries most of it; then one sentence over all runs, claiming only what every run shows."""
+    if not growths:
+        return None
+    head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>mean |β| first</th><th>last</th>"
+            "<th>change</th>" + "".join(f"<th>{p}</th>" for p in PARTS) + "<th>most of it</th></tr></thead><tbody>")
+    body, reference_parts, names = "", [], []
+    for doc in growths:
+        first = next(s["step"] for s in doc["snapshots"])
+        for which, (step, d) in last_changes(doc).items():
+            part = dominant_part(d)
+            if which == "reference":
+                reference_parts.append(part)
+                names.append(run_name(doc))
+            body += (f"<tr><td>{html.escape(run_name(doc))}</td><td>{which}</td><td>{first} → {step}</td>"
+                     f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
+                     + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{part}</td></tr>")
+    n = len(reference_parts)
+    if len(set(reference_parts)) > 1:
+        verdict = (f"The {n} runs disagree on which part carries the change of mean |β| on the fixed reference tokens "
+                   f"({', '.join(reference_parts)}): no single explanation holds")
+    elif n == 1:
+        verdict = (f"On the fixed reference tokens of this one run, most of the change in mean |β| is "
+                   f"{PART_WORDS[reference_parts[0]]}; one run is one seed, not yet a finding")
+    else:
+        verdict = (f"On the fixed reference tokens, most of the change in mean |β| is {PART_WORDS[reference_parts[0]]}"
+                   f", in each of the {n} runs ({', '.join(names)}; each run is one seed)")
+    note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
+            "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
+            "with the policy.")
+    return head + body + "</tbody></table>" + f'<p class="note">{html.escape(note)}</p>'

@@ -82,6 +82,23 @@ def test_static_decoder_matches_the_models_own_forward(model_type, dtype):
                      name=f"{model_type} {dtype} static decode vs HF forward")
 
 
+def test_static_decoder_runs_the_recipes_fp32_modules(tiny):
+    """fp32-head keeps the final norm and the head in fp32 behind casting hooks; the decoder calls those modules, so
+    it computes what the recipe's own forward computes (bf16 body, fp32 head)."""
+    recipe = get_recipe("fp32-head")
+    model = apply_recipe(tiny.model, recipe)
+    assert decode.supports(model, recipe)
+    tokens = torch.randint(0, 320, (len(PROMPTS), STEPS), generator=torch.Generator().manual_seed(2))
+    ours, ref = decode_logits(model, tokens), reference_logits(model, tokens)
+    scale = ref.abs().amax(-1, keepdim=True)
+    context = max(len(p) for p in PROMPTS) + STEPS
+    # the body computes in bf16, so its reordered sums round at bf16's eps (as in the bf16 case above)
+    assert_close_eps(ours, ref, torch.bfloat16, scale, terms=forward_terms(tiny.model.config, context),
+                     name="fp32-head static decode vs the recipe's forward")
+    plain = decode_logits(apply_recipe(tiny.model, engine_recipe(torch.bfloat16)), tokens)
+    assert not torch.equal(ours, plain)  # the fp32 head did run: a bf16 head rounds the logits otherwise
+
+
 def test_engine_takes_the_static_path_where_supported_and_hf_elsewhere(tiny):
     assert LocalEngine(tiny.model, torch.bfloat16).describe()["decode"] == "static"  # tiny-random is a Llama
     autocast = get_recipe("bf16-autocast")

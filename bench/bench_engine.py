@@ -108,7 +108,7 @@ def decoder_step_ms(engine: LocalEngine, batch: list[list[int]], repeats: int = 
     mask = torch.ones(n, ctx + repeats + 2, dtype=torch.long)
     pos = torch.arange(ctx + repeats + 2)[None].expand(n, -1)
     with torch.no_grad():
-        dec(torch.cat([ids, ids[:, :8]], 1), pos[:, :ctx], mask[:, :ctx])
+        dec(torch.cat([ids, ids, ids[:, :8]], 1), pos[:, :ctx], mask[:, :ctx])  # ctx = 24 + 24 + 8 cached tokens
         ts = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()

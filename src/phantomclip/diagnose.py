@@ -104,7 +104,7 @@ class DiagnoseConfig:
     """the knob advice's target: for each correction knob, the setting that leaves this share of tokens (token
     knobs) or of sequences (sequence knobs) untouched on the measured β of the first trainer recipe, in (0, 1)."""
     batch_invariance: bool = True
-    """also score up to 16 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
+    """also score up to 12 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
     each trainer recipe, and report split.batch = logp in the run's batch − logp alone. Costs 16 single-sequence
     forwards per recipe (`seconds_alone`). Measured on tiny-random (n 64, 16 tokens): 0.03-0.07 s per recipe, +0.3 s
     on a 5 s run. Estimated for the bundled model's default run (not measured): 16 unpadded rows are about a fifth of
@@ -387,11 +387,11 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     return Scored(_concat(logp), _concat(entropy), _concat(log_kept), seconds, **alone)
 
 
-BATCH_INVARIANCE_SEQUENCES = 16
+BATCH_INVARIANCE_SEQUENCES = 12
 """at most this many sequences are scored alone for split.batch: every one scored alone costs a forward of its own,
-and all n of them would cost about as much as the batched scoring again (the bundled model's default run, where
-scoring is 95 of 127 s: an estimated +50-65% of its wall time, against a target of 30%); 16 sequences (several
-hundred tokens) measure β_batch's mean and tail at about a quarter of that."""
+and all n of them would cost about as much as the batched scoring again. 16 cost 29.6-30.8% of the bundled model's
+default run on an AMX Xeon, where sampling is fast (bench/bench_diagnose_parts.py), against a target of 30%; 12
+(about 500 tokens) measure β_batch's mean and tail at three quarters of that."""
 
 
 def alone_rows(n: int, k: int = BATCH_INVARIANCE_SEQUENCES) -> list[int]:

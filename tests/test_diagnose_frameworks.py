@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import bad_cli
-from phantomclip.cli import _check_gates, main
+from phantomclip.cli import DIAGNOSE_KEYS, _check_gates, main
 from phantomclip.diagnose import DiagnoseConfig, figures, measure
 from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render
 from phantomclip.frameworks import FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
@@ -102,10 +102,16 @@ def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
     assert "must be a finite number" in bad_cli(TINY + ["--fail-if", "fp32.kl_k3>nan"], capsys)
     # before the config's own checks too
     assert "--fail-if 'x'" in bad_cli(TINY + ["--framework", "nope", "--fail-if", "x"], capsys)
+    # a key that cannot start a path in the result (a misspelt recipe) is refused before the run, too
+    line = bad_cli(TINY + ["--trainer", "fp32,bf16", "--fail-if", "fp23.outside_trust_region>0.01"], capsys)
+    assert line == ("phantomclip diagnose: error: --fail-if fp23.outside_trust_region: no figure starts with 'fp23'; a "
+                    "key starts with a recipe of --trainer (fp32, bf16) or one of " + ", ".join(DIAGNOSE_KEYS))
     assert not out.exists()
 
 
 def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):
+    """A key whose root exists but whose path does not is only known from the result: refused after it is written.
+    Every top-level key of a real result is one the pre-run check knows (cli.DIAGNOSE_KEYS)."""
     out = tmp_path / "d.json"
     line = bad_cli(TINY + ["--framework", "verl", "--json", str(out),
                            "--fail-if", "fp32.frameworks.verl.training/rollout_probs_diff_mean>1",
@@ -113,7 +119,9 @@ def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):
     assert line.startswith("phantomclip diagnose: error: --fail-if: no figure "
                            "'fp32.frameworks.nemo-rl.gen_kl_error' in the summary; its top-level keys: schema, config")
     assert line.endswith("; under recipes: fp32, bf16")
-    assert "frameworks" in json.loads(out.read_text())["recipes"]["fp32"]  # written before the gates are judged
+    result = json.loads(out.read_text())
+    assert "frameworks" in result["recipes"]["fp32"]  # written before the gates are judged
+    assert set(result) <= set(DIAGNOSE_KEYS)
 
 
 def test_failed_gate_exits_1_naming_key_value_and_bound(tmp_path, capsys):

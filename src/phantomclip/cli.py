@@ -54,6 +54,10 @@ def _diagnose_parser(sub) -> None:
 
 
 DIAGNOSE_GATE_UNDER = ("recipes",)
+DIAGNOSE_KEYS = ("schema", "config", "versions", "cpu", "model", "engine", "trust_region", "shadow", "recipes", "knobs",
+                 "drift", "tokens", "verdict")
+"""the top-level keys of diagnose's result (diagnose.result_dict, and the verdict; 'drift' with --drift): a --fail-if
+key starts with one of them or with a --trainer recipe (read under 'recipes'), which is checked before any work."""
 """where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
 DRIFT_GATE = "drift.max_abs>0"
 """the gate --drift adds: any movement of a log-prob with unchanged weights is an engine defect. It goes through
@@ -86,6 +90,18 @@ def _check_gates(gates, result: dict) -> int:
     return EXIT_GATE if failed else 0
 
 
+def _check_gate_roots(gates, cfg) -> None:
+    """Refuse, before any work, a gate whose key cannot start a path in the result: not a top-level key, not one of
+    the run's --trainer recipes (a misspelt recipe would otherwise be found only after the whole run)."""
+    from .frameworks import GateError
+
+    roots = (*DIAGNOSE_KEYS, *cfg.trainer)
+    for g in gates:
+        if g.key.split(".")[0] not in roots:
+            raise GateError(f"--fail-if {g.key}: no figure starts with {g.key.split('.')[0]!r}; a key starts with a "
+                            f"recipe of --trainer ({', '.join(cfg.trainer)}) or one of {', '.join(DIAGNOSE_KEYS)}")
+
+
 def _run_diagnose(args) -> int:
     from .diagnose import DiagnoseConfig, run_diagnose
     from .diagnose_text import render, with_verdict
@@ -96,7 +112,8 @@ def _run_diagnose(args) -> int:
         gates.append(parse_gate(DRIFT_GATE))
     _apply_config_file(args)
     return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render,
-                           check=lambda result: _check_gates(gates, result))
+                           check=lambda result: _check_gates(gates, result),
+                           precheck=lambda cfg: _check_gate_roots(gates, cfg))
 
 
 def _apply_config_file(args) -> None:
@@ -311,10 +328,10 @@ def _trace_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
 
 
-def _run_config_job(cls, args, run, render, check=None) -> int:
-    """A config-driven command: flags -> validated config (failing before any work, --json path included),
-    run(cfg, stderr console) -> result, render(result, stdout console), then the result written to --json;
-    the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0."""
+def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
+    """A config-driven command: flags -> validated config (failing before any work, --json path included, and
+    precheck(cfg) when given), run(cfg, stderr console) -> result, render(result, stdout console), then the result
+    written to --json; the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0."""
     from rich.console import Console
 
     from .errors import check_output_path
@@ -322,6 +339,8 @@ def _run_config_job(cls, args, run, render, check=None) -> int:
 
     cfg = _config_from_args(cls, args)
     cfg.validate()
+    if precheck:
+        precheck(cfg)
     if args.json:
         check_output_path(args.json)
     result = run(cfg, Console(stderr=True))

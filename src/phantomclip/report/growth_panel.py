@@ -109,7 +109,7 @@ def html_growth_table(growths: list[dict]) -> str | None:
         return None
     head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>mean |β| first</th><th>last</th>"
             "<th>change</th>" + "".join(f"<th>{p}</th>" for p in PARTS) + "<th>most of it</th></tr></thead><tbody>")
-    body, reference_parts, names = "", [], []
+    body, reference_parts, names, mix_smallest = "", [], [], 0
     for doc in growths:
         first = next(s["step"] for s in doc["snapshots"])
         for which, (step, d) in last_changes(doc).items():
@@ -117,6 +117,7 @@ def html_growth_table(growths: list[dict]) -> str | None:
             if which == "reference":
                 reference_parts.append(part)
                 names.append(run_name(doc))
+                mix_smallest += abs(d["mix"]) == min(abs(d[p]) for p in PARTS)
             body += (f"<tr><td>{html.escape(run_name(doc))}</td><td>{which}</td><td>{first} → {step}</td>"
                      f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
                      + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{part}</td></tr>")
@@ -130,6 +131,8 @@ def html_growth_table(growths: list[dict]) -> str | None:
     else:
         verdict = (f"On the fixed reference tokens, most of the change in mean |β| is {PART_WORDS[reference_parts[0]]}"
                    f", in each of the {n} runs ({', '.join(names)}; each run is one seed)")
+    verdict += (f". The mix part is the smallest of the three in {mix_smallest} of {n} run" + ("s" if n != 1 else "")
+                + " on the fixed tokens")
     note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
             "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
             "with the policy.")

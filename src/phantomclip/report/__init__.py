@@ -122,7 +122,7 @@ def fig_spacing(data: ReportData) -> dict:
                "y": ulp(x.float(), dt).double().tolist()}
               for name, dt in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16))]
     return {"data": traces, "layout": plot_layout("Spacing between neighbouring numbers (ulp)", "|x|", "spacing",
-                                             xaxis={"type": "log"}, yaxis={"type": "log"})}
+                                                  xaxis={"type": "log"}, yaxis={"type": "log"})}
 
 
 def _beta_arrays(diag: dict) -> dict[str, list[float]]:
@@ -150,8 +150,8 @@ def fig_beta_by_prob(data: ReportData) -> dict | None:
                        "y": [s / c if c else None for s, c in zip(sums, counts)],
                        "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
     return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the sampled token",
-                                             "engine probability of the token", "mean |β| (nats)",
-                                             yaxis={"type": "log"})}
+                                                  "engine probability of the token", "mean |β| (nats)",
+                                                  yaxis={"type": "log"})}
 
 
 def fig_beta_hist(data: ReportData) -> dict | None:
@@ -163,7 +163,7 @@ def fig_beta_hist(data: ReportData) -> dict | None:
                "visible": True if i == 0 else "legendonly"}
               for i, (name, betas) in enumerate(_beta_arrays(diag).items())]
     layout = plot_layout(f"β = logp − logp_engine per token (α = 0), trust region for ε = {tr['epsilon_low']:g} shaded",
-                     "β (nats)", "tokens", barmode="overlay", yaxis={"type": "log"})
+                         "β (nats)", "tokens", barmode="overlay", yaxis={"type": "log"})
     layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"],
                          "y0": 0, "y1": 1, "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
     return {"data": traces, "layout": layout}
@@ -200,8 +200,8 @@ def fig_beta_split(data: ReportData) -> dict | None:
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y,
                        "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
     return {"data": traces, "layout": plot_layout("Mean |β| split into precision and kernel parts",
-                                             "trainer recipe, by engine", "mean |β| (nats)", barmode="group",
-                                             xaxis={"tickangle": 0})}
+                                                  "trainer recipe, by engine", "mean |β| (nats)", barmode="group",
+                                                  xaxis={"tickangle": 0})}
 
 
 def fig_alpha_beta_steps(data: ReportData) -> dict | None:
@@ -214,7 +214,7 @@ def fig_alpha_beta_steps(data: ReportData) -> dict | None:
                "text": [f"step {m['step']}" for m in r["metrics"]]}
               for r in runs]
     return {"data": traces, "layout": plot_layout("Per step: mean α against mean β of each run",
-                                             "mean α (nats)", "mean β (nats)")}
+                                                  "mean α (nats)", "mean β (nats)")}
 
 
 def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
@@ -244,7 +244,7 @@ def fig_alpha_beta_tokens(data: ReportData) -> dict | None:
               for k, (xs, ys) in groups.items()]
     steps = len(run["tokens"])
     return {"data": traces, "layout": plot_layout(f"Run '{run['name']}', first {steps} steps: α against β per token",
-                                             "α (nats)", "β (nats)")}
+                                                  "α (nats)", "β (nats)")}
 
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
@@ -365,7 +365,7 @@ def html_trace_depth(data: ReportData) -> dict | None:
     return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error",
                       "x": [s["site"] for s in sites], "y": [s["rel_error"] for s in sites]}],
             "layout": plot_layout(f"{t['recipe']} against {t['against']}: relative error along depth", "module",
-                              "‖x − x_ref‖ / ‖x_ref‖", yaxis={"type": "log"})}
+                                  "‖x − x_ref‖ / ‖x_ref‖", yaxis={"type": "log"})}
 
 
 def html_appendix(data: ReportData, copied: dict[Path, str]) -> str:

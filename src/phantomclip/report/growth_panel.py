@@ -36,21 +36,30 @@ def bucket_labels(edges: list[float]) -> list[str]:
     return [f"{a:g}-{b:g}" for a, b in zip(edges[:-1], edges[1:])]
 
 
+def _line(i: int, name: str, x: list, y: list, dash: str) -> dict:
+    """One run's line (run i's colour, grouped in the legend with the run's other lines)."""
+    return {"type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": y, "legendgroup": str(i),
+            "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}}
+
+
+def _reference_rows(doc: dict) -> list[dict]:
+    """The snapshots that measured the reference tokens, in step order."""
+    return [s for s in doc["snapshots"] if "reference" in s]
+
+
 def fig_growth(growths: list[dict]) -> dict | None:
     """Mean |β|, |β_precision| and |β_kernel| on the reference tokens at each snapshot, one colour per run."""
     if not growths:
         return None
     traces = []
     for i, doc in enumerate(growths):
-        rows = [s for s in doc["snapshots"] if "reference" in s]
-        x = [s["step"] for s in rows]
+        rows = _reference_rows(doc)
         for key, dash, label in (("beta_abs_mean", "solid", "|β|"), ("beta_precision_abs_mean", "dash", "precision"),
                                  ("beta_kernel_abs_mean", "dot", "kernel")):
-            traces.append({"type": "scatter", "mode": "lines+markers", "name": f"{run_name(doc)}: {label}", "x": x,
-                           "y": [s["reference"][key] for s in rows], "legendgroup": str(i),
-                           "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}})
+            traces.append(_line(i, f"{run_name(doc)}: {label}", [s["step"] for s in rows],
+                                [s["reference"][key] for s in rows], dash))
     return {"data": traces, "layout": plot_layout("Mean |β| and its parts on fixed tokens along the run (the tokens "
-                                              "sampled at the first snapshot)", "step", "mean |·| (nats)")}
+                                                  "sampled at the first snapshot)", "step", "mean |·| (nats)")}
 
 
 def fig_growth_buckets(growths: list[dict]) -> dict | None:
@@ -59,15 +68,13 @@ def fig_growth_buckets(growths: list[dict]) -> dict | None:
         return None
     traces = []
     for i, doc in enumerate(growths):
-        rows = [s for s in doc["snapshots"] if "reference" in s]
-        labels = bucket_labels(doc["prob_edges"])
+        rows = _reference_rows(doc)
         for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
-            traces.append({"type": "scatter", "mode": "lines+markers", "name": f"{run_name(doc)}, step {s['step']}",
-                           "x": labels, "y": s["reference"]["bucket_beta_abs_mean"], "legendgroup": str(i),
-                           "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}})
+            traces.append(_line(i, f"{run_name(doc)}, step {s['step']}", bucket_labels(doc["prob_edges"]),
+                                s["reference"]["bucket_beta_abs_mean"], dash))
     return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the token, first and last "
-                                              "snapshot (fixed tokens)", "engine probability", "mean |β| (nats)",
-                                              yaxis={"type": "log"})}
+                                                  "snapshot (fixed tokens)", "engine probability", "mean |β| (nats)",
+                                                  yaxis={"type": "log"})}
 
 
 def last_changes(doc: dict) -> dict[str, tuple[int, dict]]:

@@ -31,7 +31,7 @@ def test_every_snapshot_measured_and_the_decomposition_adds_up(run_dir, tmp_path
     assert "own" in rows[0] and "own" in rows[2] and "own" not in rows[4]  # no batch was sampled with θ_4
     assert rows[0]["weights"]["relative_drift"] == 0 and 0 < rows[2]["weights"]["relative_drift"]
     # step 0's own tokens are the reference tokens, measured with the same weights: the same figures exactly
-    assert rows[0]["own"] == rows[0]["reference"]
+    assert rows[0]["own"] == {k: v for k, v in rows[0]["reference"].items() if k != "depth"}
     for row in rows.values():
         for which in ("reference", "own"):
             if which not in row:
@@ -43,6 +43,11 @@ def test_every_snapshot_measured_and_the_decomposition_adds_up(run_dir, tmp_path
             # logit statistics (checked by hand in test_scoring): finite, and the logits spread
             assert r["logit_std_mean"] > 0 and all(math.isfinite(r[f"{n}_mean"]) for n in LOGIT_STATS), r
     assert rows[2]["reference"]["change_since_first"]["change"] != 0  # the network moved under fixed tokens
+    # along the depth, on the reference tokens: the embedding, each of the 2 layers' residual stream, the ends
+    depth = rows[2]["reference"]["depth"]
+    assert [d["site"] for d in depth] == ["embed", "layers.0.residual", "layers.1.residual", "final_norm", "logits"]
+    assert all(d["rel_error"] > 0 and d["ref_max_abs"] > 0 for d in depth)  # bf16 engine against the fp32 trainer
+    assert "depth" not in rows[2]["own"]
     assert "how β grows along" in capsys.readouterr().out
 
 

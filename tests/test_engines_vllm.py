@@ -41,11 +41,12 @@ class FakeLLM:
         return self.tokenizer
 
     def collective_rpc(self, method, args=()):
-        """vLLM runs `method` in each worker; here the one 'worker' loads the safetensors blob it was sent into the
-        engine's model, as vLLM's reload does (names missing from the blob keep their values)."""
+        """vLLM runs `method` in each worker; here the one 'worker' loads what it was sent (the tensors from an
+        in-process engine, a safetensors blob across processes) into the engine's model, as vLLM's reload does
+        (names not sent keep their values)."""
         from safetensors.torch import load
 
-        weights = load(args[0])
+        weights = load(args[0]) if isinstance(args[0], bytes) else dict(args[0])
         self.synced.append(weights)
         self.engine.load_weights(weights, count_changes=False)
         return [0.0]
@@ -123,6 +124,32 @@ def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
     assert math.isnan(engine._sampled_logprob([entry(-0.5)], 0, 8))  # the sampled token is not in the entry
     assert engine._sampled_logprob([entry(-0.5)], 0, 7) == -0.5
     assert engine.nonfinite == 6
+
+
+def test_weight_sync_in_process_hands_tensors_and_across_processes_a_blob(tiny, monkeypatch):
+    """The same weights reach the worker either way: as the tensors themselves in-process (no copy), as one
+    safetensors blob to a separate engine process, which is refused unless vLLM may unpickle the reload call."""
+    perturbed = {name: w + 0.25 for name, w in tiny.model.state_dict().items()}
+    received = {}
+    for in_process in (True, False):
+        llm = FakeLLM(tiny.model, tokenizer=tiny.tokenizer)
+        engine = VLLMEngine(llm, torch.float32, make_params=lambda **f: SimpleNamespace(**f), in_process=in_process)
+        state = tiny.model.state_dict()
+        engine.loaded = engine._cast(state)  # as for_model sets it up
+        engine.aliases = set(state) - set(engine.loaded)
+        sent = []
+        monkeypatch.setattr(llm, "collective_rpc", lambda method, args=(), _r=llm.collective_rpc: sent.append(args[0])
+                            or _r(method, args))
+        monkeypatch.delenv(backend.SYNC_ENV, raising=False)
+        if not in_process:
+            with pytest.raises(VLLMError, match=backend.SYNC_ENV):
+                engine.load_weights(perturbed)
+            monkeypatch.setenv(backend.SYNC_ENV, "1")
+        assert engine.load_weights(perturbed) == 1.0  # every value moved by 0.25
+        assert isinstance(sent[0], bytes) != in_process
+        received[in_process] = llm.synced[0]
+    assert received[True].keys() == received[False].keys()
+    assert all(torch.equal(received[True][n], received[False][n]) for n in received[True])
 
 
 def test_describe_names_the_measured_column_and_counts_missing_logprobs(tiny, tiny_prompts):

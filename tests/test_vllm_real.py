@@ -122,6 +122,39 @@ def synced(bundled):
         engine.close()
 
 
+def test_sampling_does_not_depend_on_a_busy_process(synced, bundled):
+    """vLLM's engine core runs in this process, so one generate() call schedules all its requests together: the same
+    call gives bit-identical tokens and log-probs while another thread keeps the cores busy (as the trainer's does
+    beside the producer thread). The guarantee matters because vLLM is not batch-invariant: on the AVX512-BF16 EPYC
+    the first prompt sampled alone got other log-probs than inside the batch of 16 (printed here, not asserted: that
+    depends on the CPU's kernels)."""
+    import threading
+
+    engine, _ = synced
+    assert engine.in_process and type(engine.llm.llm_engine.engine_core).__name__ == "InprocClient"
+    prompts = encode_prompts(bundled.tokenizer, bundled_prompts()[:16])
+    params = SamplingParams(max_tokens=8, seed=3)
+    quiet = engine.generate(prompts, params)
+    alone = engine.generate(prompts[:1], params)
+    print("first prompt alone vs in 16, max |Δ|:",
+          max(abs(a - b) for a, b in zip(alone.logp_engine[0], quiet.logp_engine[0])))
+    stop = threading.Event()
+
+    def busy():
+        a = torch.randn(512, 512)
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        loaded = engine.generate(prompts, params)
+    finally:
+        stop.set()
+        worker.join()
+    assert loaded.completion_ids == quiet.completion_ids and loaded.logp_engine == quiet.logp_engine
+
+
 def _vllm_logprobs(engine, ids):
     """vLLM's log-prob of each token of `ids` after the first (its prefill: prompt_logprobs), fp64 [T - 1]."""
     import vllm

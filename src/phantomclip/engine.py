@@ -171,11 +171,12 @@ class LocalEngine:
 
     def __init__(
         self, master: nn.Module, dtype: torch.dtype = torch.bfloat16, matmul: str = "auto",
-        recipe: Recipe | None = None, static_decode: bool | None = None,
+        recipe: Recipe | None = None, static_decode: bool | None = None, packed: bool | None = None,
     ):
         """`recipe` (default: plain `dtype`) lets the engine keep some modules in fp32, e.g. 'fp32-head'.
         `static_decode`: run `decode.StaticDecoder` (None: wherever `decode.supports` the model and recipe; False: the
-        model's own forward with a DynamicCache, for any architecture)."""
+        model's own forward with a DynamicCache, for any architecture). `packed`: run the Linears on weights laid out
+        once for oneDNN (`decode.pack_linears`; None: wherever `decode.can_pack` their dtype; False: `F.linear`)."""
         self.recipe = recipe or engine_recipe(dtype)
         self.dtype = self.recipe.weight_dtype
         self.matmul = matmul
@@ -186,6 +187,11 @@ class LocalEngine:
             raise ValueError(f"the static decode path does not support {self.model.config.model_type!r} under this "
                              f"recipe (see decode.supports); leave static_decode unset")
         self.static_decode = supported if static_decode is None else static_decode
+        no_autocast = self.recipe.autocast_dtype is None  # engine recipes have none: the packed op ignores autocast
+        self.packed = packed is not False and no_autocast and decode.pack_linears(self.model) > 0
+        if packed and not self.packed:
+            raise ValueError("no Linear of this engine can run on packed weights here (see decode.can_pack); leave "
+                             "packed unset")
 
     def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: cast fp32 master weights (a model or a state dict) into this engine's layout, in place.
@@ -198,7 +204,7 @@ class LocalEngine:
     def describe(self) -> dict:
         kernel = kernel_name(self.matmul, self.recipe.compute_dtype)
         return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": kernel, "startup_seconds": 0.0,
-                "decode": "static" if self.static_decode else "hf"}
+                "decode": "static" if self.static_decode else "hf", "packed_weights": self.packed}
 
     def close(self) -> None:
         """Nothing to free: the engine is its model copy, released with the object."""

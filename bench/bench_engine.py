@@ -59,7 +59,8 @@ def run_hf(model, batch: list[list[int]], pad_id: int) -> int:
 @torch.no_grad()
 def step_ms(model, batch: list[list[int]], repeats: int = 5) -> dict[str, float]:
     """Median ms of the parts of one decode step at len(batch) rows (KV cache of ~56 tokens): reading every
-    weight once, every nn.Linear's matmul alone (fp32, as both fp32 and emulated bf16 run them), the whole model
+    weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as both fp32 and emulated bf16 run
+    them), the whole model
     forward, and one `sample_next_token` call."""
     from transformers import DynamicCache
 
@@ -217,7 +218,7 @@ def main() -> None:
             vs = f"; vs vLLM-cpu {v / vllm[name, n]:.2f}x" if (name, n) in vllm else ""
             print(f"{name} {n} x {NEW}: LocalEngine / HF generate = {r:.2f}x (target >= 1.5x: "
                   f"{'met' if r >= 1.5 else 'NOT met'}){vs}")
-    print("\n| dtype | read all weights (ms) | all matmuls alone (ms) | HF model forward (ms) "
+    print("\n| dtype | read all weights (ms) | all matmuls alone through F.linear (ms) | HF model forward (ms) "
           "| static decoder step (ms) | sampler (ms) |\n|---|" + "---:|" * 5)
     for name, f in floor.items():
         print(f"| {name} | {f['read weights']:.0f} | {f['matmuls alone']:.0f} | {f['model forward']:.0f} "

@@ -193,3 +193,15 @@ def test_engine_on_packed_weights_agrees_with_f_linear_and_syncs(tiny, tiny_prom
     after, reference = packed.rescore(ro, params), plain.rescore(ro, params)
     assert max_gap(after, reference) <= noise, (max_gap(after, reference), noise)
     assert max_gap(after, before) > 100 * noise
+
+
+def test_a_bf16_layout_that_rounds_otherwise_is_not_used(monkeypatch):
+    """bf16 packing is used only where it reproduces F.linear bit for bit on this CPU: a weight shape whose probe
+    found a difference keeps F.linear (an fp32 Linear is packed regardless: its kernel is allowed to differ)."""
+    if not decode.can_pack(torch.bfloat16):
+        pytest.skip("no native bf16 kernel on this CPU")
+    monkeypatch.setattr(decode, "_BF16_IDENTICAL", {(80, 96, True): False})
+    assert decode.pack_linears(torch.nn.Linear(96, 80).to(torch.bfloat16)) == 0
+    assert decode.pack_linears(torch.nn.Linear(96, 48).to(torch.bfloat16)) == 1  # probed here: identical
+    assert decode._BF16_IDENTICAL[(48, 96, True)] is True
+    assert decode.pack_linears(torch.nn.Linear(96, 80)) == 1

@@ -70,18 +70,44 @@ def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self._pc_packed, self.bias, "none", [], "")
 
 
+PROBE_ROWS = (1, 16, 96, 320)
+"""row counts at which a bf16 layout is checked against F.linear before it is used (decode steps, prefills)."""
+_BF16_IDENTICAL: dict[tuple[int, int, bool], bool] = {}
+
+
+def packs_bit_identically(linear: nn.Linear) -> bool:
+    """For a bf16 Linear: True if, on this CPU, the packed product equals F.linear's bit for bit at PROBE_ROWS rows of
+    random inputs (cached per weight shape). bf16 packing is meant as a pure speed-up: the 2-core EPYC gave identical
+    outputs at every shape tried, but oneDNN picks its blocking per CPU and shape, so where a layout rounds otherwise
+    the Linear keeps F.linear and the engine's bf16 numbers stay what they were."""
+    n, k = linear.weight.shape
+    key = (n, k, linear.bias is not None)
+    if key not in _BF16_IDENTICAL:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16) if linear.bias is not None else None
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        same = True
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            same = same and torch.equal(out, F.linear(x, w, b))
+        _BF16_IDENTICAL[key] = same
+    return _BF16_IDENTICAL[key]
+
+
 def pack_linears(model: nn.Module) -> int:
     """Route the CPU nn.Linears of an inference model laid out without autocast through `_packed_linear_forward`
     (in place), where `can_pack` their weight's dtype. A low-precision Linear whose forward was already replaced (the
     emulated kernel) keeps it; an fp32 one is packed either way (the emulated kernel is plain `F.linear` on fp32
-    weights). Returns how many were packed. The packed copies hold one more copy of those weights in memory.
-    Inference only: no gradient flows through."""
+    weights), and a bf16 one only where `packs_bit_identically`. Returns how many were packed. The packed copies hold
+    one more copy of those weights in memory. Inference only: no gradient flows through."""
     count = 0
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if not (isinstance(mod, nn.Linear) and w is not None and w.device.type == "cpu" and can_pack(w.dtype)):
             continue
-        if w.dtype == torch.float32 or "forward" not in mod.__dict__:
+        if w.dtype == torch.float32 or ("forward" not in mod.__dict__ and packs_bit_identically(mod)):
             mod.forward = types.MethodType(_packed_linear_forward, mod)
             count += 1
     return count

@@ -59,9 +59,8 @@ def run_hf(model, batch: list[list[int]], pad_id: int) -> int:
 @torch.no_grad()
 def step_ms(model, batch: list[list[int]], repeats: int = 5) -> dict[str, float]:
     """Median ms of the parts of one decode step at len(batch) rows (KV cache of ~56 tokens): reading every
-    weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as both fp32 and emulated bf16 run
-    them), the whole model
-    forward, and one `sample_next_token` call."""
+    weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as emulated bf16 runs them), the
+    whole model forward, and one `sample_next_token` call."""
     from transformers import DynamicCache
 
     ids, cache, n = torch.tensor(batch), DynamicCache(), len(batch)

@@ -232,8 +232,8 @@ def test_your_framework_panel_shows_the_framework_table_and_knob_advice(sources)
 
 def test_an_old_schema_1_diagnose_json_still_builds_a_report(tmp_path):
     """tests/golden/diagnose-tiny-schema1.json is a real schema-1 file, written before the framework figures and the
-    knob advice: it still builds, and the panel says how to produce what it lacks; a diagnose file from a newer schema is
-    refused in one line."""
+    knob advice: it still builds, and the panel says how to produce what it lacks; a diagnose file from a newer schema
+    is refused in one line."""
     old = Path(__file__).parent / "golden" / "diagnose-tiny-schema1.json"  # the AVX512-BF16 golden as first recorded
     doc = json.loads(old.read_text())
     assert doc["schema"] == 1 and "knobs" not in doc and "frameworks" not in next(iter(doc["recipes"].values()))

@@ -2,17 +2,18 @@
 
 Workload: bundled SmolLM2-135M, 8 x 256 random token ids (seed 0, ids in [100, 49000)), all positions scored.
 Baseline: the naive path, `model(ids).logits.float().log_softmax(-1).gather(...)`, measured in the same run.
-Both use matmul="emulated" for bf16 (same kernels), so they differ only in what follows the body: ours runs
+Both use the bf16 kernel `--matmul auto` picks on this CPU (native where it has bf16 instructions, else emulated:
+what a user runs; the same kernels on both sides), so they differ only in what follows the body: ours runs
 the head in chunks of 128 rows and computes the log-prob in fp32 ("ours": logsumexp + gather; "ours+entropy":
 also the entropy, as diagnose does); naive does one [B, T, V] fp32 log_softmax. "ours, last 64 scored" scores
 only the last 64 of the 256 positions (a prompt of 192 + a completion of 64, what diagnose and a trainer do),
-still against the naive path, which cannot skip the prompt's head. "naive native" is the naive path on PyTorch's
-own bf16 kernels (what a plain PyTorch user gets here). Throughput = 8*256 / seconds, median of 5 timed repeats
+still against the naive path, which cannot skip the prompt's head. The last bf16 row is the naive path on the
+other bf16 kernel, labelled (not what auto picks here). Throughput = 8*256 / seconds, median of 5 timed repeats
 after one warm-up, ours and naive timed alternately so machine noise hits both alike; a per-part breakdown
 explains the ratio.
 Roofline: GFLOP/s of a 2048^3 matmul, 5 times at the start and 5 at the end of the run (the host is noisy and
 noise only slows, so the peak is the best of 10); share = tokens/s * 269e6 FLOP/token / peak (emulated bf16
-multiplies in fp32, so its peak is the fp32 one).
+multiplies in fp32, so its peak is the fp32 one; native bf16's is the bf16 one).
 Peak memory: each (path, dtype) in a fresh subprocess (`--one PATH DTYPE [CHUNK]`): RSS with the model ready,
 then the high-water mark VmHWM is reset (/proc/self/clear_refs) so VmHWM after the step covers the step alone
 (ru_maxrss cannot be reset; printed for comparison).
@@ -35,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from phantomclip.models import load_model
-from phantomclip.recipes import RECIPES, apply_recipe, decoder_body, lm_head
+from phantomclip.numerics import dtype_name
+from phantomclip.recipes import RECIPES, apply_recipe, decoder_body, kernel_name, lm_head
 from phantomclip.scoring import logprobs_from_logits, naive_logprobs, score
 
 B, T, FLOP_PER_TOKEN = 8, 256, 269e6
@@ -69,8 +71,8 @@ def status_kib(field: str) -> int:
 def one(path: str, dtype: str, chunk: str = "128") -> None:
     """Subprocess mode: peak memory of one log-prob step, printed as JSON."""
     recipe, ids, attn = RECIPES[dtype], *batch()
-    model = apply_recipe(load_model("smollm2-135m", progress=lambda *a: None).model, recipe, matmul="emulated")
-    with torch.no_grad():  # build the emulated matmul's cached fp32 weight images: part of the model, not the step
+    model = apply_recipe(load_model("smollm2-135m", progress=lambda *a: None).model, recipe, matmul="auto")
+    with torch.no_grad():  # build an emulated matmul's cached fp32 weight images: part of the model, not the step
         model(input_ids=ids[:1, :4], attention_mask=attn[:1, :4], use_cache=False)
     after_load = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -132,9 +134,11 @@ def main() -> None:
     master = load_model("smollm2-135m", progress=lambda *a: None).model
     ids, attn = batch()
     rows, speed, parts = [], {}, {}
+    auto = {"fp32": "fp32", "bf16": kernel_name("auto", torch.bfloat16)}  # what each recipe runs here
+    peak_of = {"fp32": torch.float32, "emulated": torch.float32, "native": torch.bfloat16}
     for dtype in ("fp32", "bf16"):
         recipe = RECIPES[dtype]
-        model = apply_recipe(master, recipe, matmul="emulated")
+        model = apply_recipe(master, recipe, matmul="auto")
         lp = {p: run_path(p, model, recipe, ids, attn) for p in ("ours", "naive")}  # warm-up
         for p in ("ours+entropy", "ours, last 64 scored"):
             run_path(p, model, recipe, ids, attn)
@@ -146,30 +150,37 @@ def main() -> None:
                 times[p] += timed(partial(run_path, p, model, recipe, ids, attn), 1)
         for p, ts in times.items():
             speed[p, dtype] = B * T / statistics.median(ts)
-            rows.append((p, dtype, "emulated" if dtype == "bf16" else "fp32", speed[p, dtype], torch.float32, diff))
+            rows.append((p, dtype, auto[dtype], speed[p, dtype], peak_of[auto[dtype]], diff))
         parts[dtype] = breakdown(model, ids, attn, reps)
         del model
-    model = apply_recipe(master, RECIPES["bf16"], matmul="native")
+    other = "emulated" if auto["bf16"] == "native" else "native"
+    model = apply_recipe(master, RECIPES["bf16"], matmul=other)
     run_path("naive", model, RECIPES["bf16"], ids, attn)
     ts = timed(partial(run_path, "naive", model, RECIPES["bf16"], ids, attn), reps_native)
-    speed["naive-native", "bf16"] = B * T / statistics.median(ts)
-    rows.append(("naive", "bf16", "native", speed["naive-native", "bf16"], torch.bfloat16, "-"))
+    speed["naive-other", "bf16"] = B * T / statistics.median(ts)
+    rows.append(("naive, not what auto picks here", "bf16", other, speed["naive-other", "bf16"], peak_of[other], "-"))
     del model, master
     g = {}  # dtype -> (median of 5 at start, median of 5 at end, best of 10)
     for d, start in g_start.items():
         end = gflops(d)
         g[d] = (statistics.median(start), statistics.median(end), max(start + end))
 
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from conftest import cpu_kind
+
+    print(f"CPU kind: {cpu_kind()}; bf16 kernel that auto picks here: {auto['bf16']}")
     for d, (m0, m1, best) in g.items():
         print(f"matmul 2048^3 (F.linear) {d}: median of 5 at start {m0:.1f}, at end {m1:.1f}, "
               f"best of 10 {best:.1f} GFLOP/s")
     print(f"native bf16 is {g[torch.float32][2] / g[torch.bfloat16][2]:.1f}x slower than fp32 (best of 10)\n")
-    print("| path | dtype | matmul | tokens/s | relative to naive (fp32 / emulated kernels) "
+    print("| path | dtype | matmul | tokens/s | relative to naive (same dtype, the kernel auto picks) "
           "| share of roofline (best-of-10 matmul peak) | max abs diff ours-naive (median; max relative) |")
     print("|---|---|---|---:|---:|---:|---:|")
     for p, dtype, mm, tps, peak, diff in rows:
         flops = tps * FLOP_PER_TOKEN / 1e9
-        roof = f"{100 * flops / g[peak][2]:.0f}% of {'bf16' if mm == 'native' else 'fp32'} best ({flops:.0f} GFLOP/s)"
+        roof = f"{100 * flops / g[peak][2]:.0f}% of {dtype_name(peak)} best ({flops:.0f} GFLOP/s)"
         print(f"| {p} | {dtype} | {mm} | {tps:.0f} | {tps / speed['naive', dtype]:.2f}x | {roof} | {diff} |")
     for dtype, target in (("fp32", 1.0), ("bf16", 1.3)):
         r = speed["ours", dtype] / speed["naive", dtype]
@@ -177,8 +188,9 @@ def main() -> None:
         r64 = speed["ours, last 64 scored", dtype] / speed["naive", dtype]
         print(f"\n{dtype}: ours scoring the last 64 of 256 positions / naive = {r64:.2f}x "
               f"(target >= {target}x: {'met' if r64 >= target else 'NOT met'})", end="")
-    print(f"\nbf16: ours (emulated) / naive native = {speed['ours', 'bf16'] / speed['naive-native', 'bf16']:.1f}x\n")
-    print("| part (seconds, median) | fp32 | bf16 emulated |\n|---|---:|---:|")
+    print(f"\nbf16: ours ({auto['bf16']}) / naive {other} = "
+          f"{speed['ours', 'bf16'] / speed['naive-other', 'bf16']:.1f}x\n")
+    print(f"| part (seconds, median) | fp32 | bf16 {auto['bf16']} |\n|---|---:|---:|")
     for k in parts["fp32"]:
         print(f"| {k} | {parts['fp32'][k]:.2f} | {parts['bf16'][k]:.2f} |")
     print()

@@ -29,7 +29,8 @@ def neglen(completions, completion_ids, **kwargs):
 
 def test_trl_colocate_on_vllm_cpu_with_the_reload_sync_and_the_monitor():
     """Two GRPO steps (4 completions of 24 tokens each) through TRL's own colocate vLLM, whose sync is replaced by
-    `sync_vllm_by_reload`. Checks: (1) TRL logs its vLLM correction's figures and the monitor its own, with a real
+    `sync_vllm_by_reload`, with the clip on the shadow ratio (`with_shadow_ratio`) and TRL's vLLM correction together.
+    Checks: (1) TRL logs its vLLM correction's figures and the monitor its own, with a real
     bf16-vs-fp32 gap (mean |β| > 1e-3) and finite α; (2) TRL's sync went through ours (called before step 2's
     sampling); (3) a sync after perturbing every parameter group of the trainer's weights reaches vLLM: its log-probs
     of a fixed text follow a bf16 PyTorch forward of the new weights within the bound of
@@ -38,7 +39,7 @@ def test_trl_colocate_on_vllm_cpu_with_the_reload_sync_and_the_monitor():
     from trl import GRPOConfig, GRPOTrainer
 
     from phantomclip.engines.vllm import set_env_defaults
-    from phantomclip.integrations.trl import PrecisionMonitor, sync_vllm_by_reload
+    from phantomclip.integrations.trl import PrecisionMonitor, sync_vllm_by_reload, with_shadow_ratio
 
     set_env_defaults()  # as phantomclip starts vLLM: both cores for its worker, a 1 GiB KV cache
     lm = load_model("smollm2-135m")
@@ -50,8 +51,9 @@ def test_trl_colocate_on_vllm_cpu_with_the_reload_sync_and_the_monitor():
                             vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024,
                             vllm_importance_sampling_correction=True)
         monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
-        trainer = GRPOTrainer(model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset,
-                              processing_class=lm.tokenizer, callbacks=[monitor])
+        trainer = with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16")(
+            model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset, processing_class=lm.tokenizer,
+            callbacks=[monitor])
         llm = trainer.vllm_generation.llm
         assert llm.llm_engine.model_config.dtype == torch.bfloat16  # the analysis's engine precision
         sync_vllm_by_reload(trainer)
@@ -61,6 +63,7 @@ def test_trl_colocate_on_vllm_cpu_with_the_reload_sync_and_the_monitor():
 
         rows = [r for r in trainer.state.log_history if "precision/beta_abs_mean" in r]
         assert len(rows) == 2 and calls, (rows, calls)
+        assert trainer._pc_shadow.step == 1  # the clip decided on the bf16 shadow ratio, synced at the last step
         for r in rows:
             print({k: round(v, 5) for k, v in r.items() if k.startswith(("precision/", "sampling/"))})
             assert r["precision/beta_abs_mean"] > 1e-3 and math.isfinite(r["precision/alpha_mean"]), r

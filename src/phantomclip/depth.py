@@ -46,8 +46,6 @@ class ErrorStats:
     """Σ (x − x_ref)²."""
     sq_ref: float = 0.0
     """Σ x_ref²."""
-    abs_ref: float = 0.0
-    """Σ |x_ref|."""
     max_diff: float = 0.0
     """max |x − x_ref|."""
     max_ref: float = 0.0
@@ -59,7 +57,6 @@ class ErrorStats:
         d, r = (x.double() - ref.double()), ref.double()  # [N, H]
         self.sq_diff += d.square().sum().item()
         self.sq_ref += r.square().sum().item()
-        self.abs_ref += r.abs().sum().item()
         self.max_diff = max(self.max_diff, d.abs().max().item() if d.numel() else 0.0)
         self.max_ref = max(self.max_ref, r.abs().max().item() if r.numel() else 0.0)
         self.count += r.numel()

@@ -135,7 +135,7 @@ def test_weight_sync_in_process_hands_tensors_and_across_processes_a_blob(tiny, 
         llm = FakeLLM(tiny.model, tokenizer=tiny.tokenizer)
         engine = VLLMEngine(llm, torch.float32, make_params=lambda **f: SimpleNamespace(**f), in_process=in_process)
         state = tiny.model.state_dict()
-        engine.loaded = engine._cast(state)  # as for_model sets it up
+        engine.loaded = backend.checkpoint_weights(state, torch.float32)  # as for_model sets it up
         engine.aliases = set(state) - set(engine.loaded)
         sent = []
         monkeypatch.setattr(llm, "collective_rpc", lambda method, args=(), _r=llm.collective_rpc: sent.append(args[0])

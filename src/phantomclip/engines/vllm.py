@@ -169,15 +169,17 @@ def safetensors_bytes(weights: Mapping[str, torch.Tensor]) -> bytes:
 
 
 def checkpoint_weights(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Checkpoint-format weights in the engine's dtype (round to nearest, as vLLM's own load casts). A tensor that
-    appears under two names (a state dict's tied `lm_head.weight`) is kept under its first name only: vLLM loads
-    tied weights through the embedding and skips the alias."""
+    """Checkpoint-format weights in the engine's dtype (round to nearest, as vLLM's own load casts), always a copy:
+    in the engine's own dtype a plain cast would return the trainer's parameters themselves, which the optimizer then
+    changes in place under what `VLLMEngine.loaded` says vLLM holds (and, handed to an in-process engine, under what
+    was sent). A tensor that appears under two names (a state dict's tied `lm_head.weight`) is kept under its first
+    name only: vLLM loads tied weights through the embedding and skips the alias."""
     seen, out = set(), {}
     for name, w in state.items():
         key = (w.data_ptr(), w.shape, w.stride())
         if key not in seen:
             seen.add(key)
-            out[name] = w.detach().to("cpu", dtype).contiguous()
+            out[name] = w.detach().to("cpu", dtype, copy=True).contiguous()
     return out
 
 

@@ -84,7 +84,9 @@ def fig_growth_depth(growths: list[dict]) -> dict | None:
     traces = []
     for i, doc in enumerate(growths):
         rows = [s for s in _reference_rows(doc) if "depth" in s["reference"]]
-        for s, dash in ((rows[0], "dot"), (rows[-1], "solid")) if rows else ():
+        if not rows:
+            continue
+        for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
             depth = s["reference"]["depth"]
             traces.append(_line(i, f"{run_name(doc)}, step {s['step']}", [d["site"] for d in depth],
                                 [d["rel_error"] for d in depth], dash))

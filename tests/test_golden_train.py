@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cpu_kind
+from phantomclip import decode
 from phantomclip.cli import main
 from phantomclip.runs import nan_for_null
 
@@ -33,8 +34,13 @@ def _pairs(old: dict, new: dict) -> dict[str, tuple[float, float]]:
 
 @pytest.mark.skipif(not GOLDEN.exists(), reason=f"no golden recorded for this CPU kind ({cpu_kind()})")
 @pytest.mark.parametrize("intervention", ["none", "recompute-old", "fp16", "tis"])
-def test_three_step_train_matches_the_recorded_run(tmp_path, intervention):
+def test_three_step_train_matches_the_recorded_run(tmp_path, monkeypatch, intervention):
     name = "train3" if intervention == "none" else f"train3-{intervention}"
+    if intervention == "fp16" and cpu_kind() == "avx512bf16":
+        # This kind has no fp16 instructions, so its fp16 engine runs the emulated kernel, which engines now run on
+        # packed fp32 images (another summation order, other numbers: issue 19). The file was recorded before, on
+        # F.linear: reproduce that kernel here. Re-record on such a CPU to compare the packed engine instead.
+        monkeypatch.setattr(decode, "is_emulated", lambda linear: False)
     assert main(["train", *ARGS, "--intervention", intervention, "--out", str(tmp_path / "run")]) == 0
     # the recordings hold bare NaN/Infinity, runs now write null (strict JSON): both read back as NaN, so a non-finite
     # value must stay non-finite (an fp16 overflow's inf gradient norm now reads as NaN)

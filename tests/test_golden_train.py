@@ -3,7 +3,9 @@ both) give the same numbers now. The split renamed what the old keys meant: old 
 β_precision, and old α = logp_shadow − logp_engine is now α + β_kernel; the optimisation itself (loss, gradient
 norm, rewards, lengths) must not move at all. shadow-ratio is left out: it now clips on α alone, by design.
 The fp16 file was recorded at 57c664d with `--matmul emulated`: since 9e3e6ef `auto` picks the emulated fp16 kernel on
-CPUs without fp16 instructions (this one), so that is the arithmetic the default run does now."""
+CPUs without fp16 instructions (this one), so that is the arithmetic the default run does now.
+The AVX2 files were recorded after the split (at ffc0515, before engines packed the emulated kernel, on a 2-core
+AVX2-only EPYC), so they hold the split's keys and are compared key for key (SPLIT_KEYS)."""
 
 import json
 import math
@@ -20,10 +22,18 @@ GOLDEN = Path(__file__).parent / "golden" / f"train-tiny-{cpu_kind()}"
 ARGS = ["--model", "tiny-random:30", "--steps", "3", "--group-size", "4", "--max-tokens", "8", "--lr", "3e-3"]
 
 
+SPLIT_KEYS = tuple(f"mismatch/{part}_{stat}" for part in ("alpha", "beta", "beta_kernel", "beta_precision")
+                   for stat in ("mean", "abs_mean", "abs_p99", "outside_trust_region")) + ("clip/phantom_rate",
+                                                                                             "clip/real_rate")
+"""the split's figures, compared as they are where the recording already holds them."""
+
+
 def _pairs(old: dict, new: dict) -> dict[str, tuple[float, float]]:
     same = {k: (old[k], new[k]) for k in ("reward/mean", "reward/std", "completion/length_mean", "train/loss",
                                           "train/grad_norm", "sync/changed_share", "mismatch/log_ratio_mean",
                                           "clip/rate")}
+    if "mismatch/beta_precision_mean" in old:  # recorded after the split
+        return {**same, **{k: (old[k], new[k]) for k in SPLIT_KEYS}}
     return {**same,
             "beta_mean -> beta_precision_mean": (old["mismatch/beta_mean"], new["mismatch/beta_precision_mean"]),
             "beta_abs_mean -> beta_precision_abs_mean": (old["mismatch/beta_abs_mean"],

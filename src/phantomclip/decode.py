@@ -119,12 +119,10 @@ def packed_dtype(linear: nn.Linear) -> torch.dtype | None:
     for any other forward (autocast, fp32 attention hooks, a native fp16 kernel)."""
     w = linear.weight
     if w.dtype == torch.float32 or is_emulated(linear):
-        dtype = torch.float32
-    elif "forward" not in linear.__dict__ and can_pack(w.dtype) and packs_bit_identically(linear):
-        dtype = w.dtype
-    else:
-        return None
-    return dtype if can_pack(dtype) else None
+        return torch.float32 if can_pack(torch.float32) else None
+    if "forward" not in linear.__dict__ and can_pack(w.dtype) and packs_bit_identically(linear):
+        return w.dtype
+    return None
 
 
 def pack_linears(model: nn.Module) -> int:

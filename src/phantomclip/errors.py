@@ -31,6 +31,10 @@ def check_output_path(path: str | Path, flag: str = "--json") -> None:
         raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
 
 
+class IntegrationError(PhantomclipError):
+    """A TRL version, trainer class, sharding or model setting the TRL integration cannot work with."""
+
+
 class WriteError(PhantomclipError):
     """A file that could not be written (read-only directory, full disk): the path and the system's reason."""
 

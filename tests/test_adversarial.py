@@ -33,10 +33,10 @@ ONE_LINE = [
     (["train", "--seed", "-1"], "--seed must be a whole number >= 0 and <= 4294967295, got -1"),
     (["train", "--seed", SEED_OUT_OF_RANGE], "--seed must be a whole number >= 0"),
     (["train", "--epsilon", "nan"], "--epsilon must be a finite number > 0 and < 1"),
-    (["train", "--icepop-high", "inf"], "--icepop-high must be a finite number > 1"),
+    (["train", "--icepop-high", "inf"], "--icepop-high must be a finite number >= 1"),
     (["train", "--steps", "x"], "argument --steps: invalid int value: 'x' (see `phantomclip train --help`)"),
     (["train", "--bogus"], "unrecognized arguments: --bogus (see `phantomclip train --help`)"),
-    (["diagnose", "--seq-mask-cap", "nan"], "--seq-mask-cap must be a finite number > 1"),
+    (["diagnose", "--seq-mask-cap", "nan"], "--seq-mask-cap must be a finite number >= 1"),
     (["diagnose", "--temperature", "inf"], "--temperature must be a finite number > 0"),
     (["diagnose", "--seed", "-1"], "--seed must be a whole number >= 0"),
     (["trace", "--seed", "-1"], "--seed must be a whole number >= 0"),
@@ -197,3 +197,37 @@ def test_experiment_continuation_and_seeds_are_checked_before_any_run(tmp_path, 
     line = bad_cli([*args[:-2], "--out", str(tmp_path / "f"), "--seed", "4294967295", "--seeds", "2"], capsys)
     assert "runs seeds up to 4294967296, past the largest seed 4294967295" in line
     assert not (tmp_path / "f" / "none").exists()
+
+
+KNOB_CASES = [  # (flag of train / experiment, flag of diagnose, a value outside the knob's range)
+    ("--epsilon", "--epsilon", "1"),
+    ("--epsilon-high", "--epsilon-high", "0"),
+    ("--correction-cap", "--token-cap", "0.5"),
+    ("--correction-cap", "--seq-mask-cap", "nan"),
+    ("--icepop-low", "--icepop-low", "1.5"),
+    ("--icepop-low", "--icepop-low", "-0.1"),
+    ("--icepop-high", "--icepop-high", "0.9"),
+]
+
+
+@pytest.mark.parametrize("train_flag,diagnose_flag,value", KNOB_CASES)
+def test_a_knob_means_the_same_in_every_command(train_flag, diagnose_flag, value, capsys, monkeypatch):
+    """One definition per knob (loss.KNOBS): the same out-of-range value is refused by train, experiment and
+    diagnose with the same range in the same words (only the flag's name differs where the commands name it so).
+    Before, --icepop-low 1 was refused by train and accepted by diagnose, --epsilon-high 1.5 the other way round."""
+    from phantomclip.loss import KNOBS
+
+    _no_model_work(monkeypatch)
+    lines = [bad_cli(["train", train_flag, value], capsys),
+             bad_cli(["experiment", "sanity", train_flag, value], capsys),
+             bad_cli(["diagnose", diagnose_flag, value], capsys)]
+    ranges = {line.split(" must be ")[1].split(", got")[0] for line in lines}
+    assert len(ranges) == 1, lines
+    knob = KNOBS[{"--correction-cap": "cap"}.get(train_flag, train_flag[2:].replace("-", "_"))]
+    assert ranges.pop().startswith(f"a finite number {'>' if knob.low_open else '>='} {knob.low:g}"), lines
+    # a value at the edge of every range (1 for the caps and IcePop's bounds, a ratio of 1 is never cut) is accepted
+    from phantomclip.diagnose import DiagnoseConfig
+    from phantomclip.trainer import TrainConfig
+
+    TrainConfig(correction_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()
+    DiagnoseConfig(token_cap=1.0, seq_mask_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()

@@ -20,6 +20,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _diagnose_parser(sub) -> None:
+    from .diagnose import KNOB_FIELDS as DIAGNOSE_KNOBS
     from .diagnose import DiagnoseConfig
 
     p = sub.add_parser(
@@ -29,7 +30,7 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift",))
+    add_config_args(p, DiagnoseConfig, skip=("drift",), knobs=DIAGNOSE_KNOBS)
     p.set_defaults(max_tokens=None)  # None = not given: a config file's completion length may fill it (_run_diagnose)
     p.add_argument("--drift", type=_whole_number, default=None, metavar="K",
                    help="push the same (unchanged) weights into the engine K times (K >= 1) and re-read the same "
@@ -166,12 +167,17 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                    defaults: dict | None = None) -> None:
-    """One --flag per dataclass field, typed from its default, with the field's docstring as help.
-    `defaults` overrides some fields' defaults for this command."""
+                    defaults: dict | None = None, knobs: dict[str, str] | None = None) -> None:
+    """One --flag per dataclass field, typed from its default, with the field's docstring as help; a field named in
+    `knobs` (a config's KNOB_FIELDS) adds its loss.KNOBS range, the same in every command. `defaults` overrides
+    some fields' defaults for this command."""
     import dataclasses
 
+    from .loss import KNOBS
+
     docs = field_docs(cls)
+    for name, knob in (knobs or {}).items():
+        docs[name] = f"{docs.get(name, KNOBS[knob].help).rstrip('.')}; {KNOBS[knob].range_text()}"
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -199,6 +205,7 @@ def _config_from_args(cls, args, **overrides):
 
 
 def _train_parser(sub) -> None:
+    from .trainer import KNOB_FIELDS as TRAIN_KNOBS
     from .trainer import TrainConfig
 
     p = sub.add_parser(
@@ -206,7 +213,7 @@ def _train_parser(sub) -> None:
         description="Train with GRPO: an engine samples with weights --staleness steps old, the trainer takes one "
         "clipped-surrogate step per batch, and every step logs log r = α + β and the phantom-clip rate.",
     )
-    add_config_args(p, TrainConfig)
+    add_config_args(p, TrainConfig, knobs=TRAIN_KNOBS)
     p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<intervention>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--list-interventions", action="store_true", help="list the interventions and exit")
@@ -254,6 +261,7 @@ def _run_train(args) -> int:
 
 def _experiment_parser(sub) -> None:
     from .experiments import DEFAULT_SEEDS, SANITY_DEFAULTS
+    from .trainer import KNOB_FIELDS as TRAIN_KNOBS
     from .trainer import TrainConfig
 
     p = sub.add_parser("experiment", help="named experiment matrices over several seeds, read with 95%% intervals")
@@ -268,7 +276,7 @@ def _experiment_parser(sub) -> None:
     }
     for name, (help_text, description) in helps.items():
         s = esub.add_parser(name, help=help_text, description=description)
-        add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS)
+        add_config_args(s, TrainConfig, skip=("intervention",), defaults=SANITY_DEFAULTS, knobs=TRAIN_KNOBS)
         s.add_argument("--seeds", type=_whole_number, default=DEFAULT_SEEDS,
                        help=f"seeds per arm: --seed, --seed + 1, ... (default {DEFAULT_SEEDS})")
         s.add_argument("--out", default=f"runs/{name}",

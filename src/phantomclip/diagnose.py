@@ -30,7 +30,7 @@ from .engines.drift import Drift, first_rows, measure_drift
 from .errors import ConfigError, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
 from .knobs import KnobSettings, knob_figures
-from .loss import CorrectionParams, clip_range
+from .loss import KNOBS, check_knobs, clip_range
 from .metrics import (
     mean_or_nan,
     mismatch_stats,
@@ -47,6 +47,11 @@ from .scoring import score
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+
+KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "seq_mask_cap": "cap", "token_cap": "cap",
+               "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
+"""DiagnoseConfig's fields that are loss.KNOBS: one default, range and help for every command."""
 
 
 @dataclass
@@ -68,9 +73,9 @@ class DiagnoseConfig:
     and truncation, as TRL asks for)."""
     max_model_len: int = 0
     """vLLM's context limit in tokens (0 = the model's own)."""
-    epsilon: float = 0.2
-    """PPO clip ε_low: the ratio's lower bound is 1 − ε_low."""
-    epsilon_high: float | None = None
+    epsilon: float = KNOBS["epsilon"].default
+    """PPO clip ε_low: the ratio's lower bound is 1 − ε_low (loss.KNOBS, as every knob below)."""
+    epsilon_high: float | None = KNOBS["epsilon_high"].default
     """PPO clip ε_high (DAPO's clip-higher); None: the same as --epsilon (loss.clip_range)."""
     n: int = 64
     """number of completions to sample (prompts are reused in order if n exceeds the prompt set)."""
@@ -91,15 +96,15 @@ class DiagnoseConfig:
     batch_size: int = 64
     """sequences per engine / scoring batch (decode is bound by reading the weights: bigger batches are cheaper per
     token)."""
-    seq_mask_cap: float = 3.0
+    seq_mask_cap: float = KNOBS["cap"].default
     """cap C of TRL's sequence_mask: sequences with exp(Σβ) > C would be dropped."""
-    token_cap: float = CorrectionParams().cap
+    token_cap: float = KNOBS["cap"].default
     """cap C of the token-level corrections, for the knob advice: TIS (token_truncate) truncates r to C, token_mask
-    drops tokens with r > C (loss.CorrectionParams.cap; TRL's vllm_importance_sampling_cap)."""
-    icepop_low: float = CorrectionParams().icepop_low
-    """IcePop's lower bound, for the knob advice: tokens with r below it are dropped (loss.CorrectionParams)."""
-    icepop_high: float = CorrectionParams().icepop_high
-    """IcePop's upper bound, for the knob advice: tokens with r above it are dropped (loss.CorrectionParams)."""
+    drops tokens with r > C (loss.KNOBS; TRL's vllm_importance_sampling_cap)."""
+    icepop_low: float = KNOBS["icepop_low"].default
+    """IcePop's lower bound, for the knob advice: tokens with r below it are dropped."""
+    icepop_high: float = KNOBS["icepop_high"].default
+    """IcePop's upper bound, for the knob advice: tokens with r above it are dropped."""
     keep_share: float = 0.99
     """the knob advice's target: for each correction knob, the setting that leaves this share of tokens (token
     knobs) or of sequences (sequence knobs) untouched on the measured β of the first trainer recipe, in (0, 1)."""
@@ -143,8 +148,7 @@ class DiagnoseConfig:
             parse_dtype(self.engine_dtype)
         except ValueError as e:
             raise ConfigError(f"--engine-dtype: {e}") from None
-        for flag, eps in (("--epsilon", self.epsilon), ("--epsilon-high", self.epsilon_high)):
-            check_number(flag, eps, 0, 1, low_open=True, high_open=True)
+        check_knobs(self, KNOB_FIELDS)
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
         check_number("--knob-length", self.knob_length, 0, integer=True)
@@ -153,11 +157,6 @@ class DiagnoseConfig:
         check_number("--max-model-len", self.max_model_len, 0, integer=True)
         check_seed("--seed", self.seed)
         check_number("--temperature", self.temperature, 0, low_open=True)
-        # C <= 1 would drop sequences whose ratio never moved (exp(Σβ) = 1)
-        check_number("--seq-mask-cap", self.seq_mask_cap, 1, low_open=True)
-        check_number("--token-cap", self.token_cap, 1, low_open=True)  # as --seq-mask-cap
-        check_number("--icepop-low", self.icepop_low, 0, 1, low_open=True)  # r = 1 is never dropped
-        check_number("--icepop-high", self.icepop_high, 1)
         check_number("--keep-share", self.keep_share, 0, 1, low_open=True, high_open=True)
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")

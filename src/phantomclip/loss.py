@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ConfigError, PhantomclipError, check_number
+
 
 def clip_range(epsilon: float, epsilon_high: float | None = None) -> tuple[float, float]:
     """(ε_low, ε_high) of PPO's trust region [1 − ε_low, 1 + ε_high]: ε_high defaults to ε_low (the symmetric clip of
@@ -110,14 +112,65 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor
 
 
 @dataclass(frozen=True)
-class CorrectionParams:
-    """Settings of a rollout correction (TRL's vllm_importance_sampling_* names where they exist)."""
+class Knob:
+    """A PPO-clip or rollout-correction setting, declared once: its default, its valid range and what it does. Every
+    command that takes it (train, experiment, diagnose, and the TRL and verl config readers through diagnose's
+    config) validates it with `check` and shows `help`, so a value means the same thing everywhere."""
 
-    cap: float = 3.0
+    default: float | None
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    help: str = ""
+
+    def range_text(self) -> str:
+        """'in (0, 1)', 'in [0, 1]', '> 0', '>= 1': the valid range as the help and errors write it."""
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def check(self, flag: str, value, error: type[PhantomclipError] = ConfigError) -> None:
+        """Refuse `value` outside the range, in one line naming `flag` (errors.check_number)."""
+        check_number(flag, value, self.low, self.high, low_open=self.low_open, high_open=self.high_open, error=error)
+
+
+KNOBS: dict[str, Knob] = {
+    # ε_low >= 1 would put the lower bound 1 − ε at or below 0: no ratio is ever clipped below
+    "epsilon": Knob(0.2, 0, 1, low_open=True, high_open=True,
+                    help="PPO clip ε_low: the ratio's lower bound is 1 − ε_low"),
+    # ε_high has no upper limit: widening it until nothing clips is one of the analysis' fixes
+    "epsilon_high": Knob(None, 0, low_open=True,
+                         help="PPO clip ε_high (DAPO's clip-higher): the upper bound is 1 + ε_high; default: "
+                              "the same as --epsilon (loss.clip_range)"),
+    # Every correction compares strictly (r > C, r < low, r > high), so a bound of exactly 1 never cuts a ratio
+    # of 1 (a token the policy did not move): 1 is allowed, beyond it is not.
+    "cap": Knob(3.0, 1, help="cap C of the truncate / mask corrections (TIS, MIS, TRL's vllm_importance_sampling_"
+                             "clip_max): ratios above C are truncated to C or masked"),
+    "icepop_low": Knob(0.5, 0, 1, help="IcePop's lower bound: tokens whose ratio is below it are masked (Ring-1T's "
+                                       "0.5)"),
+    "icepop_high": Knob(2.0, 1, help="IcePop's upper bound: tokens whose ratio is above it are masked (Ring-1T's 2)"),
+}
+
+
+def check_knobs(config, fields: dict[str, str], error: type[PhantomclipError] = ConfigError) -> None:
+    """Validate a command's config: `fields` maps its field names to KNOBS names (the flag is the field's name,
+    --with-dashes); a None value (epsilon_high's default) is left to its fallback."""
+    for field_name, knob in fields.items():
+        value = getattr(config, field_name)
+        if value is not None:
+            KNOBS[knob].check("--" + field_name.replace("_", "-"), value, error)
+
+
+@dataclass(frozen=True)
+class CorrectionParams:
+    """Settings of a rollout correction (TRL's vllm_importance_sampling_* names where they exist; KNOBS)."""
+
+    cap: float = KNOBS["cap"].default
     """C: token/sequence ratios above C are truncated to C (`*_truncate`) or masked (`*_mask`)."""
-    icepop_low: float = 0.5
+    icepop_low: float = KNOBS["icepop_low"].default
     """IcePop: tokens whose ratio is below this are masked."""
-    icepop_high: float = 2.0
+    icepop_high: float = KNOBS["icepop_high"].default
     """IcePop: tokens whose ratio is above this are masked."""
 
 

@@ -22,6 +22,7 @@ from . import SCHEMA_VERSION
 from .depth import ErrorStats, SiteHooks, TraceError, full_logits, trace_sites
 from .engine import LocalEngine, SamplingParams
 from .errors import check_number, check_seed
+from .loss import KNOBS
 from .metrics import pearson, trust_region_split
 from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import round_to
@@ -68,7 +69,7 @@ class TraceConfig:
     """sequences per forward pass (bounds the memory of held reference activations)."""
     what_if: bool = True
     """also rank the keep-fp32 options by gain per extra memory."""
-    epsilon: float = 0.2
+    epsilon: float = KNOBS["epsilon"].default
     """trust region for the share of tokens outside it."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native or emulated."""
@@ -93,7 +94,7 @@ class TraceConfig:
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--sub-batch", self.sub_batch)):
             check_number(flag, value, 1, integer=True, error=TraceError)
         check_seed("--seed", self.seed, error=TraceError)
-        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, high_open=True, error=TraceError)
+        KNOBS["epsilon"].check("--epsilon", self.epsilon, TraceError)
 
 
 def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:

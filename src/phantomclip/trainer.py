@@ -39,7 +39,9 @@ from .errors import PhantomclipError, check_number, check_seed
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
     AGGREGATIONS,
+    KNOBS,
     CorrectionParams,
+    check_knobs,
     group_advantages,
     grpo_loss,
     rollout_correction,
@@ -52,6 +54,9 @@ from .runs import GracefulStop, RunDir, input_record, progress_bar, rounded
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
+KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
+               "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
+"""TrainConfig's fields that are loss.KNOBS: one default, range and help for every command."""
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps",
                      "keep_snapshots")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
@@ -78,9 +83,9 @@ class TrainConfig:
     intervention: str = "none"
     """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or
     epsilon=0.3."""
-    epsilon: float = 0.2
-    """PPO clip ε_low."""
-    epsilon_high: float | None = None
+    epsilon: float = KNOBS["epsilon"].default
+    """PPO clip ε_low (this and the correction knobs below: one default and range in loss.KNOBS)."""
+    epsilon_high: float | None = KNOBS["epsilon_high"].default
     """PPO clip ε_high (default: epsilon)."""
     steps: int = 40
     """optimizer steps (one batch each)."""
@@ -105,12 +110,12 @@ class TrainConfig:
     """divide advantages by the group std (off = Dr. GRPO)."""
     staleness: int = 1
     """the engine samples with weights this many steps old (0 = on-policy)."""
-    correction_cap: float = 3.0
-    """cap C of the truncate / mask rollout corrections."""
-    icepop_low: float = 0.5
-    """IcePop (`icepop` intervention): tokens whose π/μ is below this are masked (Ring-1T's 0.5)."""
-    icepop_high: float = 2.0
-    """IcePop: tokens whose π/μ is above this are masked (Ring-1T's 2)."""
+    correction_cap: float = KNOBS["cap"].default
+    """cap C of the truncate / mask rollout corrections (the tis, mis, seq-* interventions)."""
+    icepop_low: float = KNOBS["icepop_low"].default
+    """IcePop (`icepop` intervention): tokens whose π/μ is below this are masked."""
+    icepop_high: float = KNOBS["icepop_high"].default
+    """IcePop: tokens whose π/μ is above this are masked."""
     seed: int = 0
     """seeds prompt choice and sampling: a run is deterministic for a seed."""
     stop_after_converged: int = 0
@@ -146,15 +151,8 @@ class TrainConfig:
         check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
         check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)
         check_number("--max-grad-norm", self.max_grad_norm, 0, low_open=True, error=TrainConfigError)
-        check_number("--epsilon", self.epsilon, 0, 1, low_open=True, high_open=True, error=TrainConfigError)
-        if self.epsilon_high is not None:
-            check_number("--epsilon-high", self.epsilon_high, 0, low_open=True, error=TrainConfigError)
-        # a cap below 1 would cut ratios the policy never moved (π/μ = 1)
-        check_number("--correction-cap", self.correction_cap, 1, error=TrainConfigError)
-        check_number("--icepop-low", self.icepop_low, 0, error=TrainConfigError)
-        check_number("--icepop-high", self.icepop_high, 1, low_open=True, error=TrainConfigError)
+        check_knobs(self, KNOB_FIELDS, TrainConfigError)
         checks = [
-            (self.icepop_low < 1, f"--icepop-low must be < 1 (IcePop masks π/μ below it), got {self.icepop_low}"),
             (self.loss_type in AGGREGATIONS,
              f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
             (self.importance_level in ("token", "sequence"),

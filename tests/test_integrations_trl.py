@@ -203,7 +203,7 @@ def test_version_range_is_checked(monkeypatch):
 def test_trl_config_preflight(tmp_path, capsys):
     from conftest import bad_cli
     from phantomclip.cli import main
-    from phantomclip.integrations.trl import diagnose_settings_from_trl
+    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
 
     yaml_path = tmp_path / "grpo.yaml"
     yaml_path.write_text("model_name_or_path: tiny-random:0\ncast_lm_head_to_fp32: true\ntemperature: 0.9\n"
@@ -241,7 +241,7 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
     import json
 
     from phantomclip.cli import main
-    from phantomclip.integrations.trl import diagnose_settings_from_trl
+    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
 
     assert diagnose_settings_from_trl({})[0]["seq_mask_cap"] == 3.0  # TRL's defaults: sequence_mask, clip_max 3
     token = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.5}
@@ -264,3 +264,21 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
                  "--json", str(out)]) == 0  # no --max-tokens: the config's length is sampled
     capsys.readouterr()
     assert json.loads(out.read_text())["config"]["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"\xff\xfe\x00binary", "not a text file"),
+    (b"- a\n- b\n", "expected a mapping of GRPOConfig fields at the top level, found list"),
+    (b"epsilon: wide\n", "epsilon is 'wide', not a number"),
+    (b"temperature: .nan\n", "temperature is nan, not a finite number"),
+    (b"max_completion_length: [1]\n", "max_completion_length is [1], not a number"),
+])
+def test_trl_config_bad_files_get_one_line(tmp_path, capsys, content, fragment):
+    """The TRL reader shares verl's loader (integrations.config_files): a binary file, a list, a non-number each end
+    in one line naming the flag, exit 2 (a binary file used to end in a traceback)."""
+    from conftest import bad_cli
+
+    path = tmp_path / "grpo.yaml"
+    path.write_bytes(content)
+    line = bad_cli(["diagnose", "--from-trl-config", str(path)], capsys)
+    assert "--from-trl-config" in line and fragment in line, line

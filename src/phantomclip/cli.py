@@ -127,7 +127,7 @@ def _apply_config_file(args) -> None:
         from rich.console import Console
 
         if args.from_trl_config:
-            from .integrations.trl import diagnose_settings_from_trl
+            from .integrations.trl_config import diagnose_settings_from_trl
 
             name, (settings, notes) = "TRL", diagnose_settings_from_trl(args.from_trl_config)
         else:

@@ -22,11 +22,11 @@ The mapping, key by key, with what is not mapped, is in docs/metrics.md ("Readin
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..recipes import RECIPES
+from .config_files import number, read_mapping
 
 FLAG = "--from-verl-config"
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
@@ -43,7 +43,7 @@ def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[s
     """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a verl config (a YAML path or a
     dict), and notes on what was missing or could not be matched. Keys absent from the file keep diagnose's own
     defaults and are named in a note; a file that is not a YAML mapping with a verl section is a ConfigError."""
-    cfg = read_mapping(config)
+    cfg = read_mapping(config, FLAG, "verl config sections")
     if not any(section in cfg for section in SECTIONS):
         raise ConfigError(f"{FLAG}: no {', '.join(SECTIONS)} at the top level: not a verl trainer config (give the "
                           "YAML verl was run with, e.g. one written from its resolved config)")
@@ -52,28 +52,6 @@ def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[s
     for part in (_trainer_and_engine, _sampling, _clip, _length, _correction, _model):
         part(cfg, settings, notes)
     return settings, notes
-
-
-def read_mapping(config: str | Path | dict) -> dict:
-    """The YAML file's top-level mapping (a dict is taken as it is); ConfigError, one line, when the file cannot be
-    read, is not YAML, or does not hold a mapping."""
-    if isinstance(config, dict):
-        return config
-    import yaml
-
-    path = Path(config)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"{FLAG} {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{FLAG} {path}: not a text file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{FLAG} {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{FLAG} {path}: expected a mapping of verl config sections at the top level, found "
-                          f"{type(doc).__name__}")
-    return doc
 
 
 def get(cfg: dict, dotted: str):
@@ -89,13 +67,7 @@ def get(cfg: dict, dotted: str):
 
 def _number(dotted: str, value, cast=float):
     """A config value as a number, or ConfigError naming its key."""
-    try:
-        number = cast(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{FLAG}: {dotted} is {value!r}, not a number") from None
-    if isinstance(number, float) and not math.isfinite(number):
-        raise ConfigError(f"{FLAG}: {dotted} is {value!r}, not a finite number")
-    return number
+    return number(FLAG, dotted, value, cast)
 
 
 def _dtype(dotted: str, value, notes: list[str]) -> str | None:

@@ -71,7 +71,8 @@ def copy_sanity(src: Path) -> None:
     also keeps tokens.jsonl) and a summary of exactly those runs (an experiment still running is summarised as far
     as it got; its current run is left out)."""
     from phantomclip.experiments import Matrix, run_dir, summarize, summarize_run, write_summary
-    from phantomclip.runs import RunDir, json_safe
+    from phantomclip.files import json_safe
+    from phantomclip.runs import RunDir
     from phantomclip.trainer import TrainConfig
 
     manifest = json.loads((src / "experiment.json").read_text())

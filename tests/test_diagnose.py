@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from phantomclip.console import progress_bar
 from phantomclip.diagnose import (
     DiagnoseConfig,
     Sampled,
@@ -15,7 +16,7 @@ from phantomclip.diagnose import (
     reference,
     run_diagnose,
 )
-from phantomclip.runs import progress_bar, rounded
+from phantomclip.files import rounded
 
 
 def _sampled(measured, raw, processed):

@@ -10,6 +10,7 @@ import torch
 
 from conftest import assert_close_eps, bad_cli, forward_terms, fp32_forward_noise, logit_bound
 from phantomclip.cli import main
+from phantomclip.console import progress_bar
 from phantomclip.diagnose import (
     BATCH_INVARIANCE_SEQUENCES,
     SPLIT_KEYS,
@@ -24,7 +25,6 @@ from phantomclip.diagnose import (
 )
 from phantomclip.diagnose_text import KNOB_LABELS, _batch_verdict, _bound, knob_lines
 from phantomclip.knobs import KnobSettings, knob_figures
-from phantomclip.runs import progress_bar
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 QUIET = lambda *a, **k: None  # noqa: E731

@@ -2,7 +2,8 @@
 and none reaches for another module's private name.
 
 Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
-  leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs
+  leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs,
+            files, console
   core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth
   jobs      diagnose, trainer, trace, experiments, engines.compare (the `phantomclip engines` command)
   surfaces  report, integrations, cli, diagnose_text
@@ -32,7 +33,7 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs"),
+             "frameworks", "knobs", "files", "console"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text"),

@@ -343,7 +343,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     from rich.console import Console
 
     from .errors import check_output_path
-    from .runs import write_json
+    from .files import write_json
 
     cfg = _config_from_args(cls, args)
     cfg.validate()

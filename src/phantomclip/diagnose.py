@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from . import DIAGNOSE_SCHEMA, __version__
+from .console import progress_bar
 from .engine import Rollout, SamplingParams
 from .engines import ENGINE_KINDS, start_engine
 from .engines.drift import Drift, first_rows, measure_drift
 from .errors import ConfigError, check_number, check_seed
+from .files import rounded
 from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
 from .knobs import KnobSettings, knob_figures
 from .loss import KNOBS, check_knobs, clip_range
@@ -42,7 +44,6 @@ from .models import BUNDLED_NAME, LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
 from .recipes import RECIPES, apply_recipe, cpu_description, engine_recipe, get_recipe, resolve_matmul
-from .runs import progress_bar, rounded
 from .scoring import score
 
 if TYPE_CHECKING:
@@ -291,7 +292,7 @@ class Figures:
 
 
 def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
-    """Run the diagnose job and return every figure as a JSON-ready dict (`runs.write_json`); the words that
+    """Run the diagnose job and return every figure as a JSON-ready dict (`files.write_json`); the words that
     say what they mean are `diagnose_text.with_verdict`'s."""
     prep, sampled, scored, ref = measure(cfg, console)
     return result_dict(cfg, prep, sampled, ref, figures(cfg, scored, ref, sampled.mask))

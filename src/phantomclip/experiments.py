@@ -19,9 +19,10 @@ from pathlib import Path
 
 from . import SCHEMA_VERSION
 from .errors import SEED_LIMIT
+from .files import atomic_write_bytes, write_json
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
-from .runs import DirLock, RunDir, atomic_write_bytes, read_json_object, write_json
+from .runs import DirLock, RunDir, read_json_object
 from .trainer import (
     ADDED_SINCE_SCHEMA_1,
     RESUME_MAY_CHANGE,

@@ -21,122 +21,20 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
-import signal
-import tempfile
-import threading
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import SCHEMA_VERSION
-from .errors import PhantomclipError, PhantomclipWarning, WriteError
+from .errors import PhantomclipError, PhantomclipWarning
+from .files import TEMP_SUFFIX, atomic_write, atomic_write_bytes, content_hash, json_safe, write_error
 
 
 class RunError(PhantomclipError):
     """A run directory that cannot be created or resumed as asked."""
-
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write `path` through `write(tmp_path)` into a temp file in the same directory, fsync, rename: a reader sees the
-    old file or the new one, never a half-written one; an OSError becomes one WriteError line naming `path`."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-        os.close(fd)
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(path, e) from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            Path(tmp).unlink(missing_ok=True)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """`data` into `path`, atomically (atomic_write)."""
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
-
-
-TEMP_SUFFIX = ".tmp"
-"""atomic_write_bytes's temp files are `.<name>.<random>.tmp` beside the target; a kill can strand one."""
-
-
-def write_error(path: Path, e: OSError) -> WriteError:
-    """An OSError while writing `path` as one line: the path, the system's reason, what to do."""
-    return WriteError(f"cannot write {path} ({e.strerror or e}): free some space or choose a writable location")
-
-
-def json_safe(x):
-    """NaN and ±inf become null: strict JSON, readable by JavaScript's JSON.parse."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
-
-
-def rounded(x: torch.Tensor, digits: int = 6) -> list[float | None]:
-    """Values of `x` as a JSON list rounded to `digits` decimals (1e-6 is far below any β worth reading, and keeps
-    per-token arrays short); a non-finite value becomes None (null), as `json_safe` writes it."""
-    return [round(v, digits) if math.isfinite(v) else None for v in x.double().tolist()]
-
-
-class _SilentProgress:
-    """What `progress_bar` returns without a console: rich's Progress methods, doing nothing."""
-
-    def add_task(self, *args, **kwargs) -> int:
-        return 0
-
-    def advance(self, *args, **kwargs) -> None:
-        pass
-
-    def update(self, *args, **kwargs) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-def progress_bar(console, transient: bool = True, info: bool = False):
-    """A rich progress bar on `console` (each task: description, bar, done/total, time elapsed), to use as a context
-    manager with rich's add_task / advance / update; silent when console is None (library use, tests).
-    `info`: one more column, the task's `info` field (add_task(..., info="") then update(task, info=...)).
-    `transient`: the bar disappears when done (the job prints its own results after it)."""
-    if console is None:
-        return _SilentProgress()
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    if info:
-        columns.append(TextColumn("{task.fields[info]}"))
-    return Progress(*columns, console=console, transient=transient)
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
-    atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -194,19 +92,6 @@ def read_json_object(path: Path, what: str) -> dict:
         raise RunError(f"{path} has schema {schema!r}, not one this phantomclip reads (<= {SCHEMA_VERSION}): "
                        "upgrade phantomclip")
     return doc
-
-
-def content_hash(path: Path) -> str:
-    """sha256 of a file, or of a directory's files (their relative paths and contents, in sorted order)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        digest.update(str(f.relative_to(path) if path.is_dir() else "").encode() + b"\0")
-        with open(f, "rb") as fh:
-            digest.update(hashlib.file_digest(fh, "sha256").digest())
-    return digest.hexdigest()
 
 
 def input_record(files: dict[str, Path]) -> dict[str, dict[str, str]]:
@@ -435,28 +320,3 @@ class RunDir:
         buf = io.BytesIO()
         torch.save(state, buf)
         atomic_write_bytes(self.checkpoint_path, buf.getvalue())
-
-
-class GracefulStop:
-    """First Ctrl-C: finish the current step, checkpoint, stop. Second: KeyboardInterrupt as usual.
-    Only in the main thread (signal handlers cannot be installed elsewhere)."""
-
-    def __init__(self):
-        self.flag = False
-        self._old = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.flag:
-            raise KeyboardInterrupt
-        self.flag = True
-        print("\nstopping after this step with a checkpoint (Ctrl-C again to abort)", flush=True)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-        return False

@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .console import GracefulStop, progress_bar
 from .engine import Engine, LocalEngine, SamplingParams, sync_weights
 from .engines import ENGINE_KINDS, cannot_run, start_engine
 from .errors import PhantomclipError, check_number, check_seed
+from .files import rounded
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
     AGGREGATIONS,
@@ -49,7 +51,7 @@ from .loss import (
 from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutProducer, snapshot
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
-from .runs import GracefulStop, RunDir, input_record, progress_bar, rounded
+from .runs import RunDir, input_record
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}

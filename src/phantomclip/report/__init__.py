@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError
-from ..runs import json_safe, read_jsonl
+from ..files import json_safe
+from ..runs import read_jsonl
 from . import growth_panel
 from .plots import PALETTE, plot_layout
 
@@ -465,7 +466,7 @@ def _missing(command: str) -> str:
 
 def build(sources: list[str | Path], out: str | Path) -> Path:
     """Write out/index.html and copy the data files to out/data/; returns the page's path."""
-    from ..runs import atomic_write_bytes
+    from ..files import atomic_write_bytes
 
     out = Path(out)
     if out.exists() and not out.is_dir():

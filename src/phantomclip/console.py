@@ -1,0 +1,71 @@
+"""The console side of a job: progress bars on stderr, and a Ctrl-C that stops at the end of a step."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+class _SilentProgress:
+    """What `progress_bar` returns without a console: rich's Progress methods, doing nothing."""
+
+    def add_task(self, *args, **kwargs) -> int:
+        return 0
+
+    def advance(self, *args, **kwargs) -> None:
+        pass
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def progress_bar(console, transient: bool = True, info: bool = False):
+    """A rich progress bar on `console` (each task: description, bar, done/total, time elapsed), to use as a context
+    manager with rich's add_task / advance / update; silent when console is None (library use, tests).
+    `info`: one more column, the task's `info` field (add_task(..., info="") then update(task, info=...)).
+    `transient`: the bar disappears when done (the job prints its own results after it)."""
+    if console is None:
+        return _SilentProgress()
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    if info:
+        columns.append(TextColumn("{task.fields[info]}"))
+    return Progress(*columns, console=console, transient=transient)
+
+
+class GracefulStop:
+    """First Ctrl-C: finish the current step, checkpoint, stop. Second: KeyboardInterrupt as usual.
+    Only in the main thread (signal handlers cannot be installed elsewhere)."""
+
+    def __init__(self):
+        self.flag = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        print("\nstopping after this step with a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False

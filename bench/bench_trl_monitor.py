@@ -175,12 +175,13 @@ def worker(args) -> None:
                 t0 = time.perf_counter()
                 run = one_run(monitored, args.steps, f"{tmp}/{r}{int(monitored)}", timers)
                 run["wall_s"] = time.perf_counter() - t0
+                run["load1"] = os.getloadavg()[0]  # this run's own processes count ~1 per busy core
                 run["timers"] = {k: dict(v) for k, v in timers.by_step.items()}
                 runs.append(run)
                 if rank == 0:
                     steps = [f"{t:.2f}" for _, t in sorted(run["step_s"].items())]
                     print(f"[{world} proc] {'monitored' if monitored else 'plain'} run {r}: steps {steps} s, "
-                          f"wall {run['wall_s']:.0f} s", flush=True)
+                          f"wall {run['wall_s']:.0f} s, 1-min load average at its end {run['load1']:.1f}", flush=True)
     result = {"world": world, "rank": rank, "threads": threads, "runs": runs, "isolated_stats_ms": isolated_stats_ms()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"w{world}-rank{rank}.json").write_text(json.dumps(result))
@@ -217,7 +218,8 @@ def summarise(ranks: list[dict]) -> dict:
     p = med(plain)
     return {
         "world": r0["world"], "threads": r0["threads"], "plain": p, "monitored": med(monit), "plain_all": plain,
-        "monitored_all": monit, "overhead": (med(monit) - p) / p, "measure": med(measure), "measure_share": med(measure) / p,
+        "monitored_all": monit, "overhead": (med(monit) - p) / p, "measure": med(measure),
+        "measure_share": med(measure) / p,
         "stats_ms": 1000 * med(stats), "coll_ms": 1000 * med(coll), "coll_share": med(coll) / p,
         "iso_stats_ms": max(iso), "sync": med(sync), "shadow_mib": last["shadow_bytes"] / 2**20,
         "shadow_dtypes": last["shadow_dtypes"], "model_mib": last["model_fp32_bytes"] / 2**20,
@@ -238,8 +240,8 @@ def main() -> None:
         worker(args)
         return
     kind, model = cpu_kind()
-    print(f"CPU kind {kind} ({model}), {os.cpu_count()} CPUs; threads: 2 with 1 process, 1 per process with 2",
-          flush=True)
+    print(f"CPU kind {kind} ({model}), {os.cpu_count()} CPUs; threads: 2 with 1 process, 1 per process with 2; "
+          f"1-min load average before the start {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for n in [int(x) for x in args.procs.split(",")]:
@@ -262,9 +264,11 @@ def main() -> None:
               f"({100 * s['coll_share']:.3f}%) | {s['shadow_mib']:.0f} | {s['model_mib']:.0f} |")
     print()
     for s in rows:
-        print(f"{s['world']} proc ({s['threads']} thread(s) each): plain steps {[round(t, 2) for t in s['plain_all']]}, "
+        print(f"{s['world']} proc ({s['threads']} thread(s) each): "
+              f"plain steps {[round(t, 2) for t in s['plain_all']]}, "
               f"monitored {[round(t, 2) for t in s['monitored_all']]}; shadow sync {s['sync']:.2f} s/step; "
-              f"precision_stats {s['stats_ms']:.2f} ms/call in the run, {s['iso_stats_ms']:.2f} ms after a barrier; "
+              f"precision_stats {s['stats_ms']:.2f} ms/call in the run, {s['iso_stats_ms']:.2f} ms after a "
+              "barrier; "
               f"completions/mean_length {s['mean_length']} (max {MAX_LEN}); shadow {s['shadow_dtypes']}, "
               f"{s['params'] / 1e6:.1f}M params; beta_abs_mean {[round(b, 4) for b in s['beta_abs_mean']]}")
     print(f"an 8B model's shadow in bf16: 8e9 x 2 bytes = 16 GB ({8e9 * 2 / 2**30:.1f} GiB) per rank")

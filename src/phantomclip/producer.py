@@ -8,14 +8,25 @@ version − 1, with a sampling seed fixed by (seed, k); so what a batch holds ne
 from __future__ import annotations
 
 import queue
+import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .engine import Rollout
+from .engine import Engine, LocalEngine, Rollout, SamplingParams, sync_weights
+from .recipes import Recipe, apply_recipe
+from .scoring import score_packed
+
+PROMPT_STREAM = 1_000_003
+"""prompt draw of step k under seed s: random.Random(s · PROMPT_STREAM + k). A prime larger than any step count,
+so two (seed, step) pairs of runs under 10^6 steps never share a draw."""
+SAMPLE_STREAM = 7919
+"""sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
+would meet only after 7919 steps, far beyond any run here)."""
 
 
 @dataclass
@@ -124,3 +135,90 @@ def snapshot(model: nn.Module, reuse: dict[str, torch.Tensor] | None = None) -> 
                     reuse[k].copy_(v)
             return reuse
         return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the producer needs of the run's config (trainer.TrainConfig's fields of the same names)."""
+
+    seed: int
+    prompts_per_step: int
+    group_size: int
+    max_tokens: int
+    temperature: float
+    staleness: int
+    matmul: str
+
+
+class RolloutMaker:
+    """The producer thread's work for batch k: sync the engine to θ_version if it holds other weights, sample,
+    and score the rollout where the trainer needs its θ_old side (all no-grad, off the trainer's thread):
+    - logp_shadow_old: θ_old scored the way the shadow is (prefill, engine recipe, our kernels; the local engine's
+      own model, or a copy synced beside vLLM), the θ_old side of α and of β_kernel; skipped at staleness 0, where
+      θ_old = θ_t and the trainer's shadow serves;
+    - logp_old: the trainer's recipe at θ_old (`old_recipe`: recompute-old only)."""
+
+    def __init__(self, *, engine: Engine, master: nn.Module, pool: list[str], pool_ids: list[list[int]],
+                 stops: tuple[int, ...], sampling: Sampling, shadow_recipe: Recipe, old_recipe: Recipe | None):
+        self.engine, self.pool, self.pool_ids, self.stops, self.sampling = engine, pool, pool_ids, stops, sampling
+        self.shadow_recipe, self.old_recipe = shadow_recipe, old_recipe
+        self.engine_version = -1
+        # The shadow at θ_old: the local engine's own copy of θ_old is that model (same recipe, same kernels); vLLM's
+        # weights live in another process, so the shadow at θ_old is a copy of its own, synced with the engine.
+        stale = sampling.staleness > 0
+        self.own_shadow_old = stale and not isinstance(engine, LocalEngine)
+        self.shadow_old = (apply_recipe(master, shadow_recipe, matmul=sampling.matmul) if self.own_shadow_old
+                           else engine.model if stale else None)
+        self.old_policy = (apply_recipe(master, old_recipe, matmul=sampling.matmul) if old_recipe is not None
+                           else None)
+
+    def __call__(self, k: int, version: int, weights: dict) -> Batch:
+        s, t0 = self.sampling, time.perf_counter()
+        sync_s = 0.0
+        if self.engine_version != version:
+            self.engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
+            sync_s = time.perf_counter() - t0
+            if self.own_shadow_old:
+                sync_weights(self.shadow_old, weights, count_changes=False)
+            self.engine_version = version
+        rng = random.Random(s.seed * PROMPT_STREAM + k)
+        chosen = [rng.randrange(len(self.pool)) for _ in range(s.prompts_per_step)]
+        prompt_ids = [self.pool_ids[i] for i in chosen for _ in range(s.group_size)]
+        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
+                                seed=s.seed * SAMPLE_STREAM + k, stop_token_ids=self.stops)
+        rollout = self.engine.generate(prompt_ids, params)
+        packed = rollout.pack(self.stops[0] if self.stops else 0)
+        P = rollout.prompt_width
+        logp_old = logp_shadow_old = None
+        if self.old_policy is not None:
+            sync_weights(self.old_policy, weights, count_changes=False)
+            logp_old = score_packed(self.old_policy, self.old_recipe, packed, P, s.group_size, s.temperature)
+        t_split = time.perf_counter()
+        if self.shadow_old is not None:
+            logp_shadow_old = score_packed(self.shadow_old, self.shadow_recipe, packed, P, s.group_size,
+                                           s.temperature)
+        t_end = time.perf_counter()
+        return Batch(step=k, prompts=[self.pool[i] for i in chosen for _ in range(s.group_size)], rollout=rollout,
+                     packed=packed, weights_version=version, logp_old=logp_old, generate_s=t_end - t0,
+                     logp_shadow_old=logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s)
+
+
+def start_producer(make_batch: Callable[[int, int, dict], Batch], start: int, steps: int, staleness: int,
+                   snapshots: dict[int, dict]) -> RolloutProducer:
+    """A running producer for batches start..steps−1, handed every weight version already snapshotted."""
+    producer = RolloutProducer(make_batch, start, steps, staleness)
+    for version in sorted(snapshots):
+        producer.publish(version, snapshots[version])
+    return producer.start()
+
+
+def publish_weights(producer: RolloutProducer, snapshots: dict[int, dict], master: nn.Module, version: int,
+                    staleness: int) -> None:
+    """Snapshot θ_version for the producer. Versions below version − staleness are done with: the batches that
+    used them are consumed, later ones use newer weights; so the oldest one's buffers take the new snapshot."""
+    stale = [v for v in snapshots if v < version - staleness]
+    free = snapshots.pop(stale[0]) if stale else None
+    for v in stale[1:]:
+        del snapshots[v]
+    snapshots[version] = snapshot(master, reuse=free)
+    producer.publish(version, snapshots[version])

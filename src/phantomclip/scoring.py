@@ -278,3 +278,11 @@ def naive_logprobs(
         ).logits  # [B, T, V]
     logp = logits.float().log_softmax(-1)[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1) * attention_mask
+
+
+def score_packed(model: nn.Module, recipe: Recipe, packed: dict[str, torch.Tensor], prompt_width: int,
+                 group_size: int, temperature: float) -> torch.Tensor:
+    """[B, L] no-grad log-probs of the completion tokens of a packed batch (`Rollout.pack`: columns prompt_width..),
+    at the sampling temperature."""
+    return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"],
+                             prompt_width, group_size, temperature=temperature)

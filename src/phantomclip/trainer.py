@@ -24,7 +24,6 @@ conflicts; the loss itself is `loss.grpo_loss`, a pure function.
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from .console import GracefulStop, progress_bar
-from .engine import Engine, LocalEngine, SamplingParams, sync_weights
+from .engine import Engine, sync_weights
 from .engines import ENGINE_KINDS, cannot_run, start_engine
 from .errors import PhantomclipError, check_number, check_seed
 from .files import rounded
@@ -49,9 +48,10 @@ from .loss import (
     rollout_correction,
 )
 from .metrics import alpha_beta_stats, ratio_split
-from .producer import Batch, RolloutProducer, snapshot
+from .producer import Batch, RolloutMaker, RolloutProducer, Sampling, publish_weights, snapshot, start_producer
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import RunDir, input_record
+from .scoring import score_packed
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
@@ -226,12 +226,6 @@ class _Scorer(nn.Module):
 
 # ------------------------------------------------------------------------------------------ the loop
 
-PROMPT_STREAM = 1_000_003
-"""prompt draw of step k under seed s: random.Random(s · PROMPT_STREAM + k). A prime larger than any step count,
-so two (seed, step) pairs of runs under 10^6 steps never share a draw."""
-SAMPLE_STREAM = 7919
-"""sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
-would meet only after 7919 steps, far beyond any run here)."""
 ADAM_BETAS = (0.9, 0.99)
 """AdamW (β1, β2). β2 = 0.99 (PyTorch and TRL default to 0.999): the second-moment average then forgets within
 ~100 steps, on the scale of these runs of a few dozen steps."""
@@ -316,7 +310,7 @@ def train(
     producer, stop_requested = None, GracefulStop()
     try:  # from here on the run directory is locked: every way out releases it
         ctx, start, snapshots = _step_context(setup)
-        producer = _start_producer(setup, ctx, start, snapshots)
+        producer = start_producer(_rollout_maker(setup, ctx), start, cfg.steps, cfg.staleness, snapshots)
         metrics = list(setup.run.metrics()) if setup.run else []
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
@@ -327,7 +321,7 @@ def train(
                 t_wait = time.perf_counter() - t0
                 _keep_tokens(setup, batch)
                 step = _train_step(batch, ctx)
-                _publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
+                publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
                                  "time/step_s": time.perf_counter() - t0})
                 metrics.append(step.row)
@@ -447,73 +441,14 @@ def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
     return ctx, start, snapshots
 
 
-class RolloutMaker:
-    """The producer thread's work for batch k: sync the engine to θ_version if it holds other weights, sample,
-    and score the rollout where the trainer needs its θ_old side (all no-grad, off the trainer's thread):
-    - logp_shadow_old: θ_old scored the way the shadow is (prefill, engine recipe, our kernels; the local engine's
-      own model, or a copy synced beside vLLM), the θ_old side of α and of β_kernel; skipped at staleness 0, where
-      θ_old = θ_t and the trainer's shadow serves;
-    - logp_old: the trainer's recipe at θ_old (recompute-old only)."""
-
-    def __init__(self, setup: Setup, ctx: StepContext):
-        self.setup, self.ctx = setup, ctx
-        self.engine = setup.engine
-        self.engine_version = -1
-        # The shadow at θ_old: the local engine's own copy of θ_old is that model (same recipe, same kernels); vLLM's
-        # weights live in another process, so the shadow at θ_old is a copy of its own, synced with the engine.
-        self.own_shadow_old = setup.cfg.staleness > 0 and not isinstance(self.engine, LocalEngine)
-        self.shadow_old = (apply_recipe(setup.master, ctx.shadow_recipe, matmul=setup.cfg.matmul) if self.own_shadow_old
-                           else self.engine.model if setup.cfg.staleness > 0 else None)
-        trainer_recipe = get_recipe(ctx.plan.trainer_recipe)
-        self.old_policy = (apply_recipe(setup.master, trainer_recipe, matmul=setup.cfg.matmul)
-                           if ctx.plan.ratio_against == "trainer_old" else None)
-
-    def __call__(self, k: int, version: int, weights: dict) -> Batch:
-        cfg, pool, t0 = self.setup.cfg, self.setup.pool, time.perf_counter()
-        sync_s = 0.0
-        if self.engine_version != version:
-            self.engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
-            sync_s = time.perf_counter() - t0
-            if self.own_shadow_old:
-                sync_weights(self.shadow_old, weights, count_changes=False)
-            self.engine_version = version
-        rng = random.Random(cfg.seed * PROMPT_STREAM + k)
-        chosen = [rng.randrange(len(pool)) for _ in range(cfg.prompts_per_step)]
-        prompt_ids = [self.setup.pool_ids[i] for i in chosen for _ in range(cfg.group_size)]
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                seed=cfg.seed * SAMPLE_STREAM + k, stop_token_ids=self.setup.stops)
-        rollout = self.engine.generate(prompt_ids, params)
-        packed = rollout.pack(self.setup.stops[0] if self.setup.stops else 0)
-        logp_old = logp_shadow_old = None
-        if self.old_policy is not None:
-            sync_weights(self.old_policy, weights, count_changes=False)
-            logp_old = _completion_logprobs(self.old_policy, self.ctx.policy.recipe, packed, rollout.prompt_width, cfg)
-        t_split = time.perf_counter()
-        if self.shadow_old is not None:
-            logp_shadow_old = _completion_logprobs(self.shadow_old, self.ctx.shadow_recipe, packed,
-                                                   rollout.prompt_width, cfg)
-        t_end = time.perf_counter()
-        return Batch(k, [pool[i] for i in chosen for _ in range(cfg.group_size)], rollout, packed, version, logp_old,
-                     t_end - t0, logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s)
-
-
-def _start_producer(setup: Setup, ctx: StepContext, start: int, snapshots: dict[int, dict]) -> RolloutProducer:
-    producer = RolloutProducer(RolloutMaker(setup, ctx), start, setup.cfg.steps, setup.cfg.staleness)
-    for version in sorted(snapshots):
-        producer.publish(version, snapshots[version])
-    return producer.start()
-
-
-def _publish_weights(producer: RolloutProducer, snapshots: dict[int, dict], master: nn.Module, version: int,
-                     staleness: int) -> None:
-    """Snapshot θ_version for the producer. Versions below version − staleness are done with: the batches that
-    used them are consumed, later ones use newer weights; so the oldest one's buffers take the new snapshot."""
-    stale = [v for v in snapshots if v < version - staleness]
-    free = snapshots.pop(stale[0]) if stale else None
-    for v in stale[1:]:
-        del snapshots[v]
-    snapshots[version] = snapshot(master, reuse=free)
-    producer.publish(version, snapshots[version])
+def _rollout_maker(setup: Setup, ctx: StepContext) -> RolloutMaker:
+    cfg = setup.cfg
+    sampling = Sampling(seed=cfg.seed, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                        max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness=cfg.staleness,
+                        matmul=cfg.matmul)
+    old_recipe = ctx.policy.recipe if ctx.plan.ratio_against == "trainer_old" else None
+    return RolloutMaker(engine=setup.engine, master=setup.master, pool=setup.pool, pool_ids=setup.pool_ids,
+                        stops=setup.stops, sampling=sampling, shadow_recipe=ctx.shadow_recipe, old_recipe=old_recipe)
 
 
 def _keep_weights(setup: Setup, step: int, progress, missing_only: bool = False) -> None:
@@ -588,15 +523,6 @@ def run_finished(metrics: list[dict], steps: int, patience: int) -> bool:
     return len(metrics) >= steps or finished_early(metrics, patience)
 
 
-def _completion_logprobs(model: nn.Module, recipe: Recipe, packed: dict, P: int, cfg: TrainConfig) -> torch.Tensor:
-    """[B, L] no-grad log-probs of the completion tokens (columns P.. of a packed batch), at the sampling
-    temperature."""
-    from .scoring import score_completions
-
-    return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"], P,
-                             cfg.group_size, temperature=cfg.temperature)
-
-
 def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     """One GRPO step on a rollout batch: rewards, the three log-prob forwards, the loss, one optimizer step."""
     from .tasks import compute_rewards
@@ -612,7 +538,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
-    logp_shadow = _completion_logprobs(ctx.shadow, ctx.shadow_recipe, packed, P, cfg)  # [B, L]
+    logp_shadow = score_packed(ctx.shadow, ctx.shadow_recipe, packed, P, cfg.group_size, cfg.temperature)  # [B, L]
     timings["time/shadow_s"] = time.perf_counter() - t0
     # θ_old = θ_t on-policy: the shadow at θ_old is the shadow itself (α ≡ 0 with no extra forward)
     logp_shadow_old = logp_shadow if batch.logp_shadow_old is None else batch.logp_shadow_old  # [B, L]

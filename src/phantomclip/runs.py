@@ -301,6 +301,20 @@ class RunDir:
                  for p in self.snapshots_path.glob("step-*.safetensors"))
         return sorted(int(n) for n in names if n.isdigit())
 
+    def keep_snapshot(self, model: torch.nn.Module, step: int, every: int, missing_only: bool = False) -> int | None:
+        """`train --keep-snapshots every`: the weights after `step` steps when step is a multiple of `every`
+        (`missing_only`: unless the file exists, as on a resumed run's first step). Returns the bytes written, or None
+        when nothing was due."""
+        if not every or step % every or (missing_only and self.snapshot_path(step).exists()):
+            return None
+        return self.save_snapshot(model, step)
+
+    def keep_snapshot_tokens(self, version: int, every: int, record: dict) -> None:
+        """The tokens of the first batch sampled with snapshot `version`'s weights (at staleness s, batches 0..s all
+        sample with θ_0: the first one is kept)."""
+        if every and not version % every and not self.snapshot_path(version, ".tokens.json").exists():
+            self.save_snapshot_tokens(version, record)
+
     def save_snapshot(self, model: torch.nn.Module, step: int) -> int:
         """The model's weights after `step` optimizer steps (safetensors: no pickle; tied weights stored once),
         written atomically. Returns its size in bytes."""
@@ -314,6 +328,21 @@ class RunDir:
         """The tokens sampled with the weights of snapshot `version` (prompt and completion ids), beside it."""
         record = {"step": version, **record}
         atomic_write_bytes(self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode())
+
+    def log_step(self, row: dict, samples: dict, tokens: dict, token_log_steps: int) -> None:
+        """One training step's rows: metrics always, samples always, per-token records for the first steps."""
+        self.log_metrics(row)
+        self.log_samples(samples)
+        if row["step"] <= token_log_steps:
+            self.log_tokens({"step": row["step"], **tokens})
+
+    def save_training_state(self, step: int, master: torch.nn.Module, optimizer, scaler, snapshots: dict,
+                            staleness: int) -> None:
+        """Everything the next steps of a run depend on: weights, optimizer, loss scale, and the weight versions that
+        batches step .. step + staleness − 1 will be sampled with (trainer.CHECKPOINT_KEYS)."""
+        keep = {v: w for v, w in snapshots.items() if step - staleness <= v < step}
+        self.save_checkpoint({"step": step, "master": master.state_dict(), "optimizer": optimizer.state_dict(),
+                              "scaler": scaler.state_dict(), "snapshots": keep})
 
     def save_checkpoint(self, state: dict) -> None:
         """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint."""

@@ -319,7 +319,6 @@ def train(
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
-                _keep_tokens(setup, batch)
                 step = _train_step(batch, ctx)
                 publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
@@ -452,44 +451,30 @@ def _rollout_maker(setup: Setup, ctx: StepContext) -> RolloutMaker:
 
 
 def _keep_weights(setup: Setup, step: int, progress, missing_only: bool = False) -> None:
-    """With --keep-snapshots N: the fp32 weights after `step` steps, when step is a multiple of N (missing_only: unless
-    the file exists: a resumed run's first step, or a run that turned snapshots on when resumed)."""
-    every = setup.cfg.keep_snapshots
-    if every and setup.run is not None and step % every == 0:
-        if missing_only and setup.run.snapshot_path(step).exists():
-            return
-        size = setup.run.save_snapshot(setup.master, step)
-        if hasattr(progress, "console"):
-            progress.console.print(f"snapshot of the weights at step {step}: {size / 2**20:.0f} MiB")
-
-
-def _keep_tokens(setup: Setup, batch: Batch) -> None:
-    """With --keep-snapshots N: the tokens sampled with a snapshot's weights (the first batch sampled with them)."""
-    every, version = setup.cfg.keep_snapshots, batch.weights_version
-    if not every or setup.run is None or version % every:
+    """With --keep-snapshots N: the fp32 weights after `step` steps, every N steps (RunDir.keep_snapshot)."""
+    if setup.run is None:
         return
-    # at staleness s, batches 0 .. s all sample with θ_0: the first one is kept
-    if not setup.run.snapshot_path(version, ".tokens.json").exists():
-        setup.run.save_snapshot_tokens(version, {"batch": batch.step, "prompt_ids": batch.rollout.prompt_ids,
-                                                 "completion_ids": batch.rollout.completion_ids})
+    size = setup.run.keep_snapshot(setup.master, step, setup.cfg.keep_snapshots, missing_only)
+    if size is not None and hasattr(progress, "console"):
+        progress.console.print(f"snapshot of the weights at step {step}: {size / 2**20:.0f} MiB")
 
 
 def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snapshots: dict, checkpoint: bool) -> None:
-    """Append the step to the run directory; checkpoint every `checkpoint_every` steps, at the end, on Ctrl-C
-    and when the run stops early."""
+    """Append the step to the run directory (with --keep-snapshots, the tokens of a snapshot's first batch);
+    checkpoint every `checkpoint_every` steps, at the end, on Ctrl-C and when the run stops early."""
     run, cfg, done = setup.run, setup.cfg, step.row["step"]
     if run is None:
         return
-    run.log_metrics(step.row)
-    run.log_samples(_samples(batch, step.row, ctx.tokenizer, cfg.samples_per_step))
-    if done <= cfg.token_log_steps:
-        run.log_tokens({"step": done, **step.tokens})
+    run.keep_snapshot_tokens(batch.weights_version, cfg.keep_snapshots, {
+        "batch": batch.step, "prompt_ids": batch.rollout.prompt_ids, "completion_ids": batch.rollout.completion_ids})
+    run.log_step(step.row, _samples(batch, step.row, ctx.tokenizer, cfg.samples_per_step), step.tokens,
+                 cfg.token_log_steps)
     if checkpoint or done % cfg.checkpoint_every == 0 or done == cfg.steps:
-        _save(run, done, setup.master, ctx.optimizer, ctx.scaler, snapshots, cfg.staleness)
+        run.save_training_state(done, setup.master, ctx.optimizer, ctx.scaler, snapshots, cfg.staleness)
 
 
 CHECKPOINT_KEYS = ("master", "optimizer", "scaler", "snapshots")
-"""what a checkpoint must hold to continue a run (`_save` writes them)."""
+"""what a checkpoint must hold to continue a run (`RunDir.save_training_state` writes them)."""
 NONFINITE_STOP = 3
 """a run stops after this many consecutive steps with a non-finite loss: the weights or the recipe overflow, and
 skipping more updates only burns the budget."""
@@ -623,14 +608,6 @@ def _samples(batch: Batch, row: dict, tokenizer, n: int) -> dict:
         {"prompt": p, "completion": tokenizer.decode(c, skip_special_tokens=False), "length": len(c)}
         for p, c in zip(batch.prompts[:n], ids)
     ]}
-
-
-def _save(run: RunDir, step: int, master, optimizer, scaler, snapshots: dict, staleness: int) -> None:
-    """Everything the next steps depend on: weights, optimizer, loss scale, and the weight versions that
-    batches step.. step+staleness−1 will be sampled with."""
-    keep = {v: w for v, w in snapshots.items() if step - staleness <= v < step}
-    run.save_checkpoint({"step": step, "master": master.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "snapshots": keep})
 
 
 def _step_info(row: dict) -> str:

@@ -13,13 +13,12 @@ from conftest import MATMULS, assert_close_eps, eps, forward_terms, fp32_forward
 from phantomclip.metrics import alpha_beta_stats, ratio_split
 from phantomclip.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.runs import RunDir, read_jsonl
-from phantomclip.scoring import position_ids_from_mask, score, score_completions
+from phantomclip.scoring import TrainerForward, position_ids_from_mask, score, score_completions
 from phantomclip.tasks import TaskError
 from phantomclip.trainer import (
     INTERVENTIONS,
     TrainConfig,
     TrainConfigError,
-    TrainerForward,
     resolve_plan,
     train,
 )
@@ -103,7 +102,8 @@ def test_three_way_split_clip_accounting_on_constructed_tensors():
     split = _constructed_split(alpha, beta_kernel, beta_precision, logp_engine)
     mask = torch.tensor([[True, True, True, True, False]])
     clipped = (split["log_ratio"] > math.log(1.2)) & mask
-    s = alpha_beta_stats(split, mask, torch.tensor([1.0]), clipped, torch.zeros_like(mask), 0.2, 0.2)
+    s = alpha_beta_stats(split, mask, torch.tensor([1.0]), clipped, torch.zeros_like(mask), eps_low=0.2,
+                         eps_high=0.2)
     assert s["mismatch/tokens"] == 4
     assert s["clip/rate"] == pytest.approx(3 / 4)
     assert s["clip/phantom_rate"] == pytest.approx(2 / 4)

@@ -142,7 +142,8 @@ def test_loss_matches_trl(trl_setup, loss_type, level, mode):
     trl_loss = tr._compute_loss(tr.model, out)
     logp = _ours_logp(lm, out)
     weight = out["importance_sampling_ratio"].expand_as(old) if mode else None
-    ours = grpo_loss(logp, old, out["advantages"], mask, 0.2, 0.2, loss_type, level, max_len=8, is_weight=weight)
+    ours = grpo_loss(logp, old, out["advantages"], mask, eps_low=0.2, eps_high=0.2, loss_type=loss_type, level=level,
+                     max_len=8, is_weight=weight)
     # Both losses average K per-token terms of size <= max |r A w| (the aggregation weights sum to <= 1): fp32
     # summation, 2 eps * max|term| * sqrt(K). And TRL scores the batch with its own forward: a log-prob that differs
     # by δ moves its term by |term| * δ (r = exp(logp - old)), so the δ measured between the two forwards enters

@@ -185,12 +185,13 @@ class StaticDecoder:
         cos, sin = self.body.rotary_emb(h, positions)  # [B, T, D] each, in h's dtype (the model's own RoPE)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, keep, start, end)
+            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos=cos, sin=sin, keep=keep,
+                                    start=start, end=end)
             h = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, T, H]
         self.filled = end
         return self.head(self.body.norm(h[:, -1]))  # [B, V]
 
-    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
                    keep: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Self-attention of layer i on normed x [B, T, H], writing this step's keys and values into the cache."""
         B, T, _ = x.shape

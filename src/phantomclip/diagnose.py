@@ -337,8 +337,8 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     batches = [prep.prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
     if cfg.engine == "vllm":
         say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
-    engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, prep.matmul, cfg.logprobs_mode,
-                          cfg.max_model_len or None, cfg.seed, weight_sync=bool(cfg.drift))
+    engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, matmul=prep.matmul, logprobs_mode=cfg.logprobs_mode,
+                          max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift))
     try:
         task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
         rollouts: list[Rollout] = []
@@ -358,8 +358,9 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
-    return Sampled(packed, mask, logp_engine, logp_engine_processed, measured_column(info, prep.truncation),
-                   int(nonfinite.sum()), info, seconds, drift)
+    return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
+                   measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
+                   seconds=seconds, drift=drift)
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:

@@ -259,6 +259,7 @@ def grpo_loss(
     logp_old: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     loss_type: str = "dapo",

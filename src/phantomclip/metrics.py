@@ -185,6 +185,7 @@ def alpha_beta_stats(
     advantages: torch.Tensor,
     zeroed_by_clip: torch.Tensor,
     masked: torch.Tensor,
+    *,
     eps_low: float,
     eps_high: float,
 ) -> dict[str, float]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .recipes import Recipe, decoder_body, forward_context, lm_head
+from .recipes import Recipe, apply_recipe, decoder_body, forward_context, lm_head
 
 
 @dataclass
@@ -139,8 +139,8 @@ def score(
     `LOGIT_STATS` of the logits at each scored position (`Scores.logit_stats`, after temperature).
     """
     with torch.set_grad_enabled(grad):
-        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size, temperature, entropy,
-                      truncation, logit_stats)
+        return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size=chunk_size,
+                      temperature=temperature, entropy=entropy, truncation=truncation, logit_stats=logit_stats)
 
 
 def _score(
@@ -149,6 +149,7 @@ def _score(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     score_mask: torch.Tensor | None,
+    *,
     chunk_size: int,
     temperature: float,
     entropy: bool,
@@ -172,8 +173,9 @@ def _score(
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp, ent, kept, stats = _head_logprobs(model, head, h, targets, chunk_size, temperature, entropy,
-                                                truncation, logit_stats)  # [N] each, stats [N, 3]
+        logp, ent, kept, stats = _head_logprobs(model, head, h, targets, chunk_size=chunk_size, temperature=temperature,
+                                                entropy=entropy, truncation=truncation,
+                                                logit_stats=logit_stats)  # [N] each, stats [N, 3]
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored
         return torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, values)
@@ -187,6 +189,7 @@ def _head_logprobs(
     head: nn.Module,
     h: torch.Tensor,
     targets: torch.Tensor,
+    *,
     chunk_size: int,
     temperature: float,
     entropy: bool,
@@ -261,8 +264,8 @@ def score_completions(
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size, temperature,
-                                    False)  # [N]
+        logp, _, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size=chunk_size,
+                                       temperature=temperature, entropy=False)  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 
@@ -285,4 +288,49 @@ def score_packed(model: nn.Module, recipe: Recipe, packed: dict[str, torch.Tenso
     """[B, L] no-grad log-probs of the completion tokens of a packed batch (`Rollout.pack`: columns prompt_width..),
     at the sampling temperature."""
     return score_completions(model, recipe, packed["input_ids"], packed["attention_mask"], packed["completion_mask"],
-                             prompt_width, group_size, temperature=temperature)
+                             prompt_width=prompt_width, group_size=group_size, temperature=temperature)
+
+
+class TrainerForward:
+    """The trainer's differentiable forward: fp32 master weights cast into the recipe's layout on every call.
+
+    The optimizer owns the fp32 master (as in mixed-precision training); the cast is part of the graph, so
+    gradients reach the master in fp32 whatever the recipe computes in.
+    """
+
+    def __init__(self, master: nn.Module, recipe: Recipe, matmul: str):
+        self.master, self.recipe = master, recipe
+        plain_fp32 = recipe.weight_dtype == torch.float32 and not recipe.autocast_dtype and not recipe.fp32_modules
+        self.layout = master if plain_fp32 else apply_recipe(master, recipe, matmul=matmul)
+        by_name = master.state_dict(keep_vars=True)  # tied weights appear under both names
+        self.sources = {name: by_name[name] for name, _ in self.layout.named_parameters()}
+        self.dtypes = {name: p.dtype for name, p in self.layout.named_parameters()}
+
+    def logprobs(self, packed: dict[str, torch.Tensor], prompt_width: int, group_size: int, grad: bool = True,
+                 temperature: float = 1.0) -> torch.Tensor:
+        """[B, L] log-probs of the packed batch's completion tokens (0 at padding), at `temperature`."""
+        from torch.func import functional_call
+
+        scorer = _Scorer(self.layout, self.recipe, prompt_width, group_size, grad, temperature)
+        args = (packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
+        if self.layout is self.master:
+            return scorer(*args)
+        with torch.set_grad_enabled(grad):
+            params = {f"model.{name}": src.to(self.dtypes[name]) for name, src in self.sources.items()}
+        return functional_call(scorer, params, args)
+
+
+class _Scorer(nn.Module):
+    """`score_completions` as a module, so torch.func.functional_call can run it with substituted parameters."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool,
+                 temperature: float):
+        super().__init__()
+        self.model, self.recipe, self.prompt_width, self.group_size, self.grad = (model, recipe, prompt_width,
+                                                                                  group_size, grad)
+        self.temperature = temperature
+
+    def forward(self, input_ids, attention_mask, completion_mask):
+        return score_completions(self.model, self.recipe, input_ids, attention_mask, completion_mask,
+                                 prompt_width=self.prompt_width, group_size=self.group_size, grad=self.grad,
+                                 temperature=self.temperature)

@@ -174,7 +174,7 @@ def _param_mib(roles: tuple[str, ...], model: nn.Module, low: torch.dtype) -> fl
 
 
 @dataclass
-class Setup:
+class TraceSetup:
     """What every phase reads: the master, the tokens sampled once, and the two recipes laid out on the master."""
 
     cfg: TraceConfig
@@ -221,7 +221,7 @@ def sample_tokens(lm: LoadedModel, master: nn.Module, cfg: TraceConfig, say: Say
     return rollout.pack(stops[0] if stops else 0)
 
 
-def errors_along_depth(st: Setup) -> DepthErrors:
+def errors_along_depth(st: TraceSetup) -> DepthErrors:
     """1 + 2. Both models on the same sub-batches, hooked: the error at every site and the logit -> log-prob link."""
     stats = {name: ErrorStats() for name, _, _ in st.sites}
     stats["logprobs"] = ErrorStats()
@@ -250,14 +250,14 @@ def errors_along_depth(st: Setup) -> DepthErrors:
     return DepthErrors(stats, {k: torch.cat(v) for k, v in parts.items()}, overhead)
 
 
-def _sub_batches(st: Setup) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _sub_batches(st: TraceSetup) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(input_ids, attention_mask, completion_mask) [b, T] of each sub-batch of `cfg.sub_batch` rows."""
     p, b = st.packed, st.cfg.sub_batch
     for s in range(0, p["input_ids"].shape[0], b):
         yield p["input_ids"][s : s + b], p["attention_mask"][s : s + b], p["completion_mask"][s : s + b]
 
 
-def site_rows(st: Setup, depth: DepthErrors) -> list[dict]:
+def site_rows(st: TraceSetup, depth: DepthErrors) -> list[dict]:
     """One row per site (and one for the log-probs, at the head's depth): its error along the depth."""
     depth_of = {name: d for name, d, _ in st.sites} | {"logprobs": st.sites[-1][1]}
     return [{"site": name, "depth": depth_of[name], **s.summary()} for name, s in depth.stats.items()]
@@ -279,7 +279,7 @@ def first_order_link(depth: DepthErrors) -> dict:
     return {"explained_share": 1 - residual.item(), "corr": pearson(beta, fo["first_order"]), "buckets": buckets}
 
 
-def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
+def weights_vs_compute(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     """3. β split into rounding the weights alone and the recipe's arithmetic on unrounded weights: {'split': ...},
     or {} when the reference is not plain fp32 or the recipe computes in fp32 (nothing to split)."""
     recipe, reference, eps = st.recipe, st.reference, st.cfg.epsilon
@@ -309,7 +309,7 @@ def weights_vs_compute(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
     }}
 
 
-def what_if_recipes(st: Setup, logp_ref: torch.Tensor, say: Say) -> dict:
+def what_if_recipes(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     """4. Each keep-fp32 option on its own, then all of them, ranked by gain per extra MiB: {'what_if': rows},
     {'what_if_note': why not} for autocast recipes, {} when not asked."""
     cfg, base = st.cfg, get_recipe(st.cfg.recipe)
@@ -348,8 +348,9 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
     recipe, reference = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles()), get_recipe(cfg.against)
     packed = sample_tokens(lm, master, cfg, say)  # [B, T] each
-    st = Setup(cfg, master, sites, packed, recipe, reference,
-               apply_recipe(master, recipe, cfg.matmul), apply_recipe(master, reference, cfg.matmul))
+    st = TraceSetup(cfg=cfg, master=master, sites=sites, packed=packed, recipe=recipe, reference=reference,
+                    model=apply_recipe(master, recipe, cfg.matmul),
+                    ref_model=apply_recipe(master, reference, cfg.matmul))
 
     depth = errors_along_depth(st)
     result = {

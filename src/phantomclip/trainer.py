@@ -51,7 +51,7 @@ from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutMaker, RolloutProducer, Sampling, publish_weights, snapshot, start_producer
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import RunDir, input_record
-from .scoring import score_packed
+from .scoring import TrainerForward, score_packed
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
@@ -178,52 +178,6 @@ def engine_refuses(cfg: TrainConfig) -> str | None:
 # ------------------------------------------------------------------------------------------ components
 
 
-class TrainerForward:
-    """The trainer's differentiable forward: fp32 master weights cast into the recipe's layout on every call.
-
-    The optimizer owns the fp32 master (as in mixed-precision training); the cast is part of the graph, so
-    gradients reach the master in fp32 whatever the recipe computes in.
-    """
-
-    def __init__(self, master: nn.Module, recipe: Recipe, matmul: str):
-        self.master, self.recipe = master, recipe
-        plain_fp32 = recipe.weight_dtype == torch.float32 and not recipe.autocast_dtype and not recipe.fp32_modules
-        self.layout = master if plain_fp32 else apply_recipe(master, recipe, matmul=matmul)
-        by_name = master.state_dict(keep_vars=True)  # tied weights appear under both names
-        self.sources = {name: by_name[name] for name, _ in self.layout.named_parameters()}
-        self.dtypes = {name: p.dtype for name, p in self.layout.named_parameters()}
-
-    def logprobs(self, packed: dict[str, torch.Tensor], prompt_width: int, group_size: int, grad: bool = True,
-                 temperature: float = 1.0) -> torch.Tensor:
-        """[B, L] log-probs of the packed batch's completion tokens (0 at padding), at `temperature`."""
-        from torch.func import functional_call
-
-        scorer = _Scorer(self.layout, self.recipe, prompt_width, group_size, grad, temperature)
-        args = (packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
-        if self.layout is self.master:
-            return scorer(*args)
-        with torch.set_grad_enabled(grad):
-            params = {f"model.{name}": src.to(self.dtypes[name]) for name, src in self.sources.items()}
-        return functional_call(scorer, params, args)
-
-
-class _Scorer(nn.Module):
-    """`score_completions` as a module, so torch.func.functional_call can run it with substituted parameters."""
-
-    def __init__(self, model: nn.Module, recipe: Recipe, prompt_width: int, group_size: int, grad: bool,
-                 temperature: float):
-        super().__init__()
-        self.model, self.recipe, self.prompt_width, self.group_size, self.grad = (model, recipe, prompt_width,
-                                                                                  group_size, grad)
-        self.temperature = temperature
-
-    def forward(self, input_ids, attention_mask, completion_mask):
-        from .scoring import score_completions
-
-        return score_completions(self.model, self.recipe, input_ids, attention_mask, completion_mask, self.prompt_width,
-                                 self.group_size, grad=self.grad, temperature=self.temperature)
-
-
 # ------------------------------------------------------------------------------------------ the loop
 
 ADAM_BETAS = (0.9, 0.99)
@@ -253,7 +207,7 @@ def run_config(cfg: TrainConfig) -> dict:
 
 
 @dataclass
-class Setup:
+class RunSetup:
     """What a run is made of before its first step: the model, the prompts, the task and where it logs."""
 
     cfg: TrainConfig
@@ -345,7 +299,7 @@ def train(
     return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=interrupted)
 
 
-def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
+def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup:
     """Validate, load the model and prompts and check them against the context, then open the run directory (in
     that order: bad input must not leave a directory behind)."""
     from .models import load_model, stop_token_ids
@@ -378,8 +332,8 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> Setup:
     except BaseException:
         engine.close()
         raise
-    return Setup(cfg, plan, task, reward_fn, lm.tokenizer, master, pool, pool_ids, stop_token_ids(lm), run, ckpt,
-                 engine)
+    return RunSetup(cfg=cfg, plan=plan, task=task, reward_fn=reward_fn, tokenizer=lm.tokenizer, master=master,
+                    pool=pool, pool_ids=pool_ids, stops=stop_token_ids(lm), run=run, ckpt=ckpt, engine=engine)
 
 
 def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: list[list[int]]) -> Engine:
@@ -419,7 +373,7 @@ def _input_files(cfg: TrainConfig) -> dict[str, Path]:
     return files
 
 
-def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
+def _step_context(setup: RunSetup) -> tuple[StepContext, int, dict[int, dict]]:
     """The trainer's forward, the shadow and the optimizer (restored from the checkpoint on resume); also the
     first step and the weight snapshots the producer samples with."""
     cfg, plan, master = setup.cfg, setup.plan, setup.master
@@ -436,11 +390,12 @@ def _step_context(setup: Setup) -> tuple[StepContext, int, dict[int, dict]]:
     shadow_recipe = get_recipe(plan.engine_recipe)
     policy = TrainerForward(master, get_recipe(plan.trainer_recipe), cfg.matmul)
     shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
-    ctx = StepContext(cfg, plan, setup.tokenizer, setup.reward_fn, policy, shadow, shadow_recipe, optimizer, scaler)
+    ctx = StepContext(cfg=cfg, plan=plan, tokenizer=setup.tokenizer, reward_fn=setup.reward_fn, policy=policy,
+                      shadow=shadow, shadow_recipe=shadow_recipe, optimizer=optimizer, scaler=scaler)
     return ctx, start, snapshots
 
 
-def _rollout_maker(setup: Setup, ctx: StepContext) -> RolloutMaker:
+def _rollout_maker(setup: RunSetup, ctx: StepContext) -> RolloutMaker:
     cfg = setup.cfg
     sampling = Sampling(seed=cfg.seed, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
                         max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness=cfg.staleness,
@@ -450,7 +405,7 @@ def _rollout_maker(setup: Setup, ctx: StepContext) -> RolloutMaker:
                         stops=setup.stops, sampling=sampling, shadow_recipe=ctx.shadow_recipe, old_recipe=old_recipe)
 
 
-def _keep_weights(setup: Setup, step: int, progress, missing_only: bool = False) -> None:
+def _keep_weights(setup: RunSetup, step: int, progress, missing_only: bool = False) -> None:
     """With --keep-snapshots N: the fp32 weights after `step` steps, every N steps (RunDir.keep_snapshot)."""
     if setup.run is None:
         return
@@ -459,7 +414,8 @@ def _keep_weights(setup: Setup, step: int, progress, missing_only: bool = False)
         progress.console.print(f"snapshot of the weights at step {step}: {size / 2**20:.0f} MiB")
 
 
-def _log_step(setup: Setup, ctx: StepContext, batch: Batch, step: StepOut, snapshots: dict, checkpoint: bool) -> None:
+def _log_step(setup: RunSetup, ctx: StepContext, batch: Batch, step: StepOut, snapshots: dict,
+              checkpoint: bool) -> None:
     """Append the step to the run directory (with --keep-snapshots, the tokens of a snapshot's first batch);
     checkpoint every `checkpoint_every` steps, at the end, on Ctrl-C and when the run stops early."""
     run, cfg, done = setup.run, setup.cfg, step.row["step"]
@@ -538,8 +494,8 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
                                               CorrectionParams(cfg.correction_cap, cfg.icepop_low, cfg.icepop_high))
     alpha = logp_shadow - logp_shadow_old  # [B, L] the policy's own change, engine recipe on both sides
     out = grpo_loss(
-        logp, logp_old, advantages, mask, plan.eps_low, plan.eps_high, cfg.loss_type, cfg.importance_level,
-        max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked,
+        logp, logp_old, advantages, mask, eps_low=plan.eps_low, eps_high=plan.eps_high, loss_type=cfg.loss_type,
+        level=cfg.importance_level, max_len=cfg.max_tokens, is_weight=is_weight, is_masked=is_masked,
         clip_log_ratio=alpha if plan.clip_on == "shadow" else None,
     )
     grad_norm, stepped = _optimizer_step(out.loss, ctx)
@@ -555,14 +511,9 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     # a token whose log-prob overflowed on any side (NaN weights, fp16 overflow) is counted, not averaged in
     finite = torch.stack([split["log_ratio"], split["alpha"], split["beta"]]).isfinite().all(0)  # [B, L]
     scored = mask.bool() & finite  # [B, L]
-    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
     row = {
-        "step": batch.step + 1,
-        "reward/mean": rewards.double().mean().item(),
-        "reward/std": rewards.double().std().item(),
-        "completion/length_mean": lengths.mean().item(),
-        "completion/stopped_share": sum(rollout.finished) / len(rollout.finished),
-        **alpha_beta_stats(split, scored, advantages, zeroed, out.masked, plan.eps_low, plan.eps_high),
+        **_rollout_row(batch, rewards),
+        **alpha_beta_stats(split, scored, advantages, zeroed, out.masked, eps_low=plan.eps_low, eps_high=plan.eps_high),
         "mismatch/nonfinite": int((mask.bool() & ~finite).sum()),
         "train/loss": out.loss.item(),
         "train/skipped": not stepped,
@@ -573,6 +524,18 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         **timings,
     }
     return StepOut(row, _token_record(split, scored, advantages, zeroed, out.masked))
+
+
+def _rollout_row(batch: Batch, rewards: torch.Tensor) -> dict:
+    """The step's number and what its rollout looked like: rewards and completion lengths."""
+    lengths = torch.tensor([len(c) for c in batch.rollout.completion_ids], dtype=torch.float64)
+    return {
+        "step": batch.step + 1,
+        "reward/mean": rewards.double().mean().item(),
+        "reward/std": rewards.double().std().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/stopped_share": sum(batch.rollout.finished) / len(batch.rollout.finished),
+    }
 
 
 def _optimizer_step(loss: torch.Tensor, ctx: StepContext) -> tuple[float, bool]:
@@ -616,5 +579,4 @@ def _step_info(row: dict) -> str:
             f"phantom {100 * row['clip/phantom_rate']:.1f}%  |β| {row['mismatch/beta_abs_mean']:.4f}")
 
 
-__all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "TrainerForward",
-           "resolve_plan", "train"]
+__all__ = ["INTERVENTIONS", "Plan", "RolloutProducer", "TrainConfig", "TrainConfigError", "resolve_plan", "train"]

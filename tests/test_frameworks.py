@@ -17,7 +17,7 @@ from phantomclip.frameworks import (
     Gate,
     GateError,
     failed_gates,
-    framework_table,
+    judged_figures,
     lookup,
     parse_gate,
 )
@@ -233,7 +233,7 @@ def test_thresholds_name_real_figures():
 
 
 def test_table_verdicts():
-    rows = framework_table(LOGP, LOGP_ENGINE, MASK, ["verl", "nemo-rl", "slime", "openrlhf"])
+    rows = judged_figures(LOGP, LOGP_ENGINE, MASK, ["verl", "nemo-rl", "slime", "openrlhf"])
     by = {(r["framework"], r["figure"]): r for r in rows}
     assert len(rows) == 10 + 2 + 1 + 1
     assert set(rows[0]) == {"framework", "figure", "value", "threshold", "verdict"}
@@ -249,20 +249,20 @@ def test_table_verdicts():
     assert by["openrlhf", "vllm_kl"]["value"] == approx(0.18)
 
     # |ℓ| = 0.001 everywhere: |Δp| <= 0.001, exp(0.001) = 1.001, k3 ≈ 5e-7, 0.001: all ok
-    small = framework_table(LOGP, LOGP - 0.001, MASK, ["verl", "nemo-rl", "slime"])
+    small = judged_figures(LOGP, LOGP - 0.001, MASK, ["verl", "nemo-rl", "slime"])
     assert [r["verdict"] for r in small if r["threshold"]] == ["ok"] * 4
     # at the bound exactly: ℓ = 0 − (−0.1) = 0.1 exactly, slime's bound is value <= 0.1
-    at = framework_table(torch.zeros(1, 1, dtype=torch.float64), torch.full((1, 1), -0.1, dtype=torch.float64),
+    at = judged_figures(torch.zeros(1, 1, dtype=torch.float64), torch.full((1, 1), -0.1, dtype=torch.float64),
                          torch.ones(1, 1, dtype=torch.bool), ["slime"])
     assert at[0]["value"] == 0.1 and at[0]["verdict"] == "ok"
     # nothing scored: NaN, nothing to judge
-    empty = framework_table(LOGP, LOGP_ENGINE, torch.zeros(2, 3, dtype=torch.bool), ["verl"])
+    empty = judged_figures(LOGP, LOGP_ENGINE, torch.zeros(2, 3, dtype=torch.bool), ["verl"])
     assert empty[0]["threshold"] == "<= 0.01" and empty[0]["verdict"] == "-"
 
 
 def test_table_unknown_framework():
     with pytest.raises(ConfigError, match="unknown; choose from trl, verl"):
-        framework_table(LOGP, LOGP_ENGINE, MASK, ["trl", "deepspeed-chat"])
+        judged_figures(LOGP, LOGP_ENGINE, MASK, ["trl", "deepspeed-chat"])
 
 
 @pytest.mark.parametrize("expr, gate", [

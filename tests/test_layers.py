@@ -242,9 +242,6 @@ SAME_NAME_OK = {
     "KNOB_FIELDS": "each command config's own map of its fields onto loss.KNOBS (the same role for each config)",
     "FLAG": "each config reader's own command-line flag (the same role in each reader)",
     "render": "each job's text rendering, called as module.render by the CLI (issue 29 part 6 will place them)",
-    "Figures": "to be renamed: diagnose's measured figures vs frameworks' per-framework figures (issue 29 part 4)",
-    "verdict": "to be renamed: diagnose's closing words vs an experiment arm's verdict (issue 29 part 4)",
-    "framework_table": "to be renamed: a list of rows vs an HTML panel (issue 29 part 4)",
 }
 
 

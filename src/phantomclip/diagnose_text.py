@@ -127,7 +127,7 @@ def _split_verdict(result: dict, name: str) -> str:
     return head + f" {lever_cap} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); {rest}."
 
 
-def _num(v) -> float:
+def _as_float(v) -> float:
     """A figure as a float: JSON null (NaN written out) reads as NaN."""
     return math.nan if v is None else float(v)
 
@@ -138,7 +138,8 @@ def _batch_verdict(result: dict, name: str) -> str:
     split = result["recipes"][name].get("split", {})
     if "batch" not in split:
         return ""
-    batch, prec = _num(split["batch"]["outside_trust_region"]), _num(split["precision"]["outside_trust_region"])
+    batch = _as_float(split["batch"]["outside_trust_region"])
+    prec = _as_float(split["precision"]["outside_trust_region"])
     if not batch > prec:  # NaN (no token scored alone) says nothing
         return ""
     return (f"Batch layout alone puts {100 * batch:.2f}% of {name}'s tokens outside the trust region ({name} in the "
@@ -310,7 +311,7 @@ def render(result: dict, console: Console) -> None:
              + ("; truncation bias log S" if truncated else ""))
     console.print(_table(title, list(recs), list(split), cell))
     if "frameworks" in next(iter(recs.values()), {}):  # a JSON written before the framework figures has none
-        console.print(_framework_table(result))
+        console.print(_framework_rich_table(result))
         console.print()
     if "knobs" in result:  # a JSON written before the knob advice has none
         knobs = result["knobs"]
@@ -341,7 +342,7 @@ def fmt_figure(v: float | None) -> str:
     return f"{v:.4g}" if abs(v) >= FIXED_FROM or v == 0 else f"{v:.2e}"
 
 
-def _framework_table(result: dict):
+def _framework_rich_table(result: dict):
     from rich import box
     from rich.table import Table
 
@@ -400,7 +401,7 @@ def knob_lines(knobs: dict) -> list[str]:
     leaves `keep_share` untouched. Sequence figures extrapolated to the target length say so."""
     keep = f"{100 * knobs['keep_share']:g}%"
     n = knobs["length"]["target"]
-    pct = lambda v: _fmt("outside_trust_region", _num(v))  # noqa: E731 (a share, as the tables print it)
+    pct = lambda v: _fmt("outside_trust_region", _as_float(v))  # noqa: E731 (a share, as the tables print it)
     lines = []
     for name, label in KNOB_LABELS.items():
         k = knobs.get(name)
@@ -421,13 +422,14 @@ def knob_lines(knobs: dict) -> list[str]:
 
 def drift_lines(drift: dict) -> list[str]:
     """The printed --drift block: a heading with its cost, then one line per push (the JSON's `drift`)."""
-    pct = lambda v: _fmt("outside_trust_region", _num(v))  # noqa: E731 (a share, as the tables print it)
+    pct = lambda v: _fmt("outside_trust_region", _as_float(v))  # noqa: E731 (a share, as the tables print it)
     head = (f"drift: {drift['syncs']} pushes of unchanged weights, {drift['sequences']} sequences ({drift['tokens']} "
             f"tokens) read by {drift['method']}; cost {drift['seconds']:.1f} s; "
             + ("MOVING: engine defect" if drift["moving"] else "no movement"))
     lines = [head]
     for s in drift["steps"]:
-        lines.append(f"  push {s['sync']}: max |Δ logp| {fmt_figure(_num(s['max_abs']))}, {pct(s['changed_share'])} "
+        max_abs = fmt_figure(_as_float(s["max_abs"]))
+        lines.append(f"  push {s['sync']}: max |Δ logp| {max_abs}, {pct(s['changed_share'])} "
                      f"of tokens changed, {pct(s['token_changed_share'])} of sampled tokens differ; weights changed "
                      f"{pct(s['weights_changed_share'])}; {s['seconds']:.2f} s")
     return lines

@@ -260,10 +260,10 @@ def summarize(matrix: Matrix, results: list[dict]) -> dict:
     return {"schema": SCHEMA_VERSION, "experiment": matrix.experiment, "base_config": asdict(matrix.base),
             "seeds": list(matrix.seeds),
             "baseline": BASELINE, "interval": "95% Student t over seeds (paired by seed for differences)",
-            "left_out": matrix.left_out, "arms": arms, "runs": results, "verdict": verdict(arms)}
+            "left_out": matrix.left_out, "arms": arms, "runs": results, "verdict": arm_verdicts(arms)}
 
 
-def verdict(arms: list[dict]) -> list[str]:
+def arm_verdicts(arms: list[dict]) -> list[str]:
     """One line per non-baseline arm: the figures whose paired interval excludes zero, or 'no detectable
     difference at N seeds' (also when N < 2, where no interval exists)."""
     lines = []

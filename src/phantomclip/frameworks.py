@@ -35,8 +35,8 @@ import torch
 from .errors import ConfigError, PhantomclipError
 from .metrics import mean_or_nan, pearson
 
-Figures = dict[str, float]
-FrameworkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Figures]
+FrameworkFigures = dict[str, float]
+FrameworkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], FrameworkFigures]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ TRL_IS_CAP = 3.0
 """TRL's default `vllm_importance_sampling_clip_max` (C_max); its default C_min is None (no lower bound)."""
 
 
-def trl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def trl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """TRL GRPOTrainer's vLLM figures, default correction (sequence_mask, C_max = 3, no C_min).
 
     sampling/sampling_logp_difference/mean, /max   mean and max of |ℓ| over tokens
@@ -145,7 +145,7 @@ VERL_IS_THRESHOLD = 2.0
 """verl's default rollout_is_threshold: IS weights are clamped to [1/2, 2] for the ESS."""
 
 
-def verl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def verl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """verl's debug metrics and its rollout-correction diagnostics.
 
     training/rollout_probs_diff_mean|max|std  of |exp(logp) − exp(logp_engine)| over tokens (probability space;
@@ -195,7 +195,7 @@ def verl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> F
 # also written out in docs/guides/grpo.md ("Multiplicative Token Probability Error", "KL Divergence Error").
 
 
-def nemo_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def nemo_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """NeMo-RL's ClippedPGLossFn figures, token means over the batch (logged as train/<name>).
 
     token_mult_prob_error  mean over tokens of exp(|ℓ|) (≥ 1; 1 means no mismatch)
@@ -211,7 +211,7 @@ def nemo_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -
 # step's sample count in slime/observability/train_metric_utils.py reduce_train_step_metrics.
 
 
-def slime(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def slime(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """slime's train/train_rollout_logprob_abs_diff, at its default per-sample reduction.
 
     train_rollout_logprob_abs_diff  mean over sequences of (mean |ℓ| over the sequence's tokens): every sequence
@@ -226,7 +226,7 @@ def slime(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> 
 # trainer.py, the `policy/rollout_train_logprobs_abs_diff_*` block after the policy forward pass.
 
 
-def skyrl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def skyrl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """SkyRL's policy/rollout_train_logprobs_abs_diff_{mean,std,max,min}: of |ℓ| over tokens (std unbiased).
 
     SkyRL skips the figures for a batch without tokens; NaN here.
@@ -246,7 +246,7 @@ def skyrl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> 
 # compute_stats (mean, median, std, min, max).
 
 
-def prime_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def prime_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """prime-rl's mismatch_kl/all/{mean,median,std,min,max}: of the per-token k3 = r − ℓ − 1 over tokens.
 
     median is torch.median's (the lower middle value for an even count), std unbiased.
@@ -267,7 +267,7 @@ def prime_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) 
 # policy_loss_type="ppo".
 
 
-def openrlhf(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> Figures:
+def openrlhf(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:
     """OpenRLHF's vllm_kl: mean of (logp_engine − logp) = mean −ℓ over tokens, a k1 estimate of KL(engine ‖ trainer)."""
     return {"vllm_kl": mean_or_nan(-_tokens(logp, logp_engine, mask).lr)}
 
@@ -319,7 +319,7 @@ def check_frameworks(names: list[str]) -> None:
 
 def framework_figures(
     logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, names: list[str]
-) -> dict[str, Figures]:
+) -> dict[str, FrameworkFigures]:
     """{framework: {figure: value}} for each named framework, in the order given (diagnose's JSON layout)."""
     check_frameworks(names)
     return {name: FRAMEWORKS[name](logp, logp_engine, mask) for name in names}
@@ -338,7 +338,7 @@ def judge(framework: str, figure: str, value: float | None) -> tuple[str | None,
     return f"{op} {limit:g}", "ok" if _OPS[op](value, limit) else "over"
 
 
-def framework_table(
+def judged_figures(
     logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> list[dict]:
     """One row per figure of each named framework, in FRAMEWORKS order within a framework:

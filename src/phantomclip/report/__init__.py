@@ -354,7 +354,7 @@ def html_sanity_table(data: ReportData) -> str | None:
     return head + body + "</tbody></table>" + note
 
 
-def _num(x, digits: int) -> str:
+def _num_text(x, digits: int) -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 

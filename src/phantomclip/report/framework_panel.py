@@ -22,7 +22,7 @@ def html_framework_panel(diagnose: list[dict]) -> str | None:
     if not diagnose:
         return None
     result = diagnose[-1]
-    parts = [framework_table(result), knob_list(result)]
+    parts = [framework_table_html(result), knob_list(result)]
     if "drift" in result:
         parts.append("<pre>" + html.escape("\n".join(drift_lines(result["drift"]))) + "</pre>")
     return "\n".join(parts)
@@ -34,7 +34,7 @@ def _older(what: str) -> str:
             "<code>phantomclip report --from</code>.</p>")
 
 
-def framework_table(result: dict) -> str:
+def framework_table_html(result: dict) -> str:
     """The framework table of the first trainer recipe (the user's), or the note for an older file."""
     first = next(iter(result["recipes"].values()), {})
     if "frameworks" not in first:

@@ -12,7 +12,7 @@ import torch
 from conftest import bad_cli
 from phantomclip.cli import DIAGNOSE_KEYS, _check_gates, main
 from phantomclip.diagnose import DiagnoseConfig, figures, measure
-from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render
+from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
 from phantomclip.frameworks import FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
@@ -193,10 +193,10 @@ def test_render_table_from_the_dict_alone():
     assert framework_rows(result) == [("nemo-rl", "token_mult_prob_error", 1.2, "<= 1.05", "over"),
                                       ("nemo-rl", "gen_kl_error", None, "<= 0.001", "-")]
     out = io.StringIO()
-    render(result, Console(file=out, width=120))
+    render_diagnose(result, Console(file=out, width=120))
     text = " ".join(out.getvalue().split())  # undo the title's wrap
     assert "fp32 trainer against the bf16 engine" in text and "slime" not in text and "n/a" in text
     old = {**base, "recipes": {"fp32": stats}}
     out = io.StringIO()
-    render(old, Console(file=out, width=120))
+    render_diagnose(old, Console(file=out, width=120))
     assert "what each framework would log" not in out.getvalue()

@@ -10,7 +10,7 @@ from phantomclip.diagnose_text import (
     SMALL_GAIN,
     _advice,
     _split_verdict,
-    render,
+    render_diagnose,
     verdict,
 )
 
@@ -60,10 +60,10 @@ def test_render_reads_only_the_dict(result):
     from rich.console import Console
 
     out = io.StringIO()
-    render(dict(result), Console(file=out, width=400))
+    render_diagnose(dict(result), Console(file=out, width=400))
     text = out.getvalue()
     assert "phantomclip diagnose tiny-random:0: 3 completions" in text and "verdict:" in text
     assert " ".join(verdict(result).split()) in " ".join(text.split())
     narrow = io.StringIO()
-    render(dict(result), Console(file=narrow, width=60))  # too narrow for a row per recipe: one row per figure
+    render_diagnose(dict(result), Console(file=narrow, width=60))  # too narrow for a row per recipe: one row per figure
     assert "beta_abs_mean" in narrow.getvalue() and "fp32" in narrow.getvalue()

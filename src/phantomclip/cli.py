@@ -105,15 +105,15 @@ def _check_gate_roots(gates, cfg) -> None:
 
 def _run_diagnose(args) -> int:
     from .diagnose import DiagnoseConfig, run_diagnose
-    from .diagnose_text import render, with_verdict
+    from .diagnose_text import render_diagnose, with_verdict
     from .frameworks import parse_gate
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
         gates.append(parse_gate(DRIFT_GATE))
     _apply_config_file(args)
-    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)), render,
-                           check=lambda result: _check_gates(gates, result),
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)),
+                           render_diagnose, check=lambda result: _check_gates(gates, result),
                            precheck=lambda cfg: _check_gate_roots(gates, cfg))
 
 
@@ -300,7 +300,8 @@ def _whole_number(text: str) -> int:
 def _run_experiment(args) -> int:
     from rich.console import Console
 
-    from .experiments import build_matrix, render_summary, run_experiment
+    from .experiments import build_matrix, run_experiment
+    from .job_text import render_experiment
     from .trainer import TrainConfig
 
     cfg = _config_from_args(TrainConfig, args)
@@ -308,7 +309,7 @@ def _run_experiment(args) -> int:
     only = _split_run_names(args.only) if args.only else None
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
-    render_summary(summary, Console())
+    render_experiment(summary, Console())
     print(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
@@ -361,13 +362,14 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
 
 def _run_trace(args) -> int:
     from . import growth
-    from .trace import TraceConfig, render, run_trace
+    from .job_text import render_growth, render_trace
+    from .trace import TraceConfig, run_trace
 
     def run(cfg, err):
         return growth.run_growth(cfg.run, cfg.matmul, console=err) if cfg.run else run_trace(cfg, console=err)
 
     return _run_config_job(TraceConfig, args, run,
-                           lambda result, out: (growth.render if "snapshots" in result else render)(result, out))
+                           lambda result, out: (render_growth if "snapshots" in result else render_trace)(result, out))
 
 
 def _engines_parser(sub) -> None:
@@ -383,9 +385,10 @@ def _engines_parser(sub) -> None:
 
 
 def _run_engines(args) -> int:
-    from .engines.compare import CompareConfig, render, run_compare
+    from .engines.compare import CompareConfig, run_compare
+    from .job_text import render_engines
 
-    return _run_config_job(CompareConfig, args, run_compare, render)
+    return _run_config_job(CompareConfig, args, run_compare, render_engines)
 
 
 def _report_parser(sub) -> None:

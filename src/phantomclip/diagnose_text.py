@@ -1,7 +1,7 @@
 """What `diagnose` says and prints: the verdict paragraph and the tables, read from the result dict alone.
 
 `diagnose.run_diagnose` measures and returns figures; this surface module turns them into words (`verdict`,
-`with_verdict`) and terminal tables (`render`). It reads nothing but the dict (a JSON file written earlier
+`with_verdict`) and terminal tables (`render_diagnose`). It reads nothing but the dict (a JSON file written earlier
 renders the same), so the wording can change without touching the measurement. Figures: docs/metrics.md.
 """
 
@@ -30,7 +30,7 @@ worth a change, β is the engine's own rounding noise (a judgement, the same sca
 
 
 def with_verdict(result: dict) -> dict:
-    """`result` with its 'verdict' paragraph added (the key the JSON output and `render` read)."""
+    """`result` with its 'verdict' paragraph added (the key the JSON output and `render_diagnose` read)."""
     result["verdict"] = verdict(result)
     return result
 
@@ -273,7 +273,7 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
     return table
 
 
-def render(result: dict, console: Console) -> None:
+def render_diagnose(result: dict, console: Console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
     e = result["engine"]
     how = (f"{e['matmul']} matmul" if e["kind"] == "local"

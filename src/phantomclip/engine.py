@@ -210,14 +210,14 @@ class LocalEngine:
         """Nothing to free: the engine is its model copy, released with the object."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        return self._decode(prompts, params)
+        return self._decode(prompts, params, _Sampler(params))
 
     def rescore(self, rollout: Rollout, params: SamplingParams) -> Rollout:
         """The same prompts and completions, teacher-forced through the engine's own decode path (KV cache, one token
         a step, this batch's layout) with its current weights: the engine's log-probs of given tokens, as it would
         have reported them had it sampled them. With the weights that sampled `rollout` (and the same batch), the
         log-probs equal the rollout's bit for bit (tested)."""
-        return self._decode(rollout.prompt_ids, params, forced=rollout.completion_ids)
+        return self._decode(rollout.prompt_ids, params, _Forced(rollout.completion_ids, params))
 
     def _stepper(self, batch: int, max_len: int):
         """The forward the decode loop calls: (ids [B, T], positions [B, T], attention_mask [B, >= seen + T]) ->
@@ -237,42 +237,27 @@ class LocalEngine:
         return hf_step
 
     @torch.no_grad()
-    def _decode(self, prompts: list[list[int]], params: SamplingParams,
-                forced: list[list[int]] | None = None) -> Rollout:
-        """The decode loop: sample each next token (`sample_next_token`), or take it from `forced` (a row ends
-        after its last forced token), reporting each token's log-prob from the same logits."""
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, chooser: _Sampler | _Forced) -> Rollout:
+        """The decode loop: each next token from `chooser` (sampled, or given), with its log-prob from the same
+        logits; a row ends when the chooser says so and gets padding after."""
         check_prompts(prompts)
-        pad = params.stop_token_ids[0] if params.stop_token_ids else 0
+        pad = pad_id(params)
         ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
         B, P = ids.shape
-        steps = params.max_tokens if forced is None else max(max((len(c) for c in forced), default=0), 1)
+        steps = chooser.steps
         attn = torch.cat([prompt_attn, torch.zeros(B, steps, dtype=torch.long)], dim=1)  # [B, P + steps]
-        gen = torch.Generator().manual_seed(params.seed)
-        stop = torch.tensor(params.stop_token_ids or [-1])
-        if forced is not None:
-            given = torch.full((B, steps), pad, dtype=torch.long)  # [B, steps]
-            for b, c in enumerate(forced):
-                given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-            lengths_given = torch.tensor([len(c) for c in forced])  # [B]
         step_fn = self._stepper(B, P + steps)
         pos = position_ids_from_mask(attn[:, :P])  # [B, P]
         logits = step_fn(ids, pos, attn[:, :P])  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
-        done = torch.zeros(B, dtype=torch.bool) if forced is None else lengths_given == 0
+        done = chooser.done_at_start(B)  # [B]
         tokens, logps, logps_proc = [], [], []
         for step in range(steps):
-            if forced is None:
-                tok, lp, lpp = sample_next_token(logits, gen, params.temperature, params.top_k, params.top_p,
-                                                 params.min_p)
-            else:
-                tok = given[:, step]  # [B]
-                logp_all, logp_kept = next_token_logprobs(logits, params.temperature, params.top_k, params.top_p,
-                                                          params.min_p)
-                lp, lpp = logp_all.gather(-1, tok[:, None]).squeeze(-1), logp_kept.gather(-1, tok[:, None]).squeeze(-1)
+            tok, lp, lpp = chooser.pick(step, logits)  # [B] each
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             tokens.append(tok), logps.append(lp), logps_proc.append(lpp)
             attn[:, P + step] = (~done).long()  # a row that stopped earlier gets no more tokens
-            done = done | (torch.isin(tok, stop) if forced is None else lengths_given <= step + 1)
+            done = done | chooser.ends(step, tok)
             if bool(done.all()) or step == steps - 1:
                 break
             logits = step_fn(tok[:, None], next_pos, attn[:, : P + step + 1])
@@ -285,9 +270,62 @@ class LocalEngine:
             completion_ids=[tok_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine=[lp_t[b, : lengths[b]].tolist() for b in range(B)],
             logp_engine_processed=[lpp_t[b, : lengths[b]].tolist() for b in range(B)],
-            finished=done.tolist() if forced is None else [bool(c) and c[-1] in params.stop_token_ids
-                                                          for c in forced],
+            finished=chooser.finished(done),
         )
+
+
+def pad_id(params: SamplingParams) -> int:
+    """The token a finished row is padded with: the first stop token (0 without one)."""
+    return params.stop_token_ids[0] if params.stop_token_ids else 0
+
+
+class _Sampler:
+    """The decode loop's tokens drawn by `sample_next_token` (seeded once per call); a row ends at a stop token."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.steps = params, params.max_tokens
+        self.gen = torch.Generator().manual_seed(params.seed)
+        self.stop = torch.tensor(params.stop_token_ids or [-1])
+
+    def done_at_start(self, batch: int) -> torch.Tensor:
+        return torch.zeros(batch, dtype=torch.bool)
+
+    def pick(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.params
+        return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p)
+
+    def ends(self, step: int, tok: torch.Tensor) -> torch.Tensor:
+        return torch.isin(tok, self.stop)
+
+    def finished(self, done: torch.Tensor) -> list[bool]:
+        return done.tolist()
+
+
+class _Forced:
+    """The decode loop's tokens taken from given completions (teacher forcing, `LocalEngine.rescore`), scored from
+    the same logits as sampling would have; a row ends after its last given token."""
+
+    def __init__(self, completions: list[list[int]], params: SamplingParams):
+        self.params, self.completions = params, completions
+        self.steps = max(max((len(c) for c in completions), default=0), 1)
+        self.given = torch.full((len(completions), self.steps), pad_id(params), dtype=torch.long)  # [B, steps]
+        for b, c in enumerate(completions):
+            self.given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        self.lengths = torch.tensor([len(c) for c in completions])  # [B]
+
+    def done_at_start(self, batch: int) -> torch.Tensor:
+        return self.lengths == 0
+
+    def pick(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p, tok = self.params, self.given[:, step]  # [B]
+        logp_all, logp_kept = next_token_logprobs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+        return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1), logp_kept.gather(-1, tok[:, None]).squeeze(-1)
+
+    def ends(self, step: int, tok: torch.Tensor) -> torch.Tensor:
+        return self.lengths <= step + 1
+
+    def finished(self, done: torch.Tensor) -> list[bool]:
+        return [bool(c) and c[-1] in self.params.stop_token_ids for c in self.completions]
 
 
 @torch.no_grad()

@@ -326,21 +326,3 @@ def summary_markdown(summary: dict) -> str:
     notes = (f"\nMean [95% interval]: {summary['interval']}. *Steps to convergence is censored at the budget: a run "
              "that did not converge counts as the budget (a lower bound).\n\n")
     return head + rows + notes + "".join(f"- {line}\n" for line in summary["verdict"])
-
-
-def render_summary(summary: dict, console) -> None:
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=f"experiment {summary['experiment']}: mean [95% t interval] over seeds {summary['seeds']}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("arm")
-    table.add_column("seeds", justify="right")
-    for header, _ in ARM_COLUMNS:
-        table.add_column(header, justify="right")
-    for a in summary["arms"]:
-        table.add_row(a["run"], str(len(a["seeds"])), *(cell(a) for _, cell in ARM_COLUMNS))
-    console.print(table)
-    console.print("* censored at the budget: a run that did not converge counts as the budget")
-    for line in summary["verdict"]:
-        console.print(f"- {line}")

@@ -194,28 +194,3 @@ def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
         rows.append(row)
     return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
             "prob_edges": list(PROB_EDGES), "snapshots": rows}
-
-
-def render(result: dict, console) -> None:
-    """One table: per snapshot, mean |β| (reference and own tokens) and its change since the first snapshot split
-    into mix, within-bucket and interaction."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=f"how β grows along {result['run']}: mean |β| and its parts; its change since the first "
-                  "snapshot = mix + within + interaction (tokens: ref = sampled at step "
-                  f"{result['reference_step']}, own = sampled with that step's weights)",
-                  title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
-    # 9 columns of at most 7 characters: fits 80 columns
-    for name in ("step", "drift", "|β|", "kernel", "precis.", "Δ|β|", "mix", "within", "inter."):
-        table.add_column(name, justify="right", no_wrap=True)
-    for row in result["snapshots"]:
-        for which in ("reference", "own"):
-            if which not in row:
-                continue
-            r, d = row[which], row[which]["change_since_first"]
-            table.add_row(f"{row['step']} {'ref' if which == 'reference' else 'own'}",
-                          f"{row['weights']['relative_drift']:.0e}", f"{r['beta_abs_mean']:.4f}",
-                          f"{r['beta_kernel_abs_mean']:.4f}", f"{r['beta_precision_abs_mean']:.4f}",
-                          f"{d['change']:+.4f}", f"{d['mix']:+.4f}", f"{d['within']:+.4f}", f"{d['interaction']:+.4f}")
-    console.print(table)

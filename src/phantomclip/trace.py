@@ -340,7 +340,7 @@ def what_if_recipes(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
 
 
 def run_trace(cfg: TraceConfig, console=None) -> dict:
-    """`phantomclip trace`: every figure `render` prints and --json writes."""
+    """`phantomclip trace`: every figure `job_text.render_trace` prints and --json writes."""
     cfg.validate()
     say = console.print if console is not None else (lambda *a, **k: None)
     lm = load_model(cfg.model)
@@ -365,53 +365,3 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     result |= weights_vs_compute(st, logp_ref, say)
     result |= what_if_recipes(st, logp_ref, say)
     return result
-
-
-# ------------------------------------------------------------------------------------------ output
-
-
-def render(result: dict, console) -> None:
-    """Print a `run_trace` result (reads only the dict, so a saved --json renders the same)."""
-    from rich import box
-    from rich.table import Table
-
-    def table(title: str) -> Table:
-        return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-
-    console.print(f"[bold]phantomclip trace[/bold]: {result['recipe']} against {result['against']}, "
-                  f"{result['tokens']} completion tokens")
-    t = table("error along depth (‖x − x_ref‖ / ‖x_ref‖ over real tokens)")
-    for col in ("site", "rel error", "max |Δ|", "ref RMS", "ref max |x|"):
-        t.add_column(col, justify="left" if col == "site" else "right")
-    for r in result["sites"]:
-        t.add_row(r["site"], f"{r['rel_error']:.2e}", f"{r['max_abs_error']:.3g}", f"{r['ref_rms']:.3g}",
-                  f"{r['ref_max_abs']:.3g}")
-    console.print(t)
-    b, fo = result["beta"], result["first_order"]
-    console.print(f"β = Δlog p: mean {b['beta_mean']:+.4f}, mean |β| {b['beta_abs_mean']:.4f}, "
-                  f"outside the trust region {100 * b['outside_trust_region']:.2f}%. "
-                  f"First order Δz_y − Σ p_i Δz_i explains {100 * fo['explained_share']:.1f}% of Σ|β| "
-                  f"(correlation {fo['corr']:.4f}).")
-    t = table("by the reference probability of the token")
-    for col in ("p", "tokens", "mean |β|", "mean |Δz_y|", "mean |Σ p Δz|", "mean |first order|"):
-        t.add_column(col, justify="right")
-    for r in fo["buckets"]:
-        t.add_row(f"[{r['p_low']:g}, {r['p_high']:g})", str(r["tokens"]), f"{r['beta_abs_mean']:.4f}",
-                  f"{r['dz_target_abs_mean']:.4f}", f"{r['dz_expected_abs_mean']:.4f}",
-                  f"{r['first_order_abs_mean']:.4f}")
-    console.print(t)
-    if "split" in result:
-        sp = result["split"]
-        console.print(f"weights vs compute: rounding the weights alone (fp32 arithmetic) gives mean |β| "
-                      f"{sp['weights_only']['beta_abs_mean']:.4f}; the recipe's arithmetic on unrounded weights "
-                      f"{sp['compute_only']['beta_abs_mean']:.4f}; both {sp['whole']['beta_abs_mean']:.4f}. "
-                      f"Weights carry {100 * sp['weights_share_of_variance']:.0f}% of the variance (the parts add in "
-                      f"quadrature: ratio {sp['quadrature_ratio']:.2f}).")
-    if "what_if" in result:
-        t = table("what-if: keep modules in fp32 (ranked by gain per extra MiB)")
-        for col in ("keep fp32", "mean |β|", "outside %", "gain", "extra MiB", "forward s"):
-            t.add_column(col, justify="left" if col == "keep fp32" else "right")
-        for r in result["what_if"]:
-            t.add_row(",".join(r["keep_fp32"]), f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
-                      f"{r['gain']:+.4f}", f"{r['extra_mib']:.2f}", f"{r['forward_s']:.2f}")
-        console.print(t)

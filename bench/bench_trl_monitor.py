@@ -11,6 +11,8 @@ Timed per step (own callback, on_step_begin -> on_step_end, so generation and th
 the step; the monitor's `_measure` (shadow sync + shadow forward + precision_stats); `precision_stats` alone; its
 two collectives (`ranks._all_reduce_sum`, `ranks._all_gather`; in a real run that includes waiting for the slower
 rank); and, after training, `precision_stats` on a batch-sized input after a barrier (the collectives' own cost).
+Also the CPU seconds other processes used during each step (/proc/stat minus this bench's process tree): the tables
+are printed over the quiet steps (others < QUIET of the step's wall time) and over all timed steps.
 """
 
 from __future__ import annotations
@@ -43,6 +45,34 @@ def cpu_kind() -> tuple[str, str]:
             model = value.strip()
     kind = "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
     return kind, model
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core has been busy since boot (/proc/stat: all but idle and iowait)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s(root: int) -> float:
+    """CPU seconds used so far by `root` (this benchmark's driver) and every process below it (torchrun starts its
+    ranks in new sessions, so the tree is followed, not a process group)."""
+    parent, cpu = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent[int(d)] = int(fields[1])
+        cpu[int(d)] = int(fields[11]) + int(fields[12])  # utime + stime
+    total = 0
+    for pid, ticks in cpu.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        total += ticks if p == root else 0
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------------------------- worker (one rank)
@@ -79,13 +109,18 @@ def one_run(monitored: bool, steps: int, out_dir: str, timers: Timers) -> dict:
     class Clock(TrainerCallback):
         def __init__(self):
             self.times: dict[int, float] = {}
+            self.others: dict[int, float] = {}  # CPU seconds other processes used during the step
+            self.root = int(os.environ.get("BENCH_ROOT_PID", os.getpid()))
 
         def on_step_begin(self, args, state, control, **kw):
             timers.step = state.global_step  # the step _compute_loss sees (global_step before the increment)
+            self.busy0, self.own0 = machine_busy_s(), own_cpu_s(self.root)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.times[timers.step] = time.perf_counter() - self.t0
+            busy, own = machine_busy_s() - self.busy0, own_cpu_s(self.root) - self.own0
+            self.others[timers.step] = max(busy - own, 0.0)
 
     t_load = time.perf_counter()
     torch.manual_seed(0)
@@ -110,7 +145,7 @@ def one_run(monitored: bool, steps: int, out_dir: str, timers: Timers) -> dict:
     trainer.train()
     logs = trainer.state.log_history
     run = {
-        "monitored": monitored, "load_s": t_load, "step_s": clock.times,
+        "monitored": monitored, "load_s": t_load, "step_s": clock.times, "others_cpu_s": clock.others,
         "trl_step_time": [h["step_time"] for h in logs if "step_time" in h],
         "mean_length": [h["completions/mean_length"] for h in logs if "completions/mean_length" in h],
         "min_length": [h["completions/min_length"] for h in logs if "completions/min_length" in h],
@@ -180,7 +215,9 @@ def worker(args) -> None:
                 runs.append(run)
                 if rank == 0:
                     steps = [f"{t:.2f}" for _, t in sorted(run["step_s"].items())]
+                    others = [f"{t:.1f}" for _, t in sorted(run["others_cpu_s"].items())]
                     print(f"[{world} proc] {'monitored' if monitored else 'plain'} run {r}: steps {steps} s, "
+                          f"other processes' CPU during each {others} s, "
                           f"wall {run['wall_s']:.0f} s, 1-min load average at its end {run['load1']:.1f}", flush=True)
     result = {"world": world, "rank": rank, "threads": threads, "runs": runs, "isolated_stats_ms": isolated_stats_ms()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -194,37 +231,44 @@ def med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+QUIET = 0.05
+"""a step is quiet when other processes used under this share of its wall time in CPU seconds."""
+
+
 def summarise(ranks: list[dict]) -> dict:
-    """Medians over timed steps (warm-up step 0 dropped), pooled over repeats; rank 0's step times (every rank's
-    step ends at the same gradient all-reduce), the monitor's parts as the max over ranks per step."""
+    """Medians over timed steps (warm-up step 0 dropped), pooled over repeats, over every timed step and over the
+    quiet ones (QUIET); rank 0's step times (every rank's step ends at the same gradient all-reduce), the monitor's
+    parts as the max over ranks per step."""
     r0 = ranks[0]
-    timed = lambda d: {s: t for s, t in d.items() if int(s) > 0}  # noqa: E731
-    plain, monit, measure, stats, coll, sync, lengths = [], [], [], [], [], [], []
+    steps, lengths = [], []  # one dict per timed step
     for i, run in enumerate(r0["runs"]):
-        lengths += [x for x in run["mean_length"][1:]]
-        if not run["monitored"]:
-            plain += timed(run["step_s"]).values()
-            continue
-        monit += timed(run["step_s"]).values()
+        lengths += run["mean_length"][1:]
         per_rank = [rk["runs"][i]["timers"] for rk in ranks]
-        for s in timed(run["step_s"]):
-            part = lambda name: max(t.get(name, {}).get(s, 0.0) for t in per_rank)  # noqa: E731
-            measure.append(part("measure"))
-            stats.append(part("precision_stats"))
-            coll.append(part("all_reduce") + part("all_gather"))
-            sync.append(part("shadow_sync"))
+        for s, t in run["step_s"].items():
+            if int(s) == 0:
+                continue
+            part = lambda name: max(tm.get(name, {}).get(s, 0.0) for tm in per_rank)  # noqa: E731
+            steps.append({"monitored": run["monitored"], "t": t, "others": run["others_cpu_s"][s],
+                          "measure": part("measure"), "stats": part("precision_stats"),
+                          "coll": part("all_reduce") + part("all_gather"), "sync": part("shadow_sync")})
+
+    def figures(chosen: list[dict]) -> dict:
+        plain = [x["t"] for x in chosen if not x["monitored"]]
+        mon = [x for x in chosen if x["monitored"]]
+        p, m = med(plain), med([x["t"] for x in mon])
+        pick = lambda key: med([x[key] for x in mon])  # noqa: E731
+        return {"n_plain": len(plain), "n_monitored": len(mon), "plain": p, "monitored": m, "overhead": (m - p) / p,
+                "measure": pick("measure"), "measure_share": pick("measure") / p, "stats_ms": 1000 * pick("stats"),
+                "coll_ms": 1000 * pick("coll"), "coll_share": pick("coll") / p, "sync": pick("sync")}
+
     last = [run for run in r0["runs"] if run["monitored"]][-1]
-    iso = [med(rk["isolated_stats_ms"]) for rk in ranks]
-    p = med(plain)
     return {
-        "world": r0["world"], "threads": r0["threads"], "plain": p, "monitored": med(monit), "plain_all": plain,
-        "monitored_all": monit, "overhead": (med(monit) - p) / p, "measure": med(measure),
-        "measure_share": med(measure) / p,
-        "stats_ms": 1000 * med(stats), "coll_ms": 1000 * med(coll), "coll_share": med(coll) / p,
-        "iso_stats_ms": max(iso), "sync": med(sync), "shadow_mib": last["shadow_bytes"] / 2**20,
-        "shadow_dtypes": last["shadow_dtypes"], "model_mib": last["model_fp32_bytes"] / 2**20,
-        "mean_length": (min(lengths), max(lengths)) if lengths else None,
-        "params": last["model_fp32_bytes"] / 4, "beta_abs_mean": last["beta_abs_mean"],
+        "world": r0["world"], "threads": r0["threads"], "all": figures(steps),
+        "quiet": figures([x for x in steps if x["others"] < QUIET * x["t"]]),
+        "steps": steps, "iso_stats_ms": max(med(rk["isolated_stats_ms"]) for rk in ranks),
+        "shadow_mib": last["shadow_bytes"] / 2**20, "shadow_dtypes": last["shadow_dtypes"],
+        "model_mib": last["model_fp32_bytes"] / 2**20, "params": last["model_fp32_bytes"] / 4,
+        "mean_length": (min(lengths), max(lengths)) if lengths else None, "beta_abs_mean": last["beta_abs_mean"],
     }
 
 
@@ -251,26 +295,34 @@ def main() -> None:
             else:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *tail]
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "2" if n == 1 else "1"})
+            env = {**os.environ, "OMP_NUM_THREADS": "2" if n == 1 else "1", "BENCH_ROOT_PID": str(os.getpid())}
+            subprocess.run(cmd, check=True, env=env)
             print(f"[{n} proc] done in {time.perf_counter() - t0:.0f} s", flush=True)
             rows.append(summarise([json.loads(Path(out, f"w{n}-rank{r}.json").read_text()) for r in range(n)]))
+    for which in ("quiet", "all"):
+        print(f"\n{which} timed steps" + (f" (other processes' CPU < {QUIET:.0%} of the step)" if which == "quiet"
+                                          else ""))
+        print("| processes | plain step s | monitored step s | overhead % | measure s (% of plain) | collectives ms "
+              "(% of plain) | shadow MiB | model fp32 MiB | steps plain / monitored |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for s in rows:
+            f = s[which]
+            print(f"| {s['world']} | {f['plain']:.2f} | {f['monitored']:.2f} | {100 * f['overhead']:+.1f} | "
+                  f"{f['measure']:.2f} ({100 * f['measure_share']:.1f}%) | {f['coll_ms']:.2f} "
+                  f"({100 * f['coll_share']:.3f}%) | {s['shadow_mib']:.0f} | {s['model_mib']:.0f} | "
+                  f"{f['n_plain']} / {f['n_monitored']} |")
     print()
-    print("| processes | plain step s | monitored step s | overhead % | measure s (% of plain) | collectives ms "
-          "(% of plain) | shadow MiB | model fp32 MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in rows:
-        print(f"| {s['world']} | {s['plain']:.2f} | {s['monitored']:.2f} | {100 * s['overhead']:+.1f} | "
-              f"{s['measure']:.2f} ({100 * s['measure_share']:.1f}%) | {s['coll_ms']:.2f} "
-              f"({100 * s['coll_share']:.3f}%) | {s['shadow_mib']:.0f} | {s['model_mib']:.0f} |")
-    print()
-    for s in rows:
-        print(f"{s['world']} proc ({s['threads']} thread(s) each): "
-              f"plain steps {[round(t, 2) for t in s['plain_all']]}, "
-              f"monitored {[round(t, 2) for t in s['monitored_all']]}; shadow sync {s['sync']:.2f} s/step; "
-              f"precision_stats {s['stats_ms']:.2f} ms/call in the run, {s['iso_stats_ms']:.2f} ms after a "
-              "barrier; "
+        f = s["quiet"]
+        print(f"{s['world']} proc ({s['threads']} thread(s) each), quiet steps: shadow sync {f['sync']:.2f} s/step; "
+              f"precision_stats {f['stats_ms']:.2f} ms/call in the run, {s['iso_stats_ms']:.2f} ms after a barrier; "
               f"completions/mean_length {s['mean_length']} (max {MAX_LEN}); shadow {s['shadow_dtypes']}, "
-              f"{s['params'] / 1e6:.1f}M params; beta_abs_mean {[round(b, 4) for b in s['beta_abs_mean']]}")
+              f"{s['params'] / 1e6:.1f}M params; beta_abs_mean of the last run "
+              f"{[round(b, 4) for b in s['beta_abs_mean']]}")
+        for x in s["steps"]:
+            kind = "monitored" if x["monitored"] else "plain    "
+            print(f"    {kind} {x['t']:6.2f} s, others' CPU {x['others']:5.1f} s, "
+                  f"measure {x['measure']:.2f} s, sync {x['sync']:.2f} s, collectives {1000 * x['coll']:.2f} ms")
     print(f"an 8B model's shadow in bf16: 8e9 x 2 bytes = 16 GB ({8e9 * 2 / 2**30:.1f} GiB) per rank")
 
 

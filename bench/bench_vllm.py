@@ -16,7 +16,7 @@ import os
 import time
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import this file
-    from phantomclip.engines.compare import CompareConfig, compare_engines
+    from phantomclip.compare import CompareConfig, compare_engines
     from phantomclip.engines.vllm import ENV_DEFAULTS
     from phantomclip.models import load_model
 

@@ -5,7 +5,7 @@ Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
   leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs,
             files, console
   core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth
-  jobs      diagnose, trainer, trace, experiments, engines.compare (the `phantomclip engines` command)
+  jobs      diagnose, trainer, trace, experiments, growth, compare (the `phantomclip engines` command)
   surfaces  report, integrations, cli, diagnose_text, job_text
 The package root (phantomclip/__init__.py: version constants) is below them all: anyone may import it, it imports
 nothing of the package.
@@ -35,7 +35,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
              "frameworks", "knobs", "files", "console"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth"),
-    "jobs": ("diagnose", "trainer", "trace", "experiments", "engines.compare", "growth"),
+    "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text", "job_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
@@ -201,17 +201,20 @@ def test_every_module_is_in_a_layer():
 
 
 def test_the_checker_sees_what_it_should(tmp_path):
-    # A job importing another job's private helper lazily inside a function, a leaf importing a core module, and a
-    # two-module cycle: each must be reported, with relative imports resolved from inside a subpackage.
-    edges = imports_of("engines.compare", _write(tmp_path, "def f():\n    from ..trace import _x\n"), {"trace"})
-    assert edges == [Import("engines.compare", "trace", "_x", 2)]
+    # A core module importing a job's private helper lazily inside a function, a leaf importing a core module, a job
+    # importing a job, and a two-module cycle: each must be reported, with relative imports resolved from inside a
+    # subpackage.
+    edges = imports_of("engines.vllm", _write(tmp_path, "def f():\n    from ..trace import _x\n"), {"trace"})
+    assert edges == [Import("engines.vllm", "trace", "_x", 2)]
+    edges += [Import("compare", "trace", "run_trace", 1)]
     edges += [Import("metrics", "scoring", "score", 1), Import("loss", "tasks", None, 1),
               Import("tasks", "loss", "clip_range", 1), Import("trainer", "", "SCHEMA_VERSION", 1)]
     assert violations(edges) == [
         "cycle loss -> tasks -> loss: loss -> tasks (module)",
         "cycle loss -> tasks -> loss: tasks -> loss (clip_range)",
-        "job imports a job: engines.compare -> trace (_x)",
-        "private name: engines.compare -> trace (_x)",
+        "job imports a job: compare -> trace (run_trace)",
+        "private name: engines.vllm -> trace (_x)",
+        "upward import: engines.vllm -> trace (_x)",
         "upward import: metrics -> scoring (score)",
     ]
     aliased = imports_of("trace", _write(tmp_path, "from . import recipes\nrecipes._final_norm(m)\n"), {"recipes"})

@@ -373,7 +373,7 @@ def _run_trace(args) -> int:
 
 
 def _engines_parser(sub) -> None:
-    from .engines.compare import CompareConfig
+    from .compare import CompareConfig
 
     p = sub.add_parser("engines", help="what the real engine costs: start-up and tokens/s of the in-process engine "
                        "and vLLM",
@@ -385,7 +385,7 @@ def _engines_parser(sub) -> None:
 
 
 def _run_engines(args) -> int:
-    from .engines.compare import CompareConfig, run_compare
+    from .compare import CompareConfig, run_compare
     from .job_text import render_engines
 
     return _run_config_job(CompareConfig, args, run_compare, render_engines)

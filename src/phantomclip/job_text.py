@@ -5,7 +5,7 @@ Each function reads only the job's result dict, so a saved --json renders the sa
 
 from __future__ import annotations
 
-from .engines.compare import CompareConfig
+from .compare import CompareConfig
 from .experiments import ARM_COLUMNS
 
 

@@ -12,12 +12,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..engine import SamplingParams
-from ..errors import PhantomclipError, check_number, check_seed
-from ..models import BUNDLED_NAME
-from ..numerics import dtype_name, parse_dtype
-from ..prompts import bundled_prompts, encode_within
-from . import ENGINE_KINDS, start_engine
+from .engine import SamplingParams
+from .engines import ENGINE_KINDS, start_engine
+from .errors import PhantomclipError, check_number, check_seed
+from .models import BUNDLED_NAME
+from .numerics import dtype_name, parse_dtype
+from .prompts import bundled_prompts, encode_within
 
 
 class CompareError(PhantomclipError):
@@ -64,7 +64,7 @@ class CompareConfig:
             check_number(flag, v, 1, integer=True, error=CompareError)
         check_seed("--seed", self.seed, error=CompareError)
         if "vllm" in self.engines:
-            from .vllm import require_vllm
+            from .engines.vllm import require_vllm
 
             require_vllm()
 
@@ -103,7 +103,7 @@ def compare_engines(cfg: CompareConfig, lm, say=print) -> list[dict]:
 
 def run_compare(cfg: CompareConfig, console=None) -> dict:
     """The `engines` job: load the model, time the engines; {"config": ..., "rows": compare_engines(...)}."""
-    from ..models import load_model
+    from .models import load_model
 
     say = console.print if console is not None else (lambda *a, **k: None)
     lm = load_model(cfg.model, progress=say)

@@ -20,8 +20,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _diagnose_parser(sub) -> None:
-    from .diagnose import KNOB_FIELDS as DIAGNOSE_KNOBS
-    from .diagnose import DiagnoseConfig
+    from .diagnose_config import KNOB_FIELDS as DIAGNOSE_KNOBS
+    from .diagnose_config import DiagnoseConfig
 
     p = sub.add_parser(
         "diagnose",
@@ -205,8 +205,8 @@ def _config_from_args(cls, args, **overrides):
 
 
 def _train_parser(sub) -> None:
-    from .trainer import KNOB_FIELDS as TRAIN_KNOBS
-    from .trainer import TrainConfig
+    from .train_config import KNOB_FIELDS as TRAIN_KNOBS
+    from .train_config import TrainConfig
 
     p = sub.add_parser(
         "train", help="asynchronous GRPO that logs α (policy change) and β (precision gap) separately",
@@ -261,8 +261,8 @@ def _run_train(args) -> int:
 
 def _experiment_parser(sub) -> None:
     from .experiments import DEFAULT_SEEDS, SANITY_DEFAULTS
-    from .trainer import KNOB_FIELDS as TRAIN_KNOBS
-    from .trainer import TrainConfig
+    from .train_config import KNOB_FIELDS as TRAIN_KNOBS
+    from .train_config import TrainConfig
 
     p = sub.add_parser("experiment", help="named experiment matrices over several seeds, read with 95%% intervals")
     esub = p.add_subparsers(dest="experiment", required=True)

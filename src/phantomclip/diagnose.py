@@ -18,21 +18,20 @@ import math
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from . import DIAGNOSE_SCHEMA, __version__
 from .console import progress_bar
-from .engine import Rollout, SamplingParams
-from .engines import ENGINE_KINDS, start_engine
+from .diagnose_config import DiagnoseConfig
+from .engine import Rollout
+from .engines import start_engine
 from .engines.drift import Drift, first_rows, measure_drift
-from .errors import ConfigError, check_number, check_seed
 from .files import rounded
-from .frameworks import FRAMEWORKS, check_frameworks, framework_figures
-from .knobs import KnobSettings, knob_figures
-from .loss import KNOBS, check_knobs, clip_range
+from .frameworks import framework_figures
+from .knobs import knob_figures
 from .metrics import (
     mean_or_nan,
     mismatch_stats,
@@ -40,157 +39,14 @@ from .metrics import (
     quantile_or_nan,
     trust_region_split,
 )
-from .models import BUNDLED_NAME, LoadedModel, load_model, stop_token_ids
+from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
-from .recipes import RECIPES, apply_recipe, cpu_description, engine_recipe, get_recipe, resolve_matmul
+from .recipes import apply_recipe, cpu_description, engine_recipe, get_recipe
 from .scoring import score
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-
-KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "seq_mask_cap": "cap", "token_cap": "cap",
-               "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
-"""DiagnoseConfig's fields that are loss.KNOBS: one default, range and help for every command."""
-
-
-@dataclass
-class DiagnoseConfig:
-    """Everything that determines a diagnose run (written verbatim into the JSON output)."""
-
-    model: str = BUNDLED_NAME
-    """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', a local directory or a hub id."""
-    trainer: list[str] = field(default_factory=lambda: list(RECIPES))
-    """trainer precision recipes to compare against the engine, comma-separated (recipes.RECIPES; the first is told
-    apart in the verdict)."""
-    engine: str = "local"
-    """inference engine: 'local' (in-process, this package) or 'vllm' (vLLM's offline LLM; install it apart, see
-    README)."""
-    engine_dtype: str = "bf16"
-    """dtype the inference engine samples in (bf16, fp16 or fp32)."""
-    logprobs_mode: str = "raw"
-    """which log-probs vLLM reports: 'raw' (full vocabulary, before temperature) or 'processed' (after temperature
-    and truncation, as TRL asks for)."""
-    max_model_len: int = 0
-    """vLLM's context limit in tokens (0 = the model's own)."""
-    epsilon: float = KNOBS["epsilon"].default
-    """PPO clip ε_low: the ratio's lower bound is 1 − ε_low (loss.KNOBS, as every knob below)."""
-    epsilon_high: float | None = KNOBS["epsilon_high"].default
-    """PPO clip ε_high (DAPO's clip-higher); None: the same as --epsilon (loss.clip_range)."""
-    n: int = 64
-    """number of completions to sample (prompts are reused in order if n exceeds the prompt set)."""
-    max_tokens: int = 48
-    """maximum completion length in tokens."""
-    temperature: float = 1.0
-    """sampling temperature; trainer log-probs are computed at the same temperature."""
-    top_p: float = 1.0
-    """engine top-p; β is measured on full-vocabulary log-probs, and truncation's own bias (log S) apart."""
-    top_k: int = 0
-    """engine top-k (0 = off)."""
-    min_p: float = 0.0
-    """engine min-p: keep tokens with at least min_p times the top token's probability (0 = off)."""
-    seed: int = 0
-    """seed of the engine's sampler."""
-    prompts: str | None = None
-    """file of prompts (one per line, or JSONL with a "prompt" field); None: the 64 bundled prompts."""
-    batch_size: int = 64
-    """sequences per engine / scoring batch (decode is bound by reading the weights: bigger batches are cheaper per
-    token)."""
-    seq_mask_cap: float = KNOBS["cap"].default
-    """cap C of TRL's sequence_mask: sequences with exp(Σβ) > C would be dropped."""
-    token_cap: float = KNOBS["cap"].default
-    """cap C of the token-level corrections, for the knob advice: TIS (token_truncate) truncates r to C, token_mask
-    drops tokens with r > C (loss.KNOBS; TRL's vllm_importance_sampling_cap)."""
-    icepop_low: float = KNOBS["icepop_low"].default
-    """IcePop's lower bound, for the knob advice: tokens with r below it are dropped."""
-    icepop_high: float = KNOBS["icepop_high"].default
-    """IcePop's upper bound, for the knob advice: tokens with r above it are dropped."""
-    keep_share: float = 0.99
-    """the knob advice's target: for each correction knob, the setting that leaves this share of tokens (token
-    knobs) or of sequences (sequence knobs) untouched on the measured β of the first trainer recipe, in (0, 1)."""
-    batch_invariance: bool = True
-    """also score up to 12 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
-    each trainer recipe, and report split.batch = logp in the run's batch − logp alone. Costs 16 single-sequence
-    forwards per recipe (`seconds_alone`). Measured on tiny-random (n 64, 16 tokens): 0.03-0.07 s per recipe, +0.3 s
-    on a 5 s run. Estimated for the bundled model's default run (not measured): 16 unpadded rows are about a fifth of
-    the tokens of a recipe's batched scoring (16-22 s, bench/RESULTS.md), so about 4 s per recipe, 20 s on 127 s:
-    about 15%."""
-    matmul: str = "auto"
-    """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
-    framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
-    """RL frameworks whose own mismatch figures to compute for each recipe, comma-separated (frameworks.FRAMEWORKS;
-    default all of them: a few masked means, negligible next to scoring)."""
-    knob_length: int = 0
-    """completion length in tokens the knob advice judges the sequence knobs at (extrapolated when longer than the
-    sampled completions); 0: --max-tokens. --from-trl-config / --from-verl-config fill it from the config's
-    completion length when it is 0."""
-    drift: int | None = None
-    """push the same (unchanged) weights into the engine this many times and re-read the same tokens after each
-    push (engines/drift.py); a gap that moves is an engine defect. None: off."""
-
-    def __post_init__(self):
-        if isinstance(self.trainer, str):
-            self.trainer = [t.strip() for t in self.trainer.split(",") if t.strip()]
-        if isinstance(self.framework, str):
-            self.framework = [t.strip() for t in self.framework.split(",") if t.strip()]
-        if self.framework == ["all"]:  # the issue's spelling of the default
-            self.framework = list(FRAMEWORKS)
-        self.epsilon, self.epsilon_high = clip_range(self.epsilon, self.epsilon_high)
-
-    def validate(self) -> None:
-        """Refuse a setting that cannot run, with a one-line message naming the flag, before anything loads."""
-        if not self.trainer:
-            raise ConfigError("--trainer is empty: give one or more of " + ", ".join(RECIPES))
-        for name in self.trainer:
-            get_recipe(name)
-        check_frameworks(self.framework)
-        try:
-            parse_dtype(self.engine_dtype)
-        except ValueError as e:
-            raise ConfigError(f"--engine-dtype: {e}") from None
-        check_knobs(self, KNOB_FIELDS)
-        for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
-            check_number(flag, value, 1, integer=True)
-        check_number("--knob-length", self.knob_length, 0, integer=True)
-        if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
-            check_number("--drift", self.drift, 1, integer=True)
-        check_number("--max-model-len", self.max_model_len, 0, integer=True)
-        check_seed("--seed", self.seed)
-        check_number("--temperature", self.temperature, 0, low_open=True)
-        check_number("--keep-share", self.keep_share, 0, 1, low_open=True, high_open=True)
-        if self.engine not in ENGINE_KINDS:
-            raise ConfigError(f"--engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
-        from .engines.vllm import (  # vLLM itself is not imported
-            check_logprobs_mode,
-            check_sampling,
-            require_vllm,
-        )
-
-        check_logprobs_mode(self.logprobs_mode)  # for the local engine too: a typo is refused, not ignored
-        try:
-            self.sampling(0)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        try:
-            resolve_matmul(self.matmul)
-        except ValueError as e:
-            raise ConfigError(f"--matmul: {e}") from None
-        if self.engine == "vllm":
-            check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
-            require_vllm()
-
-    def knob_settings(self) -> KnobSettings:
-        """The user's current setting of every correction knob (knobs.py)."""
-        return KnobSettings(self.epsilon, self.epsilon_high, self.token_cap, self.seq_mask_cap, self.icepop_low,
-                            self.icepop_high)
-
-    def sampling(self, batch: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-        """The engine's sampling settings for batch number `batch` (each batch has its own seed)."""
-        return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed + batch, stop_token_ids=stop_token_ids,
-        )
 
 
 def _versions() -> dict[str, str]:

@@ -23,15 +23,8 @@ from .files import atomic_write_bytes, write_json
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import DirLock, RunDir, read_json_object
-from .trainer import (
-    ADDED_SINCE_SCHEMA_1,
-    RESUME_MAY_CHANGE,
-    TrainConfig,
-    engine_refuses,
-    run_config,
-    run_finished,
-    train,
-)
+from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, engine_refuses
+from .trainer import run_config, run_finished, train
 
 SANITY_INTERVENTIONS = (
     "none", "match-bf16", "fp16", "autocast", "fp32-head", "shadow-ratio", "recompute-old", "force-r1", "no-clip",

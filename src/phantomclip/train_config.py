@@ -1,0 +1,133 @@
+"""`phantomclip train`'s configuration: one dataclass, a docstring under every field (each is a flag), and its
+validation, which refuses a setting that cannot run in one line before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engines import ENGINE_KINDS, cannot_run
+from .errors import check_number, check_seed
+from .interventions import TrainConfigError, resolve_plan
+from .loss import AGGREGATIONS, KNOBS, check_knobs
+from .recipes import RECIPES, get_recipe
+
+EXPERIMENT_LR = 3e-5
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
+"""config fields added after runs were first written: an older run resumes as if they had their defaults."""
+KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
+               "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
+"""TrainConfig's fields that are loss.KNOBS: one default, range and help for every command."""
+RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps",
+                     "keep_snapshots")
+"""config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
+
+
+@dataclass
+class TrainConfig:
+    """One GRPO run. Every field is a `phantomclip train` flag (underscores become dashes)."""
+
+    model: str = "smollm2-135m"
+    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', a model directory or a hub id."""
+    task: str = "neglen"
+    """reward task: neglen (reward = −length), target-length or add; ignored when --reward is given."""
+    reward: str | None = None
+    """a user reward 'module:function' taking (prompts, completions, completion_ids) -> list of floats."""
+    trainer: str = "fp32"
+    """trainer precision recipe (fp32, bf16, fp16, bf16-autocast, fp32-head) before interventions."""
+    engine: str = "local"
+    """the sampling engine: 'local' (the in-process engine) or 'vllm' (vLLM's offline engine, as in the reference
+    analysis: started once per run, the weights synced into it in place before every batch; needs vLLM, see
+    scripts/install_vllm_cpu.sh on a CPU)."""
+    engine_dtype: str = "bf16"
+    """engine dtype (bf16, fp16, fp32) before interventions."""
+    intervention: str = "none"
+    """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or
+    epsilon=0.3."""
+    epsilon: float = KNOBS["epsilon"].default
+    """PPO clip ε_low (this and the correction knobs below: one default and range in loss.KNOBS)."""
+    epsilon_high: float | None = KNOBS["epsilon_high"].default
+    """PPO clip ε_high (default: epsilon)."""
+    steps: int = 40
+    """optimizer steps (one batch each)."""
+    prompts_per_step: int = 1
+    """distinct prompts per batch."""
+    group_size: int = 8
+    """completions per prompt (GRPO group, at least 2)."""
+    max_tokens: int = 32
+    """max completion tokens."""
+    temperature: float = 1.0
+    """sampling temperature."""
+    lr: float = EXPERIMENT_LR
+    """AdamW learning rate. TRL's default 1e-6 barely moves the bundled model in a CPU budget of a few dozen
+    steps; 3e-5 shows learning within them (README: 'Why these defaults')."""
+    max_grad_norm: float = 1.0
+    """gradient norm clip."""
+    loss_type: str = "dapo"
+    """loss aggregation: grpo, dapo (token mean) or dr_grpo."""
+    importance_level: str = "token"
+    """PPO ratio per token, or per sequence (GSPO geometric mean)."""
+    scale_rewards: bool = True
+    """divide advantages by the group std (off = Dr. GRPO)."""
+    staleness: int = 1
+    """the engine samples with weights this many steps old (0 = on-policy)."""
+    correction_cap: float = KNOBS["cap"].default
+    """cap C of the truncate / mask rollout corrections (the tis, mis, seq-* interventions)."""
+    icepop_low: float = KNOBS["icepop_low"].default
+    """IcePop (`icepop` intervention): tokens whose π/μ is below this are masked."""
+    icepop_high: float = KNOBS["icepop_high"].default
+    """IcePop: tokens whose π/μ is above this are masked."""
+    seed: int = 0
+    """seeds prompt choice and sampling: a run is deterministic for a seed."""
+    stop_after_converged: int = 0
+    """stop once the task has counted as converged for this many consecutive steps (0: always run --steps)."""
+    checkpoint_every: int = 10
+    """write a checkpoint every this many steps (and at the end, and on Ctrl-C)."""
+    samples_per_step: int = 2
+    """completions per step written to samples.jsonl."""
+    token_log_steps: int = 5
+    """per-token α, β, advantage and clip flags are written to tokens.jsonl for this many first steps."""
+    keep_snapshots: int = 0
+    """keep the fp32 weights every this many steps (and at step 0) in OUT/snapshots/, with the tokens sampled with
+    them, for `trace`'s analysis of how β grows (0: none; the bundled model's snapshot is about 540 MB)."""
+    prompts: str | None = None
+    """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
+    matmul: str = "auto"
+    """low-precision matmul kernels: auto, native or emulated (see README)."""
+
+    def validate(self) -> None:
+        """Refuse a setting that cannot run, with one line naming the flag (errors.check_number's rules, shared by
+        every command), before anything loads."""
+        # a GRPO group needs 2 completions of a prompt to compare (a group of one has no advantage)
+        whole = [("--steps", self.steps, 1), ("--prompts-per-step", self.prompts_per_step, 1),
+                 ("--group-size", self.group_size, 2), ("--max-tokens", self.max_tokens, 1),
+                 ("--staleness", self.staleness, 0), ("--checkpoint-every", self.checkpoint_every, 1),
+                 ("--stop-after-converged", self.stop_after_converged, 0),
+                 ("--samples-per-step", self.samples_per_step, 0), ("--token-log-steps", self.token_log_steps, 0),
+                 ("--keep-snapshots", self.keep_snapshots, 0)]
+        for flag, value, low in whole:
+            check_number(flag, value, low, integer=True, error=TrainConfigError)
+        check_seed("--seed", self.seed, error=TrainConfigError)
+        # an lr above 1 is no AdamW step size: it diverges in one step (NaN from step 2)
+        check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
+        check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)
+        check_number("--max-grad-norm", self.max_grad_norm, 0, low_open=True, error=TrainConfigError)
+        check_knobs(self, KNOB_FIELDS, TrainConfigError)
+        checks = [
+            (self.loss_type in AGGREGATIONS,
+             f"unknown --loss-type {self.loss_type!r}: use one of {', '.join(AGGREGATIONS)}"),
+            (self.importance_level in ("token", "sequence"),
+             f"unknown --importance-level {self.importance_level!r}: use token or sequence"),
+            (self.trainer in RECIPES, f"unknown --trainer {self.trainer!r}: use one of {', '.join(RECIPES)}"),
+            (self.engine in ENGINE_KINDS, f"unknown --engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainConfigError(message)
+        refused = engine_refuses(self)
+        if refused:
+            raise TrainConfigError(refused)
+
+
+def engine_refuses(cfg: TrainConfig) -> str | None:
+    """Why cfg's engine cannot sample in its plan's engine recipe, or None (`engines.cannot_run`)."""
+    return cannot_run(cfg.engine, get_recipe(resolve_plan(cfg).engine_recipe))

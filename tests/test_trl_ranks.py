@@ -137,6 +137,17 @@ def test_shadow_ratio_gradients_under_ddp_equal_one_process(ranks, one_process):
                      terms=tokens, name="loss")
 
 
+def test_shadow_ratio_runs_on_fsdp_shards_with_the_ddp_loss(ranks):
+    """with_shadow_ratio on FSDP2 and FSDP1 shards: forward and backward run, and each rank's loss is the one DDP
+    computes on the same rows (the same forward on gathered weights, the same shadow): equal to a few fp32 roundings
+    of the loss's sum over the rank's tokens."""
+    tokens = int(worker.global_batch()["num_items_in_batch"].item())
+    for r, rank in enumerate(ranks):
+        for kind in ("fsdp2", "fsdp1"):
+            assert_close_eps(rank[f"{kind}_sr_loss"], rank["ddp_loss"], torch.float32, abs(rank["ddp_loss"]) + 1e-3,
+                             terms=tokens, name=f"rank {r} {kind} loss")
+
+
 def test_training_loop_logs_the_same_rows_on_every_rank(ranks):
     """3 steps of trainer.train() with interval 2: precision figures at the optimizer steps 0 and 2 (logged as steps
     1 and 3), none at step 2, identical on both ranks, and the trainer precision recorded first."""

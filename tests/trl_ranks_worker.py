@@ -144,6 +144,16 @@ def main(out: str) -> None:
         trainer._compute_loss(trainer.model, part)
         record[f"{kind}_stats"] = dict(monitor.last)
         record[f"{kind}_shadow_bytes"] = sum(p.numel() * p.element_size() for p in monitor._shadow.model.parameters())
+        # with_shadow_ratio on the same shards: its loss on this rank's half (its gradients are FSDP's to reduce)
+        shadowed = make_trainer(f"{out}/{kind}-sr", cls=with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16"))
+        part = rows(batch, lo, hi, shadowed)
+        wrapped = shard(shadowed.model)
+        shadowed.model = shadowed.model_wrapped = wrapped if wrapped is not None else shadowed.model
+        shadowed.current_gradient_accumulation_steps = 1
+        shadowed.model.train()
+        loss = shadowed._compute_loss(shadowed.model, part)
+        loss.backward()
+        record[f"{kind}_sr_loss"] = loss.item()
 
     # a real training loop: interval 2, every rank's log history
     monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=2)

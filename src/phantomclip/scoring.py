@@ -173,15 +173,30 @@ def _score(
         pred_mask[:, :-1] = score_mask[:, 1:]
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
-        logp, ent, kept, stats = _head_logprobs(model, head, h, targets, chunk_size=chunk_size, temperature=temperature,
-                                                entropy=entropy, truncation=truncation,
-                                                logit_stats=logit_stats)  # [N] each, stats [N, 3]
+        out = _head_logprobs(model, head, h, targets, chunk_size=chunk_size, temperature=temperature,
+                             entropy=entropy, truncation=truncation, logit_stats=logit_stats)
 
-    def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored
-        return torch.zeros(B, T, dtype=torch.float32, device=device).masked_scatter(score_mask, values)
+    def scatter(values: torch.Tensor | None) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored (or not asked)
+        blank = torch.zeros(B, T, dtype=torch.float32, device=device)
+        return blank if values is None else blank.masked_scatter(score_mask, values)
 
-    return Scores(scatter(logp), scatter(ent.detach()), score_mask, scatter(kept) if truncation else None,
-                  torch.stack([scatter(c) for c in stats.unbind(-1)], -1) if logit_stats else None)  # [B, T, 3]
+    entropy_bt = scatter(None if out.entropy is None else out.entropy.detach())  # [B, T]
+    stats = None if out.stats is None else torch.stack([scatter(c) for c in out.stats.unbind(-1)], -1)  # [B, T, 3]
+    return Scores(scatter(out.logp), entropy_bt, score_mask, scatter(out.log_kept) if truncation else None, stats)
+
+
+@dataclass
+class HeadScores:
+    """`_head_logprobs`' figures per scored position [N]; a field not asked for is None."""
+
+    logp: torch.Tensor
+    """[N] fp32 log p(target) at the temperature."""
+    entropy: torch.Tensor | None
+    """[N] entropy of the next-token distribution."""
+    log_kept: torch.Tensor | None
+    """[N] log S: the probability mass the sampler's truncation keeps."""
+    stats: torch.Tensor | None
+    """[N, 3] `logit_statistics`."""
 
 
 def _head_logprobs(
@@ -195,10 +210,9 @@ def _head_logprobs(
     entropy: bool,
     truncation: tuple[int, float, float] | None = None,
     logit_stats: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The head on hidden states h [N, H] in chunks of `chunk_size` rows: fp32 log p(target) [N], entropy [N]
-    (zeros unless asked), log S [N] under `truncation` = (top_k, top_p, min_p) (zeros unless asked) and
-    `logit_statistics` [N, 3] (zeros unless asked)."""
+) -> HeadScores:
+    """The head on hidden states h [N, H] in chunks of `chunk_size` rows: log p(target), and what is asked of
+    entropy, log S under `truncation` = (top_k, top_p, min_p), and `logit_statistics`."""
     logps, ents, kepts, stats = [], [], [], []
     for s in range(0, targets.shape[0], chunk_size):
         logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
@@ -209,16 +223,19 @@ def _head_logprobs(
             if truncation:
                 logp_all = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
                 kepts.append(log_kept_mass(logp_all, truncate_logprobs(logp_all, *truncation)))
-            stats.append(logit_statistics(logits.detach(), targets[s : s + chunk_size]) if logit_stats
-                         else torch.zeros(lp.shape[0], 3, device=h.device))
+            if logit_stats:
+                stats.append(logit_statistics(logits.detach(), targets[s : s + chunk_size]))
         logps.append(lp)
-        ents.append(e if e is not None else torch.zeros_like(lp))
-        if not truncation:
-            kepts.append(torch.zeros_like(lp))
-    if not logps:
-        empty = torch.zeros(0, device=h.device)
-        return empty, empty, empty, torch.zeros(0, 3, device=h.device)
-    return torch.cat(logps), torch.cat(ents), torch.cat(kepts), torch.cat(stats)
+        if e is not None:
+            ents.append(e)
+    empty = torch.zeros(0, device=h.device)
+
+    def joined(parts: list[torch.Tensor], asked: bool, blank: torch.Tensor) -> torch.Tensor | None:
+        return (torch.cat(parts) if parts else blank) if asked else None
+
+    return HeadScores(logp=joined(logps, True, empty), entropy=joined(ents, entropy, empty),
+                      log_kept=joined(kepts, bool(truncation), empty),
+                      stats=joined(stats, logit_stats, torch.zeros(0, 3, device=h.device)))
 
 
 def score_completions(
@@ -264,8 +281,8 @@ def score_completions(
         ).last_hidden_state  # [B, L, H]
         # Completion token t is predicted by the hidden state before it: the prompt's last for t = 0.
         pred = torch.cat([prompt_out[:, -1:].repeat_interleave(group_size, 0), comp_hidden[:, :-1]], 1)  # [B, L, H]
-        logp, _, _, _ = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size=chunk_size,
-                                       temperature=temperature, entropy=False)  # [N]
+        logp = _head_logprobs(model, head, pred[comp_mask], comp_ids[comp_mask], chunk_size=chunk_size,
+                              temperature=temperature, entropy=False).logp  # [N]
     return torch.zeros(comp_ids.shape, dtype=torch.float32, device=input_ids.device).masked_scatter(comp_mask, logp)
 
 

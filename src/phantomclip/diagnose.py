@@ -241,7 +241,7 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
         progress.advance(task)
     seconds = time.perf_counter() - t0
     alone = score_alone(cfg, sampled, model, name, progress) if cfg.batch_invariance and name in cfg.trainer else {}
-    return Scored(_concat(logp), _concat(entropy), _concat(log_kept), seconds, **alone)
+    return Scored(logp=_concat(logp), entropy=_concat(entropy), log_kept=_concat(log_kept), seconds=seconds, **alone)
 
 
 BATCH_INVARIANCE_SEQUENCES = 12
@@ -284,7 +284,8 @@ def reference(sampled: Sampled, shadow: Scored, shadow_name: str) -> Reference:
     elif sampled.measured == "processed":
         raw = processed + shadow.log_kept  # [n, T]
     rebuilt = {"raw": "logp_engine_processed", "processed": "logp_engine"}.get(sampled.measured)
-    return Reference(raw, processed, shadow.logp, shadow_name, rebuilt)
+    return Reference(logp_engine=raw, logp_engine_processed=processed, logp_shadow=shadow.logp, shadow=shadow_name,
+                     rebuilt=rebuilt)
 
 
 def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask: torch.Tensor) -> Figures:
@@ -296,7 +297,7 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
     first = cfg.trainer[0]
     knobs = knob_figures(scored[first].logp - ref.logp_engine, mask, cfg.knob_settings(), cfg.keep_share,
                          cfg.knob_length or cfg.max_tokens)  # β [n, T] of the user's recipe
-    return Figures(kernel, recipes, per_token, {"recipe": first, **knobs})
+    return Figures(kernel=kernel, recipes=recipes, per_token=per_token, knobs={"recipe": first, **knobs})
 
 
 def recipe_figures(

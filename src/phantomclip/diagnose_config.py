@@ -147,8 +147,9 @@ class DiagnoseConfig:
 
     def knob_settings(self) -> KnobSettings:
         """The user's current setting of every correction knob (knobs.py)."""
-        return KnobSettings(self.epsilon, self.epsilon_high, self.token_cap, self.seq_mask_cap, self.icepop_low,
-                            self.icepop_high)
+        return KnobSettings(eps_low=self.epsilon, eps_high=self.epsilon_high, token_cap=self.token_cap,
+                            seq_mask_cap=self.seq_mask_cap, icepop_low=self.icepop_low,
+                            icepop_high=self.icepop_high)
 
     def sampling(self, batch: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """The engine's sampling settings for batch number `batch` (each batch has its own seed)."""

@@ -100,7 +100,8 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
         arms = {name: cfg for name, cfg in arms.items() if name not in left_out}
     for cfg in arms.values():
         cfg.validate()
-    return Matrix(experiment, base, arms, tuple(range(base.seed, base.seed + seeds)), left_out)
+    return Matrix(experiment=experiment, base=base, arms=arms, seeds=tuple(range(base.seed, base.seed + seeds)),
+                  left_out=left_out)
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:

@@ -64,7 +64,7 @@ def open_run(path: str | Path) -> RunSnapshots:
             tokens[step] = json.loads(p.read_text())
     if not tokens:
         raise GrowthError(f"{run.path}: no snapshot kept the tokens sampled with it (snapshots/step-*.tokens.json)")
-    return RunSnapshots(run.path, config, steps, tokens)
+    return RunSnapshots(path=run.path, config=config, steps=steps, tokens=tokens)
 
 
 def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
@@ -99,7 +99,8 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
     engine = LocalEngine(master, recipe=get_recipe(plan["engine_recipe"]), matmul=matmul)
     params = SamplingParams(max_tokens=max(len(c) for c in tokens["completion_ids"]),
                             temperature=config["temperature"])
-    given = Rollout(tokens["prompt_ids"], tokens["completion_ids"], [], [])
+    given = Rollout(prompt_ids=tokens["prompt_ids"], completion_ids=tokens["completion_ids"], logp_engine=[],
+                    logp_engine_processed=[])
     rescored = engine.rescore(given, params)
     packed = rescored.pack(0)
     mask = packed["completion_mask"]  # [B, T]

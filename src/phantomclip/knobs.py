@@ -81,7 +81,7 @@ def beta_table(beta: torch.Tensor, mask: torch.Tensor) -> BetaTable:
     b = torch.where(ok, b, torch.zeros_like(b))
     n = ok.sum(-1)  # [B]
     has = n > 0  # [B]
-    return BetaTable(b, ok, has, b.sum(-1)[has], n[has].double())
+    return BetaTable(beta=b, ok=ok, has=has, seq_sum=b.sum(-1)[has], seq_len=n[has].double())
 
 
 # ------------------------------------------------------------------------------------- the AR(1) model
@@ -136,7 +136,7 @@ class SumModel:
 def sum_model(n: int, mu: float, sigma: float, rho: float) -> SumModel:
     """S_n under the AR(1) model (ρ NaN, no pair measured: independent tokens)."""
     var = ar1_sum_variance(n, sigma**2, 0.0 if math.isnan(rho) else rho)
-    return SumModel(n, n * mu, math.sqrt(max(var, 0.0)))
+    return SumModel(n=n, mean=n * mu, sd=math.sqrt(max(var, 0.0)))
 
 
 def _tail(mean: float, sd: float, x: float) -> float:

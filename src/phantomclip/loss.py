@@ -80,7 +80,7 @@ def clipped_surrogate(
     with torch.no_grad():
         clipped_low = ((r < 1 - eps_low) & (adv < 0)).expand_as(per_token)
         clipped_high = ((r > 1 + eps_high) & (adv > 0)).expand_as(per_token)
-    return SurrogateOut(per_token, clipped_low, clipped_high)
+    return SurrogateOut(per_token_loss=per_token, clipped_low=clipped_low, clipped_high=clipped_high)
 
 
 # -------------------------------------------------------------------------------------------- aggregations
@@ -298,4 +298,5 @@ def grpo_loss(
     loss = AGGREGATIONS[loss_type](per_token, mask_f, max_len or logp.shape[1])
     m = mask.bool()
     masked = torch.zeros_like(m) if is_masked is None else is_masked.bool() & m
-    return LossOut(loss, sur.clipped_low & m, sur.clipped_high & m, masked, weight)
+    return LossOut(loss=loss, clipped_low=sur.clipped_low & m, clipped_high=sur.clipped_high & m, masked=masked,
+                   is_weight=weight)

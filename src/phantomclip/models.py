@@ -139,7 +139,8 @@ def load_bundled(progress=print) -> LoadedModel:
             raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): "
                              "set PHANTOMCLIP_CACHE to a writable directory") from None
     model, tok = _load_dense(target)
-    return LoadedModel(model.eval(), tok, BUNDLED_NAME, f"{gguf} (dense cache {target})", str(target))
+    return LoadedModel(model=model.eval(), tokenizer=tok, name=BUNDLED_NAME, source=f"{gguf} (dense cache {target})",
+                       path=str(target))
 
 
 def tiny_tokenizer():
@@ -192,7 +193,8 @@ def load_tiny(spec: str) -> LoadedModel:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return LoadedModel(model.eval(), tok, spec, f"random Llama, seed {seed}, init std {init_std}")
+    return LoadedModel(model=model.eval(), tokenizer=tok, name=spec,
+                       source=f"random Llama, seed {seed}, init std {init_std}")
 
 
 def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
@@ -217,7 +219,8 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
                 f"cannot load model {spec!r} ({first[:160]}): give a local directory, or a hub id with network access"
             ) from None
         where = str(path.resolve()) if path.exists() else spec
-        loaded = LoadedModel(model.eval(), tok, spec, where if path.exists() else f"hub:{spec}", where)
+        loaded = LoadedModel(model=model.eval(), tokenizer=tok, name=spec,
+                             source=where if path.exists() else f"hub:{spec}", path=where)
     check_vocab(loaded)
     if loaded.tokenizer.pad_token_id is None:
         loaded.tokenizer.pad_token = loaded.tokenizer.eos_token

@@ -182,7 +182,8 @@ def _score(
 
     entropy_bt = scatter(None if out.entropy is None else out.entropy.detach())  # [B, T]
     stats = None if out.stats is None else torch.stack([scatter(c) for c in out.stats.unbind(-1)], -1)  # [B, T, 3]
-    return Scores(scatter(out.logp), entropy_bt, score_mask, scatter(out.log_kept) if truncation else None, stats)
+    return Scores(logp=scatter(out.logp), entropy=entropy_bt, mask=score_mask,
+                  log_kept=scatter(out.log_kept) if truncation else None, logit_stats=stats)
 
 
 @dataclass

@@ -247,7 +247,7 @@ def errors_along_depth(st: TraceSetup) -> DepthErrors:
         full_logits(st.model, st.recipe, ids, attn)
     t_plain = time.perf_counter() - t0
     overhead = t_traced / t_plain - 1 if t_plain > 0 else float("nan")
-    return DepthErrors(stats, {k: torch.cat(v) for k, v in parts.items()}, overhead)
+    return DepthErrors(stats=stats, terms={k: torch.cat(v) for k, v in parts.items()}, hook_overhead=overhead)
 
 
 def _sub_batches(st: TraceSetup) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -172,7 +172,7 @@ def train(
         if setup.run is not None:
             setup.run.close()
     interrupted = stop_requested.flag and len(metrics) < cfg.steps
-    return TrainResult(metrics, setup.run.path if setup.run else None, interrupted=interrupted)
+    return TrainResult(metrics=metrics, run_dir=setup.run.path if setup.run else None, interrupted=interrupted)
 
 
 def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup:
@@ -366,8 +366,8 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     # Rollout corrections weigh by π_trainer(θ_old) / μ_engine: the recomputed old log-probs when there are
     # some, else the current trainer log-probs (asynchronous GRPO has no other trainer-side old policy).
     is_ref = batch.logp_old if batch.logp_old is not None else logp.detach()
-    is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction,
-                                              CorrectionParams(cfg.correction_cap, cfg.icepop_low, cfg.icepop_high))
+    params = CorrectionParams(cap=cfg.correction_cap, icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high)
+    is_weight, is_masked = rollout_correction(is_ref, logp_engine, mask, plan.correction, params)
     alpha = logp_shadow - logp_shadow_old  # [B, L] the policy's own change, engine recipe on both sides
     out = grpo_loss(
         logp, logp_old, advantages, mask, eps_low=plan.eps_low, eps_high=plan.eps_high, loss_type=cfg.loss_type,
@@ -399,7 +399,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         "sync/weights_lag": batch.step - batch.weights_version,
         **timings,
     }
-    return StepOut(row, _token_record(split, scored, advantages, zeroed, out.masked))
+    return StepOut(row=row, tokens=_token_record(split, scored, advantages, zeroed, out.masked))
 
 
 def _rollout_row(batch: Batch, rewards: torch.Tensor) -> dict:

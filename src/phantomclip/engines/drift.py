@@ -156,8 +156,9 @@ def read_again(engine, fixed: Rollout, params: SamplingParams) -> Rollout:
 
 def first_rows(rollout: Rollout, k: int = DRIFT_SEQUENCES) -> Rollout:
     """The first k sequences of a rollout (all of them when it has no more)."""
-    return Rollout(rollout.prompt_ids[:k], rollout.completion_ids[:k], rollout.logp_engine[:k],
-                   rollout.logp_engine_processed[:k], rollout.finished[:k])
+    return Rollout(prompt_ids=rollout.prompt_ids[:k], completion_ids=rollout.completion_ids[:k],
+                   logp_engine=rollout.logp_engine[:k],
+                   logp_engine_processed=rollout.logp_engine_processed[:k], finished=rollout.finished[:k])
 
 
 def measure_drift(engine, weights: nn.Module | Mapping[str, torch.Tensor], fixed: Rollout, params: SamplingParams,
@@ -177,9 +178,11 @@ def measure_drift(engine, weights: nn.Module | Mapping[str, torch.Tensor], fixed
         t = time.perf_counter()
         weights_changed = engine.load_weights(weights, count_changes=True)
         gap = reading_gap(reference, read_again(engine, fixed, params))
-        steps.append(DriftStep(sync, gap.max_abs, gap.changed_share, gap.token_changed_share, weights_changed,
-                               time.perf_counter() - t))
+        steps.append(DriftStep(sync=sync, max_abs=gap.max_abs, changed_share=gap.changed_share,
+                               token_changed_share=gap.token_changed_share, weights_changed_share=weights_changed,
+                               seconds=time.perf_counter() - t))
         if progress:
             progress.advance(task)
     tokens = sum(len(c) for c in reference.completion_ids)
-    return Drift(drift_method(engine), len(fixed.prompt_ids), tokens, steps, time.perf_counter() - t0)
+    return Drift(method=drift_method(engine), sequences=len(fixed.prompt_ids), tokens=tokens, steps=steps,
+                 seconds=time.perf_counter() - t0)

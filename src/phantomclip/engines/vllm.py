@@ -399,7 +399,8 @@ class VLLMEngine:
         # The column vLLM did not compute is known only where truncation keeps everything (S = 1).
         unknown = [[math.nan] * len(lp) for lp in measured] if params.truncated else measured
         raw, processed = (measured, unknown) if self.logprobs_mode == "raw" else (unknown, measured)
-        return Rollout([list(p) for p in prompts], completion_ids, raw, processed, finished)
+        return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, logp_engine=raw,
+                       logp_engine_processed=processed, finished=finished)
 
     def _sampled_logprob(self, logprobs: Sequence | None, t: int, token: int) -> float:
         """The log-prob vLLM reports for sampled token `token` at completion position t, NaN (and counted)

@@ -3,7 +3,7 @@ and none reaches for another module's private name.
 
 Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
   leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs,
-            files, console
+            files, console, devices
   core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth, train_config,
             diagnose_config
   jobs      diagnose, trainer, trace, experiments, growth, compare (the `phantomclip engines` command)
@@ -34,7 +34,7 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs", "files", "console"),
+             "frameworks", "knobs", "files", "console", "devices"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config",
              "diagnose_config"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),

@@ -12,6 +12,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from .devices import describe_device, resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS, start_engine
 from .errors import PhantomclipError, check_number, check_seed
@@ -42,6 +43,9 @@ class CompareConfig:
     """timed calls per engine and dtype, after one warm-up call."""
     seed: int = 0
     """sampling seed, the same for every engine."""
+    device: str = "auto"
+    """where the local engine runs: auto, cpu, cuda or cuda:N (devices.resolve_device). Its calls return host token
+    lists, so each timed call ends with the device's work done."""
 
     def __post_init__(self):
         for name in ("engines", "dtypes"):
@@ -63,6 +67,7 @@ class CompareConfig:
         for flag, v in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--repeats", self.repeats)):
             check_number(flag, v, 1, integer=True, error=CompareError)
         check_seed("--seed", self.seed, error=CompareError)
+        resolve_device(self.device)
         if "vllm" in self.engines:
             from .engines.vllm import require_vllm
 
@@ -106,5 +111,7 @@ def run_compare(cfg: CompareConfig, console=None) -> dict:
     from .models import load_model
 
     say = console.print if console is not None else (lambda *a, **k: None)
+    device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
-    return {"config": asdict(cfg), "rows": compare_engines(cfg, lm, say=say)}
+    lm.model.to(device)
+    return {"config": asdict(cfg), "device": describe_device(device), "rows": compare_engines(cfg, lm, say=say)}

@@ -167,7 +167,9 @@ class StaticDecoder:
         self.groups = cfg.num_attention_heads // kv_heads  # query heads per key/value head (GQA)
         dtype = attn.k_proj.weight.dtype  # what the k/v projections produce (the recipe's weight dtype)
         shape = (len(self.layers), batch, kv_heads, max_len, self.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)  # [L, B, Hkv, max_len, D]
+        device = attn.k_proj.weight.device
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, max_len, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.filled = 0  # slots written so far
 
     @torch.no_grad()
@@ -178,9 +180,10 @@ class StaticDecoder:
         start, end = self.filled, self.filled + T
         keep = attention_mask[:, None, None, :end].bool()  # [B, 1, 1, end]
         if T > 1:  # prefill: causal, and a padding query attends to itself so that no row of the softmax is empty
-            slot = torch.arange(start, end)
-            causal = slot[:, None] >= torch.arange(end)[None, :]  # [T, end]
-            keep = (keep & causal) | (slot[:, None] == torch.arange(end)[None, :])  # [B, 1, T, end]
+            slot = torch.arange(start, end, device=ids.device)
+            seen = torch.arange(end, device=ids.device)
+            causal = slot[:, None] >= seen[None, :]  # [T, end]
+            keep = (keep & causal) | (slot[:, None] == seen[None, :])  # [B, 1, T, end]
         h = self.body.get_input_embeddings()(ids)  # [B, T, H]
         cos, sin = self.body.rotary_emb(h, positions)  # [B, T, D] each, in h's dtype (the model's own RoPE)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]

@@ -25,6 +25,7 @@ import torch
 
 from . import DIAGNOSE_SCHEMA, __version__
 from .console import progress_bar
+from .devices import clock, describe_device, resolve_device
 from .diagnose_config import DiagnoseConfig
 from .engine import Rollout
 from .engines import start_engine
@@ -81,6 +82,8 @@ class Prepared:
     """the --matmul mode as given ('auto' is resolved per dtype where a model is laid out: recipes.resolve_matmul)."""
     truncation: tuple[int, float, float] | None
     """(top_k, top_p, min_p) when sampling truncates the distribution, else None."""
+    device: torch.device
+    """where the model, the local engine and scoring run (--device); figures are computed on the host."""
 
 
 @dataclass
@@ -174,7 +177,9 @@ def measure(
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
     """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels."""
     prompts_text = read_prompts(cfg.prompts) if cfg.prompts else bundled_prompts()
+    device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
+    lm.model.to(device)
     limit, what = lm.context_length, "the model's context"
     if cfg.engine == "vllm" and cfg.max_model_len and cfg.max_model_len < limit:
         limit, what = cfg.max_model_len, "--max-model-len"
@@ -182,7 +187,7 @@ def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
     return Prepared(
         lm=lm, prompt_ids=[prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)],
         engine_dtype=parse_dtype(cfg.engine_dtype), matmul=cfg.matmul,
-        truncation=(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling(0).truncated else None,
+        truncation=(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling(0).truncated else None, device=device,
     )
 
 
@@ -202,7 +207,7 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
         for i, batch in enumerate(batches):
             rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
             progress.advance(task, len(batch))
-        seconds = time.perf_counter() - t0
+        seconds = clock(prep.device) - t0
         info = engine.describe()
         # drift runs on the engine already started (vLLM's start-up is about 30 s) and before anything is scored
         drift = (measure_drift(engine, prep.lm.model, first_rows(rollouts[0]), cfg.sampling(0, stop), cfg.drift,
@@ -232,15 +237,17 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     t0 = time.perf_counter()
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
     logp, entropy, log_kept = [], [], []
-    for p in sampled.packed:
+    for host in sampled.packed:
+        p = {k: v.to(prep.device) for k, v in host.items()}  # the batch on the device; its scores back on the host
         sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
                    temperature=cfg.temperature, truncation=prep.truncation)
-        logp.append(sc.logp)  # [B_i, T_i]
-        entropy.append(sc.entropy)  # [B_i, T_i]
-        log_kept.append(sc.log_kept if prep.truncation else torch.zeros_like(sc.logp))  # [B_i, T_i]
+        logp.append(sc.logp.cpu())  # [B_i, T_i]
+        entropy.append(sc.entropy.cpu())  # [B_i, T_i]
+        log_kept.append(sc.log_kept.cpu() if prep.truncation else torch.zeros_like(logp[-1]))  # [B_i, T_i]
         progress.advance(task)
-    seconds = time.perf_counter() - t0
-    alone = score_alone(cfg, sampled, model, name, progress) if cfg.batch_invariance and name in cfg.trainer else {}
+    seconds = clock(prep.device) - t0
+    alone = (score_alone(cfg, sampled, model, name, progress, prep.device)
+             if cfg.batch_invariance and name in cfg.trainer else {})
     return Scored(logp=_concat(logp), entropy=_concat(entropy), log_kept=_concat(log_kept), seconds=seconds, **alone)
 
 
@@ -257,7 +264,8 @@ def alone_rows(n: int, k: int = BATCH_INVARIANCE_SEQUENCES) -> list[int]:
     return list(range(n)) if n <= k else [i * n // k for i in range(k)]
 
 
-def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progress) -> dict:
+def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progress,
+                device: torch.device | str = "cpu") -> dict:
     """Scored's `logp_alone` and `seconds_alone`: each of the `alone_rows` scored as a batch of one without its
     padding (micro-batch 1), by the same `score` call as the batch, with `model` laid out for recipe `name`."""
     recipe, rows = get_recipe(name), alone_rows(sampled.mask.shape[0])
@@ -267,12 +275,12 @@ def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progres
     for row in rows:
         p, b = sampled.packed[row // cfg.batch_size], row % cfg.batch_size
         cols = p["attention_mask"][b].nonzero().squeeze(-1)  # [L] the row's own tokens (contiguous), no padding
-        ids = p["input_ids"][b, cols][None]  # [1, L]
-        sc = score(model, recipe, ids, torch.ones_like(ids), p["completion_mask"][b, cols][None],
+        ids = p["input_ids"][b, cols][None].to(device)  # [1, L]
+        sc = score(model, recipe, ids, torch.ones_like(ids), p["completion_mask"][b, cols][None].to(device),
                    temperature=cfg.temperature)
-        logp[row, cols] = sc.logp[0]  # [L]
+        logp[row, cols] = sc.logp[0].cpu()  # [L]
         progress.advance(task)
-    return {"logp_alone": logp, "seconds_alone": time.perf_counter() - t0}
+    return {"logp_alone": logp, "seconds_alone": clock(device) - t0}
 
 
 def reference(sampled: Sampled, shadow: Scored, shadow_name: str) -> Reference:
@@ -310,7 +318,7 @@ def recipe_figures(
     stats["seconds"] = s.seconds
     stats["split"] = {"precision": _pick(_stats(cfg, s.logp, ref.logp_shadow, mask)), "kernel": _pick(kernel)}
     if s.logp_alone is not None:
-        rows = torch.zeros(mask.shape[0], dtype=torch.bool)  # [n]
+        rows = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)  # [n]
         rows[alone_rows(mask.shape[0])] = True
         stats["split"]["batch"] = _pick(_stats(cfg, s.logp, s.logp_alone, mask & rows[:, None]))
         stats["seconds_alone"] = s.seconds_alone
@@ -334,6 +342,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         "config": asdict(cfg),
         "versions": _versions(),
         "cpu": cpu_description(cfg.matmul),
+        "device": describe_device(prep.device),
         "model": {
             "name": lm.name, "source": lm.source, "parameters": sum(p.numel() for p in lm.model.parameters()),
             "layers": getattr(lm.model.config, "num_hidden_layers", None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .devices import resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS
 from .errors import ConfigError, check_number, check_seed
@@ -83,6 +84,9 @@ class DiagnoseConfig:
     about 15%."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see recipes.py)."""
+    device: str = "auto"
+    """where the model, the local engine and the recipes' scoring run: auto (the first CUDA device if torch sees one,
+    else the CPU), cpu, cuda or cuda:N (devices.resolve_device). Figures are computed on the host."""
     framework: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
     """RL frameworks whose own mismatch figures to compute for each recipe, comma-separated (frameworks.FRAMEWORKS;
     default all of them: a few masked means, negligible next to scoring)."""
@@ -137,6 +141,7 @@ class DiagnoseConfig:
             self.sampling(0)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        resolve_device(self.device)  # a device this machine lacks: one line before anything loads
         try:
             resolve_matmul(self.matmul)
         except ValueError as e:

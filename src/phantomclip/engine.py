@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import decode
+from .devices import on_cpu
 from .numerics import dtype_name
 from .recipes import Recipe, apply_recipe, engine_recipe, kernel_name
 from .scoring import cache_kwarg, position_ids_from_mask, truncate_logprobs
@@ -76,11 +77,12 @@ class Rollout:
         """P: `pack` puts the left-padded prompts in columns :P and the completions in P:."""
         return max(len(p) for p in self.prompt_ids)
 
-    def pack(self, pad_id: int) -> dict[str, torch.Tensor]:
+    def pack(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Prompt + completion in one padded batch: prompts left-padded, completions right-padded.
 
         Returns input_ids, attention_mask, completion_mask [B, T] and logp_engine(_processed) [B, T], whose
-        value at t is the engine's log-prob of input_ids[:, t] (0 outside completions).
+        value at t is the engine's log-prob of input_ids[:, t] (0 outside completions), on `device` (built from the
+        host's token lists on the CPU, then copied once).
         """
         prompt_ids, prompt_attn = left_pad(self.prompt_ids, pad_id)  # [B, P]
         B, P = prompt_ids.shape  # P == self.prompt_width
@@ -97,8 +99,9 @@ class Rollout:
                 comp[b, P : P + len(c)] = True
                 lp[b, P : P + len(c)] = torch.tensor(self.logp_engine[b])
                 lpp[b, P : P + len(c)] = torch.tensor(self.logp_engine_processed[b])
-        return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "logp_engine": lp,
-                "logp_engine_processed": lpp}
+        packed = {"input_ids": ids, "attention_mask": attn, "completion_mask": comp, "logp_engine": lp,
+                  "logp_engine_processed": lpp}
+        return {k: v.to(device) for k, v in packed.items()}
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +162,7 @@ def sample_next_token(
     # so that tail tokens of 1e-9 probability keep their own step instead of vanishing in fp32 rounding.
     probs = logp_kept.double().exp()  # [B, V]
     cdf = torch.cumsum(probs, dim=-1)  # [B, V]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]  # [B, 1]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     token = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [B]
     last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [B]
     token = torch.minimum(token, last_nonzero)  # u rounding up to the total must not pick a zero-mass token
@@ -181,8 +184,10 @@ class LocalEngine:
         self.dtype = self.recipe.weight_dtype
         self.matmul = matmul
         self.model = apply_recipe(master, self.recipe, matmul=matmul)
+        self.device = next(self.model.parameters()).device
         self._cache_kw = cache_kwarg(self.model)
-        supported = decode.supports(self.model, self.recipe)
+        # the static decoder and packed weights are CPU machinery (oneDNN); elsewhere the model's own forward runs
+        supported = decode.supports(self.model, self.recipe) and on_cpu(self.device)
         if static_decode and not supported:
             raise ValueError(f"the static decode path does not support {self.model.config.model_type!r} under this "
                              f"recipe (see decode.supports); leave static_decode unset")
@@ -202,7 +207,7 @@ class LocalEngine:
         return sync_weights(self.model, weights, count_changes)
 
     def describe(self) -> dict:
-        kernel = kernel_name(self.matmul, self.recipe.compute_dtype)
+        kernel = kernel_name(self.matmul, self.recipe.compute_dtype, self.device)
         return {"kind": "local", "dtype": dtype_name(self.dtype), "matmul": kernel, "startup_seconds": 0.0,
                 "decode": "static" if self.static_decode else "hf", "packed_weights": self.packed}
 
@@ -210,14 +215,14 @@ class LocalEngine:
         """Nothing to free: the engine is its model copy, released with the object."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        return self._decode(prompts, params, _Sampler(params))
+        return self._decode(prompts, params, _Sampler(params, self.device))
 
     def rescore(self, rollout: Rollout, params: SamplingParams) -> Rollout:
         """The same prompts and completions, teacher-forced through the engine's own decode path (KV cache, one token
         a step, this batch's layout) with its current weights: the engine's log-probs of given tokens, as it would
         have reported them had it sampled them. With the weights that sampled `rollout` (and the same batch), the
         log-probs equal the rollout's bit for bit (tested)."""
-        return self._decode(rollout.prompt_ids, params, _Forced(rollout.completion_ids, params))
+        return self._decode(rollout.prompt_ids, params, _Forced(rollout.completion_ids, params, self.device))
 
     def _stepper(self, batch: int, max_len: int):
         """The forward the decode loop calls: (ids [B, T], positions [B, T], attention_mask [B, >= seen + T]) ->
@@ -242,10 +247,10 @@ class LocalEngine:
         logits; a row ends when the chooser says so and gets padding after."""
         check_prompts(prompts)
         pad = pad_id(params)
-        ids, prompt_attn = left_pad(prompts, pad)  # [B, P]
+        ids, prompt_attn = (t.to(self.device) for t in left_pad(prompts, pad))  # [B, P]
         B, P = ids.shape
         steps = chooser.steps
-        attn = torch.cat([prompt_attn, torch.zeros(B, steps, dtype=torch.long)], dim=1)  # [B, P + steps]
+        attn = torch.cat([prompt_attn, torch.zeros(B, steps, dtype=torch.long, device=self.device)], dim=1)
         step_fn = self._stepper(B, P + steps)
         pos = position_ids_from_mask(attn[:, :P])  # [B, P]
         logits = step_fn(ids, pos, attn[:, :P])  # [B, V]
@@ -282,13 +287,13 @@ def pad_id(params: SamplingParams) -> int:
 class _Sampler:
     """The decode loop's tokens drawn by `sample_next_token` (seeded once per call); a row ends at a stop token."""
 
-    def __init__(self, params: SamplingParams):
-        self.params, self.steps = params, params.max_tokens
-        self.gen = torch.Generator().manual_seed(params.seed)
-        self.stop = torch.tensor(params.stop_token_ids or [-1])
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params, self.steps, self.device = params, params.max_tokens, device
+        self.gen = torch.Generator(device=device).manual_seed(params.seed)  # a stream per device: CUDA draws differ
+        self.stop = torch.tensor(params.stop_token_ids or [-1], device=device)
 
     def done_at_start(self, batch: int) -> torch.Tensor:
-        return torch.zeros(batch, dtype=torch.bool)
+        return torch.zeros(batch, dtype=torch.bool, device=self.device)
 
     def pick(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
@@ -305,13 +310,14 @@ class _Forced:
     """The decode loop's tokens taken from given completions (teacher forcing, `LocalEngine.rescore`), scored from
     the same logits as sampling would have; a row ends after its last given token."""
 
-    def __init__(self, completions: list[list[int]], params: SamplingParams):
+    def __init__(self, completions: list[list[int]], params: SamplingParams, device: torch.device):
         self.params, self.completions = params, completions
         self.steps = max(max((len(c) for c in completions), default=0), 1)
-        self.given = torch.full((len(completions), self.steps), pad_id(params), dtype=torch.long)  # [B, steps]
+        given = torch.full((len(completions), self.steps), pad_id(params), dtype=torch.long)  # [B, steps], host
         for b, c in enumerate(completions):
-            self.given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        self.lengths = torch.tensor([len(c) for c in completions])  # [B]
+            given[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        self.given = given.to(device)
+        self.lengths = torch.tensor([len(c) for c in completions], device=device)  # [B]
 
     def done_at_start(self, batch: int) -> torch.Tensor:
         return self.lengths == 0

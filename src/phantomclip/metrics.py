@@ -238,14 +238,14 @@ def prob_buckets(logp_engine: torch.Tensor, edges: tuple[float, ...] = PROB_EDGE
     edges[i] <= p < edges[i+1], the last one also p = 1 (a NaN log-prob lands in the last bucket: leave such tokens
     out, as shift_share does by their value)."""
     p = logp_engine.double().exp()  # [N]
-    inner = torch.tensor(edges[1:-1], dtype=torch.float64)
+    inner = torch.tensor(edges[1:-1], dtype=torch.float64, device=p.device)
     return torch.bucketize(p, inner, right=True)  # [N]
 
 
 def bucket_means(values: torch.Tensor, buckets: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(w, m) over buckets [K]: w_k the share of tokens in bucket k, m_k the mean of `values` there (NaN if empty)."""
     counts = torch.bincount(buckets, minlength=n_buckets).double()  # [K]
-    sums = torch.zeros(n_buckets, dtype=torch.float64).index_add_(0, buckets, values.double())  # [K]
+    sums = torch.zeros(n_buckets, dtype=torch.float64, device=values.device).index_add_(0, buckets, values.double())
     w = counts / counts.sum() if counts.sum() > 0 else counts
     return w, torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, float("nan")))
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .devices import clock
 from .engine import Engine, LocalEngine, Rollout, SamplingParams, sync_weights
 from .recipes import Recipe, apply_recipe
 from .scoring import score_packed
@@ -162,6 +163,7 @@ class RolloutMaker:
                  stops: tuple[int, ...], sampling: Sampling, shadow_recipe: Recipe, old_recipe: Recipe | None):
         self.engine, self.pool, self.pool_ids, self.stops, self.sampling = engine, pool, pool_ids, stops, sampling
         self.shadow_recipe, self.old_recipe = shadow_recipe, old_recipe
+        self.device = next(master.parameters()).device  # where the trainer scores the batch
         self.engine_version = -1
         # The shadow at θ_old: the local engine's own copy of θ_old is that model (same recipe, same kernels); vLLM's
         # weights live in another process, so the shadow at θ_old is a copy of its own, synced with the engine.
@@ -187,7 +189,7 @@ class RolloutMaker:
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
                                 seed=s.seed * SAMPLE_STREAM + k, stop_token_ids=self.stops)
         rollout = self.engine.generate(prompt_ids, params)
-        packed = rollout.pack(self.stops[0] if self.stops else 0)
+        packed = rollout.pack(self.stops[0] if self.stops else 0, device=self.device)
         P = rollout.prompt_width
         logp_old = logp_shadow_old = None
         if self.old_policy is not None:
@@ -197,7 +199,7 @@ class RolloutMaker:
         if self.shadow_old is not None:
             logp_shadow_old = score_packed(self.shadow_old, self.shadow_recipe, packed, P, s.group_size,
                                            s.temperature)
-        t_end = time.perf_counter()
+        t_end = clock(self.device)
         return Batch(step=k, prompts=[self.pool[i] for i in chosen for _ in range(s.group_size)], rollout=rollout,
                      packed=packed, weights_version=version, logp_old=logp_old, generate_s=t_end - t0,
                      logp_shadow_old=logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s)

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import SCHEMA_VERSION
 from .depth import ErrorStats, SiteHooks, TraceError, full_logits, trace_sites
+from .devices import clock, describe_device, on_cpu, resolve_device, synchronize
 from .engine import LocalEngine, SamplingParams
 from .errors import check_number, check_seed
 from .loss import KNOBS
@@ -76,6 +77,9 @@ class TraceConfig:
     run: str | None = None
     """a run directory made with `train --keep-snapshots N`: trace how β grows along it instead (its model, recipes
     and kept tokens; of the other flags only --matmul applies)."""
+    device: str = "auto"
+    """where the model, its sampling and the hooked forwards run: auto, cpu, cuda or cuda:N (devices.resolve_device);
+    with --run the analysis runs on the CPU (give cpu or auto on a machine without CUDA)."""
 
     def keep_roles(self) -> tuple[str, ...]:
         names = [k.strip() for k in self.keep_fp32.split(",") if k.strip()]
@@ -95,6 +99,9 @@ class TraceConfig:
             check_number(flag, value, 1, integer=True, error=TraceError)
         check_seed("--seed", self.seed, error=TraceError)
         KNOBS["epsilon"].check("--epsilon", self.epsilon, TraceError)
+        device = resolve_device(self.device)
+        if self.run and not on_cpu(device) and self.device != "auto":
+            raise TraceError(f"--run: the growth analysis runs on the CPU only for now, not on {device}: drop --device")
 
 
 def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:
@@ -218,7 +225,7 @@ def sample_tokens(lm: LoadedModel, master: nn.Module, cfg: TraceConfig, say: Say
     stops = stop_token_ids(lm)
     rollout = LocalEngine(master, torch.float32).generate(
         prompts, SamplingParams(max_tokens=cfg.max_tokens, seed=cfg.seed, stop_token_ids=stops))
-    return rollout.pack(stops[0] if stops else 0)
+    return rollout.pack(stops[0] if stops else 0, device=next(master.parameters()).device)
 
 
 def errors_along_depth(st: TraceSetup) -> DepthErrors:
@@ -231,9 +238,9 @@ def errors_along_depth(st: TraceSetup) -> DepthErrors:
     for ids, attn, comp in _sub_batches(st):
         hooks.mask = attn.bool()
         z_ref = full_logits(st.ref_model, st.reference, ids, attn)  # [b, T, V]; its sites are held for the next forward
-        t0 = time.perf_counter()
+        t0 = clock(ids.device)
         z = full_logits(st.model, st.recipe, ids, attn)  # [b, T, V]
-        t_traced += time.perf_counter() - t0
+        t_traced += clock(ids.device) - t0
         pred = torch.zeros_like(comp)  # [b, T]
         pred[:, :-1] = comp[:, 1:]  # logits at t-1 predict completion token t
         fo = first_order_logprob_change(z[pred], z_ref[pred], ids[comp])  # [n] each
@@ -245,7 +252,7 @@ def errors_along_depth(st: TraceSetup) -> DepthErrors:
     t0 = time.perf_counter()
     for ids, attn, _ in _sub_batches(st):  # the same forwards without hooks
         full_logits(st.model, st.recipe, ids, attn)
-    t_plain = time.perf_counter() - t0
+    t_plain = clock(st.packed["input_ids"].device) - t0
     overhead = t_traced / t_plain - 1 if t_plain > 0 else float("nan")
     return DepthErrors(stats=stats, terms={k: torch.cat(v) for k, v in parts.items()}, hook_overhead=overhead)
 
@@ -327,6 +334,7 @@ def what_if_recipes(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
         m = st.model if r == st.recipe else apply_recipe(st.master, r, cfg.matmul)  # the traced model, hooks removed
         t0 = time.perf_counter()
         lp = _logp(m, r, st.packed)  # [N]
+        synchronize(lp.device)
         rows.append({"keep_fp32": [k for k, v in KEEP_FP32.items() if v in roles] or ["(none)"],
                      **_beta_summary(lp - logp_ref, cfg.epsilon), "forward_s": time.perf_counter() - t0,
                      "extra_mib": _param_mib(roles, st.master, base.weight_dtype)})
@@ -344,7 +352,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     cfg.validate()
     say = console.print if console is not None else (lambda *a, **k: None)
     lm = load_model(cfg.model)
-    master = lm.model.float().eval()
+    master = lm.model.float().eval().to(resolve_device(cfg.device))
     sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
     recipe, reference = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles()), get_recipe(cfg.against)
     packed = sample_tokens(lm, master, cfg, say)  # [B, T] each
@@ -355,7 +363,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     depth = errors_along_depth(st)
     result = {
         "schema": SCHEMA_VERSION, "config": asdict(cfg), "recipe": recipe.name, "against": reference.name,
-        "tokens": int(depth.beta.numel()),
+        "tokens": int(depth.beta.numel()), "device": describe_device(next(master.parameters()).device),
         "sites": site_rows(st, depth),
         "beta": _beta_summary(depth.beta, cfg.epsilon),
         "first_order": first_order_link(depth),

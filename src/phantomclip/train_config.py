@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .devices import resolve_device
 from .engines import ENGINE_KINDS, cannot_run
 from .errors import check_number, check_seed
 from .interventions import TrainConfigError, resolve_plan
@@ -12,7 +13,8 @@ from .loss import AGGREGATIONS, KNOBS, check_knobs
 from .recipes import RECIPES, get_recipe
 
 EXPERIMENT_LR = 3e-5
-ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local"}
+ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local",
+                        "device": "auto"}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
@@ -93,6 +95,9 @@ class TrainConfig:
     """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native or emulated (see README)."""
+    device: str = "auto"
+    """where the master weights, the optimizer, the local engine, the shadow and the step run: auto (the first CUDA
+    device if torch sees one, else the CPU), cpu, cuda or cuda:N (devices.resolve_device)."""
 
     def validate(self) -> None:
         """Refuse a setting that cannot run, with one line naming the flag (errors.check_number's rules, shared by
@@ -123,6 +128,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainConfigError(message)
+        resolve_device(self.device)  # a device this machine lacks: one line before anything loads
         refused = engine_refuses(self)
         if refused:
             raise TrainConfigError(refused)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .console import GracefulStop, progress_bar
+from .devices import clock, describe_device, resolve_device
 from .engine import Engine, sync_weights
 from .engines import start_engine
 from .errors import PhantomclipError
@@ -77,7 +78,8 @@ def run_config(cfg: TrainConfig) -> dict:
 
     return {
         "schema": SCHEMA_VERSION, **asdict(cfg), "plan": asdict(resolve_plan(cfg)),
-        "versions": {"phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"phantomclip": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "device": describe_device(resolve_device(cfg.device))},
         "inputs": input_record(_input_files(cfg)),
     }
 
@@ -193,7 +195,7 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
     else:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
     pool_ids = encode_within(lm.tokenizer, pool, cfg.max_tokens, lm.context_length)
-    master, plan = lm.model.float().eval(), resolve_plan(cfg)
+    master, plan = lm.model.float().eval().to(resolve_device(cfg.device)), resolve_plan(cfg)
     # The engine starts before the run directory is touched: a model vLLM cannot load leaves nothing behind.
     engine = _start_engine(cfg, plan, lm, pool_ids)
     run, ckpt = None, None
@@ -255,7 +257,8 @@ def _step_context(setup: RunSetup) -> tuple[StepContext, int, dict[int, dict]]:
     cfg, plan, master = setup.cfg, setup.plan, setup.master
     # fused: one kernel over all parameters (0.05 s per step on the bundled model against 0.7 s for foreach)
     optimizer = torch.optim.AdamW(master.parameters(), lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0, fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=plan.loss_scaling)
+    device = next(master.parameters()).device
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.loss_scaling)
     start, snapshots = 0, {}
     if setup.ckpt is not None:
         master.load_state_dict(setup.ckpt["master"])
@@ -349,14 +352,15 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
                "time/shadow_old_s": batch.shadow_old_s}
     rollout, packed, P = batch.rollout, batch.packed, batch.rollout.prompt_width
     completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
-    rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids))  # [B]
+    rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids),
+                           device=packed["input_ids"].device)  # [B]
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
     mask = packed["completion_mask"][:, P:]  # [B, L]
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
     t0 = time.perf_counter()
     logp_shadow = score_packed(ctx.shadow, ctx.shadow_recipe, packed, P, cfg.group_size, cfg.temperature)  # [B, L]
-    timings["time/shadow_s"] = time.perf_counter() - t0
+    timings["time/shadow_s"] = clock(logp_shadow.device) - t0
     # θ_old = θ_t on-policy: the shadow at θ_old is the shadow itself (α ≡ 0 with no extra forward)
     logp_shadow_old = logp_shadow if batch.logp_shadow_old is None else batch.logp_shadow_old  # [B, L]
 
@@ -375,12 +379,11 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         clip_log_ratio=alpha if plan.clip_on == "shadow" else None,
     )
     grad_norm, stepped = _optimizer_step(out.loss, ctx)
-    timings["time/train_s"] = time.perf_counter() - t0
-    # The shadow (current weights in the engine's precision) follows the update now. The share of its values
-    # that changed is what the engine sees of this update at its next sync: bf16 hides steps below ~|w|/256.
+    timings["time/train_s"] = clock(logp.device) - t0
+    # the shadow follows the update; the share of its values that changed is what the engine's next sync sees
     t0 = time.perf_counter()
     changed_share = sync_weights(ctx.shadow, ctx.policy.master)
-    timings["time/sync_s"] = time.perf_counter() - t0
+    timings["time/sync_s"] = clock(logp.device) - t0
 
     split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)  # float64 [B, L] each
     zeroed = out.clipped_low | out.clipped_high  # [B, L]

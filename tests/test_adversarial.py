@@ -46,6 +46,8 @@ ONE_LINE = [
     (["engines", "--engines", "local", "--n", "0"], "--n must be a whole number >= 1"),
     (["experiment", "sanity", "--seeds", "0"], "--seeds: must be a whole number >= 1, got 0"),
     (["experiment", "sanity", "--lr", "inf"], "--lr must be a finite number"),
+    (["experiment", "sanity", "--only", ""], "--only is empty: name the arms to run"),
+    (["experiment", "sanity", "--only", " , "], "--only is empty: name the arms to run"),
     (["report", "--serve", "--port", "99999"], "--port: '99999' is not a port"),
     (["report", "--serve", "--port", "-1"], "--port: '-1' is not a port"),
 ]

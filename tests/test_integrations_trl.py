@@ -282,3 +282,43 @@ def test_trl_config_bad_files_get_one_line(tmp_path, capsys, content, fragment):
     path.write_bytes(content)
     line = bad_cli(["diagnose", "--from-trl-config", str(path)], capsys)
     assert "--from-trl-config" in line and fragment in line, line
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda: PrecisionMonitor(epsilon=float("nan")), "PrecisionMonitor epsilon must be a finite number > 0 and < 1"),
+    (lambda: PrecisionMonitor(epsilon=-1), "PrecisionMonitor epsilon must be a finite number > 0 and < 1, got -1"),
+    (lambda: PrecisionMonitor(epsilon_high=0), "PrecisionMonitor epsilon_high must be a finite number > 0"),
+    (lambda: PrecisionMonitor(matmul="bogus"), "PrecisionMonitor: unknown matmul mode 'bogus'"),
+    (lambda: PrecisionMonitor(engine_dtype=None), "engine_dtype must be a dtype name such as 'bfloat16', got None"),
+    (lambda: PrecisionMonitor(interval=True), "interval must be an integer >= 1, got True"),
+    (lambda: with_shadow_ratio(trl.GRPOTrainer, matmul="bogus"), "with_shadow_ratio: unknown matmul mode 'bogus'"),
+    (lambda: sync_vllm_by_reload(None), "needs a GRPOTrainer built with use_vllm=True"),
+])
+def test_the_api_checks_its_arguments_when_built(make, fragment):
+    """Bad arguments are refused when the object is built, in one IntegrationError line, with the CLI's rules for
+    each value (loss.KNOBS for ε), not once training runs."""
+    with pytest.raises(IntegrationError) as e:
+        make()
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value,trainer", [('"false"', "bf16-autocast"), ("'no'", "bf16-autocast"), ("'1'", "fp16"),
+                                           ('"yes"', "fp16"), ("true", "fp16"), ("false", "bf16-autocast")])
+def test_trl_config_booleans_read_as_trl_reads_them(tmp_path, value, trainer):
+    """A quoted boolean is read with transformers' string_to_bool spelling rules, as TRL's YAML loader does:
+    `fp16: "false"` is False (it used to select the fp16 recipe: bool("false") is True)."""
+    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+
+    path = tmp_path / "grpo.yaml"
+    path.write_text(f"fp16: {value}\n")  # YAML: quoted strings and plain booleans
+    assert diagnose_settings_from_trl(path)[0]["trainer"].split(",")[0] == trainer
+
+
+def test_trl_config_wrong_types_are_one_line(tmp_path):
+    from phantomclip.errors import ConfigError
+    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+
+    for config, fragment in ((b"x", "got bytes"), (42, "got int"), ({"fp16": 2}, "fp16 is 2, not a boolean"),
+                             ({"bf16": "maybe"}, "bf16 is 'maybe', not a boolean")):
+        with pytest.raises(ConfigError, match=fragment):
+            diagnose_settings_from_trl(config)

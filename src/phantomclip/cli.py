@@ -306,7 +306,12 @@ def _run_experiment(args) -> int:
 
     cfg = _config_from_args(TrainConfig, args)
     cfg.validate()
-    only = _split_run_names(args.only) if args.only else None
+    only = _split_run_names(args.only) if args.only is not None else None
+    if only is not None and not only:  # an empty shell variable must not turn into "every arm"
+        from .errors import ConfigError
+
+        raise ConfigError("--only is empty: name the arms to run (see `phantomclip experiment sanity --help`), or drop "
+                          "--only to run them all")
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
     render_experiment(summary, Console())
@@ -320,7 +325,7 @@ def _split_run_names(text: str) -> list[str]:
     for part in (p.strip() for p in text.split(",")):
         if part.startswith("epsilon=") and names:
             names[-1] += "," + part
-        else:
+        elif part:  # ',,' or an empty --only names nothing
             names.append(part)
     return names
 

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from ..errors import IntegrationError
-from ..loss import clip_range
+from ..loss import KNOBS, clip_range
 from ..numerics import parse_dtype
+from ..recipes import resolve_matmul
 from .ranks import precision_stats
 from .weights import build_shadow, check_supported, sharded_root, sharding_of, sync_shadow
 
@@ -43,6 +44,17 @@ def check_trl_version() -> str:
         raise IntegrationError(f"phantomclip.integrations.trl supports trl >=1.16,<1.17 (installed: {installed}); "
                                "it reads GRPOTrainer internals that change between minor versions")
     return installed
+
+
+def _check_engine(engine_dtype, matmul, what: str) -> None:
+    """The engine dtype and matmul mode, checked with the CLI's rules when the object is built (one line)."""
+    if not isinstance(engine_dtype, str):
+        raise IntegrationError(f"{what}: engine_dtype must be a dtype name such as 'bfloat16', got {engine_dtype!r}")
+    try:
+        parse_dtype(engine_dtype)
+        resolve_matmul(matmul)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise IntegrationError(f"{what}: {e}") from None
 
 
 def _unwrap(trainer) -> nn.Module:
@@ -156,7 +168,10 @@ class PrecisionMonitor(_Callback):
         check_trl_version()
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise IntegrationError(f"PrecisionMonitor interval must be an integer >= 1, got {interval!r}")
-        parse_dtype(engine_dtype)  # fail now on a bad name
+        _check_engine(engine_dtype, matmul, "PrecisionMonitor")
+        for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
+            if value is not None:  # None: TRL's own trust region
+                KNOBS[name].check(f"PrecisionMonitor {name}", value, IntegrationError)
         self.engine_dtype, self.interval, self.matmul = engine_dtype, interval, matmul
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.trainer = None
@@ -288,7 +303,7 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, GRPOTrainer)):
         name = getattr(trainer_cls, "__name__", trainer_cls)
         raise IntegrationError(f"with_shadow_ratio wraps trl.GRPOTrainer or a subclass of it, not {name!r}")
-    parse_dtype(engine_dtype)
+    _check_engine(engine_dtype, matmul, "with_shadow_ratio")
 
     class ShadowRatio(trainer_cls):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

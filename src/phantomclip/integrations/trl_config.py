@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..loss import clip_range
 from ..recipes import RECIPES
 from .config_files import number, read_mapping
@@ -33,12 +34,32 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
 
 
 def _as_mapping(config) -> dict:
-    """A YAML path, a dict, or a GRPOConfig (any object with its attributes) as a dict of fields."""
-    if isinstance(config, (str, bytes, Path)):
+    """A YAML path, a dict, or a GRPOConfig (an object with its fields) as a dict of fields; anything else is one
+    line."""
+    if isinstance(config, (str, Path)):
         return read_mapping(Path(config), FLAG, "GRPOConfig fields")
     if isinstance(config, dict):
         return config
+    if not hasattr(config, "epsilon") or not hasattr(config, "max_completion_length"):
+        raise ConfigError(f"{FLAG}: expected a YAML path, a dict or a GRPOConfig, got {type(config).__name__}")
     return {k: getattr(config, k) for k in dir(config) if not k.startswith("_") and not callable(getattr(config, k))}
+
+
+TRUE, FALSE = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+"""how transformers' HfArgumentParser reads a boolean written as a string (`string_to_bool`): TRL's YAML config files
+go through it, so `fp16: "false"` is False there, as here."""
+
+
+def _flag(cfg: dict, key: str, default: bool | None = None) -> bool | None:
+    """A boolean GRPOConfig field as TRL reads it: a YAML bool, or a string spelled as HfArgumentParser accepts;
+    anything else is one line naming the key."""
+    value = cfg.get(key)
+    if value is None or isinstance(value, bool):
+        return default if value is None else value
+    text = str(value).strip().lower()
+    if isinstance(value, str) and text in TRUE + FALSE:
+        return text in TRUE
+    raise ConfigError(f"{FLAG}: {key} is {value!r}, not a boolean (true/false, yes/no, 1/0)")
 
 
 def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -46,12 +67,12 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     dtype) -> bf16; bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32; the other recipes are
     measured beside it. Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a
     `vllm_dtype` key of our own may say otherwise)."""
-    fp16 = bool(cfg.get("fp16", False))
-    bf16 = (not fp16) if cfg.get("bf16") is None else bool(cfg["bf16"])  # TRL's default: bf16 unless fp16
+    fp16 = _flag(cfg, "fp16", False)
+    bf16 = _flag(cfg, "bf16", not fp16)  # TRL's default: bf16 unless fp16
     init = cfg.get("model_init_kwargs") or {}
     model_dtype = str(init.get("dtype", init.get("torch_dtype", "")) if isinstance(init, dict) else "")
     model_dtype = model_dtype.replace("torch.", "")
-    if cfg.get("cast_lm_head_to_fp32"):
+    if _flag(cfg, "cast_lm_head_to_fp32"):
         trainer = "fp32-head"
     elif fp16:
         trainer = "fp16"
@@ -66,7 +87,7 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     if model_dtype == "auto":
         notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
                      "(pass --trainer bf16)")
-    if cfg.get("use_vllm") is False:
+    if _flag(cfg, "use_vllm") is False:
         notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a "
                      "precision")
     engine_dtype = str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")
@@ -101,7 +122,7 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
     vllm_importance_sampling_cap, which TRL copies over clip_max when set) as --token-cap for the token modes, as
     --seq-mask-cap for the sequence modes (a sequence mode that truncates touches the same sequences a mask at C
     drops). Nothing when the correction is off."""
-    if cfg.get("vllm_importance_sampling_correction") is False:
+    if _flag(cfg, "vllm_importance_sampling_correction") is False:
         notes.append("vllm_importance_sampling_correction is false: no correction; the knob advice shows what each "
                      "would do")
         return

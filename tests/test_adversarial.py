@@ -7,6 +7,7 @@ orphan metrics file, a continued experiment with other settings, NaN weights) ar
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ ONE_LINE = [
     (["experiment", "sanity", "--seeds", "0"], "--seeds: must be a whole number >= 1, got 0"),
     (["experiment", "sanity", "--lr", "inf"], "--lr must be a finite number"),
     (["experiment", "sanity", "--only", ""], "--only is empty: name the arms to run"),
+    (["train", "--intervention", "epsilon=5"], "epsilon=X: X must be a finite number > 0 and < 1, got 5"),
+    (["train", "--intervention", "epsilon=0"], "epsilon=X: X must be a finite number > 0 and < 1, got 0"),
     (["experiment", "sanity", "--only", " , "], "--only is empty: name the arms to run"),
     (["report", "--serve", "--port", "99999"], "--port: '99999' is not a port"),
     (["report", "--serve", "--port", "-1"], "--port: '-1' is not a port"),
@@ -233,3 +236,43 @@ def test_a_knob_means_the_same_in_every_command(train_flag, diagnose_flag, value
 
     TrainConfig(correction_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()
     DiagnoseConfig(token_cap=1.0, seq_mask_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()
+
+
+@pytest.mark.parametrize("spec", ["tiny-random:4294967296", "tiny-random:99999999999999999999", "tiny-random:-1"])
+def test_a_model_seed_follows_the_seed_rule(spec, capsys):
+    """`tiny-random:2**32` was `tiny-random:0` (torch's seed wraps), a 20-digit seed a traceback: --seed's rule."""
+    line = bad_cli(["diagnose", "--model", spec, "--n", "2"], capsys)
+    assert "its SEED must be a whole number from 0 to 4294967295" in line, line
+
+
+def _resumable(tmp_path, capsys) -> Path:
+    out = tmp_path / "run"
+    assert main([*T, "--steps", "3", "--out", str(out)]) == 0  # a checkpoint at every step
+    capsys.readouterr()
+    return out
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    ("append-old", "line 4: step 2 where a step after 3 (the checkpoint's) belongs"),
+    ("drop-middle", "line 2: step 3 where step 2 belongs"),
+    ("swap", "line 1: step 2 where step 1 belongs"),
+    ("no-checkpoint", "has 3 logged steps but no checkpoint.pt to continue from"),
+])
+def test_resume_refuses_damaged_rows_and_a_missing_checkpoint(tmp_path, capsys, damage, fragment):
+    """Resume continues only from rows 1..k in order and the checkpoint of step k: a duplicated, missing or reordered
+    row, or a deleted checkpoint, is one line naming the file (and line), and nothing is rewritten."""
+    out = _resumable(tmp_path, capsys)
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    if damage == "append-old":
+        metrics.write_text("".join(lines) + lines[1])
+    elif damage == "drop-middle":
+        metrics.write_text(lines[0] + lines[2])
+    elif damage == "swap":
+        metrics.write_text(lines[1] + lines[0] + lines[2])
+    else:
+        (out / "checkpoint.pt").unlink()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
+    line = bad_cli([*T, "--steps", "4", "--out", str(out), "--resume"], capsys)
+    assert fragment in line, line
+    assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}

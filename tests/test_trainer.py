@@ -59,7 +59,7 @@ def test_interventions_set_the_plan():
         ("match-bf16,fp16", "match-bf16 and fp16 conflict"),
         ("shadow-ratio,force-r1", "cannot be combined"),
         ("epsilon=abc", "needs a number"),
-        ("epsilon=-1", "X > 0"),
+        ("epsilon=-1", "X must be a finite number > 0 and < 1"),
         ("correction=sideways", "unknown mode 'sideways'"),
     ],
 )

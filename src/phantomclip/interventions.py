@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .errors import ConfigError
-from .loss import CORRECTIONS, clip_range
+from .loss import CORRECTIONS, KNOBS, clip_range
 from .numerics import parse_dtype
 from .recipes import engine_recipe
 
@@ -53,8 +53,8 @@ def _epsilon(arg: str | None) -> dict:
         eps = float(arg or "")
     except ValueError:
         raise TrainConfigError(f"intervention epsilon=X needs a number, got {arg!r}") from None
-    if not eps > 0:
-        raise TrainConfigError(f"intervention epsilon=X needs X > 0, got {eps}")
+    # ε_low and ε_high both: --epsilon's range (loss.KNOBS), so one rule for the flag and the intervention
+    KNOBS["epsilon"].check("--intervention epsilon=X: X", eps, TrainConfigError)
     return {"eps_low": eps, "eps_high": eps}
 
 

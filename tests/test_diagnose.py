@@ -54,8 +54,8 @@ def test_reference_rebuilds_the_column_the_engine_did_not_measure():
 
 
 def test_every_config_field_has_a_docstring():
-    """The CLI's help texts are the field docstrings (cli.add_config_args)."""
-    from phantomclip.cli import field_docs
+    """The CLI's help texts are the field docstrings (config_flags.add_config_args)."""
+    from phantomclip.config_flags import field_docs
 
     docs = field_docs(DiagnoseConfig)
     assert [f.name for f in dataclasses.fields(DiagnoseConfig) if not docs.get(f.name)] == []

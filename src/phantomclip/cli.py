@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config_flags import add_config_args, config_from_args
+
 EXIT_USAGE = 2
 EXIT_GATE = 1
 """`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
@@ -152,58 +154,6 @@ def _apply_config_file(args) -> None:
         args.max_tokens = DiagnoseConfig.max_tokens
 
 
-def field_docs(cls) -> dict[str, str]:
-    """A dataclass's attribute docstrings (the string under each field), read from its source."""
-    import ast
-    import inspect
-    import textwrap
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                    defaults: dict | None = None, knobs: dict[str, str] | None = None) -> None:
-    """One --flag per dataclass field, typed from its default, with the field's docstring as help; a field named in
-    `knobs` (a config's KNOB_FIELDS) adds its loss.KNOBS range, the same in every command. `defaults` overrides
-    some fields' defaults for this command."""
-    import dataclasses
-
-    from .loss import KNOBS
-
-    docs = field_docs(cls)
-    for name, knob in (knobs or {}).items():
-        docs[name] = f"{docs.get(name, KNOBS[knob].help).rstrip('.')}; {KNOBS[knob].range_text()}"
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = (defaults or {}).get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
-        # list fields take comma-separated values (the config's __post_init__ splits them)
-        if isinstance(default, list):
-            default = ",".join(map(str, default))
-        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
-        if isinstance(default, bool):
-            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-        elif isinstance(default, (int, float)):
-            parser.add_argument(flag, type=type(default), default=default, help=help_text)
-        elif "float" in str(f.type):
-            parser.add_argument(flag, type=float, default=default, help=help_text)
-        else:
-            parser.add_argument(flag, default=default, help=help_text)
-
-
-def _config_from_args(cls, args, **overrides):
-    import dataclasses
-
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-    return cls(**{**values, **overrides})
-
-
 def _train_parser(sub) -> None:
     from .train_config import KNOB_FIELDS as TRAIN_KNOBS
     from .train_config import TrainConfig
@@ -242,7 +192,7 @@ def _run_train(args) -> int:
         for name, iv in INTERVENTIONS.items():
             print(f"{name:14s} {iv.doc}")
         return 0
-    cfg = _config_from_args(TrainConfig, args)
+    cfg = config_from_args(TrainConfig, args)
     cfg.validate()
     if args.resume and not args.out:
         raise TrainConfigError("--resume needs --out, the run directory to continue")
@@ -304,14 +254,9 @@ def _run_experiment(args) -> int:
     from .job_text import render_experiment
     from .trainer import TrainConfig
 
-    cfg = _config_from_args(TrainConfig, args)
+    cfg = config_from_args(TrainConfig, args)
     cfg.validate()
     only = _split_run_names(args.only) if args.only is not None else None
-    if only is not None and not only:  # an empty shell variable must not turn into "every arm"
-        from .errors import ConfigError
-
-        raise ConfigError("--only is empty: name the arms to run (see `phantomclip experiment sanity --help`), or drop "
-                          "--only to run them all")
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
     render_experiment(summary, Console())
@@ -320,13 +265,18 @@ def _run_experiment(args) -> int:
 
 
 def _split_run_names(text: str) -> list[str]:
-    """'none,shadow-ratio,none,epsilon=0.1' -> ['none', 'shadow-ratio', 'none,epsilon=0.1'] (run names hold commas)."""
+    """'none,shadow-ratio,none,epsilon=0.1' -> ['none', 'shadow-ratio', 'none,epsilon=0.1'] (run names hold commas).
+    An empty list is refused: an empty shell variable must not turn into "every arm"."""
+    from .errors import ConfigError
+
     names: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if part.startswith("epsilon=") and names:
             names[-1] += "," + part
         elif part:  # ',,' or an empty --only names nothing
             names.append(part)
+    if not names:
+        raise ConfigError("--only is empty: name the arms to run, or drop --only to run them all")
     return names
 
 
@@ -351,7 +301,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     from .errors import check_output_path
     from .files import write_json
 
-    cfg = _config_from_args(cls, args)
+    cfg = config_from_args(cls, args)
     cfg.validate()
     if precheck:
         precheck(cfg)

@@ -1,0 +1,58 @@
+"""A job's config dataclass as command-line flags: one --flag per field, its docstring as help, and back."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def field_docs(cls) -> dict[str, str]:
+    """A dataclass's attribute docstrings (the string under each field), read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                    defaults: dict | None = None, knobs: dict[str, str] | None = None) -> None:
+    """One --flag per dataclass field, typed from its default, with the field's docstring as help; a field named in
+    `knobs` (a config's KNOB_FIELDS) adds its loss.KNOBS range, the same in every command. `defaults` overrides
+    some fields' defaults for this command."""
+    import dataclasses
+
+    from .loss import KNOBS
+
+    docs = field_docs(cls)
+    for name, knob in (knobs or {}).items():
+        docs[name] = f"{docs.get(name, KNOBS[knob].help).rstrip('.')}; {KNOBS[knob].range_text()}"
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = (defaults or {}).get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        # list fields take comma-separated values (the config's __post_init__ splits them)
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        if isinstance(default, bool):
+            parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+        elif isinstance(default, (int, float)):
+            parser.add_argument(flag, type=type(default), default=default, help=help_text)
+        elif "float" in str(f.type):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, default=default, help=help_text)
+
+
+def config_from_args(cls, args, **overrides):
+    """The config dataclass `cls` from parsed flags (its fields' names), with `overrides` applied."""
+    import dataclasses
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})

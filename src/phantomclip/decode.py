@@ -1,7 +1,7 @@
 """A decode forward for the Llama and Qwen families with a preallocated KV cache: what `engine.LocalEngine` runs.
 
 Why its own forward. At 16 rows the Hugging Face forward spends as long around its matmuls as in them (profile in
-bench/RESULTS.md, issue 19): its `DynamicCache` concatenates every layer's keys and values into a new tensor at each
+bench/RESULTS.md): its `DynamicCache` concatenates every layer's keys and values into a new tensor at each
 step (a copy of the whole cache, 60 times a step), and the model builds masks and dispatches through several layers
 of Python per call. Here the cache is allocated once per `generate` and written in place, the mask is built once
 per step and shared by every layer, and the layers run as straight-line code.

@@ -352,7 +352,7 @@ def judged_figures(
     return rows
 
 
-# ---- CI gate: `--fail-if 'KEY OP NUMBER'` (issue 15, part 5) ----
+# ---- CI gate: `--fail-if 'KEY OP NUMBER'` ----
 
 
 class GateError(PhantomclipError):

@@ -73,6 +73,7 @@ class _Shadow:
     def __init__(self, trainer, engine_dtype: str, matmul: str):
         from trl.trainer.utils import add_fused_lm_head
 
+        self.kind = check_supported(_sharded(trainer))  # refused in one line before anything is built; once per run
         self.model = build_shadow(_sharded(trainer), engine_dtype, trainer.accelerator.device, matmul)
         # TRL's scorer asks for log-probs from the model (`fused_lm_head=True`), as it patched the policy and the
         # reference; the head stays in the engine's dtype whatever cast_lm_head_to_fp32 says (the engine's is not cast)
@@ -85,7 +86,7 @@ class _Shadow:
         if step == self.step:
             return float("nan")
         first, self.step = self.step == -1, step
-        changed = sync_shadow(self.model, _sharded(trainer))
+        changed = sync_shadow(self.model, _sharded(trainer), self.kind)
         return float("nan") if first else changed  # the first fill replaces uninitialised memory: no figure
 
 
@@ -313,7 +314,6 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
             if self.accelerator.unwrap_model(model) is not policy or _is_reference_call(policy):
                 return logp, entropies, aux  # the reference (KL): left as TRL computes it
             if getattr(self, "_pc_shadow", None) is None:
-                check_supported(_sharded(self))
                 self._pc_shadow = _Shadow(self, engine_dtype, matmul)
             self._pc_shadow.sync(self, self.state.global_step)
             with torch.no_grad():

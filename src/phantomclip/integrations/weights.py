@@ -147,12 +147,13 @@ def engine_name(name: str) -> str:
     return name
 
 
-def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(model: nn.Module, kind: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter of `model` (`sharded_root`) as the engine receives it: whole, LoRA
     merged, under the base model's names; tied weights once. Call on every rank (gathers are collectives). The
-    tensors are views of or computed from the trainer's parameters: copy them before the next optimizer step."""
+    tensors are views of or computed from the trainer's parameters: copy them before the next optimizer step.
+    `kind`: the model's `check_supported` result when the caller has it (a shadow checks once, not every sync)."""
     model = sharded_root(model)
-    kind = check_supported(model)
+    kind = check_supported(model) if kind is None else kind
     if kind == "fsdp1":
         yield from _fsdp1_weights(model)
         return
@@ -222,13 +223,13 @@ def build_shadow(model: nn.Module, engine_dtype: str, device: torch.device | str
 
 
 @torch.no_grad()
-def sync_shadow(shadow: nn.Module, model: nn.Module) -> float:
+def sync_shadow(shadow: nn.Module, model: nn.Module, kind: str | None = None) -> float:
     """Copy `full_weights(model)` into `shadow`, each cast to the shadow's dtype (round to nearest, as vLLM's load);
     returns the share of values that changed. Every parameter of the shadow must be filled (else IntegrationError:
     a name the mirror does not know)."""
     params = dict(shadow.named_parameters())
     changed, total, filled = 0, 0, set()
-    for name, value in full_weights(model):
+    for name, value in full_weights(model, kind):
         p = params.get(name)
         if p is None:
             raise IntegrationError(f"the shadow has no parameter {name!r} (a module the engine's model lacks): "

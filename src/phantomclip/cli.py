@@ -334,7 +334,7 @@ def _engines_parser(sub) -> None:
                        "and vLLM",
                        description="Sample the same prompts with the same seeds in each dtype with each engine, and "
                        "report start-up and median sampling throughput (vLLM must be installed for --engines vllm: see "
-                       "README).")
+                       "docs/diagnose.md).")
     add_config_args(p, CompareConfig)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH")
 

@@ -61,7 +61,7 @@ class TrainConfig:
     """sampling temperature."""
     lr: float = EXPERIMENT_LR
     """AdamW learning rate. TRL's default 1e-6 barely moves the bundled model in a CPU budget of a few dozen
-    steps; 3e-5 shows learning within them (README: 'Why these defaults')."""
+    steps; 3e-5 shows learning within them (docs/training.md: 'Why these defaults')."""
     max_grad_norm: float = 1.0
     """gradient norm clip."""
     loss_type: str = "dapo"
@@ -94,7 +94,7 @@ class TrainConfig:
     prompts: str | None = None
     """prompts file (one per line or JSONL 'prompt'); default: the task's or the 64 bundled prompts."""
     matmul: str = "auto"
-    """low-precision matmul kernels: auto, native or emulated (see README)."""
+    """low-precision matmul kernels: auto, native or emulated (docs/diagnose.md)."""
     device: str = "auto"
     """where the master weights, the optimizer, the local engine, the shadow and the step run: auto (the first CUDA
     device if torch sees one, else the CPU), cpu, cuda or cuda:N (devices.resolve_device)."""

@@ -51,6 +51,20 @@ def test_every_snapshot_measured_and_the_decomposition_adds_up(run_dir, tmp_path
     assert "how β grows along" in capsys.readouterr().out
 
 
+def test_explicit_cpu_gives_the_default_figures(run_dir, tmp_path, capsys):
+    """`trace --run --device cpu` (the setting reaches the model, the rescoring engine and the hooked forwards) gives
+    the default's figures exactly on a machine where `auto` is the CPU, and records where it ran."""
+    if torch.cuda.is_available():
+        pytest.skip("auto is CUDA on this machine")
+    results = {}
+    for device in ("auto", "cpu"):
+        out = tmp_path / f"{device}.json"
+        assert main(["trace", "--run", str(run_dir), "--device", device, "--json", str(out)]) == 0
+        results[device] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert results["auto"] == results["cpu"] and results["cpu"]["device"]["device"] == "cpu"
+
+
 def test_bad_runs_are_one_line(run_dir, tmp_path, capsys):
     plain = tmp_path / "plain"
     assert main(["train", "--model", "tiny-random", "--steps", "1", "--group-size", "2", "--max-tokens", "4",

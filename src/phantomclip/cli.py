@@ -298,8 +298,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     written to --json; the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0."""
     from rich.console import Console
 
-    from .errors import check_output_path
-    from .files import write_json
+    from .files import check_output_path, write_json
 
     cfg = config_from_args(cls, args)
     cfg.validate()
@@ -317,11 +316,14 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
 
 def _run_trace(args) -> int:
     from . import growth
+    from .devices import resolve_device
     from .job_text import render_growth, render_trace
     from .trace import TraceConfig, run_trace
 
     def run(cfg, err):
-        return growth.run_growth(cfg.run, cfg.matmul, console=err) if cfg.run else run_trace(cfg, console=err)
+        if cfg.run:
+            return growth.run_growth(cfg.run, cfg.matmul, resolve_device(cfg.device), console=err)
+        return run_trace(cfg, console=err)
 
     return _run_config_job(TraceConfig, args, run,
                            lambda result, out: (render_growth if "snapshots" in result else render_trace)(result, out))

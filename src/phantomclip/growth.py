@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .depth import site_errors
+from .devices import describe_device
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
@@ -102,7 +103,7 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
     given = Rollout(prompt_ids=tokens["prompt_ids"], completion_ids=tokens["completion_ids"], logp_engine=[],
                     logp_engine_processed=[])
     rescored = engine.rescore(given, params)
-    packed = rescored.pack(0)
+    packed = rescored.pack(0, device=next(master.parameters()).device)
     mask = packed["completion_mask"]  # [B, T]
     args = (packed["input_ids"], packed["attention_mask"], mask)
     shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"], entropy=False)
@@ -168,13 +169,14 @@ def weight_drift(model: torch.nn.Module, start: dict[str, torch.Tensor]) -> dict
     return {"norm": norm, "relative_drift": moved / base if base > 0 else float("nan")}
 
 
-def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
+def run_growth(path: str | Path, matmul: str = "auto", device: torch.device | str = "cpu", console=None) -> dict:
     """Every snapshot of the run at `path`: β and its parts on the reference and own tokens, the weights' drift, and
-    the shift-share decomposition of mean |β|'s change since the first snapshot."""
+    the shift-share decomposition of mean |β|'s change since the first snapshot, computed on `device`."""
     from .models import load_model
 
     run = open_run(path)
-    master = load_model(run.config["model"], progress=console.print if console else (lambda *a: None)).model.float()
+    lm = load_model(run.config["model"], progress=console.print if console else (lambda *a: None))
+    master = lm.model.float().to(device)
     reference_step = min(run.tokens)
     rows, first, start = [], {}, None
     for step in run.steps:
@@ -194,4 +196,4 @@ def run_growth(path: str | Path, matmul: str = "auto", console=None) -> dict:
                 row[name]["depth"] = t["depth"]
         rows.append(row)
     return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
-            "prob_edges": list(PROB_EDGES), "snapshots": rows}
+            "prob_edges": list(PROB_EDGES), "device": describe_device(device), "snapshots": rows}

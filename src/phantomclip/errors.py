@@ -7,8 +7,6 @@ catches them all through `PhantomclipError` instead of listing them by hand.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 
 class PhantomclipError(ValueError):
@@ -17,18 +15,6 @@ class PhantomclipError(ValueError):
 
 class ConfigError(PhantomclipError):
     """A command's configuration that cannot run (bad value, unknown name, unwritable output)."""
-
-
-def check_output_path(path: str | Path, flag: str = "--json") -> None:
-    """Fail before a long run, not after it, when `path` cannot be written."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory: give a file path such as {path / 'out.json'}")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
 
 
 class IntegrationError(PhantomclipError):

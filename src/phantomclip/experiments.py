@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import SCHEMA_VERSION
 from .errors import SEED_LIMIT
-from .files import atomic_write_bytes, write_json
+from .files import atomic_write_bytes, check_output_dir, write_json
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import DirLock, RunDir, read_json_object
@@ -132,6 +132,7 @@ def check_manifest(matrix: Matrix, out: Path) -> None:
 def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoints: bool = False) -> dict:
     """Run (or continue) every run of `matrix` under `out`; returns the summary (also summary.json / .md)."""
     out = Path(out)
+    check_output_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -10,30 +10,119 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .errors import WriteError
+from .errors import ConfigError, WriteError
+
+
+def output_target(path: str | Path) -> tuple[Path, bool]:
+    """Where an output named `path` goes and how: (the file to replace atomically, False) for a regular file or a
+    path that does not exist yet, a symlink followed to its target (the link stays a link); (path, True) for a stream
+    the user means to write into, a character device (/dev/null, a terminal) or a FIFO, and for /dev/stdout and the
+    other /proc/self/fd links. A directory, a block device, a socket or a name longer than the file system allows is
+    refused with one WriteError line: a temp file renamed over it would replace it."""
+    path = Path(path)
+    _check_name_lengths(path, str(path))
+    try:
+        st = os.stat(path)  # follows symlinks: the kind of what a write would reach
+    except FileNotFoundError:
+        st = None
+    except OSError as e:  # a symlink loop, a file used as a directory, no permission to look
+        raise WriteError(f"cannot write {path} ({e.strerror or e}): choose another location") from None
+    if st is not None and (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+        return path, True
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise WriteError(f"{path} is a directory: give a file path such as {path / 'out.json'}")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = ("a block device" if stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a special file")
+        raise WriteError(f"{path} is {kind}, not a regular file: an output written there would replace it; give a "
+                         "regular file's path")
+    if _names_a_descriptor(path):  # /dev/stdout redirected to a file: write into the descriptor, as asked
+        return path, True
+    return Path(os.path.realpath(path)), False
+
+
+def _names_a_descriptor(path: Path) -> bool:
+    """Whether `path` reaches its file through /proc (/dev/stdout, /dev/fd/N, bash's <(...)): an open descriptor,
+    whose file must be written into, not replaced (the shell holds the one it opened)."""
+    return _through_proc(path)[0]
+
+
+def _own_descriptor(path: Path) -> int | None:
+    """The descriptor of this process that `path` names (/dev/stdout: 1), or None."""
+    through, hop = _through_proc(path)
+    prefix = f"/proc/{os.getpid()}/fd/"
+    number = hop.removeprefix(prefix) if through and hop.startswith(prefix) else ""
+    return int(number) if number.isdigit() else None
+
+
+def _through_proc(path: Path) -> tuple[bool, str]:
+    """Follow `path`'s symlinks one at a time: (True, the /proc path) if one hop is in /proc, else (False, '')."""
+    hop = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a symlink chain
+        hop = os.path.join(os.path.realpath(os.path.dirname(hop)), os.path.basename(hop))
+        if hop.startswith("/proc/"):
+            return True, hop
+        if not os.path.islink(hop):
+            return False, ""
+        hop = os.path.join(os.path.dirname(hop), os.readlink(hop))
+    return False, ""
+
+
+def check_output_dir(path: str | Path, flag: str = "--out") -> None:
+    """Refuse, in one line naming `flag`, a directory output that cannot be one: a name longer than the file system
+    allows, or something other than a directory already at the path (a file, a device, a FIFO)."""
+    path = Path(path)
+    _check_name_lengths(path, f"{flag} {path}")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise WriteError(f"{flag} {path}: cannot use it ({e.strerror or e}): choose another directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise WriteError(f"{flag} {path} exists and is not a directory: give a directory (new or a run's)")
+
+
+def _check_name_lengths(path: Path, said: str) -> None:
+    """ENAMETOOLONG as one line before any system call meets it: a component longer than NAME_MAX bytes."""
+    too_long = [part for part in path.parts if len(os.fsencode(part)) > NAME_MAX]
+    if too_long:
+        raise WriteError(f"{said}: a name of {len(os.fsencode(too_long[0]))} bytes ({too_long[0][:20]}...) is longer "
+                         f"than the {NAME_MAX} a file name may have: choose a shorter name")
+
+
+NAME_MAX = 255
+"""the longest file name (one path component), in bytes, that Linux's file systems accept."""
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Write `path` through `write(tmp_path)` into a temp file in the same directory, fsync, rename: a reader sees the
-    old file or the new one, never a half-written one; an OSError becomes one WriteError line naming `path`."""
+    old file or the new one, never a half-written one. Only a regular file (or nothing) is replaced: a symlink is
+    followed, a character device or FIFO (/dev/null, /dev/stdout, a pipe) is written into directly, anything else is
+    refused (`output_target`). An OSError becomes one WriteError line naming `path`."""
+    target, direct = output_target(path)
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+        if direct:  # the stream may be this process's own stdout: what it printed goes first
+            sys.stdout.flush()
+            write(str(target))
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent)
         os.close(fd)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
+        os.chmod(tmp, _new_file_mode(target))  # mkstemp creates 0600
+        os.replace(tmp, target)
     except OSError as e:
         raise write_error(path, e) from None
     finally:
@@ -41,9 +130,45 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _new_file_mode(target: Path) -> int:
+    """The permissions of the file `target` replaces, or the usual ones (0666 less the umask) for a new file."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def check_output_path(path: str | Path, flag: str = "--json") -> None:
+    """Fail before a long run, not after it, when `path` cannot be written (output_target's refusals, or no writable
+    directory to create it in)."""
+    try:
+        target, direct = output_target(path)
+    except WriteError as e:
+        raise ConfigError(f"{flag} {e}") from None
+    if direct:
+        return
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """`data` into `path`, atomically (atomic_write)."""
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+    """`data` into `path`, atomically (atomic_write); into the descriptor itself when `path` names one of this
+    process's (/dev/stdout), after what it printed: reopening it would write at another offset."""
+    fd = _own_descriptor(Path(path))
+    if fd is None:
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+        return
+    try:
+        sys.stdout.flush()
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise write_error(Path(path), e) from None
 
 
 TEMP_SUFFIX = ".tmp"

@@ -30,7 +30,15 @@ import torch
 
 from . import SCHEMA_VERSION
 from .errors import PhantomclipError, PhantomclipWarning
-from .files import TEMP_SUFFIX, atomic_write, atomic_write_bytes, content_hash, json_safe, write_error
+from .files import (
+    TEMP_SUFFIX,
+    atomic_write,
+    atomic_write_bytes,
+    check_output_dir,
+    content_hash,
+    json_safe,
+    write_error,
+)
 
 
 class RunError(PhantomclipError):
@@ -188,6 +196,7 @@ class RunDir:
 
     @classmethod
     def create(cls, path: str | Path, config: dict[str, Any]) -> RunDir:
+        check_output_dir(path)
         run = cls(Path(path))
         taken = f"{run.path} already holds a run: pass --resume to continue it, or choose another --out"
         if (run.path / "config.json").exists():
@@ -239,6 +248,7 @@ class RunDir:
         """Reopen a run whose config matches `config` (see check_config); returns it and its checkpoint (or None).
         `required`: keys the checkpoint must hold; `max_step`: the most steps it may have (the run's budget). Every
         check runs, and every file is read whole, before anything is rewritten."""
+        check_output_dir(path)
         run = cls(Path(path))
         if not (run.path / "config.json").exists():
             raise RunError(f"{run.path} holds no run to resume (no config.json): drop --resume to start one")

@@ -30,6 +30,7 @@ from .diagnose_config import DiagnoseConfig
 from .engine import Rollout
 from .engines import start_engine
 from .engines.drift import Drift, first_rows, measure_drift
+from .engines.vllm_memory import BesideVllm
 from .files import rounded
 from .frameworks import framework_figures
 from .knobs import knob_figures
@@ -198,8 +199,11 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     batches = [prep.prompt_ids[i : i + cfg.batch_size] for i in range(0, cfg.n, cfg.batch_size)]
     if cfg.engine == "vllm":
         say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
+    longest = max(len(p) for p in prep.prompt_ids) + cfg.max_tokens
+    beside = BesideVllm(batch_tokens=cfg.batch_size * longest, training=False, share=cfg.vllm_memory_share)
     engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, matmul=prep.matmul, logprobs_mode=cfg.logprobs_mode,
-                          max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift))
+                          max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift),
+                          beside=beside)
     try:
         task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
         rollouts: list[Rollout] = []

@@ -40,6 +40,10 @@ class DiagnoseConfig:
     and truncation, as TRL asks for)."""
     max_model_len: int = 0
     """vLLM's context limit in tokens (0 = the model's own)."""
+    vllm_memory_share: float | None = None
+    """with --engine vllm on a GPU: the share of the GPU's memory vLLM may take (its gpu_memory_utilization); default:
+    what is free once the recipes' scoring memory is set aside, at most 0.9. A model that cannot fit both is refused,
+    naming the memory needed and available (engines/vllm_memory.py). Ignored on the CPU."""
     epsilon: float = KNOBS["epsilon"].default
     """PPO clip ε_low: the ratio's lower bound is 1 − ε_low (loss.KNOBS, as every knob below)."""
     epsilon_high: float | None = KNOBS["epsilon_high"].default
@@ -125,6 +129,8 @@ class DiagnoseConfig:
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
             check_number("--drift", self.drift, 1, integer=True)
         check_number("--max-model-len", self.max_model_len, 0, integer=True)
+        if self.vllm_memory_share is not None:
+            check_number("--vllm-memory-share", self.vllm_memory_share, 0, 1, low_open=True)
         check_seed("--seed", self.seed)
         check_number("--temperature", self.temperature, 0, low_open=True)
         check_number("--keep-share", self.keep_share, 0, 1, low_open=True, high_open=True)

@@ -14,13 +14,13 @@ from .recipes import RECIPES, get_recipe
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local",
-                        "device": "auto"}
+                        "device": "auto", "vllm_memory_share": None}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
 """TrainConfig's fields that are loss.KNOBS: one default, range and help for every command."""
 RESUME_MAY_CHANGE = ("steps", "versions", "schema", "checkpoint_every", "samples_per_step", "token_log_steps",
-                     "keep_snapshots")
+                     "keep_snapshots", "vllm_memory_share")
 """config keys a resumed run may change: none of them changes the numbers of the steps already taken."""
 
 
@@ -42,6 +42,11 @@ class TrainConfig:
     scripts/install_vllm_cpu.sh on a CPU)."""
     engine_dtype: str = "bf16"
     """engine dtype (bf16, fp16, fp32) before interventions."""
+    vllm_memory_share: float | None = None
+    """with --engine vllm on a GPU: the share of the GPU's memory vLLM may take (its gpu_memory_utilization); default:
+    what is free once the trainer's memory (weights, AdamW, activations) is set aside, at most 0.9. A model that
+    cannot fit both is refused, naming the memory needed and available (engines/vllm_memory.py). Ignored on the
+    CPU."""
     intervention: str = "none"
     """comma-separated interventions (see `phantomclip train --list-interventions`), e.g. shadow-ratio or
     epsilon=0.3."""
@@ -112,6 +117,8 @@ class TrainConfig:
         for flag, value, low in whole:
             check_number(flag, value, low, integer=True, error=TrainConfigError)
         check_seed("--seed", self.seed, error=TrainConfigError)
+        if self.vllm_memory_share is not None:
+            check_number("--vllm-memory-share", self.vllm_memory_share, 0, 1, low_open=True, error=TrainConfigError)
         # an lr above 1 is no AdamW step size: it diverges in one step (NaN from step 2)
         check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
         check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)

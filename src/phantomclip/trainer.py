@@ -36,6 +36,7 @@ from .console import GracefulStop, progress_bar
 from .devices import clock, describe_device, resolve_device
 from .engine import Engine, sync_weights
 from .engines import start_engine
+from .engines.vllm_memory import BesideVllm
 from .errors import PhantomclipError
 from .files import rounded
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
@@ -227,9 +228,12 @@ def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: list[list[int]]) -
 
         require_vllm()  # the install hint before the model is saved for vLLM
     recipe = get_recipe(plan.engine_recipe)
+    longest = max(len(p) for p in pool_ids) + cfg.max_tokens
     return start_engine(cfg.engine, lm, recipe.weight_dtype, matmul=cfg.matmul, recipe=recipe,
                         logprobs_mode="raw" if cfg.temperature == 1 else "processed",
-                        max_model_len=max(len(p) for p in pool_ids) + cfg.max_tokens, seed=cfg.seed, weight_sync=True)
+                        max_model_len=longest, seed=cfg.seed, weight_sync=True,
+                        beside=BesideVllm(batch_tokens=cfg.prompts_per_step * cfg.group_size * longest, training=True,
+                                          share=cfg.vllm_memory_share))
 
 
 def _input_files(cfg: TrainConfig) -> dict[str, Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..recipes import Recipe, engine_recipe
+from .vllm_memory import BesideVllm
 
 ENGINE_KINDS = ("local", "vllm")
 """the engines `diagnose --engine`, `train --engine` and `phantomclip engines` can use."""
@@ -10,11 +11,12 @@ ENGINE_KINDS = ("local", "vllm")
 
 def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str = "raw",
                  max_model_len: int | None = None, seed: int = 0, recipe: Recipe | None = None,
-                 weight_sync: bool = False):
+                 weight_sync: bool = False, beside: BesideVllm | None = None):
     """An engine of `kind` on the weights of `lm` (a models.LoadedModel) in `dtype`; vLLM is imported only here.
     `matmul` and `recipe` (default: plain `dtype`; the local engine can keep modules in fp32) apply to the local
-    engine; the log-probs mode, context limit, seed and `weight_sync` (allow `load_weights`) to vLLM, which computes
-    in one dtype only. Call close() after."""
+    engine; the log-probs mode, context limit, seed, `weight_sync` (allow `load_weights`) and `beside` (what the job
+    runs beside vLLM on a shared GPU, which sets vLLM's memory share: vllm_memory.py) to vLLM, which computes in one
+    dtype only. Call close() after."""
     recipe = recipe or engine_recipe(dtype)
     if kind == "local":
         from ..engine import LocalEngine
@@ -25,7 +27,12 @@ def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str 
     unsupported = cannot_run(kind, recipe)
     if unsupported:
         raise VLLMError(unsupported)
-    return VLLMEngine.for_model(lm, recipe.weight_dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync)
+    from .vllm_memory import vllm_share
+
+    share = vllm_share(lm.model, recipe.weight_dtype, max_model_len or lm.context_length,
+                       beside or BesideVllm(batch_tokens=0, training=False))
+    return VLLMEngine.for_model(lm, recipe.weight_dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync,
+                                gpu_memory_utilization=share)
 
 
 def cannot_run(kind: str, recipe: Recipe) -> str | None:

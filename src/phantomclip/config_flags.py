@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -56,3 +58,37 @@ def config_from_args(cls, args, **overrides):
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     return cls(**{**values, **overrides})
+
+
+def typed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The fields (dests) of the options typed in `argv`, an abbreviation argparse accepts included: what a config
+    file must not override."""
+    options = {o: a.dest for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    typed = set()
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        matches = [name] if name in options else [o for o in options if o.startswith(name)]
+        if len(matches) == 1:
+            typed.add(options[matches[0]])
+    return typed
+
+
+def say_error(line: str, code: int) -> int:
+    """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
+    raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a captured stdout (tests) has no descriptor
+            pass
+    return code

@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from .errors import PhantomclipError
 
 RewardFn = Callable[[list[str], list[str], list[list[int]]], list[float]]
@@ -83,33 +85,61 @@ def get_task(name: str) -> Task:
 
 
 def load_reward(spec: str) -> RewardFn:
-    """Import `module:function` (the module on sys.path or a dotted package path)."""
+    """Import `module:function` (the module on sys.path or a dotted package path). Whatever the module's import
+    raises, SystemExit included (a module that calls sys.exit(0) must not end the command as a success), is one
+    TaskError line naming the module; a KeyboardInterrupt is Ctrl-C's and stays one."""
     module_name, sep, fn_name = spec.partition(":")
     if not sep or not module_name or not fn_name:
         raise TaskError(f"--reward {spec!r}: write it as module:function, e.g. my_rewards:score")
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:
-        raise TaskError(f"--reward {spec!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 (user code: SystemExit too, see the docstring)
+        raise TaskError(f"--reward {spec!r}: cannot import {module_name} ({exception_line(e)})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise TaskError(f"--reward {spec!r}: {module_name} has no function {fn_name}")
     return fn
 
 
+def exception_line(e: BaseException) -> str:
+    """An exception from user code as one line: its type and its message's first line (a traceback or a multi-line
+    message must not become several lines of the command's one-line error)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
+    return f"{type(e).__name__}: {lines[0][:300]}{more}" if lines else type(e).__name__
+
+
 def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], ids: list[list[int]]) -> list[float]:
-    """Call a reward function and check what it returned; errors name the function."""
-    name = getattr(fn, "__qualname__", repr(fn))
+    """Call a reward function and check what it returned; errors name the function and its module. Anything it
+    raises, SystemExit included, is one TaskError line (load_reward); a KeyboardInterrupt is Ctrl-C's."""
+    name = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', repr(fn))}"
     try:
         rewards = list(fn(prompts, completions, ids))
-    except Exception as e:
-        raise TaskError(f"reward function {name} raised {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 (user code)
+        raise TaskError(f"reward function {name} raised {exception_line(e)}") from None
     if len(rewards) != len(completions):
         raise TaskError(f"reward function {name} returned {len(rewards)} values for {len(completions)} completions")
     try:
         rewards = [float(r) for r in rewards]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise TaskError(f"reward function {name} returned a value that is not a number") from None
     if not all(math.isfinite(r) for r in rewards):
         raise TaskError(f"reward function {name} returned a non-finite value: {rewards}")
     return rewards
+
+
+def check_rewards_fit(fn: RewardFn, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+    """Rewards and advantages as the loss uses them (in `rewards.dtype`): a finite Python reward past that dtype's
+    range (1e308 in float32) becomes ±inf there, and the step would learn nothing while saying nothing. One TaskError
+    line naming the function and the range instead."""
+    if bool(torch.isfinite(rewards).all() and torch.isfinite(advantages).all()):
+        return
+    name = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', repr(fn))}"
+    dtype = str(rewards.dtype).removeprefix("torch.")
+    raise TaskError(f"reward function {name} returned rewards that overflow {dtype}, the dtype the loss uses them in "
+                    f"(largest |reward| {torch.finfo(rewards.dtype).max:.3g}, and their spread within a group as "
+                    "large): scale the rewards down")

@@ -38,7 +38,7 @@ from .engine import Engine, sync_weights
 from .engines import start_engine
 from .engines.vllm_memory import BesideVllm
 from .errors import PhantomclipError
-from .files import rounded
+from .files import check_output_dir, rounded
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
 from .loss import (
     CorrectionParams,
@@ -188,6 +188,8 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
     cfg.validate()
     if cfg.keep_snapshots and out is None:
         raise TrainConfigError("--keep-snapshots writes into the run directory: give --out")
+    if out is not None:
+        check_output_dir(out)  # before the model loads
     task = get_task(cfg.task)
     reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
     lm = load_model(cfg.model)
@@ -349,7 +351,7 @@ def run_finished(metrics: list[dict], steps: int, patience: int) -> bool:
 
 def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     """One GRPO step on a rollout batch: rewards, the three log-prob forwards, the loss, one optimizer step."""
-    from .tasks import compute_rewards
+    from .tasks import check_rewards_fit, compute_rewards
 
     cfg, plan = ctx.cfg, ctx.plan
     timings = {"time/generate_s": batch.generate_s, "time/engine_sync_s": batch.sync_s,
@@ -359,6 +361,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids),
                            device=packed["input_ids"].device)  # [B]
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
+    check_rewards_fit(ctx.reward_fn, rewards, advantages)  # 1e308 is finite, and inf in float32
     mask = packed["completion_mask"][:, P:]  # [B, L]
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 

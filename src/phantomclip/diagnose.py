@@ -177,7 +177,7 @@ def measure(
 
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
     """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels."""
-    prompts_text = read_prompts(cfg.prompts) if cfg.prompts else bundled_prompts()
+    prompts_text = read_prompts(cfg.prompts, limit=cfg.n) if cfg.prompts else bundled_prompts()  # n are used
     device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
     lm.model.to(device)

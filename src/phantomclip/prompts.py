@@ -19,34 +19,68 @@ def bundled_prompts() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from `path`: JSONL (each line an object with a string "prompt") or plain text, one per line."""
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompts from `path`: JSONL (each line an object with a string "prompt") or plain text, one per line. With
+    `limit`, only the first `limit` prompts are read (the file is streamed: diagnose --n 2 on a 500,000-line file
+    reads two lines). Every refusal is one PromptError line naming the file (and line)."""
     path = Path(path)
-    if path.is_dir():
-        raise PromptError(f"prompts file {path} is a directory: give a text file (one prompt per line) or JSONL")
-    if not path.is_file():
-        raise PromptError(f"prompts file {path} does not exist: give a text file (one prompt per line) or JSONL")
+    _check_regular(path)
+    prompts: list[str] = []
+    jsonl = None
     try:
         # utf-8-sig: a byte-order mark must not hide the JSON object on the first line
-        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+        with open(path, encoding="utf-8-sig") as f:
+            for i, line in enumerate((line for line in f if line.strip()), 1):
+                if jsonl is None:
+                    jsonl = line.lstrip().startswith("{")
+                prompts.append(_jsonl_prompt(path, i, line) if jsonl else _text(path, i, line.strip()))
+                if limit is not None and len(prompts) >= limit:
+                    break
     except UnicodeDecodeError:
         raise PromptError(f"prompts file {path} is not UTF-8 text: save it as UTF-8") from None
     except OSError as e:
         raise PromptError(f"cannot read prompts file {path} ({e.strerror}): check its permissions") from None
-    if not lines:
+    if not prompts:
         raise PromptError(f"prompts file {path} is empty: put one prompt per line")
-    if not lines[0].lstrip().startswith("{"):
-        return [line.strip() for line in lines]
-    prompts = []
-    for i, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptError(f"{path}, non-empty line {i}: not valid JSON ({e.msg}): one object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise PromptError(f'{path}, non-empty line {i}: needs a non-empty string field "prompt"')
-        prompts.append(row["prompt"])
     return prompts
+
+
+def _check_regular(path: Path) -> None:
+    """A prompts file must be a regular file: a FIFO would block, /dev/zero never ends, and none can be hashed for
+    resume's check that the prompts did not change."""
+    if path.is_dir():
+        raise PromptError(f"prompts file {path} is a directory: give a text file (one prompt per line) or JSONL")
+    if not path.exists():
+        raise PromptError(f"prompts file {path} does not exist: give a text file (one prompt per line) or JSONL")
+    if not path.is_file():
+        kind = ("a FIFO (named pipe)" if path.is_fifo() else "a character device" if path.is_char_device()
+                else "a block device" if path.is_block_device() else "a socket" if path.is_socket()
+                else "a special file")
+        raise PromptError(f"prompts file {path} is {kind}, not a regular file: save the prompts to a file and give "
+                          "its path")
+
+
+def _jsonl_prompt(path: Path, i: int, line: str) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"{path}, non-empty line {i}: not valid JSON ({e.msg}): one object per line") from None
+    except RecursionError:
+        raise PromptError(f"{path}, non-empty line {i}: JSON nested too deep: one flat object per line") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+        raise PromptError(f'{path}, non-empty line {i}: needs a non-empty string field "prompt"')
+    return _text(path, i, row["prompt"])
+
+
+def _text(path: Path, i: int, text: str) -> str:
+    """`text`, refused when it is not valid Unicode: JSON's "\\ud800" escape decodes to a lone surrogate, which no
+    tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{path}, non-empty line {i}: holds {text[e.start:e.end]!r}, a lone UTF-16 surrogate (not "
+                          "a character): fix the escape in that line") from None
+    return text
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:

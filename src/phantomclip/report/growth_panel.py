@@ -13,9 +13,10 @@ do not all show.
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
-from .plots import PALETTE, plot_layout
+from .plots import LOG_AXIS, PALETTE, arm_colour, plot_layout, seed_symbol
 
 COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
 """what writes the data of this section."""
@@ -33,14 +34,29 @@ def run_name(doc: dict) -> str:
 
 
 def bucket_labels(edges: list[float]) -> list[str]:
-    """'0-0.01', '0.01-0.1', ... for engine-probability bucket edges."""
-    return [f"{a:g}-{b:g}" for a, b in zip(edges[:-1], edges[1:])]
+    """'0–0.01', '0.01–0.1', ... for engine-probability bucket edges."""
+    return [f"{a:g}–{b:g}" for a, b in zip(edges[:-1], edges[1:])]
 
 
-def _line(i: int, name: str, x: list, y: list, dash: str) -> dict:
-    """One run's line (run i's colour, grouped in the legend with the run's other lines)."""
-    return {"type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": y, "legendgroup": str(i),
-            "line": {"dash": dash, "color": PALETTE[i % len(PALETTE)]}}
+def site_label(site: str) -> str:
+    """A depth site as a tick label: 'layers.12.residual' -> '12', 'final_norm' -> 'norm'; others as they are."""
+    m = re.fullmatch(r"layers\.(\d+)\.residual", site)
+    return m.group(1) if m else {"final_norm": "norm"}.get(site, site)
+
+
+def arm_and_seed(doc: dict) -> tuple[str, int]:
+    """('none', 0) for a run named none-seed0 or none/seed-0; (its name, 0) when the name carries no seed."""
+    m = re.fullmatch(r"(.+?)[-/]seed-?(\d+)", run_name(doc))
+    return (m.group(1), int(m.group(2))) if m else (run_name(doc), 0)
+
+
+def _line(growths: list[dict], i: int, name: str, xy: tuple[list, list], dash: str) -> dict:
+    """Run i's line: its arm's colour, its seed's marker, grouped in the legend with the run's other lines."""
+    arm, seed = arm_and_seed(growths[i])
+    arms = [arm_and_seed(d)[0] for d in growths]
+    return {"type": "scatter", "mode": "lines+markers", "name": name, "x": xy[0], "y": xy[1], "legendgroup": str(i),
+            "line": {"dash": dash, "color": arm_colour(arm, arms) if arm in arms else PALETTE[i % len(PALETTE)]},
+            "marker": {"symbol": seed_symbol(seed), "size": 7}}
 
 
 def _reference_rows(doc: dict) -> list[dict]:
@@ -57,10 +73,10 @@ def fig_growth(growths: list[dict]) -> dict | None:
         rows = _reference_rows(doc)
         for key, dash, label in (("beta_abs_mean", "solid", "|β|"), ("beta_precision_abs_mean", "dash", "precision"),
                                  ("beta_kernel_abs_mean", "dot", "kernel")):
-            traces.append(_line(i, f"{run_name(doc)}: {label}", [s["step"] for s in rows],
-                                [s["reference"][key] for s in rows], dash))
-    return {"data": traces, "layout": plot_layout("Mean |β| and its parts on fixed tokens along the run (the tokens "
-                                                  "sampled at the first snapshot)", "step", "mean |·| (nats)")}
+            traces.append(_line(growths, i, f"{run_name(doc)}: {label}",
+                                ([s["step"] for s in rows], [s["reference"][key] for s in rows]), dash))
+    return {"data": traces, "layout": plot_layout("step", "mean |·| (nats)"), "source": ("growths", growths),
+            "title": "Mean |β| and its parts along each run, on fixed tokens (those sampled at the first snapshot)"}
 
 
 def fig_growth_buckets(growths: list[dict]) -> dict | None:
@@ -71,11 +87,12 @@ def fig_growth_buckets(growths: list[dict]) -> dict | None:
     for i, doc in enumerate(growths):
         rows = _reference_rows(doc)
         for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
-            traces.append(_line(i, f"{run_name(doc)}, step {s['step']}", bucket_labels(doc["prob_edges"]),
-                                s["reference"]["bucket_beta_abs_mean"], dash))
-    return {"data": traces, "layout": plot_layout("Mean |β| by the engine's probability of the token, first and last "
-                                                  "snapshot (fixed tokens)", "engine probability", "mean |β| (nats)",
-                                                  yaxis={"type": "log"})}
+            traces.append(_line(growths, i, f"{run_name(doc)}, step {s['step']}",
+                                (bucket_labels(doc["prob_edges"]), s["reference"]["bucket_beta_abs_mean"]), dash))
+    return {"data": traces, "layout": plot_layout("engine probability of the token", "mean |β| (nats)",
+                                                  yaxis=LOG_AXIS), "source": ("growths", growths),
+            "title": "Mean |β| by the engine's probability of the token, first (dotted) and last (solid) snapshot, "
+                     "fixed tokens"}
 
 
 def fig_growth_depth(growths: list[dict]) -> dict | None:
@@ -88,13 +105,15 @@ def fig_growth_depth(growths: list[dict]) -> dict | None:
             continue
         for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
             depth = s["reference"]["depth"]
-            traces.append(_line(i, f"{run_name(doc)}, step {s['step']}", [d["site"] for d in depth],
-                                [d["rel_error"] for d in depth], dash))
+            traces.append(_line(growths, i, f"{run_name(doc)}, step {s['step']}",
+                                ([site_label(d["site"]) for d in depth], [d["rel_error"] for d in depth]), dash))
     if not traces:
         return None
-    return {"data": traces, "layout": plot_layout("Relative error of the engine's recipe against the trainer's along "
-                                                  "the depth (fixed tokens), first and last snapshot", "site",
-                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖", yaxis={"type": "log"})}
+    return {"data": traces, "layout": plot_layout("layer (residual stream after it)",
+                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖", yaxis=LOG_AXIS),
+            "source": ("growths", growths),
+            "title": "Relative error of the engine's recipe against the trainer's along the depth, first (dotted) "
+                     "and last (solid) snapshot, fixed tokens"}
 
 
 def last_changes(doc: dict) -> dict[str, tuple[int, dict]]:
@@ -112,16 +131,20 @@ def fig_growth_split(growths: list[dict]) -> dict | None:
     one pair of bars (reference and own tokens) per run."""
     if not growths:
         return None
-    x, parts = [], {p: [] for p in PARTS}
+    runs, sets, parts = [], [], {p: [] for p in PARTS}  # a two-level axis: token sets grouped under their run
     for doc in growths:
         for which, (step, d) in last_changes(doc).items():
-            x.append(f"{run_name(doc)} {which} (step {step})")
+            runs.append(run_name(doc))
+            sets.append("fixed" if which == "reference" else "own")
             for p in PARTS:
                 parts[p].append(d[p])
-    traces = [{"type": "bar", "name": p, "x": x, "y": parts[p]} for p in PARTS]
-    return {"data": traces, "layout": plot_layout("Change of mean |β| since the first snapshot = mix + within + "
-                                              "interaction", "run and token set", "Δ mean |β| (nats)",
-                                              barmode="relative")}
+    traces = [{"type": "bar", "name": p, "x": [runs, sets], "y": parts[p], "marker": {"color": PALETTE[i]}}
+              for i, p in enumerate(PARTS)]
+    return {"data": traces, "layout": plot_layout("run; tokens: fixed (the first snapshot's) or own (each snapshot's)",
+                                                  "Δ mean |β| (nats)",
+                                                  barmode="relative", xaxis={"tickangle": 0}),
+            "source": ("growths", growths),
+            "title": "Change of mean |β| since the first snapshot = mix + within + interaction"}
 
 
 def dominant_part(d: dict) -> str:
@@ -148,19 +171,33 @@ def html_growth_table(growths: list[dict]) -> str | None:
             body += (f"<tr><td>{html.escape(run_name(doc))}</td><td>{which}</td><td>{first} → {step}</td>"
                      f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
                      + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{part}</td></tr>")
-    n = len(reference_parts)
-    if len(set(reference_parts)) > 1:
-        verdict = (f"The {n} runs disagree on which part carries the change of mean |β| on the fixed reference tokens "
-                   f"({', '.join(reference_parts)}): no single explanation holds")
-    elif n == 1:
-        verdict = (f"On the fixed reference tokens of this one run, most of the change in mean |β| is "
-                   f"{PART_WORDS[reference_parts[0]]}; one run is one seed, not yet a finding")
-    else:
-        verdict = (f"On the fixed reference tokens, most of the change in mean |β| is {PART_WORDS[reference_parts[0]]}"
-                   f", in each of the {n} runs ({', '.join(names)}; each run is one seed)")
-    verdict += (f". The mix part is the smallest of the three in {mix_smallest} of {n} run" + ("s" if n != 1 else "")
-                + " on the fixed tokens")
+    verdict = growth_verdict(reference_parts, names, mix_smallest)
     note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
             "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
             "with the policy.")
     return head + body + "</tbody></table>" + f'<p class="note">{html.escape(note)}</p>'
+
+
+def growth_verdict(parts: list[str], names: list[str], mix_smallest: int) -> str:
+    """One sentence over the runs' dominant parts (fixed tokens): what all share, or how many runs say what, and
+    how often the mix part was the smallest. Counts only: a majority is reported as a majority, never as all."""
+    n = len(parts)
+    counts = {p: parts.count(p) for p in PARTS if p in parts}
+    if n == 1:
+        verdict = (f"On the fixed reference tokens of this one run, most of the change in mean |β| is "
+                   f"{PART_WORDS[parts[0]]}; one run is one seed, not yet a finding")
+    elif len(counts) == 1:
+        verdict = (f"On the fixed reference tokens, most of the change in mean |β| is {PART_WORDS[parts[0]]}, in "
+                   f"each of the {n} runs ({', '.join(names)}; each run is one seed)")
+    elif 2 * max(counts.values()) <= n:
+        split = "; ".join(f"{p} in {', '.join(nm for nm, q in zip(names, parts) if q == p)}" for p in counts)
+        verdict = (f"The {n} runs disagree on which part carries the change of mean |β| on the fixed reference tokens "
+                   f"({split}): no single explanation holds at this number of runs")
+    else:
+        top = max(counts, key=counts.get)
+        others = "; ".join(f"{p} in {', '.join(nm for nm, q in zip(names, parts) if q == p)}"
+                           for p in counts if p != top)
+        verdict = (f"On the fixed reference tokens, most of the change in mean |β| is {PART_WORDS[top]} in "
+                   f"{counts[top]} of the {n} runs; the others differ ({others})")
+    return verdict + (f". The mix part is the smallest of the three in {mix_smallest} of {n} run"
+                      + ("s" if n != 1 else "") + " on the fixed tokens")

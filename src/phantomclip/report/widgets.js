@@ -14,16 +14,56 @@ function spacing(x, bits, emin) {
   const e = Math.max(Math.floor(Math.log2(Math.abs(x) || Number.MIN_VALUE)), emin);
   return Math.pow(2, e - (bits - 1));
 }
-const FORMATS = {fp32: [24, -126], fp16: [11, -14], bf16: [8, -126]};
+// [significand bits incl. the implicit one, minimum exponent, maximum exponent, significant decimal digits that
+// tell neighbouring values apart: ceil(1 + bits * log10 2)]
+const FORMATS = {fp32: [24, -126, 127, 9], fp16: [11, -14, 15, 5], bf16: [8, -126, 127, 4]};
 
-// Nearest value, lower and upper neighbours, spacing and relative error of x in a format.
+// Largest finite value of a format: (2 - 2^(1 - bits)) * 2^emax (fp16: 65504).
+function maxFinite(fmt) { const [bits, , emax] = FORMATS[fmt]; return (2 - Math.pow(2, 1 - bits)) * Math.pow(2, emax); }
+
+// x rounded to the nearest value of the format, ties to even; past the largest finite value by half a spacing or
+// more it overflows to infinity, as the hardware does. x / spacing is exact in a double (the spacing is a power of 2).
+function roundTo(x, fmt) {
+  const [bits, emin] = FORMATS[fmt], max = maxFinite(fmt), a = Math.abs(x);
+  if (!isFinite(x)) return x;
+  if (a >= max + spacing(max, bits, emin) / 2) return Math.sign(x) * Infinity;
+  const s = spacing(a, bits, emin), q = a / s, f = Math.floor(q), d = q - f;
+  const r = (d > 0.5 || (d === 0.5 && f % 2 === 1) ? f + 1 : f) * s;
+  return Math.sign(x) * Math.min(r, max);
+}
+
+// The next representable value above v >= 0 (Infinity past the largest finite one); below a power of two the
+// spacing is half the one above it, so stepping down from one takes half a step.
+function nextAbove(v, fmt) {
+  const [bits, emin] = FORMATS[fmt];
+  const up = v + spacing(v, bits, emin);
+  return up > maxFinite(fmt) ? Infinity : up;
+}
+function nextBelow(v, fmt) {
+  const [bits, emin] = FORMATS[fmt];
+  if (v === 0) return -spacing(0, bits, emin);
+  const s = spacing(v, bits, emin), isPow2 = Math.pow(2, Math.floor(Math.log2(v))) === v;
+  return v - (isPow2 && v > Math.pow(2, emin) ? s / 2 : s);
+}
+
+// Nearest value of x in a format, the representable values just below and above it, its spacing and the relative
+// error of the rounding. An overflow has the largest finite value below it and nothing above.
 function neighbours(x, fmt) {
   const [bits, emin] = FORMATS[fmt];
-  const s = spacing(x, bits, emin);
-  const lo = Math.floor(x / s) * s, hi = lo + s;
-  let nearest = fmt === "bf16" ? toBf16(x) : (fmt === "fp32" ? Math.fround(x) : (x - lo < hi - x ? lo : (x - lo > hi - x ? hi : ((lo / s) % 2 === 0 ? lo : hi))));
-  if (fmt === "fp16" && Math.abs(nearest) > 65504) nearest = Infinity * Math.sign(x);
-  return {nearest, lo, hi, spacing: s, relErr: x === 0 ? 0 : Math.abs(nearest - x) / Math.abs(x)};
+  const nearest = roundTo(x, fmt);
+  if (!isFinite(nearest)) {
+    const max = maxFinite(fmt) * Math.sign(nearest);
+    return {nearest, lo: nearest > 0 ? max : NaN, hi: nearest > 0 ? NaN : max, spacing: NaN, relErr: Infinity};
+  }
+  const a = Math.abs(nearest), sign = nearest < 0 ? -1 : 1;
+  const [lo, hi] = sign > 0 ? [nextBelow(a, fmt), nextAbove(a, fmt)] : [-nextAbove(a, fmt), -nextBelow(a, fmt)];
+  return {nearest, lo, hi, spacing: spacing(a, bits, emin), relErr: x === 0 ? 0 : Math.abs(nearest - x) / Math.abs(x)};
+}
+
+// A value with the digits its format needs to tell it from its neighbours.
+function showIn(v, fmt) {
+  if (!isFinite(v)) return isNaN(v) ? "—" : (v > 0 ? "+∞ (overflow)" : "−∞ (overflow)");
+  return v === 0 ? "0" : v.toPrecision(FORMATS[fmt][3]);
 }
 
 // Steps of size eta before a bf16 copy of w changes: half a spacing.
@@ -50,14 +90,20 @@ function numberLine() {
     slider("nl-log", "or drag (log10 |x|)", -6, 4, 0.01, -1) + `<table id="nl-table"></table>`;
   const x = el.querySelector("#nl-x"), lg = el.querySelector("#nl-log");
   function update(v) {
-    let rows = "<tr><th>format</th><th>nearest</th><th>lower neighbour</th><th>upper neighbour</th><th>spacing (ulp)</th><th>relative error</th></tr>";
+    let rows = "<tr><th>format</th><th>nearest</th><th>next below it</th><th>next above it</th><th>spacing (ulp)</th><th>relative error</th></tr>";
     for (const f of ["fp32", "fp16", "bf16"]) {
       const n = neighbours(v, f);
-      rows += `<tr><td>${f}</td><td>${fmt(n.nearest, 8)}</td><td>${fmt(n.lo, 8)}</td><td>${fmt(n.hi, 8)}</td><td>${fmt(n.spacing)}</td><td>${n.relErr.toExponential(2)}</td></tr>`;
+      const err = isFinite(n.relErr) ? n.relErr.toExponential(2) : "overflow";
+      rows += `<tr><td>${f}</td><td>${showIn(n.nearest, f)}</td><td>${showIn(n.lo, f)}</td><td>${showIn(n.hi, f)}</td><td>${isFinite(n.spacing) ? fmt(n.spacing) : "—"}</td><td>${err}</td></tr>`;
     }
     el.querySelector("#nl-table").innerHTML = rows;
   }
-  x.addEventListener("input", () => { const v = parseFloat(x.value); if (isFinite(v)) update(v); });
+  // a typed value moves the slider too (clamped to its range), so the two never disagree
+  x.addEventListener("input", () => {
+    const v = parseFloat(x.value); if (!isFinite(v)) return;
+    const l = Math.min(Math.max(Math.log10(Math.abs(v) || 1e-6), +lg.min), +lg.max);
+    lg.value = l.toFixed(2); el.querySelector("#nl-log-out").textContent = lg.value; update(v);
+  });
   lg.addEventListener("input", () => { const v = Math.pow(10, parseFloat(lg.value)); x.value = v.toPrecision(6); el.querySelector("#nl-log-out").textContent = lg.value; update(v); });
   update(0.1);
 }

@@ -1,0 +1,111 @@
+"""The article's interventions table, from an `experiment sanity` summary.
+
+It fits the text column: a few narrow columns of numbers per arm, then a full-width row under it with what the
+intervention changes and the verdict against the baseline. One unit per quantity: lengths in tokens, rates in % of
+tokens, differences of rates in percentage points (pp).
+
+Interval rules, stated under the table: a quantity that cannot be negative (a length, a rate, |β|) is shown as the
+mean over seeds with the seeds' min-max, so no bound leaves its range; a difference against the baseline (which
+can be negative) is the mean with its paired 95% Student-t interval over seeds, as the experiment computed it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+from .plots import arm_colour
+
+DIFFERENCES = {"final_length": ("final length", 1, "tokens"), "length_auc": ("mean length over the run", 1, "tokens"),
+               "steps_to_converge": ("steps to convergence", 1, "steps"), "phantom_rate": ("phantom-clip rate", 100,
+                                                                                         "pp")}
+"""vs_baseline key -> (words, scale, unit) of the verdict's differences."""
+
+
+def _finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def _seed_values(summary: dict, arm: str, key: str) -> list[float]:
+    return [r[key] for r in summary.get("runs", []) if r.get("run") == arm and _finite(r.get(key))]
+
+
+def _mean_range(summary: dict, arm: str, key: str, scale: float = 1, digits: int = 1) -> str:
+    """'16.5 (11.2–22.0)': the mean over seeds and their min–max; '—' when no seed measured it."""
+    xs = [scale * x for x in _seed_values(summary, arm, key)]
+    if not xs:
+        return "—"
+    mean = f"{sum(xs) / len(xs):.{digits}f}"
+    return mean if len(xs) == 1 else f"{mean} <small>({min(xs):.{digits}f}–{max(xs):.{digits}f})</small>"
+
+
+def _difference(d: dict | None, scale: float, digits: int = 1) -> str:
+    """'−8.1 [−11.3, −4.9]': a paired difference and its 95% interval (one seed: the difference alone)."""
+    if not d or not _finite(d.get("mean")):
+        return "—"
+    text = f"{scale * d['mean']:+.{digits}f}"
+    if _finite(d.get("low"), d.get("high")):
+        text += f" <small>[{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]</small>"
+    return text
+
+
+def arm_verdict(arm: dict, baseline: str) -> str:
+    """The differences whose paired interval excludes zero, in their units, or 'no detectable difference'."""
+    diffs = arm.get("vs_baseline")
+    if not diffs:
+        return "the baseline"
+    n = next(iter(diffs.values()))["n"]
+    told = []
+    for key, d in diffs.items():
+        words, scale, unit = DIFFERENCES.get(key, (key, 1, ""))
+        if d["n"] >= 2 and _finite(d["low"], d["high"]) and (d["low"] > 0 or d["high"] < 0):
+            told.append(f"{words} {scale * d['mean']:+.2g} {unit} [{scale * d['low']:+.2g}, "
+                        f"{scale * d['high']:+.2g}]")
+    seeds = f"{n} seed{'s' if n != 1 else ''}"
+    if not told:
+        return f"no detectable difference from {baseline} at {seeds}"
+    return "; ".join(told) + f" vs {baseline} (paired, {seeds})"
+
+
+COLUMNS = ("arm", "final length, tokens", "Δ final length vs baseline, tokens", "phantom-clipped, % of tokens",
+           "Δ phantom-clipped, pp", "phantom share of clipped, %", "mean |β|, first → last step")
+
+
+def _cells(summary: dict, a: dict, arms: list[str]) -> list[str]:
+    arm, vs = a["run"], a.get("vs_baseline", {})
+    beta = "<br>→ ".join(_mean_range(summary, arm, k, digits=3) for k in ("beta_abs_mean_start", "beta_abs_mean_end"))
+    swatch = f'<span class="swatch" style="background:{arm_colour(arm, arms)}"></span>'
+    n = len(a["seeds"])
+    return [f"{swatch}<b>{html.escape(arm)}</b><br><small>{n} seed{'s' if n != 1 else ''}, {a['converged']} "
+            "converged</small>",
+            _mean_range(summary, arm, "final_length"), _difference(vs.get("final_length"), 1),
+            _mean_range(summary, arm, "phantom_rate", 100, 2),
+            _difference(vs.get("phantom_rate"), 100, 2), _mean_range(summary, arm, "phantom_share_of_clipped", 100, 0),
+            beta]
+
+
+def html_sanity_table(data) -> str | None:
+    """The experiment's arms, each with its numbers on one row and its mechanism and verdict on a full-width row."""
+    from ..interventions import INTERVENTIONS
+
+    if not data.sanity:
+        return None
+    summary = data.sanity[-1]
+    baseline = summary.get("baseline", "none")
+    arms = [a["run"] for a in summary["arms"]]
+    head = "<table class=\"arms\"><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in COLUMNS)
+    body = "</tr></thead>"
+    for a in summary["arms"]:
+        doc = INTERVENTIONS.get(a["run"].split(",")[0].split("=")[0])
+        body += ("<tbody><tr>" + "".join(f"<td>{c}</td>" for c in _cells(summary, a, arms)) + "</tr>"
+                 f'<tr class="sub"><td colspan="{len(COLUMNS)}"><b>What it changes:</b> '
+                 f"{html.escape(doc.doc if doc else 'the baseline run')}. <b>Against the baseline:</b> "
+                 f"{html.escape(arm_verdict(a, baseline))}.</td></tr></tbody>")
+    note = ("<p class=\"note\">Lengths, rates and |β| cannot be negative: each is the mean over seeds with the seeds' "
+            "lowest and highest value in brackets (a min–max, not an interval, so no bound leaves the quantity's "
+            "range). "
+            "Differences against the baseline can be negative: each is the mean of the per-seed differences with its "
+            f"paired {html.escape(summary.get('interval', '95% Student t interval'))}; pp = percentage points. An "
+            "interval that includes zero means no difference was detected at this number of seeds, not that there is "
+            "none.</p>")
+    return head + body + "</table>" + note

@@ -1,0 +1,187 @@
+"""The page: article.md's prose with each `<!-- figure: NAME -->` marker replaced by its figure (a title above, the
+Plotly div, the source line below), its table, or a note naming the command that makes the missing data; the summary
+at the top; one template; Plotly's cartesian bundle inlined.
+
+The bundle is plotly.js-cartesian-dist-min 4.1.1 from npm (the plotly.js version the plotly Python package ships),
+kept byte for byte in plotly-cartesian.min.js beside this file, with its MIT licence in plotly-LICENSE.md, which
+the page carries in a comment. It holds the trace types the article uses (scatter, bar, histogram) and none of the
+map, 3-D and WebGL code of the full bundle: 1.5 MB instead of 4.8 MB.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from ..files import json_safe
+from . import figures as diagnose_figures
+from . import growth_panel
+from .interventions_table import html_sanity_table
+from .plots import PALETTE
+from .sources import ReportData, ReportError, collect
+from .summary import html_sections_compared, html_summary, short_path, source_line
+from .training_panel import fig_alpha_beta_steps, per_step
+
+SANITY = "phantomclip experiment sanity --out runs/sanity"
+FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
+    "spacing": (diagnose_figures.fig_spacing, ""),
+    "beta_by_prob": (diagnose_figures.fig_beta_by_prob, "phantomclip diagnose --json diagnose.json"),
+    "trace_depth": (diagnose_figures.fig_trace_depth, "phantomclip trace --json trace.json"),
+    "beta_hist": (diagnose_figures.fig_beta_hist, "phantomclip diagnose --json diagnose.json"),
+    "outside_vs_eps": (diagnose_figures.fig_outside_vs_eps, "phantomclip diagnose --json diagnose.json"),
+    "beta_split": (diagnose_figures.fig_beta_split, "phantomclip diagnose --engine vllm --json diagnose-vllm.json"),
+    "alpha_beta_tokens": (diagnose_figures.fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
+    "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
+    "training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step (line: mean over "
+                                    "seeds; band: the seeds' min–max; a run that stopped after converging keeps its "
+                                    "last length)", "tokens", carry=True), SANITY),
+    "phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step (line: mean over "
+                                         "seeds; band: the seeds' min–max; open marker: fewer seeds)", "% of tokens"),
+                      SANITY),
+    "beta_steps": (lambda d: per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step (line: mean over seeds; band: "
+                                      "the seeds' min–max; open marker: fewer seeds)", "mean |β| (nats)"), SANITY),
+    "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
+    "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
+    "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
+    "growth_depth": (lambda d: growth_panel.fig_growth_depth(d.growths), growth_panel.COMMAND),
+}
+"""figure name -> (draws a figure from the data, or None when its data is missing; the command that makes the data)."""
+
+WIDGETS = ("number_line", "crossing", "grpo_widget")
+"""figures drawn in the browser by widgets.js (they need no data)."""
+
+
+def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) -> str:
+    """Every data file: its copy under data/ (or its path relative to --from), its configuration and versions."""
+    items = [("diagnose", d["_path"], d.get("config", {}), d.get("versions", {})) for d in data.diagnose]
+    items += [(f"run {r['name']}", r["_path"], r["config"], r["config"].get("versions", {})) for r in data.runs]
+    items += [("experiment sanity", s["_path"], s.get("base_config", {}), {}) for s in data.sanity]
+    items += [("trace", t["_path"], t.get("config", {}), {}) for t in data.traces]
+    items += [("trace --run", g["_path"], {"run": growth_panel.run_name(g), "model": g["model"]}, {})
+              for g in data.growths]
+    if not items:
+        return "<p>No data files were given.</p>"
+    out = "<ul>"
+    for kind, path, cfg, versions in items:
+        link = copied.get(Path(path))
+        shown = link or short_path(path, roots)
+        name = f'<a href="{html.escape(link)}">{html.escape(link)}</a>' if link else html.escape(shown)
+        out += (f"<li><b>{html.escape(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
+                f"{html.escape(json.dumps(cfg, indent=1, default=str))}</pre></details>"
+                + (f"<details><summary>versions</summary><pre>{html.escape(json.dumps(versions, indent=1))}</pre>"
+                   "</details>" if versions else "")
+                + "</li>")
+    return out + "</ul>"
+
+
+def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str:
+    kind, docs = fig.pop("source")
+    title = fig.pop("title")
+    figures[name] = _compact(json_safe(fig))  # NaN/inf -> null: browsers' JSON has neither
+    return (f'<figure class="chart"><div class="fig-title">{html.escape(title)}</div>'
+            f'<div class="figure" id="fig-{name}"></div>'
+            f'<figcaption class="source">{html.escape(source_line(kind, docs, roots))}</figcaption></figure>')
+
+
+def _compact(x):
+    """Floats to 6 significant digits: far below what a figure can show, and a third of the page's data bytes."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _compact(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_compact(v) for v in x]
+    return x
+
+
+def _missing(command: str) -> str:
+    return (f'<p class="missing">No data for this figure yet. Run <code>{html.escape(command)}</code> and pass its '
+            'output to <code>phantomclip report --from</code>.</p>')
+
+
+def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
+    """The HTML that replaces the marker of `name`."""
+    from .framework_panel import html_framework_panel
+
+    if name in WIDGETS:
+        return f'<div class="widget" id="{name}"></div>'
+    tables = {"sanity_table": (lambda: html_sanity_table(data), SANITY),
+              "growth_table": (lambda: growth_panel.html_growth_table(data.growths), growth_panel.COMMAND),
+              "your_framework": (lambda: html_framework_panel(data.diagnose),
+                                 "phantomclip diagnose --json diagnose.json")}
+    if name in tables:
+        draw, command = tables[name]
+        return draw() or _missing(command)
+    if name == "appendix":
+        return html_appendix(data, ctx["copied"], ctx["roots"])
+    if name == "summary":
+        return html_summary(data.diagnose, data.sanity)
+    if name == "sections_compared":
+        return html_sections_compared(data.diagnose, data.sanity)
+    if name in FIGURES:
+        draw, command = FIGURES[name]
+        fig = draw(data)
+        return _figure_block(name, fig, figures, ctx["roots"]) if fig else _missing(command)
+    return f'<p class="missing">Unknown figure {html.escape(name)} in article.md.</p>'
+
+
+def _text(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[Path] | None = None) -> str:
+    """The whole page as one HTML string. `roots`: the --from paths, to name files relative to them."""
+    from jinja2 import Environment
+    from markdown_it import MarkdownIt
+
+    ctx = {"copied": copied or {}, "roots": [Path(r).resolve() for r in roots or []]}
+    body = MarkdownIt("commonmark", {"html": True}).render(_text("article.md"))
+    figures: dict[str, dict] = {}
+    for marker in re.findall(r"<!-- figure: [a-z_]+ -->", body):
+        name = marker[len("<!-- figure: ") : -len(" -->")]
+        body = body.replace(marker, _block(name, data, figures, ctx), 1)
+    template = Environment(autoescape=False).from_string(_text("template.html.j2"))
+    return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
+                           plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),
+                           figures=json.dumps(figures, allow_nan=False, separators=(",", ":")),
+                           widgets_js=_text("widgets.js"), palette=json.dumps(PALETTE))
+
+
+def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
+    copied: dict[Path, str] = {}
+    for i, f in enumerate(data.files()):
+        rel = f"data/{i:02d}-{f.parent.name}-{f.name}"
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out / rel)
+        copied[f] = rel
+        if f.name == "metrics.jsonl":
+            copied[f.parent] = rel
+    return copied
+
+
+def build(sources: list[str | Path], out: str | Path) -> Path:
+    """Write out/index.html and copy the data files to out/data/; returns the page's path."""
+    from ..files import atomic_write_bytes
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file: give a directory")
+    data = collect(sources)
+    roots = [Path(s) if Path(s).is_dir() else Path(s).parent for s in sources]
+    try:
+        copied = _copy_data(data, out)
+        page = out / "index.html"
+        try:
+            body = render(data, copied, roots)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a file damaged below its top level
+            raise ReportError(f"cannot draw the report from {', '.join(map(str, sources))} ({type(e).__name__}: "
+                              f"{str(e)[:80]}): a file there was edited or is not one phantomclip wrote") from None
+        atomic_write_bytes(page, body.encode("utf-8"))
+    except OSError as e:
+        raise ReportError(f"--out {out}: cannot write the report ({e.strerror or e})") from None
+    return page

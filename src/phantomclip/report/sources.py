@@ -1,0 +1,185 @@
+"""What `phantomclip report` reads: every diagnose JSON, trace JSON, `trace --run` JSON, experiment summary and run
+directory under the paths it is given, classified by the keys at their top level.
+
+The rule for files that cannot be used: one named on the command line is an error naming it (one line, exit 2);
+one found by searching a directory is skipped, and a single warning names the skipped files. A file that is one of
+ours but damaged (a key missing, a key of the wrong type, a newer schema) is an error wherever it was found: the page
+would otherwise silently lack what the user expects to see.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
+from ..errors import PhantomclipError, PhantomclipWarning
+from ..runs import read_jsonl
+
+
+class ReportError(PhantomclipError):
+    """Unreadable sources or an output path that cannot be written."""
+
+
+@dataclass
+class ReportData:
+    """Everything the page can draw, gathered from files; each item keeps the path it came from (`_path`)."""
+
+    diagnose: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    sanity: list[dict] = field(default_factory=list)
+    traces: list[dict] = field(default_factory=list)
+    growths: list[dict] = field(default_factory=list)
+    """`trace --run` results: β along a training run, per snapshot."""
+
+    def files(self) -> list[Path]:
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.traces + self.growths]
+        for r in self.runs:
+            out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
+        return out
+
+    def empty(self) -> bool:
+        return not (self.diagnose or self.runs or self.sanity or self.traces or self.growths)
+
+
+DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
+              "traces": {"sites": list, "first_order": dict}, "growths": {"snapshots": list, "prob_edges": list}}
+"""what each kind of JSON file holds at its top level (the keys that tell the kinds apart, with their types)."""
+MARKS = {"diagnose": ("trust_region", "knobs"), "sanity": ("verdict", "baseline"), "traces": ("hook_overhead",),
+         "growths": ("reference_step",)}
+"""keys only that kind writes besides its shape's: a file with one of them but not all its shape's keys is that kind,
+damaged (an experiment's own experiment.json has "arms" too, and is not a damaged summary)."""
+KIND_WORDS = {"diagnose": "diagnose JSON", "sanity": "experiment summary", "traces": "trace JSON",
+              "growths": "trace --run JSON"}
+
+
+class Unusable(Exception):
+    """A file that is not phantomclip data (unreadable, not JSON, not an object, of no known kind): the reason."""
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`, or Unusable saying why not. Python's own limits (an integer of more than 4300
+    digits, nesting deeper than the recursion limit) are reasons like any other, not tracebacks."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise Unusable(f"cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise Unusable("is not UTF-8 text") from None
+    except RecursionError:
+        raise Unusable("is not valid JSON for phantomclip (nested too deep to read)") from None
+    except ValueError as e:  # json.JSONDecodeError, and int() refusing a number of thousands of digits
+        raise Unusable(f"is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(data, dict):
+        raise Unusable(f"holds a JSON {type(data).__name__}, not the object phantomclip writes")
+    return data
+
+
+def kind_of(path: Path, doc: dict) -> str | None:
+    """'diagnose', 'sanity', 'traces' or 'growths' by the keys `doc` has; None when it is none of them. A file with
+    a kind's mark but not all of its keys is damaged: ReportError naming the first key missing."""
+    full = [k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)]
+    if full:
+        return full[0]
+    partial = next((k for k, marks in MARKS.items() if any(key in doc for key in marks)), None)
+    if partial is None:
+        return None
+    missing = [key for key in DOC_SHAPES[partial] if key not in doc]
+    raise ReportError(f"{path}: looks like a {KIND_WORDS[partial]} but has no \"{missing[0]}\": the file was cut, "
+                      "edited or is not one phantomclip wrote")
+
+
+def _check_schema(path: Path, doc: dict, kind: str | None) -> None:
+    newest = DIAGNOSE_SCHEMA if kind == "diagnose" else SCHEMA_VERSION  # diagnose's file has its own number
+    schema = doc.get("schema", SCHEMA_VERSION)
+    if not isinstance(schema, int) or isinstance(schema, bool):
+        raise ReportError(f"{path}: \"schema\" is {str(schema)[:40]!r}, not a whole number: the file was edited or is "
+                          "not one phantomclip wrote")
+    if schema > newest:
+        raise ReportError(f"{path}: written with data schema {schema}, newer than this phantomclip reads "
+                          f"({newest}): upgrade phantomclip")
+
+
+def _check_shape(path: Path, doc: dict, shape: dict[str, type]) -> None:
+    for key, kind in shape.items():
+        if not isinstance(doc[key], kind):
+            raise ReportError(f"{path}: \"{key}\" holds a {type(doc[key]).__name__}, not a {kind.__name__}: the file "
+                              "was edited or is not one phantomclip wrote")
+
+
+def _read_run_rows(path: Path) -> list[dict]:
+    try:
+        return read_jsonl(path)
+    except PhantomclipError:
+        raise
+    except RecursionError:
+        raise ReportError(f"{path}: a line is nested too deep to read: the file was edited or damaged") from None
+    except ValueError as e:  # an integer too long for int()
+        raise ReportError(f"{path}: a line is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+
+
+def _add(data: ReportData, f: Path, doc: dict) -> bool:
+    """File `doc` (read from `f`) into `data`; False when it is of no kind the page draws."""
+    if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
+        _check_schema(f, doc, None)
+        name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
+        data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
+                          "metrics": _read_run_rows(f.parent / "metrics.jsonl"),
+                          "tokens": _read_run_rows(f.parent / "tokens.jsonl")})
+        return True
+    if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):
+        return True  # an experiment's plan: its summary.json beside it holds what the page draws
+    kind = kind_of(f, doc)
+    if kind is None:
+        return False
+    _check_schema(f, doc, kind)
+    _check_shape(f, doc, DOC_SHAPES[kind])
+    doc["_path"] = str(f)
+    getattr(data, kind).append(doc)
+    return True
+
+
+def _warn_skipped(src: Path, skipped: list[str]) -> None:
+    shown = "; ".join(skipped[:3]) + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+    warnings.warn(f"--from {src}: skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''} that phantomclip "
+                  f"cannot use: {shown}", PhantomclipWarning, stacklevel=3)
+
+
+def collect(sources: list[str | Path]) -> ReportData:
+    """Classify every JSON file and run directory under `sources` (files or directories)."""
+    data = ReportData()
+    seen: set[Path] = set()
+    for src in map(Path, sources):
+        if not src.exists():
+            raise ReportError(f"--from {src}: no such file or directory")
+        named = src.is_file()
+        skipped: list[str] = []
+        for found in [src] if named else sorted(src.rglob("*.json")):
+            f = found.resolve()
+            if f in seen:
+                continue
+            seen.add(f)
+            try:
+                doc = read_json(f)
+                if not _add(data, f, doc):
+                    raise Unusable("is none of diagnose, trace, trace --run or experiment JSON, nor a run's "
+                                   "config.json beside its metrics.jsonl")
+            except Unusable as why:
+                if named:
+                    raise ReportError(f"--from {src}: {why}") from None
+                skipped.append(f"{found.relative_to(src)} {why}")
+        if skipped:
+            _warn_skipped(src, skipped)
+    if data.empty():
+        raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
+                          "experiment directory; give the files that diagnose --json, trace --json, train --out or "
+                          "experiment --out wrote")
+    return data
+
+
+def demo_sources() -> list[Path]:
+    """The bundled demo data (a diagnose JSON, a trace JSON and sanity-experiment runs on the bundled model)."""
+    return [Path(str(resources.files(__package__).joinpath("demo")))]

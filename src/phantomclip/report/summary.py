@@ -1,0 +1,186 @@
+"""The page's words that come from the data rather than from article.md: the source line under every figure (which
+file, which engine, which model, which machine) and the three-line summary at the top.
+
+Every number here is read from the files at build time: with other data the summary says other things, and a line
+whose data is missing is left out rather than filled with the demo's numbers. Paths are shown relative to the
+directory given to --from (or as a bare file name), never as this machine's absolute path.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+
+def short_path(path: str, roots: list[Path]) -> str:
+    """`path` relative to the --from directory it was found under, else its last two parts."""
+    p = Path(path)
+    for root in roots:
+        try:
+            rel = p.relative_to(root)
+        except ValueError:
+            continue
+        return f"{root.name}/{rel}" if str(rel) != "." else root.name
+    return "/".join(p.parts[-2:])
+
+
+def machine(doc: dict) -> str:
+    """'CPU (AMD EPYC; bf16 emulated)' / 'GPU (NVIDIA H100, CUDA 12.8)' from what a file recorded of its machine."""
+    device = doc.get("device") or {}
+    if isinstance(device, dict) and str(device.get("device", "")).startswith("cuda"):
+        return f"GPU ({device.get('name')}, CUDA {device.get('cuda')})"
+    cpu = doc.get("cpu")
+    if isinstance(cpu, dict):
+        kernels = cpu.get("kernels", {})
+        return f"CPU ({cpu.get('model')}; bf16 {kernels.get('bf16', '?')})"
+    torch_version = str((doc.get("versions") or doc.get("config", {}).get("versions") or {}).get("torch", ""))
+    if torch_version.endswith("+cpu"):
+        return f"CPU (torch {torch_version})"
+    return "machine not recorded"
+
+
+def _diagnose_source(doc: dict, roots: list[Path]) -> str:
+    e = doc.get("engine", {})
+    return (f"{short_path(doc['_path'], roots)}: {e.get('kind', '?')} engine in {e.get('dtype', '?')}, model "
+            f"{doc.get('model', {}).get('name', '?')}, {e.get('tokens', '?')} tokens; {machine(doc)}")
+
+
+def _runs_source(runs: list[dict], roots: list[Path]) -> str:
+    arms = sorted({r["config"].get("intervention", r["name"]) for r in runs})
+    cfg = runs[0]["config"]
+    where = sorted({short_path(str(Path(r["_path"]).parent if "/" in r["name"] else r["_path"]), roots)
+                    for r in runs})
+    return (f"{', '.join(where)}: {len(runs)} run{'s' if len(runs) > 1 else ''} ({len(arms)} arm"
+            f"{'s' if len(arms) > 1 else ''}), model {cfg.get('model', '?')}, {cfg.get('trainer', '?')} trainer "
+            f"against a {cfg.get('engine_dtype', '?')} engine, task {cfg.get('task', '?')}; {machine(cfg)}")
+
+
+def _trace_source(doc: dict, roots: list[Path]) -> str:
+    cfg = doc.get("config", {})
+    return (f"{short_path(doc['_path'], roots)}: recipe {doc.get('recipe')} against {doc.get('against')}, model "
+            f"{cfg.get('model', '?')}; {machine(doc)}")
+
+
+def _growth_source(docs: list[dict], roots: list[Path]) -> str:
+    names = ", ".join(short_path(d["_path"], roots) for d in docs)
+    return f"{names}: trace --run of {len(docs)} run{'s' if len(docs) > 1 else ''}, model {docs[0].get('model')}; " \
+           f"{machine(docs[0])}"
+
+
+def source_line(kind: str, docs: list[dict], roots: list[Path]) -> str:
+    """The 'Data: ...' line under a figure drawn from `docs` of `kind` ('diagnose', 'runs', 'traces', 'growths',
+    or 'computed' for a figure computed on the spot)."""
+    if kind == "computed":
+        return "Data: computed when the page was built (torch's own rounding), no measurement."
+    if kind == "diagnose":
+        text = "; ".join(_diagnose_source(d, roots) for d in docs)
+    elif kind == "runs":
+        text = _runs_source(docs, roots)
+    elif kind == "traces":
+        text = "; ".join(_trace_source(d, roots) for d in docs)
+    else:
+        text = _growth_source(docs, roots)
+    return f"Data: {text}."
+
+
+def _pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _diagnose_line(doc: dict) -> str:
+    name, stats = next(iter(doc["recipes"].items()))
+    tr = doc["trust_region"]
+    outside = stats.get("outside_trust_region")
+    e = doc["engine"]
+    line = (f"Before any training step, a {html.escape(name)} trainer and a {html.escape(str(e['dtype']))} "
+            f"{html.escape(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
+            f"<b>{stats['beta_abs_mean']:.3g} nats</b> per token")
+    if isinstance(outside, (int, float)) and math.isfinite(outside):
+        line += (f"; <b>{_pct(outside, 1)}</b> of the {e['tokens']} sampled tokens already sit outside the trust "
+                 f"region ε = {tr['epsilon_low']:g} on β alone")
+    return line + " (sections 3 and 4)."
+
+
+def _training_line(summary: dict) -> str | None:
+    base = next((a for a in summary["arms"] if a["run"] == summary.get("baseline")), None)
+    if base is None or not math.isfinite(base["phantom_share_of_clipped"].get("mean", math.nan)):
+        return None
+    seeds = len(base["seeds"])
+    return (f"In training (baseline '{html.escape(base['run'])}', {seeds} seed{'s' if seeds > 1 else ''}), "
+            f"<b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed were phantom-"
+            f"clipped: β pushed them out, α alone would not have; {_pct(base['phantom_rate']['mean'], 2)} of all "
+            "tokens (section 5).")
+
+
+def _interventions_line(summary: dict) -> str | None:
+    helped, none = [], []
+    for a in summary["arms"]:
+        vs = a.get("vs_baseline", {}).get("final_length")
+        if not vs or not all(math.isfinite(vs.get(k, math.nan)) for k in ("low", "high", "mean")):
+            continue
+        if vs["high"] < 0:
+            helped.append(f"{html.escape(a['run'])} ({vs['mean']:+.1f})")
+        elif vs["low"] <= 0:
+            none.append(html.escape(a["run"]))
+    if not helped and not none:
+        return None
+    line = "Against the baseline's final completion length (tokens; shorter is the task's goal), "
+    line += (f"<b>{', '.join(helped)}</b> ended shorter at 95% confidence" if helped else "no arm ended shorter "
+             "at 95% confidence")
+    if none:
+        line += f"; no difference was detected for {', '.join(none)}"
+    return line + " (section 7)."
+
+
+def html_summary(diagnose: list[dict], sanity: list[dict]) -> str:
+    """Up to three lines: the gap before training, phantom clipping during training, what the interventions did."""
+    lines = []
+    if diagnose:
+        lines.append(_diagnose_line(diagnose[-1]))
+    if sanity:
+        lines += [line for line in (_training_line(sanity[-1]), _interventions_line(sanity[-1])) if line]
+    if not lines:
+        return ""
+    items = "".join(f"<li>{line}</li>" for line in lines)
+    return f'<section class="summary" id="summary"><h2>In short</h2><ul>{items}</ul></section>'
+
+
+def _seed_range(summary: dict, arm: str, key: str) -> str:
+    xs = [r[key] for r in summary.get("runs", []) if r.get("run") == arm and isinstance(r.get(key), (int, float))]
+    return f"{min(xs):.4f}–{max(xs):.4f}" if xs else "no seeds"
+
+
+def html_sections_compared(diagnose: list[dict], sanity: list[dict]) -> str:
+    """Sections 3 and 7 both rank a trainer in the engine's dtype against the baseline's trainer; say, with their
+    numbers, what each measured and whether their orders agree. Empty without both files or without the pair."""
+    if not diagnose or not sanity:
+        return ""
+    diag, summary = diagnose[-1], sanity[-1]
+    base_trainer = str(summary.get("base_config", {}).get("trainer", ""))
+    engine_dtype = str(summary.get("base_config", {}).get("engine_dtype", ""))
+    match_arm = f"match-{engine_dtype}"
+    arms = {a["run"]: a for a in summary["arms"]}
+    recipes = diag["recipes"]
+    baseline = summary.get("baseline", "none")
+    if not (base_trainer in recipes and engine_dtype in recipes and match_arm in arms and baseline in arms):
+        return ""
+    d_match, d_base = recipes[engine_dtype]["beta_abs_mean"], recipes[base_trainer]["beta_abs_mean"]
+    t_match = arms[match_arm]["beta_abs_mean_start"]["mean"]
+    t_base = arms[baseline]["beta_abs_mean_start"]["mean"]
+    agree = (d_match > d_base) == (t_match > t_base)
+    text = (f"Sections 3 and 7 both compare a trainer in the engine's {engine_dtype} with the {base_trainer} "
+            f"trainer. Section 3 measured the {diag['engine']['tokens']} tokens that diagnose sampled once, before "
+            f"training: mean |β| {d_match:.4f} ({engine_dtype}) against {d_base:.4f} ({base_trainer}). Section 7 "
+            f"measured each run's own rollouts at its first logged steps (task "
+            f"{summary.get('base_config', {}).get('task', '?')}): {t_match:.4f} for {match_arm} (seeds "
+            f"{_seed_range(summary, match_arm, 'beta_abs_mean_start')}) against {t_base:.4f} for {baseline} "
+            f"(seeds {_seed_range(summary, baseline, 'beta_abs_mean_start')}). ")
+    if agree:
+        text += "Both put the two trainers in the same order."
+    else:
+        text += ("The two orders disagree. They were measured on different tokens (other prompts, other samples, "
+                 "and in training a policy that already moved), and section 3's figure is one sample without seeds: "
+                 "which of the two trainers has the larger |β| is not settled by these files, only that the two are "
+                 "of the same size.")
+    return f'<p class="note" id="sections-compared">{html.escape(text)}</p>'

@@ -1,0 +1,111 @@
+"""The article's closed loop: per-step figures of the training runs, one line per arm (its intervention) with a band
+over its seeds, and the per-step α against β scatter.
+
+The band rule: at each step, the band spans the lowest to the highest value the arm's seeds logged there (their
+min-max, not a t interval). Every edge of it is a measured value, so a quantity that cannot be negative never gets a
+band below zero; with three seeds a 95% t interval would be about twice as wide as the data and leave the range of
+the quantity. A step that fewer seeds reached (runs stop early once they converged) is drawn as an open marker with
+the count in its hover, and where no seed logged a step the line has a gap: nothing is interpolated across it.
+"""
+
+from __future__ import annotations
+
+from .plots import arm_colour, mean_line, plot_layout, seed_band, seed_symbol
+
+SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
+"""arms drawn when the page opens; the others start hidden (click the legend to show them)."""
+
+
+def arm_runs(data, key: str) -> dict[str, list[dict]]:
+    """Runs that log `key`, grouped by arm (their intervention), in the order they were found."""
+    arms: dict[str, list[dict]] = {}
+    for r in data.runs:
+        if r["metrics"] and key in r["metrics"][0]:
+            arms.setdefault(r["config"].get("intervention", r["name"]), []).append(r)
+    return arms
+
+
+def step_values(runs: list[list[dict]], key: str, carry: bool) -> list[list[float]]:
+    """Per step (1 .. the longest run), the runs' values of `key`; with `carry`, a run that stopped early (it
+    converged) holds its last value, as experiments.length_curve does, so the mean does not jump when it stops."""
+    steps = max(len(rows) for rows in runs)
+    values: list[list[float]] = [[] for _ in range(steps)]
+    for rows in runs:
+        for i in range(steps):
+            if i < len(rows) and rows[i].get(key) is not None:
+                values[i].append(rows[i][key])
+            elif carry and rows and i >= len(rows) and rows[-1].get(key) is not None:
+                values[i].append(rows[-1][key])
+    return values
+
+
+def _shown(arm: str, n_arms: int) -> bool | str:
+    return True if arm in SHOWN_ARMS or n_arms <= len(SHOWN_ARMS) else "legendonly"
+
+
+def per_step(data, key: str, title: str, ylabel: str, carry: bool = False) -> dict | None:
+    """One line per arm: the mean over its seeds at each step, in the band of their min-max; band and line share a
+    legend entry, so a click shows or hides both."""
+    arms = arm_runs(data, key)
+    if not arms:
+        return None
+    scale = 100 if key.startswith("clip/") else 1
+    traces, used = [], []
+    for arm, runs in arms.items():
+        values = step_values([r["metrics"] for r in runs], key, carry)
+        colour = arm_colour(arm, list(arms))
+        common = {"legendgroup": arm, "visible": _shown(arm, len(arms))}
+        traces += seed_band(values, scale, {"fillcolor": colour, **common})
+        seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
+        traces.append(mean_line(values, scale, len(runs), {"name": f"{arm} ({seeds})", "line": {"color": colour},
+                                                           **common}))
+        used += runs
+    layout = plot_layout("step", ylabel, yaxis={"rangemode": "tozero"})
+    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}
+
+
+def _robust_range(values: list[float]) -> list[float]:
+    """An axis range holding the middle 98% of `values` with a margin: one far point must not squash the rest."""
+    xs = sorted(values)
+    lo, hi = xs[int(0.01 * (len(xs) - 1))], xs[int(0.99 * (len(xs) - 1))]
+    pad = 0.08 * (hi - lo or abs(hi) or 1e-3)
+    return [lo - pad, hi + pad]
+
+
+def _seed(run: dict, i: int) -> int:
+    """The run's seed from its configuration; its place among the arm's runs for a config without one."""
+    seed = run["config"].get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else i
+
+
+def fig_alpha_beta_steps(data) -> dict | None:
+    """Per step: each run's mean α against its mean β; colour is the arm, the marker the seed. The axes hold the
+    middle 98% of the points; the title counts those outside (zoom out to see them)."""
+    arms = arm_runs(data, "mismatch/alpha_mean")
+    if not arms:
+        return None
+    traces, xs, ys, used = [], [], [], []
+    for arm, runs in arms.items():
+        points = [(m["mismatch/alpha_mean"], m["mismatch/beta_mean"], m["step"], _seed(r, i))
+                  for i, r in enumerate(runs) for m in r["metrics"]
+                  if m.get("mismatch/alpha_mean") is not None and m.get("mismatch/beta_mean") is not None]
+        xs += [p[0] for p in points]
+        ys += [p[1] for p in points]
+        used += runs
+        traces.append({"type": "scatter", "mode": "markers", "name": arm, "legendgroup": arm,
+                       "visible": _shown(arm, len(arms)), "x": [p[0] for p in points], "y": [p[1] for p in points],
+                       "marker": {"color": arm_colour(arm, list(arms)), "size": 7, "opacity": 0.7,
+                                  "symbol": [seed_symbol(p[3]) for p in points]},
+                       "text": [f"{arm}, seed {p[3]}, step {p[2]}" for p in points],
+                       "hovertemplate": "%{text}: α %{x:.4f}, β %{y:.4f}<extra></extra>"})
+    if not xs:
+        return None
+    x_range, y_range = _robust_range(xs), _robust_range(ys)
+    outside = sum(not (x_range[0] <= x <= x_range[1] and y_range[0] <= y <= y_range[1]) for x, y in zip(xs, ys))
+    seeds = sorted({_seed(r, i) for runs in arms.values() for i, r in enumerate(runs)})
+    title = ("Per step and run: mean α against mean β (colour: the arm; marker: the seed, "
+             + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}" for s in seeds) + ")")
+    if outside:
+        title += f"; {outside} of {len(xs)} points lie outside these axes (double-click the plot to show them)"
+    layout = plot_layout("mean α (nats)", "mean β (nats)", xaxis={"range": x_range}, yaxis={"range": y_range})
+    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}

@@ -125,6 +125,7 @@ def _apply_config_file(args) -> None:
     printing what was taken and the notes on stderr. A flag the user typed wins over the config (main's
     args.typed); the config's completion length fills both --max-tokens and --knob-length, so `--max-tokens 48`
     samples short while the knob advice is still judged (extrapolated) at the config's length."""
+    settings: dict = {}
     if args.from_trl_config or args.from_verl_config:
         from rich.console import Console
 
@@ -150,10 +151,22 @@ def _apply_config_file(args) -> None:
                       + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
         for note in notes:
             err.print(f"note: {note}", markup=False)
-    if args.max_tokens is None:
-        from .diagnose import DiagnoseConfig
+    from .diagnose import DiagnoseConfig
 
+    if args.max_tokens is None:
         args.max_tokens = DiagnoseConfig.max_tokens
+    if settings:  # a value the config gave that diagnose refuses: the file is named, not only a flag never typed
+        from .errors import ConfigError
+
+        try:
+            config_from_args(DiagnoseConfig, args).validate()
+        except ConfigError as e:
+            flag = str(e).split(" ", 1)[0].removeprefix("--").replace("-", "_")
+            if flag in settings:
+                source = "--from-trl-config " + args.from_trl_config if args.from_trl_config else \
+                    "--from-verl-config " + args.from_verl_config
+                raise ConfigError(f"{e} (the value {source} gives; a flag you type wins over it)") from None
+            raise
 
 
 def _train_parser(sub) -> None:

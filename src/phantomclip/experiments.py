@@ -87,8 +87,10 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise TrainConfigError(f"--seeds must be a whole number >= 1, got {seeds!r}")
     if base.seed + seeds > SEED_LIMIT:
+        most = SEED_LIMIT - base.seed  # the most seeds that start at --seed and stay in range
+        lower = f"lower --seeds to {most} or less" + (" or --seed" if seeds <= SEED_LIMIT else "")
         raise TrainConfigError(f"--seed {base.seed} with --seeds {seeds} runs seeds up to {base.seed + seeds - 1}, "
-                               f"past the largest seed {SEED_LIMIT - 1}: lower --seed")
+                               f"past the largest seed {SEED_LIMIT - 1}: {lower}")
     arms, left_out = EXPERIMENTS[experiment](base), {}
     if only:
         unknown = [n for n in only if n not in arms]

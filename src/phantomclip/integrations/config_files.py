@@ -4,9 +4,11 @@ one number check both readers use, so a bad file gets the same one-line answer f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_number
 
 
 def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
@@ -25,6 +27,9 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
         raise ConfigError(f"{flag} {path}: not a text file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{flag} {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except RecursionError:  # a document nested thousands deep overflows the parser's stack
+        raise ConfigError(f"{flag} {path}: nested too deep to be a trainer config (thousands of levels): give the "
+                          "trainer's YAML or JSON config") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -32,12 +37,32 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
     return doc
 
 
-def number(flag: str, key: str, value, cast=float):
-    """A config value as a finite number (or int), else ConfigError naming the key."""
+def number(flag: str, key: str, value, cast=float, low: float | None = None, low_open: bool = False,
+           high: float | None = None):
+    """A config value as a finite number (cast=int: a whole number) in [low, high] (low excluded if low_open), else
+    ConfigError naming the key: a boolean, a fraction where a count belongs, or an out-of-range value is refused
+    here, in the config's words, not later under a flag the user never typed."""
+    if isinstance(value, bool):  # int(True) is 1: YAML's `true` is no length
+        raise ConfigError(f"{flag}: {key} is {value!r}, not a number")
     try:
         out = cast(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{flag}: {key} is {value!r}, not a number") from None
+    if cast is int and isinstance(value, float) and value != out:
+        raise ConfigError(f"{flag}: {key} is {value!r}, not a whole number")
     if isinstance(out, float) and not math.isfinite(out):
         raise ConfigError(f"{flag}: {key} is {value!r}, not a finite number")
+    check_number(f"{flag}: {key}", out, low, high, low_open=low_open, integer=cast is int)
     return out
+
+
+@contextmanager
+def naming_file(flag: str, config) -> Iterator[None]:
+    """A ConfigError of a reader ('--from-trl-config: key ...') names the file it read, when it read one."""
+    try:
+        yield
+    except ConfigError as e:
+        text = str(e)
+        if isinstance(config, (str, Path)) and text.startswith(f"{flag}: "):
+            raise ConfigError(f"{flag} {config}: {text.removeprefix(flag + ': ')}") from None
+        raise

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..loss import clip_range
 from ..recipes import RECIPES
-from .config_files import number, read_mapping
+from .config_files import naming_file, number, read_mapping
 
 FLAG = "--from-trl-config"
 TRL_IS_CLIP_MAX = 3.0
@@ -25,11 +25,12 @@ SEQUENCE_MODES = ("sequence_truncate", "sequence_mask")
 def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a TRL GRPO config, and notes on what
     could not be matched. Reads no TRL internals, so it works without trl installed."""
-    cfg = _as_mapping(config)
-    settings: dict = {}
-    notes: list[str] = []
-    for part in (_trainer_and_engine, _sampling, _clip, _length, _correction_cap, _model):
-        part(cfg, settings, notes)
+    with naming_file(FLAG, config):
+        cfg = _as_mapping(config)
+        settings: dict = {}
+        notes: list[str] = []
+        for part in (_trainer_and_engine, _sampling, _clip, _length, _correction_cap, _model):
+            part(cfg, settings, notes)
     return settings, notes
 
 
@@ -96,9 +97,11 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
-    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+    for key, cast, low, high in (("temperature", float, 0, None), ("top_p", float, 0, 1), ("top_k", int, -1, None)):
         if cfg.get(key) is not None:
-            settings[key] = number(FLAG, key, cfg[key], cast)
+            settings[key] = number(FLAG, key, cfg[key], cast, low=low, low_open=cast is float, high=high)
+    if settings.get("top_k") == -1:  # vLLM's "off", diagnose's 0
+        settings["top_k"] = 0
     if cfg.get("min_p"):
         notes.append(f"min_p = {cfg['min_p']} is not measured (diagnose supports top-p and top-k)")
 
@@ -113,8 +116,8 @@ def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
 def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
     """max_completion_length -> max_tokens (the CLI lets an explicit --max-tokens win and sends the length to the
     knob advice's --knob-length too)."""
-    if cfg.get("max_completion_length"):
-        settings["max_tokens"] = number(FLAG, "max_completion_length", cfg["max_completion_length"], int)
+    if cfg.get("max_completion_length") is not None:
+        settings["max_tokens"] = number(FLAG, "max_completion_length", cfg["max_completion_length"], int, low=1)
 
 
 def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:

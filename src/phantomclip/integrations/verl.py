@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..recipes import RECIPES
-from .config_files import number, read_mapping
+from .config_files import naming_file, number, read_mapping
 
 FLAG = "--from-verl-config"
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
@@ -43,14 +43,15 @@ def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[s
     """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a verl config (a YAML path or a
     dict), and notes on what was missing or could not be matched. Keys absent from the file keep diagnose's own
     defaults and are named in a note; a file that is not a YAML mapping with a verl section is a ConfigError."""
-    cfg = read_mapping(config, FLAG, "verl config sections")
-    if not any(section in cfg for section in SECTIONS):
-        raise ConfigError(f"{FLAG}: no {', '.join(SECTIONS)} at the top level: not a verl trainer config (give the "
-                          "YAML verl was run with, e.g. one written from its resolved config)")
-    settings: dict = {}
-    notes: list[str] = []
-    for part in (_trainer_and_engine, _sampling, _clip, _length, _correction, _model):
-        part(cfg, settings, notes)
+    with naming_file(FLAG, config):
+        cfg = read_mapping(config, FLAG, "verl config sections")
+        if not any(section in cfg for section in SECTIONS):
+            raise ConfigError(f"{FLAG}: no {', '.join(SECTIONS)} at the top level: not a verl trainer config (give "
+                              "the YAML verl was run with, e.g. one written from its resolved config)")
+        settings: dict = {}
+        notes: list[str] = []
+        for part in (_trainer_and_engine, _sampling, _clip, _length, _correction, _model):
+            part(cfg, settings, notes)
     return settings, notes
 
 
@@ -65,9 +66,9 @@ def get(cfg: dict, dotted: str):
     return None if isinstance(node, str) and "${" in node else node
 
 
-def _number(dotted: str, value, cast=float):
-    """A config value as a number, or ConfigError naming its key."""
-    return number(FLAG, dotted, value, cast)
+def _number(dotted: str, value, cast=float, **bounds):
+    """A config value as a number (in `bounds`, config_files.number's), or ConfigError naming its key."""
+    return number(FLAG, dotted, value, cast, **bounds)
 
 
 def _dtype(dotted: str, value, notes: list[str]) -> str | None:
@@ -116,12 +117,12 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
     """Rollout temperature, top_p, top_k (verl's −1 = off is diagnose's 0) and the log-prob mode vLLM reports."""
     rollout = "actor_rollout_ref.rollout"
-    for key, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+    for key, cast, low, high in (("temperature", float, 0, None), ("top_p", float, 0, 1), ("top_k", int, -1, None)):
         value = get(cfg, f"{rollout}.{key}")
         if value is None:
             notes.append(f"{rollout}.{key} not set: diagnose's default")
             continue
-        number = _number(f"{rollout}.{key}", value, cast)
+        number = _number(f"{rollout}.{key}", value, cast, low=low, low_open=cast is float, high=high)
         settings[key] = 0 if key == "top_k" and number < 0 else number
     mode = get(cfg, f"{rollout}.logprobs_mode")
     if mode in ("raw_logprobs", "processed_logprobs"):
@@ -152,7 +153,7 @@ def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
     if value is None:
         notes.append("data.max_response_length not set: the knob advice is judged at --max-tokens")
         return
-    settings["max_tokens"] = _number("data.max_response_length", value, int)
+    settings["max_tokens"] = _number("data.max_response_length", value, int, low=1)
 
 
 CORRECTION = "algorithm.rollout_correction"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 27): on a CUDA machine, in about 10 minutes on one GPU, run every job there and
-# print one table with the device named. Never run yet: no GPU has been lent to this project.
+# The one prepared GPU check: on a CUDA machine, in about 10 minutes on one GPU, run every job there and print one
+# table with the device named. Never run yet: no GPU has been lent to this project (docs/gpu.md).
 #   bash scripts/gpu_check.sh [OUT_DIR]          (in an environment with phantomclip, its test extras and CUDA torch)
 # Runs: diagnose on the bundled model (fp32, bf16, fp16 recipes; and --engine vllm when vLLM imports), 5 train steps
-# (local engine), trace, and 2 TRL GRPO steps with PrecisionMonitor; then a table of what each wrote.
+# (local engine, snapshots at steps 0 and 5; and --engine vllm when vLLM imports), trace, trace --run on that run, and
+# 2 TRL GRPO steps with PrecisionMonitor; then a table of what each wrote.
 # A CPU dry run of the script's own plumbing (not a GPU check): DEVICE=cpu MODEL=tiny-random:30 bash scripts/gpu_check.sh
 set -euo pipefail
 out="${1:-gpu-check}"
@@ -25,7 +26,13 @@ if python -c "import vllm" 2>/dev/null; then
   name=diagnose-vllm run timeout 300 phantomclip diagnose --device "$device" --model "$model" --engine vllm --trainer fp32,bf16 \
     --json "$out/diagnose-vllm.json"
 fi
-name=train run timeout 300 phantomclip train --device "$device" --model "$model" --steps 5 --out "$out/train"
+name=train run timeout 300 phantomclip train --device "$device" --model "$model" --steps 5 --keep-snapshots 5 \
+  --out "$out/train"
+if python -c "import vllm" 2>/dev/null; then
+  name=train-vllm run timeout 300 phantomclip train --device "$device" --model "$model" --steps 5 --engine vllm \
+    --out "$out/train-vllm"
+fi
+name=growth run timeout 300 phantomclip trace --device "$device" --run "$out/train" --json "$out/growth.json"
 name=trace run timeout 300 phantomclip trace --device "$device" --model "$model" --n 8 --json "$out/trace.json"
 name=trl run timeout 300 python - "$out" "$model" "$device" <<'EOF'
 import json, sys
@@ -69,6 +76,13 @@ if (out / "diagnose-vllm.json").exists():
 rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
 print(f"{'train 5 steps':<16}{seconds('train'):>9}  last step: reward {rows[-1]['reward/mean']:.2f}, "
       f"mean |β| {rows[-1]['mismatch/beta_abs_mean']:.4f}, phantom {100 * rows[-1]['clip/phantom_rate']:.2f}%")
+if (out / "train-vllm").exists():
+    rows = [json.loads(line) for line in (out / "train-vllm" / "metrics.jsonl").read_text().splitlines()]
+    print(f"{'train vllm':<16}{seconds('train-vllm'):>9}  last step: reward {rows[-1]['reward/mean']:.2f}, "
+          f"mean |β| {rows[-1]['mismatch/beta_abs_mean']:.4f}")
+g = json.loads((out / "growth.json").read_text())
+print(f"{'trace --run':<16}{seconds('growth'):>9}  mean |β| on the reference tokens by snapshot: "
+      f"{[(r['step'], round(r['reference']['beta_abs_mean'], 4)) for r in g['snapshots']]}")
 t = json.loads((out / "trace.json").read_text())
 print(f"{'trace':<16}{seconds('trace'):>9}  mean |β| {t['beta']['beta_abs_mean']:.4f} over {t['tokens']} tokens")
 trl = json.loads((out / "trl.json").read_text())

@@ -1,4 +1,5 @@
-"""What issue 15's additions cost inside one `phantomclip diagnose` run with default settings on the bundled model.
+"""What the frameworks' figures, the knob advice, batch invariance and drift cost inside one `phantomclip diagnose`
+run with default settings on the bundled model.
 
 One run of diagnose's phases (`diagnose.measure`, then `figures`) in this process: 64 prompts x up to 48 tokens,
 every default recipe. From it:

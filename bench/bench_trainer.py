@@ -1,6 +1,6 @@
 """One GRPO step, ours against TRL's GRPOTrainer, on the bundled model (fp32 trainer, CPU), in the same process.
 
-Workload (issue 3): one prompt x group of 8, up to 32 completion tokens, reward = -completion length; then a
+Workload: one prompt x group of 8, up to 32 completion tokens, reward = -completion length; then a
 larger batch, 8 prompts x 8. Both trainers get the same prompts (conversational, the model's chat template),
 learning rate 3e-5, one optimizer step per batch, no KL term. TRL generates with Hugging Face `generate`
 in fp32 (its CPU default without vLLM); ours samples with its bf16 engine in a background thread

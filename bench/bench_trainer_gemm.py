@@ -1,5 +1,5 @@
 """The trainer's fp32 GEMMs through PyTorch's default path against oneDNN with packed weights, at a training step's
-shape: what an fp32 trainer step could gain on this CPU (issue 13's open target is bound by that step).
+shape: what an fp32 trainer step could gain on this CPU (the trainer's throughput target is bound by that step).
 
 Workload: the bundled model's Linear shapes (per layer q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 30 layers, and the 49152x576 head), M = 640 rows (a 1 prompt x 8 step: 8 sequences of about 80 tokens). Per shape:

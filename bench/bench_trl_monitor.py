@@ -1,5 +1,5 @@
 """Overhead of PrecisionMonitor (interval 1, bf16 shadow) per TRL GRPOTrainer step on the bundled model, CPU, fp32
-trainer, at 1 process and at 2 (torchrun, gloo): issue 26's target (<= 15% of a plain step; the cross-rank collectives
+trainer, at 1 process and at 2 (torchrun, gloo): the target (<= 15% of a plain step; the cross-rank collectives
 < 1% of a step). Plain and monitored runs alternate in one invocation (plain, monitored, plain, monitored, ...).
 
 Each rank: 1 prompt x 8 completions per step, all forced to max_completion_length (min_new_tokens), the first step of

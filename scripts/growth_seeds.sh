@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 part 4 over seeds: the baseline and force-r1 on the bundled model, seeds 0-2, each trained for 30 steps with
+# How β grows, over seeds: the baseline and force-r1 on the bundled model, seeds 0-2, each trained for 30 steps with
 # weight snapshots every 5 steps, then read by `phantomclip trace --run`. Resumable: a run is resumed where its
 # checkpoint stopped, a finished analysis (results/growth-bundled/ARM-seedS.json) is skipped, and a run's snapshots
 # (525 MB each for the bundled model) are deleted once its analysis is written.

@@ -1,4 +1,4 @@
-"""diagnose end to end on tiny-random:0 for issue 15's parts 2 and 3: the knob advice (JSON `knobs`, the printed
+"""diagnose end to end on tiny-random:0: the knob advice (JSON `knobs`, the printed
 "for your config" block) and batch invariance (`recipes.<r>.split.batch`: the run's batch against each sequence
 scored alone), with --no-batch-invariance and --keep-share."""
 

@@ -1,4 +1,4 @@
-"""diagnose --drift (issue 15, part 4): the same weights pushed K times into the engine, the same tokens read after
+"""diagnose --drift: the same weights pushed K times into the engine, the same tokens read after
 each push (engines/drift.py). Unchanged weights leave the local engine bit-identical; a weight changed between
 pushes shows as a gap, so the measurement can fail; the gap gates the exit code."""
 

@@ -6,11 +6,11 @@ than on an AVX2-only CPU, and a different rounding can even sample other tokens.
 it was recorded on, and a CPU kind without one is skipped, not compared against the wrong numbers.
 Re-recorded once, at 9e3e6ef: `--matmul auto` now picks emulated fp16 on CPUs without fp16 instructions (was native);
 every figure outside the fp16 recipe was checked equal to the first recording (57c664d) to 1e-12 before replacing it.
-The AMX golden was recorded at the static decode path (issue 19); on that CPU a run with the HF decode path instead
+The AMX golden was recorded at the static decode path; on that CPU a run with the HF decode path instead
 gives the same figures to 1e-12 on tiny-random, so the older goldens, recorded with the HF path, still apply.
-The AVX512-BF16 golden was re-recorded at the packed engine weights (issue 19): every number of the old recording
-equal to 1e-12 but `schema` (1 -> 2, the framework figures of issue 15, which it now also holds).
-The AVX2 golden was first recorded at the emulated kernel's packing (issue 19, 2026-12-02, on a 2-core AVX2-only
+The AVX512-BF16 golden was re-recorded at the packed engine weights (oneDNN-packed): every number of the old recording
+equal to 1e-12 but `schema` (1 -> 2: the frameworks' figures, which it now also holds).
+The AVX2 golden was first recorded at the emulated kernel's packing (2026-12-02, on a 2-core AVX2-only
 EPYC): a recording at the commit before it, on F.linear, gave every number equal to 1e-12 (only
 `engine.packed_weights` false -> true), since at tiny-random's widths oneDNN's fp32 sums equal MKL's there.
 Re-record (only when a change of numbers is intended and explained in the commit), <kind> as `cpu_kind()` says,

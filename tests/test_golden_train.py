@@ -4,7 +4,7 @@ both) give the same numbers now. The split renamed what the old keys meant: old 
 norm, rewards, lengths) must not move at all. shadow-ratio is left out: it now clips on α alone, by design.
 The fp16 file was recorded at 57c664d with `--matmul emulated`: since 9e3e6ef `auto` picks the emulated fp16 kernel on
 CPUs without fp16 instructions (this one), so that is the arithmetic the default run does now; engines have run that
-kernel on packed fp32 images since issue 19, and at tiny-random's widths the packed sums equal the file's bit for bit
+kernel on packed fp32 images, and at tiny-random's widths the packed sums equal the file's bit for bit
 (checked on a 2-core AVX512-BF16 EPYC, 2026-12-02, without the F.linear override the test held until then).
 The AVX2 files were recorded after the split (at ffc0515, before engines packed the emulated kernel, on a 2-core
 AVX2-only EPYC), so they hold the split's keys and are compared key for key (SPLIT_KEYS)."""

@@ -1,4 +1,4 @@
-"""--from-verl-config (issue 15, part 6): verl's own key names (volcengine/verl b178a3cd, _generated_ppo_trainer.yaml
+"""--from-verl-config: verl's own key names (volcengine/verl b178a3cd, _generated_ppo_trainer.yaml
 and algorithm/rollout_correction.yaml) -> exact diagnose settings;
 missing keys -> notes; garbage -> one line, exit 2."""
 

@@ -96,7 +96,7 @@ def test_diagnose_vllm_bf16_gap_and_exact_split(bundled):
     assert math.isfinite(d["engine"]["startup_seconds"]) and stop_token_ids(bundled)
 
 
-# Weight sync (issue 14): one bf16 engine for all of the tests below; each restores the base weights when done.
+# Weight sync (load_weights): one bf16 engine for all of the tests below; each restores the base weights when done.
 
 GROUPS = {
     "embedding+head (tied)": ("embed_tokens",),

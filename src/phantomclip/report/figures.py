@@ -25,7 +25,7 @@ def fig_spacing(data) -> dict:
                "y": ulp(x.float(), dt).double().tolist(), "line": {"color": colour}}
               for (name, dt), colour in zip((("fp32", torch.float32), ("fp16", torch.float16),
                                              ("bf16", torch.bfloat16)), PALETTE)]
-    return {"data": traces, "layout": plot_layout("|x|", "spacing", xaxis=LOG_AXIS, yaxis=LOG_AXIS),
+    return {"data": traces, "layout": plot_layout("|x|", "spacing", xaxis=LOG_AXIS, yaxis={**LOG_AXIS, "dtick": 2}),
             "title": "Spacing between neighbouring numbers (one ulp) against the magnitude", "source": ("computed", [])}
 
 

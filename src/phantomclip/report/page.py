@@ -68,6 +68,7 @@ def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) 
         return "<p>No data files were given.</p>"
     out = "<ul>"
     for kind, path, cfg, versions in items:
+        cfg = _no_absolute_paths(cfg, roots)
         link = copied.get(Path(path))
         shown = link or short_path(path, roots)
         name = f'<a href="{html.escape(link)}">{html.escape(link)}</a>' if link else html.escape(shown)
@@ -77,6 +78,18 @@ def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) 
                    "</details>" if versions else "")
                 + "</li>")
     return out + "</ul>"
+
+
+def _no_absolute_paths(x, roots: list[Path]):
+    """A configuration with every absolute path in it shortened (summary.short_path): the page may be shared, and
+    this machine's directory layout is none of its readers' business."""
+    if isinstance(x, str) and (x.startswith("/") or re.match(r"[A-Za-z]:[\\/]", x)):
+        return short_path(x, roots)
+    if isinstance(x, dict):
+        return {k: _no_absolute_paths(v, roots) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_absolute_paths(v, roots) for v in x]
+    return x
 
 
 def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str:

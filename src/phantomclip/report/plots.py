@@ -12,10 +12,10 @@ PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F
 
 ARM_COLOURS = {"none": "#000000", "force-r1": "#0072B2", "match-bf16": "#E69F00", "shadow-ratio": "#009E73",
                "no-clip": "#CC79A7", "fp16": "#D55E00", "fp32-head": "#56B4E9", "autocast": "#882255",
-               "recompute-old": "#999933", "tis": "#332288", "mis": "#44AA99", "icepop": "#AA4499"}
+               "recompute-old": "#999933", "tis": "#332288", "mis": "#888888", "icepop": "#661100"}
 """one colour per intervention arm, the same in every figure: Okabe-Ito for the baseline (black) and the arms shown
 when the page opens, then Paul Tol's muted colours for the rest, so no two arms share a colour."""
-SPARE_COLOURS = ["#661100", "#6699CC", "#888888", "#117733", "#DDCC77"]
+SPARE_COLOURS = ["#6699CC", "#117733", "#DDCC77", "#AA4499", "#44AA99"]
 """for arms this version does not know (a later intervention), in order of appearance."""
 SEED_SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down"]
 """seeds are told apart by marker, never by colour (colour is the arm)."""

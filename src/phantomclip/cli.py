@@ -366,11 +366,10 @@ def _run_engines(args) -> int:
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="an interactive, offline HTML article built from your measurements",
                        description="Build report/index.html from diagnose JSON files, trace JSON files, run "
-                       "directories and experiment directories (searched recursively). With --serve, build from the "
-                       "bundled demo data "
-                       "(or --from) and serve it on http://127.0.0.1:PORT.")
+                       "directories and experiment directories (searched recursively); without --from, from the "
+                       "bundled demo data. With --serve, also serve it on http://127.0.0.1:PORT.")
     p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="PATH",
-                   help="files or directories to read (default with --serve: the bundled demo data)")
+                   help="files or directories to read (default: the bundled demo data)")
     p.add_argument("--out", default=None,
                    help="output directory (default: report/; a temporary directory with --serve)")
     p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C")
@@ -395,9 +394,9 @@ def _run_report(args) -> int:
 
     from .report import ReportError, build, demo_sources
 
-    if not args.sources and not args.serve:
-        raise ReportError("give --from PATH... (diagnose JSON, run or experiment directories), or --serve for the "
-                          "demo data")
+    if not args.sources:  # as with --serve: the demo, said once, so nobody mistakes it for their own data
+        print("no --from: drawing the bundled demo data (give --from PATH... for your own measurements)",
+              file=sys.stderr)
     sources = args.sources or demo_sources()
     out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
     page = build(sources, out)

@@ -133,6 +133,47 @@ def check_steps(path: Path, rows: list[dict], done: int, every_step: bool) -> No
                        "them or start over with a new --out; nothing was rewritten")
 
 
+CHECKPOINT_CONFIG = "config"
+"""the checkpoint's copy of its run's configuration (inputs' content hashes included)."""
+
+
+def check_checkpoint_config(path: Path, ckpt: dict, config: dict, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint written by another run (another model, seed, prompts file...: a checkpoint.pt replaced or
+    linked to another run's), naming the keys that differ, before anything is rewritten: continuing from it would log
+    rows that belong to neither run. A checkpoint written before checkpoints carried their configuration passes."""
+    saved = ckpt.get(CHECKPOINT_CONFIG)
+    if saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise RunError(f"{path} is not a checkpoint this tool wrote (its configuration is a {type(saved).__name__}): "
+                       "restore this run's checkpoint, or remove it to restart the run from step 0")
+    diff = config_diff(_flat(saved, ignore), _flat(plain_config(config), ignore))
+    if diff:
+        raise RunError(f"{path} was written by another run ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}): "
+                       "restore this run's checkpoint, or remove it to restart the run from step 0; nothing was "
+                       "rewritten")
+
+
+def plain_config(config: dict) -> dict:
+    """`config` as config.json holds it (lists, strings, numbers): what a weights-only torch.load reads back (a
+    TorchVersion is not), and what compares equal after the round trip."""
+    return json.loads(json.dumps(json_safe(config), default=str))
+
+
+def _flat(config: dict, ignore: tuple[str, ...]) -> dict:
+    """A config's values by dotted key, one level into nested mappings ('inputs.prompts', 'plan.engine_recipe'), less
+    the keys a resume may change."""
+    flat = {}
+    for key, value in config.items():
+        if key in ignore:
+            continue
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 class DirLock:
     """An exclusive advisory lock (fcntl.flock) on DIR/.lock for as long as this object lives: one writer per run or
     experiment directory. The kernel drops a flock when its holder dies, so a killed run's lock is free at once (a
@@ -183,6 +224,8 @@ class RunDir:
         self.tokens_path = self.path / "tokens.jsonl"
         self.checkpoint_path = self.path / "checkpoint.pt"
         self.lock: DirLock | None = None
+        self.config: dict[str, Any] | None = None
+        """the configuration this process runs with, written into every checkpoint (check_checkpoint_config)."""
 
     def _take(self) -> None:
         """Lock the directory, then remove temp files a killed writer stranded (only the lock holder may)."""
@@ -217,6 +260,7 @@ class RunDir:
         except BaseException:
             run.close()
             raise
+        run.config = config
         return run
 
     @staticmethod
@@ -256,6 +300,8 @@ class RunDir:
         try:
             cls.check_config(run.path, config, ignore, defaults)
             ckpt = run.load_checkpoint(required)
+            if ckpt is not None:
+                check_checkpoint_config(run.checkpoint_path, ckpt, config, ignore)
             done = ckpt["step"] if ckpt else 0
             if max_step is not None and done > max_step:
                 raise RunError(f"{run.path} already has {done} steps, more than --steps {max_step}: give --steps "
@@ -275,6 +321,7 @@ class RunDir:
         except BaseException:
             run.close()
             raise
+        run.config = config
         return run, ckpt
 
     def load_checkpoint(self, required: tuple[str, ...] = ()) -> dict | None:
@@ -381,7 +428,8 @@ class RunDir:
                               "scaler": scaler.state_dict(), "snapshots": keep})
 
     def save_checkpoint(self, state: dict) -> None:
-        """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint."""
+        """`state` must hold 'step'; written atomically so a kill mid-save keeps the previous checkpoint. The run's
+        configuration goes with it (key CHECKPOINT_CONFIG), so a resume can tell another run's checkpoint."""
         buf = io.BytesIO()
-        torch.save(state, buf)
+        torch.save(state if self.config is None else {**state, CHECKPOINT_CONFIG: plain_config(self.config)}, buf)
         atomic_write_bytes(self.checkpoint_path, buf.getvalue())

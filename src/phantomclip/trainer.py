@@ -49,7 +49,7 @@ from .loss import (
 from .metrics import alpha_beta_stats, ratio_split
 from .producer import Batch, RolloutMaker, RolloutProducer, Sampling, publish_weights, snapshot, start_producer
 from .recipes import Recipe, apply_recipe, get_recipe
-from .runs import RunDir, input_record
+from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
 from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig
 
@@ -267,9 +267,14 @@ def _step_context(setup: RunSetup) -> tuple[StepContext, int, dict[int, dict]]:
     scaler = torch.amp.GradScaler(device.type, enabled=plan.loss_scaling)
     start, snapshots = 0, {}
     if setup.ckpt is not None:
-        master.load_state_dict(setup.ckpt["master"])
-        optimizer.load_state_dict(setup.ckpt["optimizer"])
-        scaler.load_state_dict(setup.ckpt["scaler"])
+        try:  # a checkpoint written before checkpoints carried their run's config may still be another model's
+            master.load_state_dict(setup.ckpt["master"])
+            optimizer.load_state_dict(setup.ckpt["optimizer"])
+            scaler.load_state_dict(setup.ckpt["scaler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RunError(f"{setup.run.checkpoint_path} does not fit this run's model {cfg.model} ({why}): restore "
+                           "this run's checkpoint, or remove it to restart the run from step 0") from None
         start, snapshots = setup.ckpt["step"], setup.ckpt["snapshots"]
     snapshots[start] = snapshot(master)
     shadow_recipe = get_recipe(plan.engine_recipe)

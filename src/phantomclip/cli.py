@@ -188,10 +188,12 @@ def whole_run_line(s: dict) -> str:
     """The end-of-run line: the whole run's clip accounting (metrics.run_phantom_summary); '-' where a figure has
     nothing to count (no clipped token, no advantage)."""
     pct = lambda x, d=2: "-" if x != x else f"{100 * x:.{d}f}%"  # noqa: E731 (x != x: NaN)
+    growth = s["beta_growth"]  # NaN when no step had any β (an fp32 engine, a temperature of 1e-30): no ratio
+    times = "x -" if growth != growth else f"x{growth:.2f}"
     return (f"whole run: phantom-clip rate {pct(s['phantom_rate'])} (last 5 steps {pct(s['phantom_rate_last'])}), "
             f"{pct(s['phantom_share_of_clipped'], 0)} of clipped tokens phantom, {pct(s['phantom_adv_share'])} of Σ|A| "
             f"lost to phantom clips; mean |β| {s['beta_abs_mean_start']:.4f} (first 5 steps) -> "
-            f"{s['beta_abs_mean_end']:.4f} (last 5), x{s['beta_growth']:.2f}; β alone outside the trust region at the "
+            f"{s['beta_abs_mean_end']:.4f} (last 5), {times}; β alone outside the trust region at the "
             f"end: {pct(s['beta_outside_end'])}")
 
 

@@ -10,6 +10,7 @@ would otherwise silently lack what the user expects to see.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -52,8 +53,16 @@ MARKS = {"diagnose": ("trust_region", "knobs"), "sanity": ("verdict", "baseline"
          "growths": ("reference_step",)}
 """keys only that kind writes besides its shape's: a file with one of them but not all its shape's keys is that kind,
 damaged (an experiment's own experiment.json has "arms" too, and is not a damaged summary)."""
-KIND_WORDS = {"diagnose": "diagnose JSON", "sanity": "experiment summary", "traces": "trace JSON",
-              "growths": "trace --run JSON"}
+KIND_WORDS = {"diagnose": "a diagnose JSON", "sanity": "an experiment summary", "traces": "a trace JSON",
+              "growths": "a trace --run JSON"}
+
+
+def _json_value_error(e: ValueError) -> str:
+    """Why json.loads refused: its own first line, or, for int()'s digit limit, what that means in this file."""
+    text = str(e).splitlines()[0]
+    if "integer string conversion" in text:
+        return f"holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text[:80]
 
 
 class Unusable(Exception):
@@ -72,7 +81,7 @@ def read_json(path: Path) -> dict:
     except RecursionError:
         raise Unusable("is not valid JSON for phantomclip (nested too deep to read)") from None
     except ValueError as e:  # json.JSONDecodeError, and int() refusing a number of thousands of digits
-        raise Unusable(f"is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+        raise Unusable(f"is not valid JSON ({_json_value_error(e)})") from None
     if not isinstance(data, dict):
         raise Unusable(f"holds a JSON {type(data).__name__}, not the object phantomclip writes")
     return data
@@ -88,7 +97,7 @@ def kind_of(path: Path, doc: dict) -> str | None:
     if partial is None:
         return None
     missing = [key for key in DOC_SHAPES[partial] if key not in doc]
-    raise ReportError(f"{path}: looks like a {KIND_WORDS[partial]} but has no \"{missing[0]}\": the file was cut, "
+    raise ReportError(f"{path}: looks like {KIND_WORDS[partial]} but has no \"{missing[0]}\": the file was cut, "
                       "edited or is not one phantomclip wrote")
 
 
@@ -118,7 +127,7 @@ def _read_run_rows(path: Path) -> list[dict]:
     except RecursionError:
         raise ReportError(f"{path}: a line is nested too deep to read: the file was edited or damaged") from None
     except ValueError as e:  # an integer too long for int()
-        raise ReportError(f"{path}: a line is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+        raise ReportError(f"{path}: a line is not valid JSON ({_json_value_error(e)})") from None
 
 
 def _add(data: ReportData, f: Path, doc: dict) -> bool:

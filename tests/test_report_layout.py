@@ -3,6 +3,7 @@ headless Chromium at 1280x900. What is measured is what a reader would notice: a
 that cannot be negative, a table wider than the text column, a title, legend or axis title drawn over another
 text, a page too heavy to open quickly, a summary whose numbers are not the data's, a figure without its source."""
 
+import html
 import json
 import math
 import re
@@ -150,3 +151,22 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page):
     assert len(layout["tables"]) >= 4
     for t in layout["tables"]:
         assert t["width"] <= t["column"] + 1 and t["scroll"] <= t["column"] + 1, t
+
+
+def test_sections_that_disagree_say_so_with_their_numbers(demo_page):
+    """Section 3 (one diagnose sample) and section 7 (training seeds) order the bf16 and fp32 trainers differently
+    in the demo data, and the page says so; the growth table reports a majority as a majority."""
+    text = demo_page.read_text(encoding="utf-8")
+    data = collect(demo_sources())
+    recipes = data.diagnose[-1]["recipes"]
+    arms = {a["run"]: a for a in data.sanity[0]["arms"]}
+    note = re.search(r'<p class="note" id="sections-compared">([^<]*)</p>', text).group(1)
+    assert f"mean |β| {recipes['bf16']['beta_abs_mean']:.4f} (bf16) against {recipes['fp32']['beta_abs_mean']:.4f}" \
+           " (fp32)" in note
+    assert f"{arms['match-bf16']['beta_abs_mean_start']['mean']:.4f} for match-bf16" in note
+    assert "The two orders disagree" in note and "every seed of match-bf16 is below every seed" in note
+    parts = [max(("mix", "within", "interaction"), key=lambda p: abs(s["reference"]["change_since_first"][p]))
+             for g in data.growths for s in [next(s for s in reversed(g["snapshots"]) if "reference" in s)]]
+    assert parts.count("within") == 5 and len(parts) == 6  # the demo: 5 of 6 runs say 'within'
+    assert "is the network (|β| at a given token probability) in 5 of the 6 runs" in html.unescape(text)
+    assert "no single explanation holds" not in text

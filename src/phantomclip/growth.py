@@ -28,7 +28,7 @@ from .devices import describe_device
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
-from .recipes import Recipe, apply_recipe, get_recipe
+from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import RunDir, read_json_object
 from .scoring import LOGIT_STATS, score
 
@@ -54,6 +54,7 @@ def open_run(path: str | Path) -> RunSnapshots:
     """The run's config and its snapshots; one line naming the flag when it kept none."""
     run = RunDir(Path(path))
     config = read_json_object(run.path / "config.json", "run's config")
+    check_run_config(run.path / "config.json", config)
     steps = run.snapshot_steps()
     if not steps:
         raise GrowthError(f"{run.path} holds no weight snapshots: train it with --keep-snapshots N (e.g. "
@@ -62,10 +63,52 @@ def open_run(path: str | Path) -> RunSnapshots:
     for step in steps:
         p = run.snapshot_path(step, ".tokens.json")
         if p.exists():
-            tokens[step] = json.loads(p.read_text())
+            tokens[step] = read_tokens(p)
     if not tokens:
         raise GrowthError(f"{run.path}: no snapshot kept the tokens sampled with it (snapshots/step-*.tokens.json)")
     return RunSnapshots(path=run.path, config=config, steps=steps, tokens=tokens)
+
+
+def check_run_config(path: Path, config: dict) -> None:
+    """The keys of a run's config.json that `trace --run` reads, each of its type (a recipe a known one, the
+    temperature a number > 0): one GrowthError line naming the file and key, not a KeyError later."""
+    plan = config.get("plan")
+    wanted = [("model", config.get("model"), str), ("temperature", config.get("temperature"), float),
+              ("plan", plan, dict)]
+    if isinstance(plan, dict):
+        wanted += [(f"plan.{k}", plan.get(k), str) for k in ("engine_recipe", "trainer_recipe")]
+    for key, value, kind in wanted:
+        ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+        if ok and kind is float:
+            ok = math.isfinite(value) and value > 0
+        if ok and key.startswith("plan."):
+            ok = value in RECIPES
+        if not ok:
+            want = {str: "a string", float: "a number > 0", dict: "a mapping"}[kind]
+            want = f"one of {', '.join(RECIPES)}" if key.startswith("plan.") else want
+            shown = "missing" if value is None else f"{value!r}"
+            raise GrowthError(f"{path}: {key} is {shown}, not {want}: the run's config is damaged or not one train "
+                              "wrote; restore it")
+
+
+def read_tokens(path: Path) -> dict:
+    """A snapshot's tokens file: prompt_ids and completion_ids, as many rows of each, lists of token ids (whole
+    numbers >= 0), at least one completion token; one GrowthError line naming the file otherwise."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise GrowthError(f"{path} is not readable JSON ({getattr(e, 'strerror', None) or type(e).__name__}): "
+                          "restore it or remove it (its snapshot is then measured on the reference tokens only)"
+                          ) from None
+    rows = {k: record.get(k) if isinstance(record, dict) else None for k in ("prompt_ids", "completion_ids")}
+    ids = lambda r: isinstance(r, list) and all(type(t) is int and t >= 0 for t in r)  # noqa: E731
+    bad = [k for k, v in rows.items() if not isinstance(v, list) or not v or not all(ids(r) for r in v)]
+    if not bad and (len(rows["prompt_ids"]) != len(rows["completion_ids"]) or not any(rows["completion_ids"])):
+        bad = ["completion_ids"]
+    if bad:
+        raise GrowthError(f"{path}: {bad[0]} is missing or not rows of token ids (one per prompt, a completion token "
+                          "at least): the file is damaged; restore it or remove it")
+    return record
 
 
 def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
@@ -176,6 +219,12 @@ def run_growth(path: str | Path, matmul: str = "auto", device: torch.device | st
 
     run = open_run(path)
     lm = load_model(run.config["model"], progress=console.print if console else (lambda *a: None))
+    vocab = lm.model.get_input_embeddings().num_embeddings
+    for step, tokens in run.tokens.items():
+        top = max(t for rows in (tokens["prompt_ids"], tokens["completion_ids"]) for r in rows for t in r)
+        if top >= vocab:
+            raise GrowthError(f"{RunDir(run.path).snapshot_path(step, '.tokens.json')}: token id {top} is past "
+                              f"{run.config['model']}'s vocabulary of {vocab}: the file is another model's or damaged")
     master = lm.model.float().to(device)
     reference_step = min(run.tokens)
     rows, first, start = [], {}, None

@@ -179,7 +179,7 @@ class RolloutMaker:
         sync_s = 0.0
         if self.engine_version != version:
             self.engine.load_weights(weights, count_changes=False)  # the trainer counts them on its shadow
-            sync_s = time.perf_counter() - t0
+            sync_s = clock(self.device) - t0  # the local engine's copies are device work
             if self.own_shadow_old:
                 sync_weights(self.shadow_old, weights, count_changes=False)
             self.engine_version = version

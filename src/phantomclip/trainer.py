@@ -148,6 +148,7 @@ def train(
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
             _keep_weights(setup, start, progress, missing_only=True)  # step 0, or the first one of a resume
+            device = next(setup.master.parameters()).device
             for k in range(start, cfg.steps):
                 t0 = time.perf_counter()
                 batch = producer.get()
@@ -155,7 +156,7 @@ def train(
                 step = _train_step(batch, ctx)
                 publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
-                                 "time/step_s": time.perf_counter() - t0})
+                                 "time/step_s": clock(device) - t0})
                 metrics.append(step.row)
                 # Read the Ctrl-C flag once: a checkpoint is written exactly when the loop stops after this step (a
                 # signal arriving later is seen after the next step, which then checkpoints and stops).

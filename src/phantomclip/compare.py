@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from .devices import describe_device, resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS, start_engine
-from .errors import PhantomclipError, check_number, check_seed
+from .errors import PhantomclipError, check_field_types, check_number, check_seed
 from .models import BUNDLED_NAME
 from .numerics import dtype_name, parse_dtype
 from .prompts import bundled_prompts, encode_within
@@ -54,6 +54,7 @@ class CompareConfig:
 
     def validate(self) -> None:
         """Refuse an unknown engine or dtype, or a count below 1, before any model loads."""
+        check_field_types(self, CompareError)
         bad = [e for e in self.engines if e not in ENGINE_KINDS]
         if not self.engines or bad:
             raise CompareError(f"--engines {','.join(self.engines)!r}: use one or both of {', '.join(ENGINE_KINDS)}")

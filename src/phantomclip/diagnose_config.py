@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .devices import resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS
-from .errors import ConfigError, check_number, check_seed
+from .errors import ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
 from .knobs import KnobSettings
 from .loss import KNOBS, check_knobs, clip_range
@@ -113,6 +113,7 @@ class DiagnoseConfig:
 
     def validate(self) -> None:
         """Refuse a setting that cannot run, with a one-line message naming the flag, before anything loads."""
+        check_field_types(self)
         if not self.trainer:
             raise ConfigError("--trainer is empty: give one or more of " + ", ".join(RECIPES))
         for name in self.trainer:

@@ -59,3 +59,27 @@ def check_number(flag: str, value, low: float | None = None, high: float | None 
 
 def check_seed(flag: str, value, error: type[PhantomclipError] = ConfigError) -> None:
     check_number(flag, value, 0, SEED_LIMIT - 1, integer=True, error=error)
+
+
+FIELD_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "None": (type(None),),
+               "list[str]": (list,)}
+"""a config field's annotation part -> the Python types a value of it may have (an int is a float's value too)."""
+
+
+def check_field_types(cfg, error: type[PhantomclipError] = ConfigError) -> None:
+    """Refuse a config field whose value is not of its annotated type (TrainConfig(steps="3"), trainer=5), with one
+    line naming the flag: an API user gets the CLI's one-line answer, not a TypeError from deep inside validate. A
+    bool is no number, and a list must hold strings."""
+    import dataclasses
+
+    for f in dataclasses.fields(cfg):
+        value, parts = getattr(cfg, f.name), [p.strip() for p in str(f.type).split("|")]
+        ok = any(isinstance(value, FIELD_KINDS.get(p, (object,))) and not (isinstance(value, bool) and p != "bool")
+                 for p in parts)
+        if ok and isinstance(value, list):
+            ok = all(isinstance(v, str) for v in value)
+        if not ok:
+            said = {"str": "a string", "int": "a whole number", "float": "a number", "bool": "true or false",
+                    "None": "None", "list[str]": "a list of names (or one comma-separated string)"}
+            want = " or ".join(said.get(p, p) for p in parts)
+            raise error(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")

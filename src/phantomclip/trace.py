@@ -22,7 +22,7 @@ from . import SCHEMA_VERSION
 from .depth import ErrorStats, SiteHooks, TraceError, full_logits, trace_sites
 from .devices import clock, describe_device, resolve_device, synchronize
 from .engine import LocalEngine, SamplingParams
-from .errors import check_number, check_seed
+from .errors import check_field_types, check_number, check_seed
 from .loss import KNOBS
 from .metrics import pearson, trust_region_split
 from .models import LoadedModel, load_model, stop_token_ids
@@ -89,6 +89,7 @@ class TraceConfig:
         return tuple(KEEP_FP32[k] for k in names)
 
     def validate(self) -> None:
+        check_field_types(self, TraceError)
         self.keep_roles()
         for flag, name in (("--recipe", self.recipe), ("--against", self.against)):
             try:

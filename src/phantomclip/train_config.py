@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .devices import resolve_device
 from .engines import ENGINE_KINDS, cannot_run
-from .errors import check_number, check_seed
+from .errors import check_field_types, check_number, check_seed
 from .interventions import TrainConfigError, resolve_plan
 from .loss import AGGREGATIONS, KNOBS, check_knobs
 from .recipes import RECIPES, get_recipe
@@ -107,6 +107,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Refuse a setting that cannot run, with one line naming the flag (errors.check_number's rules, shared by
         every command), before anything loads."""
+        check_field_types(self, TrainConfigError)
         # a GRPO group needs 2 completions of a prompt to compare (a group of one has no advantage)
         whole = [("--steps", self.steps, 1), ("--prompts-per-step", self.prompts_per_step, 1),
                  ("--group-size", self.group_size, 2), ("--max-tokens", self.max_tokens, 1),

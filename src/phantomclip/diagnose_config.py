@@ -32,7 +32,7 @@ class DiagnoseConfig:
     apart in the verdict)."""
     engine: str = "local"
     """inference engine: 'local' (in-process, this package) or 'vllm' (vLLM's offline LLM; install it apart, see
-    docs/diagnose.md)."""
+    docs/vllm.md)."""
     engine_dtype: str = "bf16"
     """dtype the inference engine samples in (bf16, fp16 or fp32)."""
     logprobs_mode: str = "raw"

@@ -193,10 +193,9 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
         check_output_dir(out)  # before the model loads
     task = get_task(cfg.task)
     reward_fn = load_reward(cfg.reward) if cfg.reward else task.reward
+    pool = read_prompts(cfg.prompts) if cfg.prompts else None  # a bad prompts file is refused before the model loads
     lm = load_model(cfg.model)
-    if cfg.prompts:
-        pool = read_prompts(cfg.prompts)
-    else:
+    if pool is None:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
     pool_ids = encode_within(lm.tokenizer, pool, cfg.max_tokens, lm.context_length)
     master, plan = lm.model.float().eval().to(resolve_device(cfg.device)), resolve_plan(cfg)

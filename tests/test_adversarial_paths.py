@@ -1,0 +1,236 @@
+"""Hostile paths (issue 30, parts 1, 8 and 12), by kind of path rather than by instance: every output (--json of
+diagnose, trace and engines; --out of train and experiment) over every kind of thing already at its path, and every
+kind of prompts file. An output replaces only a regular file or nothing; a symlink is followed (the link stays); a
+character device or FIFO is written into (it is what the user named: /dev/null, /dev/stdout, a pipe); a directory,
+block device, socket or too long a name is refused in one line, before any work, and left as it was.
+
+FIFOs are made with os.mkfifo and device nodes with os.mknod inside the test's temp dir only (mknod needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import bad_cli
+from phantomclip.cli import main
+from phantomclip.files import atomic_write_bytes, output_target
+from phantomclip.prompts import PromptError, read_prompts
+
+TINY = ["--model", "tiny-random"]
+ENGINES = ["engines", *TINY, "--n", "2", "--max-tokens", "4", "--repeats", "1", "--engines", "local",
+           "--dtypes", "fp32"]
+JSON_COMMANDS = {  # every command with --json, as cheap as it runs
+    "diagnose": ["diagnose", *TINY, "--n", "2", "--max-tokens", "4", "--trainer", "fp32"],
+    "trace": ["trace", *TINY, "--n", "2", "--max-tokens", "4", "--no-what-if"],
+    "engines": ENGINES,
+}
+OUT_COMMANDS = {  # every command with a directory --out
+    "train": ["train", *TINY, "--steps", "1", "--group-size", "2", "--max-tokens", "4"],
+    "experiment": ["experiment", "sanity", *TINY, "--only", "none", "--seeds", "1", "--steps", "1",
+                   "--group-size", "2", "--max-tokens", "4"],
+}
+LONG = "n" * 300
+"""a file name past NAME_MAX (255 bytes): ENAMETOOLONG was a traceback."""
+root = pytest.mark.skipif(os.geteuid() != 0, reason="os.mknod needs root")
+
+
+def _no_model_work(monkeypatch):
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad path was refused")
+
+    monkeypatch.setattr("phantomclip.models.check_vocab", loaded)
+
+
+def _kind(path: Path) -> str:
+    mode = os.lstat(path).st_mode
+    return ("link" if stat.S_ISLNK(mode) else "fifo" if stat.S_ISFIFO(mode) else "char" if stat.S_ISCHR(mode)
+            else "block" if stat.S_ISBLK(mode) else "socket" if stat.S_ISSOCK(mode) else "dir" if stat.S_ISDIR(mode)
+            else "file")
+
+
+def _make(kind: str, path: Path) -> object:
+    """A thing of `kind` at `path`; returns what must stay open for it to exist (a bound socket)."""
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "block":
+        os.mknod(path, stat.S_IFBLK | 0o600, os.makedev(7, 0))  # a loop device's number: never opened here
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        return s
+    return None
+
+
+# ------------------------------------------------------------------------------------ refused before any work
+
+@pytest.mark.parametrize("kind", ["dir", "long", "block", "socket"])
+@pytest.mark.parametrize("command", list(JSON_COMMANDS))
+def test_json_over_what_it_would_replace_is_refused_before_work(command, kind, tmp_path, capsys, monkeypatch):
+    if kind == "block" and os.geteuid() != 0:
+        pytest.skip("os.mknod needs root")
+    _no_model_work(monkeypatch)
+    target = tmp_path / (LONG if kind == "long" else "out")
+    keep = _make(kind, target) if kind != "long" else None
+    line = bad_cli([*JSON_COMMANDS[command], "--json", str(target)], capsys)
+    want = {"dir": "is a directory: give a file path such as", "long": "a name of 300 bytes",
+            "block": "is a block device, not a regular file", "socket": "is a socket, not a regular file"}[kind]
+    assert line.startswith(f"phantomclip {command}: error: --json ") and want in line, line
+    assert kind == "long" and LONG not in os.listdir(tmp_path) or _kind(target) == kind
+    del keep
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "long", "block"])
+@pytest.mark.parametrize("command", list(OUT_COMMANDS))
+def test_out_that_cannot_be_a_directory_is_refused_before_work(command, kind, tmp_path, capsys, monkeypatch):
+    if kind == "block" and os.geteuid() != 0:
+        pytest.skip("os.mknod needs root")
+    _no_model_work(monkeypatch)
+    target = tmp_path / (LONG if kind == "long" else "out")
+    if kind == "file":
+        target.write_text("mine\n")
+    elif kind != "long":
+        _make(kind, target)
+    line = bad_cli([*OUT_COMMANDS[command], "--out", str(target)], capsys)
+    want = "a name of 300 bytes" if kind == "long" else "exists and is not a directory"
+    assert f"--out {target}" in line and want in line, line
+    assert kind == "long" and LONG not in os.listdir(tmp_path) or _kind(target) == kind
+    assert kind != "file" or target.read_text() == "mine\n"
+
+
+# ------------------------------------------------------------------------------------ what is written, and how
+
+def test_atomic_write_by_kind_of_target(tmp_path):
+    """The writer every output goes through: a regular file replaced (permissions kept), a symlink's target
+    replaced and the link kept, a dangling symlink's target created, a FIFO written into, a directory refused."""
+    regular = tmp_path / "regular.json"
+    regular.write_text("old")
+    regular.chmod(0o640)
+    atomic_write_bytes(regular, b"new")
+    assert regular.read_bytes() == b"new" and stat.S_IMODE(regular.stat().st_mode) == 0o640
+
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    atomic_write_bytes(link, b"through the link")
+    assert link.is_symlink() and target.read_bytes() == b"through the link"
+
+    dangling, missing = tmp_path / "dangling.json", tmp_path / "sub" / "created.json"
+    dangling.symlink_to(missing)
+    atomic_write_bytes(dangling, b"created")
+    assert dangling.is_symlink() and missing.read_bytes() == b"created"
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write_bytes(fifo, b"through the pipe")
+    reader.join(10)
+    assert got == [b"through the pipe"] and _kind(fifo) == "fifo"
+    assert output_target(fifo) == (fifo, True) and output_target(Path("/dev/stdout"))[1] is True
+
+    from phantomclip.errors import WriteError
+
+    with pytest.raises(WriteError, match="is a directory"):
+        atomic_write_bytes(tmp_path, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "fifo", "link.json", "regular.json", "sub",
+                                                         "target.json"]  # no temp file left behind
+
+
+@root
+def test_json_into_device_nodes_writes_into_them_or_says_why(tmp_path, capsys):
+    """A copy of /dev/null takes the JSON and stays a device; a copy of /dev/full is one line (no space), exit 2,
+    and stays a device (it was replaced by a 431-byte file, exit 0)."""
+    null, full = tmp_path / "null", tmp_path / "full"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.mknod(full, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    assert main([*ENGINES, "--json", str(null)]) == 0
+    capsys.readouterr()
+    line = bad_cli([*ENGINES, "--json", str(full)], capsys, after_progress=True)
+    assert f"cannot write {full} (No space left on device)" in line
+    assert _kind(null) == "char" and _kind(full) == "char"
+
+
+def test_json_through_symlink_fifo_and_regular_file(tmp_path, capsys):
+    """The engines job (the cheapest with --json) over a regular file, a symlink and a FIFO: the same JSON each time,
+    the link still a link, the FIFO still a FIFO."""
+    regular, target, link, fifo = (tmp_path / n for n in ("regular.json", "target.json", "link.json", "fifo"))
+    regular.write_text("old")
+    target.write_text("old")
+    link.symlink_to(target)
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    for path in (regular, link, fifo):
+        assert main([*ENGINES, "--json", str(path)]) == 0
+    reader.join(10)
+    rows = [json.loads(regular.read_text()), json.loads(target.read_text()), json.loads(got[0])]
+    assert all(r["config"]["engines"] == ["local"] and len(r["rows"]) == 1 for r in rows)
+    assert link.is_symlink() and _kind(fifo) == "fifo"
+
+
+def test_json_to_dev_stdout_and_a_full_stdout(tmp_path):
+    """In a real process: `--json /dev/stdout > file` keeps the table and the JSON (the file is written through
+    the shell's descriptor, not replaced); `> /dev/full` is one line on stderr, exit 2, no 'Exception ignored'."""
+    cmd = [sys.executable, "-m", "phantomclip.cli", *ENGINES]
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        done = subprocess.run([*cmd, "--json", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert "tokens/s" in text and '"rows"' in text and text.index("tokens/s") < text.index('"rows"')
+    with open("/dev/full", "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("phantomclip")]
+    assert done.returncode == 2, done.stderr
+    assert lines == [lines[-1]] and "cannot write or read stdout (No space left on device)" in lines[-1]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------ prompts files by kind
+
+@pytest.mark.parametrize("kind", ["missing", "dir", "fifo", "devnull", "surrogate", "surrogate-text"])
+def test_a_prompts_file_by_kind(kind, tmp_path, capsys, monkeypatch):
+    """Each kind of --prompts that is no prompts file is named for what it is (a FIFO or /dev/null said 'does not
+    exist'); a JSON escape of a lone surrogate is one line naming the line (a tokenizer TypeError before)."""
+    _no_model_work(monkeypatch)
+    path = {"devnull": Path("/dev/null")}.get(kind, tmp_path / "p.txt")
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "surrogate":
+        path.write_text('{"prompt": "fine"}\n{"prompt": "bad \\ud800 half"}\n')
+    elif kind == "surrogate-text":  # plain text cannot hold one: its UTF-8 form is not UTF-8
+        path.write_bytes(b"fine\n\xed\xa0\x80\n")
+    want = {"missing": "does not exist", "dir": "is a directory", "fifo": "is a FIFO (named pipe), not a regular file",
+            "devnull": "is a character device, not a regular file",
+            "surrogate": "non-empty line 2: holds '\\ud800', a lone UTF-16 surrogate",
+            "surrogate-text": "is not UTF-8 text"}[kind]
+    for argv in (["diagnose", *TINY, "--n", "2"], ["train", *TINY, "--steps", "1"]):
+        assert want in bad_cli([*argv, "--prompts", str(path)], capsys)
+
+
+def test_only_the_prompts_used_are_read(tmp_path, capsys):
+    """diagnose --n 2 reads two prompts of a file however long (500,000 lines was killed after 90 s): a damaged line
+    past them is never reached; the whole file still is, and refused, where all of it is used."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n' + '{"prompt": "more"}\n' * 1000 + "not json\n")
+    assert read_prompts(path, limit=2) == ["one", "two"]
+    with pytest.raises(PromptError, match="non-empty line 1003: not valid JSON"):
+        read_prompts(path)
+    assert main(["diagnose", *TINY, "--n", "2", "--max-tokens", "4", "--trainer", "fp32", "--prompts", str(path),
+                 "--no-batch-invariance"]) == 0
+    capsys.readouterr()

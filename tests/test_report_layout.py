@@ -170,3 +170,18 @@ def test_sections_that_disagree_say_so_with_their_numbers(demo_page):
     assert parts.count("within") == 5 and len(parts) == 6  # the demo: 5 of 6 runs say 'within'
     assert "is the network (|β| at a given token probability) in 5 of the 6 runs" in html.unescape(text)
     assert "no single explanation holds" not in text
+
+
+def test_summary_follows_the_data_not_the_demo():
+    """Other numbers, other summary: an arm whose final length is longer at 95% is said to be, and without an
+    experiment the summary has one line, the diagnose one."""
+    from phantomclip.report.summary import html_summary
+
+    data = collect(demo_sources())
+    summary = json.loads(json.dumps(data.sanity[0]))
+    tis = next(a for a in summary["arms"] if a["run"] == "tis")
+    tis["vs_baseline"]["final_length"].update({"mean": 5.0, "low": 1.0, "high": 9.0})
+    text = html_summary(data.diagnose, [summary])
+    assert "; tis (+5.0) ended longer;" in text and "for fp16, autocast, fp32-head, recompute-old, mis, icepop" in text
+    alone = html_summary(data.diagnose, [])
+    assert alone.count("<li>") == 1 and "Before any training step" in alone

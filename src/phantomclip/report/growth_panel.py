@@ -135,13 +135,13 @@ def fig_growth_split(growths: list[dict]) -> dict | None:
     for doc in growths:
         for which, (step, d) in last_changes(doc).items():
             runs.append(run_name(doc))
-            sets.append("fixed" if which == "reference" else "own")
+            sets.append(which)
             for p in PARTS:
                 parts[p].append(d[p])
     traces = [{"type": "bar", "name": p, "x": [runs, sets], "y": parts[p], "marker": {"color": PALETTE[i]}}
               for i, p in enumerate(PARTS)]
-    return {"data": traces, "layout": plot_layout("run; tokens: fixed (the first snapshot's) or own (each snapshot's)",
-                                                  "Δ mean |β| (nats)",
+    x_title = "run; tokens: reference (the first snapshot's) or own (each snapshot's)"
+    return {"data": traces, "layout": plot_layout(x_title, "Δ mean |β| (nats)",
                                                   barmode="relative", xaxis={"tickangle": 0}),
             "source": ("growths", growths),
             "title": "Change of mean |β| since the first snapshot = mix + within + interaction"}

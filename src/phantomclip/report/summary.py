@@ -114,20 +114,25 @@ def _training_line(summary: dict) -> str | None:
 
 
 def _interventions_line(summary: dict) -> str | None:
-    helped, none = [], []
+    helped, hurt, none = [], [], []
     for a in summary["arms"]:
         vs = a.get("vs_baseline", {}).get("final_length")
         if not vs or not all(math.isfinite(vs.get(k, math.nan)) for k in ("low", "high", "mean")):
             continue
+        with_mean = f"{html.escape(a['run'])} ({vs['mean']:+.1f})"
         if vs["high"] < 0:
-            helped.append(f"{html.escape(a['run'])} ({vs['mean']:+.1f})")
-        elif vs["low"] <= 0:
+            helped.append(with_mean)
+        elif vs["low"] > 0:
+            hurt.append(with_mean)
+        else:
             none.append(html.escape(a["run"]))
-    if not helped and not none:
+    if not (helped or hurt or none):
         return None
     line = "Against the baseline's final completion length (tokens; shorter is the task's goal), "
     line += (f"<b>{', '.join(helped)}</b> ended shorter at 95% confidence" if helped else "no arm ended shorter "
              "at 95% confidence")
+    if hurt:
+        line += f"; {', '.join(hurt)} ended longer"
     if none:
         line += f"; no difference was detected for {', '.join(none)}"
     return line + " (section 7)."

@@ -7,6 +7,7 @@ orphan metrics file, a continued experiment with other settings, NaN weights) ar
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,298 @@ def test_resume_refuses_damaged_rows_and_a_missing_checkpoint(tmp_path, capsys, 
     line = bad_cli([*T, "--steps", "4", "--out", str(out), "--resume"], capsys)
     assert fragment in line, line
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
+
+
+# ------------------------------------------------------------------------ issue 30, second pass: resume's checkpoint
+
+def test_resume_refuses_another_runs_checkpoint_copied_or_linked(tmp_path, capsys):
+    """checkpoint.pt replaced by (a link to) a run made with another model spec and seed: resume wrote rows that were
+    a hybrid of two runs. The checkpoint carries its run's configuration; the keys that differ are named, nothing is
+    rewritten, and the other run's checkpoint is left as it was."""
+    own, other = tmp_path / "own", tmp_path / "other"
+    assert main([*T, "--out", str(own)]) == 0
+    assert main([*T, "--model", "tiny-random:1", "--seed", "1", "--out", str(other)]) == 0
+    capsys.readouterr()
+    theirs = (other / "checkpoint.pt").read_bytes()
+    before = {p.name: p.read_bytes() for p in own.iterdir() if p.is_file()}
+    for how in ("copy", "link"):
+        (own / "checkpoint.pt").unlink()
+        if how == "copy":
+            (own / "checkpoint.pt").write_bytes(theirs)
+        else:
+            (own / "checkpoint.pt").symlink_to(other / "checkpoint.pt")
+        line = bad_cli([*T, "--out", str(own), "--resume", "--steps", "3"], capsys)
+        assert "checkpoint.pt was written by another run (model: 'tiny-random:1' -> 'tiny-random'; seed: 1 -> 0)" \
+            in line, line
+        assert (own / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+    assert (other / "checkpoint.pt").read_bytes() == theirs
+
+
+def test_a_checkpoint_without_its_configuration_still_resumes(tmp_path, capsys):
+    """A checkpoint written before checkpoints carried their run's configuration resumes as before; a configuration
+    that is not a mapping is damage."""
+    out = tmp_path / "run"
+    assert main([*T, "--out", str(out)]) == 0
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["config"]["model"] == "tiny-random" and ckpt["config"]["inputs"] == {}
+    torch.save({**ckpt, "config": ["not", "a", "mapping"]}, out / "checkpoint.pt")
+    capsys.readouterr()
+    assert "its configuration is a list" in bad_cli([*T, "--out", str(out), "--resume", "--steps", "3"], capsys)
+    torch.save({k: v for k, v in ckpt.items() if k != "config"}, out / "checkpoint.pt")
+    assert main([*T, "--out", str(out), "--resume", "--steps", "3"]) == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------ user code: every way it can fail
+
+USER_FAILURES = {  # name -> (the statement that fails, the fragment the one line holds)
+    "exception": ("raise RuntimeError('bad reward')", "RuntimeError: bad reward"),
+    "exit-0": ("sys.exit(0)", "SystemExit: 0"),
+    "exit-1": ("sys.exit(1)", "SystemExit: 1"),
+    "exit-text": ("sys.exit('bye')", "SystemExit: bye"),
+    "exit-none": ("sys.exit()", "SystemExit"),
+    "multi-line": ("raise ValueError('first\\nsecond\\nthird')", "ValueError: first (+2 more lines)"),
+    "base-exception": ("raise GeneratorExit('odd')", "GeneratorExit: odd"),
+}
+
+
+def _user_module(tmp_path, monkeypatch, name: str, source: str) -> str:
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+@pytest.mark.parametrize("failure", list(USER_FAILURES))
+def test_user_code_failing_at_import_is_one_line(failure, tmp_path, capsys, monkeypatch):
+    """A reward module that raises (SystemExit(0) included: it ended the command with success and no run) is one
+    line naming the module, exit 2, before any model loads or any directory is made."""
+    _no_model_work(monkeypatch)
+    statement, fragment = USER_FAILURES[failure]
+    module = _user_module(tmp_path, monkeypatch, f"reward_import_{failure.replace('-', '_')}",
+                          f"import sys\n{statement}\n")
+    out = tmp_path / "run"
+    line = bad_cli([*T, "--reward", f"{module}:score", "--out", str(out)], capsys)
+    assert f"--reward '{module}:score': cannot import {module} ({fragment}" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("failure", ["exception", "exit-0", "exit-1", "multi-line"])
+def test_user_code_failing_in_a_step_is_one_line_and_keeps_the_checkpoint(failure, tmp_path, capsys, monkeypatch):
+    """A reward that fails at step 2 (sys.exit(0) there also ended the command as a success): one line naming the
+    function and its module, exit 2; step 1's row and checkpoint stay, and the run resumes from them."""
+    statement, fragment = USER_FAILURES[failure]
+    module = _user_module(tmp_path, monkeypatch, f"reward_step_{failure.replace('-', '_')}",
+                          "import sys\ncalls = []\n\ndef score(prompts, completions, ids):\n    calls.append(1)\n"
+                          f"    if len(calls) == 2:\n        {statement}\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "run"
+    line = bad_cli([*T, "--reward", f"{module}:score", "--out", str(out)], capsys, after_progress=True)
+    assert f"reward function {module}.score raised {fragment}" in line, line
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 1
+
+
+def test_a_keyboard_interrupt_from_user_code_is_ctrl_c(tmp_path, capsys, monkeypatch):
+    """KeyboardInterrupt is what Ctrl-C raises wherever the program is: from a reward module's import it is read as
+    Ctrl-C (exit 130, 'interrupted'), not as the module's fault."""
+    module = _user_module(tmp_path, monkeypatch, "reward_ctrl_c", "raise KeyboardInterrupt\n")
+    assert main([*T, "--reward", f"{module}:score", "--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == "phantomclip train: interrupted"
+
+
+@pytest.mark.parametrize("values,flags", [
+    ("[1e308, -1e308]", []),  # inf in float32
+    ("[3.0e38, -3.0e38, -3.0e38]", ["--group-size", "3", "--no-scale-rewards"]),  # each fits; r - mean does not
+])
+def test_rewards_past_float32_are_one_line_not_a_silent_step(values, flags, tmp_path, capsys, monkeypatch):
+    """A reward finite in Python but not in float32, where the loss uses it, or whose advantages overflow there,
+    made a step with reward/mean null and zero advantages that learned nothing, exit 0. Now one line, exit 2."""
+    module = _user_module(tmp_path, monkeypatch, f"reward_huge_{len(flags)}",
+                          f"def score(prompts, completions, ids):\n    v = {values}\n"
+                          "    return [v[i % len(v)] for i in range(len(completions))]\n")
+    line = bad_cli([*T, *flags, "--reward", f"{module}:score", "--out", str(tmp_path / "run")], capsys,
+                   after_progress=True)
+    assert f"reward function {module}.score returned rewards that overflow float32" in line, line
+
+
+# ------------------------------------------------------------------------ trainer config files, both readers
+
+TRL_BAD = [  # (YAML text, the fragment after '--from-trl-config FILE: ' or in the line)
+    ("max_completion_length: -5", "max_completion_length must be a whole number >= 1, got -5"),
+    ("max_completion_length: 0", "max_completion_length must be a whole number >= 1, got 0"),
+    ("max_completion_length: 4.5", "max_completion_length is 4.5, not a whole number"),
+    ("max_completion_length: true", "max_completion_length is True, not a number"),
+    ("max_completion_length: [8]", "max_completion_length is [8], not a number"),
+    ("temperature: 0", "temperature must be a finite number > 0, got 0.0"),
+    ("temperature: hot", "temperature is 'hot', not a number"),
+    ("temperature: .nan", "temperature is nan, not a finite number"),
+    ("top_p: 2", "top_p must be a finite number > 0 and <= 1, got 2.0"),
+    ("top_k: -3", "top_k must be a whole number >= -1, got -3"),
+    ("epsilon: '0.1x'", "epsilon is '0.1x', not a number"),
+    ("fp16: maybe", "fp16 is 'maybe', not a boolean"),
+    ("vllm_importance_sampling_clip_max: {a: 1}", "vllm_importance_sampling_clip_max is {'a': 1}, not a number"),
+]
+VERL_BAD = [
+    ("data: {max_response_length: -5}", "data.max_response_length must be a whole number >= 1, got -5"),
+    ("data: {max_response_length: 2.5}", "data.max_response_length is 2.5, not a whole number"),
+    ("actor_rollout_ref: {rollout: {temperature: 0}}", "actor_rollout_ref.rollout.temperature must be a finite "
+     "number > 0, got 0.0"),
+    ("actor_rollout_ref: {rollout: {top_p: 1.5}}", "actor_rollout_ref.rollout.top_p must be a finite number > 0 and "
+     "<= 1, got 1.5"),
+    ("actor_rollout_ref: {rollout: {temperature: false}}", "actor_rollout_ref.rollout.temperature is False, not a "
+     "number"),
+    ("actor_rollout_ref: {actor: {clip_ratio: abc}}", "actor_rollout_ref.actor.clip_ratio is 'abc', not a number"),
+]
+
+
+@pytest.mark.parametrize("flag,text,fragment", [("--from-trl-config", t, f) for t, f in TRL_BAD]
+                         + [("--from-verl-config", t, f) for t, f in VERL_BAD])
+def test_config_values_of_each_wrong_type_and_spelling(flag, text, fragment, tmp_path, capsys, monkeypatch):
+    """Each wrong value in a trainer config is refused in the config's words, naming the file and the key
+    (max_completion_length: -5 was an error about --knob-length, a flag the user never typed)."""
+    _no_model_work(monkeypatch)
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "\n")
+    line = bad_cli(["diagnose", *TINY, "--n", "2", flag, str(path)], capsys)
+    assert line == f"phantomclip diagnose: error: {flag} {path}: {fragment}" or (
+        line.startswith(f"phantomclip diagnose: error: {flag} {path}: {fragment}")), line
+
+
+@pytest.mark.parametrize("flag", ["--from-trl-config", "--from-verl-config"])
+def test_a_value_the_config_gives_that_diagnose_refuses_names_the_config(flag, tmp_path, capsys, monkeypatch):
+    _no_model_work(monkeypatch)
+    path = tmp_path / "config.yaml"
+    path.write_text("epsilon: 7\n" if "trl" in flag else "actor_rollout_ref: {actor: {clip_ratio: 7}}\n")
+    line = bad_cli(["diagnose", *TINY, "--n", "2", flag, str(path)], capsys)
+    assert "--epsilon must be a finite number > 0 and < 1, got 7.0" in line
+    assert line.endswith(f"(the value {flag} {path} gives; a flag you type wins over it)"), line
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+@pytest.mark.parametrize("flag", ["--from-trl-config", "--from-verl-config"])
+def test_a_config_nested_100000_deep_is_one_line(flag, suffix, tmp_path, capsys, monkeypatch):
+    _no_model_work(monkeypatch)
+    path = tmp_path / f"deep.{suffix}"
+    path.write_text("[" * 100_000 + "]" * 100_000 if suffix == "json" else "a: " + "[" * 100_000 + "]" * 100_000)
+    assert f"{flag} {path}: nested too deep" in bad_cli(["diagnose", *TINY, flag, str(path)], capsys)
+
+
+def test_typed_flags_win_over_the_config(tmp_path, capsys):
+    """model_name_or_path replaced a typed --model (and the help did not say so): a flag the user typed, also as an
+    abbreviation argparse accepts, wins; an untyped one is the config's."""
+    path = tmp_path / "trl.yaml"
+    path.write_text("model_name_or_path: tiny-random:2\nmax_completion_length: 3\n")
+    base = ["diagnose", "--n", "2", "--trainer", "fp32", "--no-batch-invariance", "--from-trl-config", str(path)]
+    models = {}
+    for typed in (["--model", "tiny-random"], ["--mod", "tiny-random"], ["--model=tiny-random"], []):
+        out = tmp_path / f"r{len(models)}.json"
+        assert main([*base, *typed, "--json", str(out)]) == 0
+        models[" ".join(typed)] = json.loads(out.read_text())["config"]
+        err = capsys.readouterr().err
+        assert ("kept the flags you gave over the config's values: --model" in err) == bool(typed), err
+    assert {k: v["model"] for k, v in models.items()} == {"--model tiny-random": "tiny-random",
+                                                         "--mod tiny-random": "tiny-random",
+                                                         "--model=tiny-random": "tiny-random", "": "tiny-random:2"}
+    assert all(v["max_tokens"] == 3 for v in models.values())
+
+
+# ------------------------------------------------------------------------ trace --run on a damaged run
+
+def test_trace_run_names_the_damaged_file_and_key(tmp_path, capsys):
+    """config.json lacking keys or holding wrong types, a snapshot's tokens file lacking fields, holding other
+    values or another model's token ids: one line naming the file and key (a KeyError or TypeError before)."""
+    out = tmp_path / "run"
+    assert main([*T, "--steps", "1", "--keep-snapshots", "1", "--out", str(out)]) == 0
+    config_path, tokens_path = out / "config.json", out / "snapshots" / "step-000000.tokens.json"
+    config, tokens = json.loads(config_path.read_text()), json.loads(tokens_path.read_text())
+    config_cases = [
+        (lambda c: c.pop("model"), "config.json: model is missing, not a string"),
+        (lambda c: c.update(model=5), "config.json: model is 5, not a string"),
+        (lambda c: c.update(temperature="hot"), "config.json: temperature is 'hot', not a number > 0"),
+        (lambda c: c.update(temperature=True), "config.json: temperature is True, not a number > 0"),
+        (lambda c: c.pop("plan"), "config.json: plan is missing, not a mapping"),
+        (lambda c: c["plan"].pop("engine_recipe"), "config.json: plan.engine_recipe is missing, not one of fp32"),
+        (lambda c: c["plan"].update(trainer_recipe=["fp32"]), "config.json: plan.trainer_recipe is ['fp32'], not one"),
+    ]
+    token_cases = [
+        (lambda t: t.pop("prompt_ids"), "prompt_ids is missing or not rows of token ids"),
+        (lambda t: t.update(completion_ids=[[1.5]] * len(t["prompt_ids"])), "completion_ids is missing or not rows"),
+        (lambda t: t.update(completion_ids=[[1]]), "completion_ids is missing or not rows"),
+        (lambda t: t.update(completion_ids=[[-1]] * len(t["prompt_ids"])), "completion_ids is missing or not rows"),
+        (lambda t: t.update(completion_ids=[[10**6]] * len(t["prompt_ids"])), "token id 1000000 is past tiny-random"),
+    ]
+    for path, original, cases in ((config_path, config, config_cases), (tokens_path, tokens, token_cases)):
+        for damage, fragment in cases:
+            doc = json.loads(json.dumps(original))
+            damage(doc)
+            path.write_text(json.dumps(doc))
+            line = bad_cli(["trace", "--run", str(out)], capsys, after_progress=True)
+            assert fragment in line, line
+        path.write_text(json.dumps(original))
+    tokens_path.write_text('{"prompt_ids": [[1')
+    assert "step-000000.tokens.json is not readable JSON" in bad_cli(["trace", "--run", str(out)], capsys)
+
+
+# ------------------------------------------------------------------------ the API's configs, each field
+
+def _configs():
+    from phantomclip.compare import CompareConfig
+    from phantomclip.diagnose_config import DiagnoseConfig
+    from phantomclip.trace import TraceConfig
+    from phantomclip.train_config import TrainConfig
+
+    return (TrainConfig, DiagnoseConfig, TraceConfig, CompareConfig)
+
+
+WRONG_TYPES = [None, "x", 1.5, 7, True, [], {}, [1]]
+
+
+@pytest.mark.parametrize("cls", _configs(), ids=lambda c: c.__name__)
+def test_every_config_field_of_a_wrong_type_is_one_line(cls, monkeypatch):
+    """Each field of each job's config, given each value of a type its annotation does not allow, is refused by
+    validate() with a PhantomclipError naming the flag (a TypeError or AttributeError from inside validate before:
+    DiagnoseConfig(trainer=5), TrainConfig(intervention=None), TraceConfig(keep_fp32=None), CompareConfig(dtypes=5))."""
+    import dataclasses
+
+    from phantomclip.errors import FIELD_KINDS, PhantomclipError
+
+    _no_model_work(monkeypatch)
+    refused = 0
+    for f in dataclasses.fields(cls):
+        kinds = tuple(k for part in str(f.type).split("|") for k in FIELD_KINDS[part.strip()])
+        for value in WRONG_TYPES:
+            try:
+                cfg = cls(**{f.name: value})
+            except PhantomclipError:
+                continue
+            fits = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds) and not (
+                isinstance(value, list) and not all(isinstance(v, str) for v in value))
+            if fits or (isinstance(value, str) and list in kinds):  # a comma-separated string is a list's spelling
+                continue
+            with pytest.raises(PhantomclipError, match=f"^--{f.name.replace('_', '-')} must be "):
+                cfg.validate()
+            refused += 1
+    assert refused >= 3 * len(dataclasses.fields(cls))
+
+
+# ------------------------------------------------------------------------ what the lines say
+
+def test_seeds_past_the_range_say_which_flag_to_lower(capsys, monkeypatch):
+    _no_model_work(monkeypatch)
+    line = bad_cli(["experiment", "sanity", "--seeds", str(10**20)], capsys)
+    assert line.endswith("past the largest seed 4294967295: lower --seeds to 4294967296 or less"), line
+    line = bad_cli(["experiment", "sanity", "--seed", "4294967295", "--seeds", "2"], capsys)
+    assert line.endswith("lower --seeds to 1 or less or --seed"), line
+
+
+def test_the_whole_run_line_prints_no_nan():
+    """A temperature of 1e-30 samples the argmax: no step has any β, and its growth (0 / 0) printed 'x nan'."""
+    from phantomclip.cli import whole_run_line
+
+    summary = {"phantom_rate": 0.0, "phantom_rate_last": 0.0, "phantom_share_of_clipped": float("nan"),
+               "phantom_adv_share": float("nan"), "beta_abs_mean_start": 0.0, "beta_abs_mean_end": 0.0,
+               "beta_growth": float("nan"), "beta_outside_end": 0.0}
+    line = whole_run_line(summary)
+    assert "nan" not in line.lower() and "0.0000 (last 5), x -;" in line, line
+    assert "x2.00;" in whole_run_line({**summary, "beta_abs_mean_start": 0.1, "beta_abs_mean_end": 0.2,
+                                       "beta_growth": 2.0})

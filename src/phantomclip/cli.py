@@ -124,49 +124,48 @@ def _apply_config_file(args) -> None:
     """Fill the diagnose flags from --from-trl-config or --from-verl-config (integrations.trl / integrations.verl),
     printing what was taken and the notes on stderr. A flag the user typed wins over the config (main's
     args.typed); the config's completion length fills both --max-tokens and --knob-length, so `--max-tokens 48`
-    samples short while the knob advice is still judged (extrapolated) at the config's length."""
-    settings: dict = {}
-    if args.from_trl_config or args.from_verl_config:
-        from rich.console import Console
-
-        if args.from_trl_config:
-            from .integrations.trl_config import diagnose_settings_from_trl
-
-            name, (settings, notes) = "TRL", diagnose_settings_from_trl(args.from_trl_config)
-        else:
-            from .integrations.verl import diagnose_settings_from_verl
-
-            name, (settings, notes) = "verl", diagnose_settings_from_verl(args.from_verl_config)
-        if "max_tokens" in settings:
-            settings["knob_length"] = settings["max_tokens"]
-        typed = getattr(args, "typed", set())
-        kept = sorted(k for k in settings if k in typed)
-        settings = {k: v for k, v in settings.items() if k not in typed}
-        for key, value in settings.items():
-            setattr(args, key, value)
-        err = Console(stderr=True)
-        err.print(f"from the {name} config: " + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
-        if kept:
-            err.print("kept the flags you gave over the config's values: "
-                      + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
-        for note in notes:
-            err.print(f"note: {note}", markup=False)
+    samples short while the knob advice is still judged (extrapolated) at the config's length. A value the config
+    gives that diagnose refuses is one line naming the config, before anything is printed."""
     from .diagnose import DiagnoseConfig
+    from .errors import ConfigError
 
+    settings, notes, source = {}, [], args.from_trl_config or args.from_verl_config
+    if args.from_trl_config:
+        from .integrations.trl_config import diagnose_settings_from_trl
+
+        settings, notes = diagnose_settings_from_trl(source)
+    elif args.from_verl_config:
+        from .integrations.verl import diagnose_settings_from_verl
+
+        settings, notes = diagnose_settings_from_verl(source)
+    if "max_tokens" in settings:
+        settings["knob_length"] = settings["max_tokens"]
+    typed = getattr(args, "typed", set())
+    kept = sorted(k for k in settings if k in typed)
+    settings = {k: v for k, v in settings.items() if k not in typed}
+    for key, value in settings.items():
+        setattr(args, key, value)
     if args.max_tokens is None:
         args.max_tokens = DiagnoseConfig.max_tokens
-    if settings:  # a value the config gave that diagnose refuses: the file is named, not only a flag never typed
-        from .errors import ConfigError
+    if not source:
+        return
+    try:
+        config_from_args(DiagnoseConfig, args).validate()
+    except ConfigError as e:
+        if str(e).split(" ", 1)[0].removeprefix("--").replace("-", "_") in settings:
+            flag = "--from-trl-config" if args.from_trl_config else "--from-verl-config"
+            raise ConfigError(f"{e} (the value {flag} {source} gives; a flag you type wins over it)") from None
+        raise
+    from rich.console import Console
 
-        try:
-            config_from_args(DiagnoseConfig, args).validate()
-        except ConfigError as e:
-            flag = str(e).split(" ", 1)[0].removeprefix("--").replace("-", "_")
-            if flag in settings:
-                source = "--from-trl-config " + args.from_trl_config if args.from_trl_config else \
-                    "--from-verl-config " + args.from_verl_config
-                raise ConfigError(f"{e} (the value {source} gives; a flag you type wins over it)") from None
-            raise
+    err = Console(stderr=True)
+    err.print(f"from the {'TRL' if args.from_trl_config else 'verl'} config: "
+              + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
+    if kept:
+        err.print("kept the flags you gave over the config's values: "
+                  + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
+    for note in notes:
+        err.print(f"note: {note}", markup=False)
 
 
 def _train_parser(sub) -> None:

@@ -185,3 +185,23 @@ def test_summary_follows_the_data_not_the_demo():
     assert "; tis (+5.0) ended longer;" in text and "for fp16, autocast, fp32-head, recompute-old, mis, icepop" in text
     alone = html_summary(data.diagnose, [])
     assert alone.count("<li>") == 1 and "Before any training step" in alone
+
+
+def test_source_lines_name_file_engine_model_and_machine(demo_page):
+    from phantomclip.report.summary import machine
+
+    text = html.unescape(demo_page.read_text(encoding="utf-8"))
+    lines = re.findall(r'<figcaption class="source">([^<]*)</figcaption>', text)
+    assert len(lines) == len(FIGURES)
+    diag = collect(demo_sources()).diagnose
+    local = next(d for d in diag if d["engine"]["kind"] == "local")
+    cpu = local["cpu"]
+    expected = (f"demo/diagnose.json: local engine in {local['engine']['dtype']}, model {local['model']['name']}, "
+                f"{local['engine']['tokens']} tokens; CPU ({cpu['model']}; bf16 {cpu['kernels']['bf16']})")
+    assert f"Data: {expected}." in lines
+    assert any(line.startswith("Data: demo/sanity: 36 runs (12 arms), model smollm2-135m") for line in lines)
+    gpu = {"device": {"device": "cuda:0", "name": "NVIDIA H200", "capability": "9.0", "torch": "2.13.0",
+                      "cuda": "12.8"}}
+    assert machine(gpu) == "GPU (NVIDIA H200, CUDA 12.8)"
+    assert machine({"device": {"device": "cpu", "torch": "2.13.0+cpu"}}) == "CPU (torch 2.13.0+cpu)"
+    assert machine({}) == "machine not recorded"

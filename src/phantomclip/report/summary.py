@@ -34,6 +34,8 @@ def machine(doc: dict) -> str:
     if isinstance(cpu, dict):
         kernels = cpu.get("kernels", {})
         return f"CPU ({cpu.get('model')}; bf16 {kernels.get('bf16', '?')})"
+    if isinstance(device, dict) and device.get("device"):
+        return f"{str(device['device']).upper()} (torch {device.get('torch', '?')})"
     torch_version = str((doc.get("versions") or doc.get("config", {}).get("versions") or {}).get("torch", ""))
     if torch_version.endswith("+cpu"):
         return f"CPU (torch {torch_version})"
@@ -48,12 +50,16 @@ def _diagnose_source(doc: dict, roots: list[Path]) -> str:
 
 def _runs_source(runs: list[dict], roots: list[Path]) -> str:
     arms = sorted({r["config"].get("intervention", r["name"]) for r in runs})
-    cfg = runs[0]["config"]
-    where = sorted({short_path(str(Path(r["_path"]).parent if "/" in r["name"] else r["_path"]), roots)
-                    for r in runs})
+    cfg = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])["config"]
+    if len(runs) == 1:
+        where = [short_path(runs[0]["_path"], roots)]
+    else:  # OUT/<arm>/seed-<s>: name the experiment directories, not every run
+        where = sorted({short_path(str(Path(r["_path"]).parents[1] if "/" in r["name"] else r["_path"]), roots)
+                        for r in runs})
     return (f"{', '.join(where)}: {len(runs)} run{'s' if len(runs) > 1 else ''} ({len(arms)} arm"
             f"{'s' if len(arms) > 1 else ''}), model {cfg.get('model', '?')}, {cfg.get('trainer', '?')} trainer "
-            f"against a {cfg.get('engine_dtype', '?')} engine, task {cfg.get('task', '?')}; {machine(cfg)}")
+            f"against a {cfg.get('engine_dtype', '?')} engine{' in the baseline' if len(arms) > 1 else ''}, task "
+            f"{cfg.get('task', '?')}; {machine(cfg)}")
 
 
 def _trace_source(doc: dict, roots: list[Path]) -> str:
@@ -63,7 +69,11 @@ def _trace_source(doc: dict, roots: list[Path]) -> str:
 
 
 def _growth_source(docs: list[dict], roots: list[Path]) -> str:
-    names = ", ".join(short_path(d["_path"], roots) for d in docs)
+    folders = {str(Path(d["_path"]).parent) for d in docs}
+    if len(docs) > 2 and len(folders) == 1:
+        names = f"{len(docs)} files in {short_path(folders.pop(), roots)}/"
+    else:
+        names = ", ".join(short_path(d["_path"], roots) for d in docs)
     return f"{names}: trace --run of {len(docs)} run{'s' if len(docs) > 1 else ''}, model {docs[0].get('model')}; " \
            f"{machine(docs[0])}"
 

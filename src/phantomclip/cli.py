@@ -11,6 +11,9 @@ from .config_flags import add_config_args, config_from_args, say_error, typed_fl
 EXIT_USAGE = 2
 EXIT_GATE = 1
 """`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
+JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's target is replaced, the link kept; a "
+              "device or FIFO such as /dev/stdout is written into; a directory is refused)")
+"""what --json does with what is already at PATH (files.output_target)."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -40,7 +43,7 @@ def _diagnose_parser(sub) -> None:
                    f"'{DRIFT_GATE}' (exit 1) unless you give your own --fail-if on a drift.* key. Off by default; "
                    "its cost is printed")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="also write every figure and the per-token arrays to PATH")
+                   help="also write every figure and the per-token arrays to PATH" + JSON_PATHS)
     configs = p.add_mutually_exclusive_group()
     configs.add_argument("--from-trl-config", default=None, metavar="YAML",
                          help="take the model, trainer recipe, engine dtype, sampling settings, ε, the correction cap "
@@ -305,7 +308,7 @@ def _trace_parser(sub) -> None:
                        "where their outputs diverge, how logit errors become log-prob errors, and which modules kept "
                        "in fp32 remove most of β.")
     add_config_args(p, TraceConfig)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH" + JSON_PATHS)
 
 
 def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
@@ -354,7 +357,7 @@ def _engines_parser(sub) -> None:
                        "report start-up and median sampling throughput (vLLM must be installed for --engines vllm: see "
                        "docs/diagnose.md).")
     add_config_args(p, CompareConfig)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH" + JSON_PATHS)
 
 
 def _run_engines(args) -> int:

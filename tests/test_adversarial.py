@@ -1,4 +1,4 @@
-"""The adversarial audit (issue 18) as a test: every bad input of every command on the tiny model ends in exit 2 and
+"""The adversarial audit as a test: every bad input of every command on the tiny model ends in exit 2 and
 one line on stderr naming what is wrong, never a traceback; and the stateful misuses (a changed input on resume, an
 orphan metrics file, a continued experiment with other settings, NaN weights) are refused or counted, not ignored.
 
@@ -279,7 +279,7 @@ def test_resume_refuses_damaged_rows_and_a_missing_checkpoint(tmp_path, capsys, 
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
 
 
-# ------------------------------------------------------------------------ issue 30, second pass: resume's checkpoint
+# ------------------------------------------------------------------------ resume continues only its own checkpoint
 
 def test_resume_refuses_another_runs_checkpoint_copied_or_linked(tmp_path, capsys):
     """checkpoint.pt replaced by (a link to) a run made with another model spec and seed: resume wrote rows that were

@@ -1,4 +1,4 @@
-"""Hostile paths (issue 30, parts 1, 8 and 12), by kind of path rather than by instance: every output (--json of
+"""Hostile paths, by kind of path rather than by instance: every output (--json of
 diagnose, trace and engines; --out of train and experiment) over every kind of thing already at its path, and every
 kind of prompts file. An output replaces only a regular file or nothing; a symlink is followed (the link stays); a
 character device or FIFO is written into (it is what the user named: /dev/null, /dev/stdout, a pipe); a directory,

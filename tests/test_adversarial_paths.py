@@ -234,3 +234,26 @@ def test_only_the_prompts_used_are_read(tmp_path, capsys):
     assert main(["diagnose", *TINY, "--n", "2", "--max-tokens", "4", "--trainer", "fp32", "--prompts", str(path),
                  "--no-batch-invariance"]) == 0
     capsys.readouterr()
+
+
+def test_train_tokenizes_only_the_prompts_its_steps_draw(tmp_path, capsys, monkeypatch):
+    """train draws its prompts from the seed before it starts (producer.drawn_prompts): only those are tokenized and
+    checked against the context, and they are the ones the steps sample; a prompt past the context where no step
+    draws is never encoded (every line of a 500,000-line file was)."""
+    import phantomclip.prompts
+    from phantomclip.producer import drawn_prompts
+
+    lines = [f"prompt {i}" for i in range(5000)]
+    drawn = [drawn_prompts(0, k, 1, len(lines))[0] for k in range(2)]
+    far = next(i for i in range(len(lines)) if i not in drawn)
+    lines[far] = "ab " * 700  # past tiny-random's 512 positions
+    path, out = tmp_path / "p.txt", tmp_path / "run"
+    path.write_text("\n".join(lines) + "\n")
+    encoded, encode = [], phantomclip.prompts.encode_prompts
+    monkeypatch.setattr(phantomclip.prompts, "encode_prompts", lambda tok, ps: encoded.extend(ps) or encode(tok, ps))
+    assert main(["train", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--prompts", str(path),
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert sorted(encoded) == sorted({lines[i] for i in drawn})
+    sampled = [json.loads(x)["samples"][0]["prompt"] for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert sampled == [lines[i] for i in drawn]

@@ -11,7 +11,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,13 @@ from .scoring import score_packed
 PROMPT_STREAM = 1_000_003
 """prompt draw of step k under seed s: random.Random(s · PROMPT_STREAM + k). A prime larger than any step count,
 so two (seed, step) pairs of runs under 10^6 steps never share a draw."""
+def drawn_prompts(seed: int, step: int, per_step: int, pool_size: int) -> list[int]:
+    """The pool indices batch `step` samples from (PROMPT_STREAM): fixed by the seed before the run starts, so the
+    trainer tokenizes only the prompts its steps will draw, and the producer draws exactly those."""
+    rng = random.Random(seed * PROMPT_STREAM + step)
+    return [rng.randrange(pool_size) for _ in range(per_step)]
+
+
 SAMPLE_STREAM = 7919
 """sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
 would meet only after 7919 steps, far beyond any run here)."""
@@ -159,7 +166,7 @@ class RolloutMaker:
       θ_old = θ_t and the trainer's shadow serves;
     - logp_old: the trainer's recipe at θ_old (`old_recipe`: recompute-old only)."""
 
-    def __init__(self, *, engine: Engine, master: nn.Module, pool: list[str], pool_ids: list[list[int]],
+    def __init__(self, *, engine: Engine, master: nn.Module, pool: list[str], pool_ids: Mapping[int, list[int]],
                  stops: tuple[int, ...], sampling: Sampling, shadow_recipe: Recipe, old_recipe: Recipe | None):
         self.engine, self.pool, self.pool_ids, self.stops, self.sampling = engine, pool, pool_ids, stops, sampling
         self.shadow_recipe, self.old_recipe = shadow_recipe, old_recipe
@@ -183,8 +190,7 @@ class RolloutMaker:
             if self.own_shadow_old:
                 sync_weights(self.shadow_old, weights, count_changes=False)
             self.engine_version = version
-        rng = random.Random(s.seed * PROMPT_STREAM + k)
-        chosen = [rng.randrange(len(self.pool)) for _ in range(s.prompts_per_step)]
+        chosen = drawn_prompts(s.seed, k, s.prompts_per_step, len(self.pool))
         prompt_ids = [self.pool_ids[i] for i in chosen for _ in range(s.group_size)]
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
                                 seed=s.seed * SAMPLE_STREAM + k, stop_token_ids=self.stops)

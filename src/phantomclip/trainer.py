@@ -47,7 +47,16 @@ from .loss import (
     rollout_correction,
 )
 from .metrics import alpha_beta_stats, ratio_split
-from .producer import Batch, RolloutMaker, RolloutProducer, Sampling, publish_weights, snapshot, start_producer
+from .producer import (
+    Batch,
+    RolloutMaker,
+    RolloutProducer,
+    Sampling,
+    drawn_prompts,
+    publish_weights,
+    snapshot,
+    start_producer,
+)
 from .recipes import Recipe, apply_recipe, get_recipe
 from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
@@ -99,7 +108,8 @@ class RunSetup:
     """fp32 master weights: the optimizer's, and the source every other copy is cast from."""
     pool: list[str]
     """the prompts steps draw from."""
-    pool_ids: list[list[int]]
+    pool_ids: dict[int, list[int]]
+    """pool index -> token ids, for the prompts the run's steps draw (producer.drawn_prompts): only those."""
     stops: tuple[int, ...]
     run: RunDir | None
     ckpt: dict | None
@@ -197,7 +207,10 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
     lm = load_model(cfg.model)
     if pool is None:
         pool = task.prompts(64, cfg.seed) if task.prompts and not cfg.reward else bundled_prompts()
-    pool_ids = encode_within(lm.tokenizer, pool, cfg.max_tokens, lm.context_length)
+    # only the prompts the steps will draw are tokenized (and checked against the context): a 500,000-line file
+    # costs its reading, not 500,000 encodings
+    used = sorted({i for k in range(cfg.steps) for i in drawn_prompts(cfg.seed, k, cfg.prompts_per_step, len(pool))})
+    pool_ids = dict(zip(used, encode_within(lm.tokenizer, [pool[i] for i in used], cfg.max_tokens, lm.context_length)))
     master, plan = lm.model.float().eval().to(resolve_device(cfg.device)), resolve_plan(cfg)
     # The engine starts before the run directory is touched: a model vLLM cannot load leaves nothing behind.
     engine = _start_engine(cfg, plan, lm, pool_ids)
@@ -217,7 +230,7 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
                     pool=pool, pool_ids=pool_ids, stops=stop_token_ids(lm), run=run, ckpt=ckpt, engine=engine)
 
 
-def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: list[list[int]]) -> Engine:
+def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: dict[int, list[int]]) -> Engine:
     """The run's sampling engine on the model's weights in the plan's engine recipe. Its weights are replaced before
     the first batch (θ_0 of a fresh run, the checkpoint's of a resumed one), through the same sync as every later
     step, so a resumed run's engine holds bit for bit what an uninterrupted run's did.
@@ -230,7 +243,7 @@ def _start_engine(cfg: TrainConfig, plan: Plan, lm, pool_ids: list[list[int]]) -
 
         require_vllm()  # the install hint before the model is saved for vLLM
     recipe = get_recipe(plan.engine_recipe)
-    longest = max(len(p) for p in pool_ids) + cfg.max_tokens
+    longest = max(len(p) for p in pool_ids.values()) + cfg.max_tokens
     return start_engine(cfg.engine, lm, recipe.weight_dtype, matmul=cfg.matmul, recipe=recipe,
                         logprobs_mode="raw" if cfg.temperature == 1 else "processed",
                         max_model_len=longest, seed=cfg.seed, weight_sync=True,

@@ -355,7 +355,7 @@ def _engines_parser(sub) -> None:
                        "and vLLM",
                        description="Sample the same prompts with the same seeds in each dtype with each engine, and "
                        "report start-up and median sampling throughput (vLLM must be installed for --engines vllm: see "
-                       "docs/diagnose.md).")
+                       "docs/vllm.md).")
     add_config_args(p, CompareConfig)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH" + JSON_PATHS)
 

@@ -1,8 +1,8 @@
 """No regression from a change: the CPU hot paths of an older commit against this tree, on the same machine.
 
 The older commit is checked out into a temporary git worktree. Each workload runs in a fresh subprocess with
-PYTHONPATH at one tree's src/, the two trees alternating (old, new, old, new, ...) so both see the same machine noise;
-each run prints one figure and the medians over runs are compared.
+PYTHONPATH at one tree's src/, the two trees alternating in ABBA order (old, new, new, old, ...) so both see the same
+machine noise and neither always runs first; each run prints one figure and the medians over runs are compared.
 
 Workloads (bundled SmolLM2-135M, 2 threads unless the machine has fewer):
   engine-fp32, engine-bf16  `LocalEngine.generate` (`--matmul auto`), 16 prompts of 24 random ids (seed 1), 64 sampled
@@ -131,8 +131,9 @@ def main() -> None:
         try:
             figures = {n: {"old": [], "new": []} for n in names}
             for name in names:
-                for _ in range(args.repeats):
-                    for side, src in (("old", old_tree / "src"), ("new", ROOT / "src")):
+                for i in range(args.repeats):
+                    pair = (("old", old_tree / "src"), ("new", ROOT / "src"))
+                    for side, src in pair if i % 2 == 0 else pair[::-1]:  # ABBA: the order favours neither
                         value, note = WORKLOADS[name](src, Path(tmp))
                         figures[name][side].append(value)
                         print(f"  {name} {side}: {value:.3f} {note}", flush=True)

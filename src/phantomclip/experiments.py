@@ -261,8 +261,8 @@ def summarize(matrix: Matrix, results: list[dict]) -> dict:
 
 
 def arm_verdicts(arms: list[dict]) -> list[str]:
-    """One line per non-baseline arm: the figures whose paired interval excludes zero, or 'no detectable
-    difference at N seeds' (also when N < 2, where no interval exists)."""
+    """One line per non-baseline arm: the figures whose paired interval excludes zero (`detected`), or 'no
+    detectable difference at N seeds' (also when N < 2, where no interval exists)."""
     lines = []
     for row in arms:
         diffs = row.get("vs_baseline")
@@ -270,15 +270,26 @@ def arm_verdicts(arms: list[dict]) -> list[str]:
             continue
         n = diffs["final_length"]["n"]
         seeds = f"{n} seed" + ("" if n == 1 else "s")
-        told = [f"{_LABEL[key]} {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]" for key, d in diffs.items()
-                if d["n"] >= 2 and (d["low"] > 0 or d["high"] < 0)]
+        told = [f"{DIFFERENCE_LABELS[key]} {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]"
+                for key, d in detected(diffs).items()]
         lines.append(f"{row['run']}: " + ("; ".join(told) + f" vs {BASELINE} ({seeds})" if told
                                           else f"no detectable difference from {BASELINE} at {seeds}"))
     return lines
 
 
-_LABEL = {"final_length": "final length", "length_auc": "mean length over the run",
-          "steps_to_converge": "steps to convergence", "phantom_rate": "phantom-clip rate"}
+def detected(diffs: dict[str, dict]) -> dict[str, dict]:
+    """The paired differences (t_interval records, in memory or read back from JSON, where NaN is null) whose 95%
+    interval excludes zero; two seeds at least, as one has no interval. The one rule every verdict uses."""
+    def finite(x) -> bool:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    return {key: d for key, d in diffs.items()
+            if d["n"] >= 2 and finite(d["low"]) and finite(d["high"]) and (d["low"] > 0 or d["high"] < 0)}
+
+
+DIFFERENCE_LABELS = {"final_length": "final length", "length_auc": "mean length over the run",
+                     "steps_to_converge": "steps to convergence", "phantom_rate": "phantom-clip rate"}
+"""vs_baseline key -> its words in a verdict (the terminal's and the article's)."""
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -16,23 +16,23 @@ import math
 
 from .plots import arm_colour
 
-DIFFERENCES = {"final_length": ("final length", 1, "tokens"), "length_auc": ("mean length over the run", 1, "tokens"),
-               "steps_to_converge": ("steps to convergence", 1, "steps"), "phantom_rate": ("phantom-clip rate", 100,
-                                                                                         "pp")}
-"""vs_baseline key -> (words, scale, unit) of the verdict's differences."""
+UNITS = {"final_length": (1, "tokens"), "length_auc": (1, "tokens"), "steps_to_converge": (1, "steps"),
+         "phantom_rate": (100, "pp")}
+"""vs_baseline key -> (scale, unit) of the verdict's differences (their words: experiments.DIFFERENCE_LABELS)."""
 
 
 def _finite(*xs) -> bool:
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
 
-def _seed_values(summary: dict, arm: str, key: str) -> list[float]:
+def seed_values(summary: dict, arm: str, key: str) -> list[float]:
+    """The arm's per-seed values of `key` (its runs' rows in the summary), the unmeasured (null, NaN) left out."""
     return [r[key] for r in summary.get("runs", []) if r.get("run") == arm and _finite(r.get(key))]
 
 
 def _mean_range(summary: dict, arm: str, key: str, scale: float = 1, digits: int = 1) -> str:
     """'16.5 (11.2–22.0)': the mean over seeds and their min–max; '—' when no seed measured it."""
-    xs = [scale * x for x in _seed_values(summary, arm, key)]
+    xs = [scale * x for x in seed_values(summary, arm, key)]
     if not xs:
         return "—"
     mean = f"{sum(xs) / len(xs):.{digits}f}"
@@ -50,17 +50,19 @@ def _difference(d: dict | None, scale: float, digits: int = 1) -> str:
 
 
 def arm_verdict(arm: dict, baseline: str) -> str:
-    """The differences whose paired interval excludes zero, in their units, or 'no detectable difference'."""
+    """The differences whose paired interval excludes zero (experiments.detected, the terminal verdict's rule), in
+    their units, or 'no detectable difference'."""
+    from ..experiments import DIFFERENCE_LABELS, detected
+
     diffs = arm.get("vs_baseline")
     if not diffs:
         return "the baseline"
     n = next(iter(diffs.values()))["n"]
     told = []
-    for key, d in diffs.items():
-        words, scale, unit = DIFFERENCES.get(key, (key, 1, ""))
-        if d["n"] >= 2 and _finite(d["low"], d["high"]) and (d["low"] > 0 or d["high"] < 0):
-            told.append(f"{words} {scale * d['mean']:+.2g} {unit} [{scale * d['low']:+.2g}, "
-                        f"{scale * d['high']:+.2g}]")
+    for key, d in detected(diffs).items():
+        scale, unit = UNITS.get(key, (1, ""))
+        told.append(f"{DIFFERENCE_LABELS.get(key, key)} {scale * d['mean']:+.2g} {unit} [{scale * d['low']:+.2g}, "
+                    f"{scale * d['high']:+.2g}]")
     seeds = f"{n} seed{'s' if n != 1 else ''}"
     if not told:
         return f"no detectable difference from {baseline} at {seeds}"

@@ -12,6 +12,8 @@ import html
 import math
 from pathlib import Path
 
+from .interventions_table import seed_values
+
 
 def short_path(path: str, roots: list[Path]) -> str:
     """`path` relative to the --from directory it was found under, else its last two parts."""
@@ -124,18 +126,21 @@ def _training_line(summary: dict) -> str | None:
 
 
 def _interventions_line(summary: dict) -> str | None:
+    from ..experiments import detected
+
     helped, hurt, none = [], [], []
     for a in summary["arms"]:
         vs = a.get("vs_baseline", {}).get("final_length")
-        if not vs or not all(math.isfinite(vs.get(k, math.nan)) for k in ("low", "high", "mean")):
+        if not vs or not all(isinstance(vs.get(k), (int, float)) and math.isfinite(vs[k])
+                             for k in ("low", "high", "mean")):
             continue
         with_mean = f"{html.escape(a['run'])} ({vs['mean']:+.1f})"
-        if vs["high"] < 0:
-            helped.append(with_mean)
-        elif vs["low"] > 0:
-            hurt.append(with_mean)
-        else:
+        if not detected({"final_length": vs}):
             none.append(html.escape(a["run"]))
+        elif vs["high"] < 0:
+            helped.append(with_mean)
+        else:
+            hurt.append(with_mean)
     if not (helped or hurt or none):
         return None
     line = "Against the baseline's final completion length (tokens; shorter is the task's goal), "
@@ -161,19 +166,15 @@ def html_summary(diagnose: list[dict], sanity: list[dict]) -> str:
     return f'<section class="summary" id="summary"><h2>In short</h2><ul>{items}</ul></section>'
 
 
-def _seed_values(summary: dict, arm: str, key: str) -> list[float]:
-    return [r[key] for r in summary.get("runs", []) if r.get("run") == arm and isinstance(r.get(key), (int, float))]
-
-
 def _seed_range(summary: dict, arm: str, key: str) -> str:
-    xs = _seed_values(summary, arm, key)
+    xs = seed_values(summary, arm, key)
     return f"{min(xs):.4f}–{max(xs):.4f}" if xs else "no seeds"
 
 
 def _why_orders_differ(summary: dict, match_arm: str, baseline: str, tokens: int) -> str:
     """What the files can and cannot say when sections 3 and 7 order the two trainers differently."""
-    a = _seed_values(summary, match_arm, "beta_abs_mean_start")
-    b = _seed_values(summary, baseline, "beta_abs_mean_start")
+    a = seed_values(summary, match_arm, "beta_abs_mean_start")
+    b = seed_values(summary, baseline, "beta_abs_mean_start")
     text = ("The two orders disagree. They were measured on different tokens: other prompts, other samples, and "
             "in training the rollouts of a policy that starts to move. ")
     if len(a) > 1 and len(b) > 1 and (max(a) < min(b) or max(b) < min(a)):

@@ -111,10 +111,15 @@ def exception_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300]}{more}" if lines else type(e).__name__
 
 
+def _reward_name(fn: RewardFn) -> str:
+    """'module.function': how every reward error names the user's function."""
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 def compute_rewards(fn: RewardFn, prompts: list[str], completions: list[str], ids: list[list[int]]) -> list[float]:
     """Call a reward function and check what it returned; errors name the function and its module. Anything it
     raises, SystemExit included, is one TaskError line (load_reward); a KeyboardInterrupt is Ctrl-C's."""
-    name = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', repr(fn))}"
+    name = _reward_name(fn)
     try:
         rewards = list(fn(prompts, completions, ids))
     except KeyboardInterrupt:
@@ -138,7 +143,7 @@ def check_rewards_fit(fn: RewardFn, rewards: torch.Tensor, advantages: torch.Ten
     line naming the function and the range instead."""
     if bool(torch.isfinite(rewards).all() and torch.isfinite(advantages).all()):
         return
-    name = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', repr(fn))}"
+    name = _reward_name(fn)
     dtype = str(rewards.dtype).removeprefix("torch.")
     raise TaskError(f"reward function {name} returned rewards that overflow {dtype}, the dtype the loss uses them in "
                     f"(largest |reward| {torch.finfo(rewards.dtype).max:.3g}, and their spread within a group as "

@@ -40,13 +40,17 @@ def output_target(path: str | Path) -> tuple[Path, bool]:
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise WriteError(f"{path} is a directory: give a file path such as {path / 'out.json'}")
     if st is not None and not stat.S_ISREG(st.st_mode):
-        kind = ("a block device" if stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
-                else "a special file")
-        raise WriteError(f"{path} is {kind}, not a regular file: an output written there would replace it; give a "
-                         "regular file's path")
+        raise WriteError(f"{path} is {special_kind(st.st_mode)}, not a regular file: an output written there would "
+                         "replace it; give a regular file's path")
     if _names_a_descriptor(path):  # /dev/stdout redirected to a file: write into the descriptor, as asked
         return path, True
     return Path(os.path.realpath(path)), False
+
+
+def special_kind(mode: int) -> str:
+    """What a file that is neither regular nor a directory is, in words ('a FIFO (named pipe)'), from its st_mode."""
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
 
 
 def _names_a_descriptor(path: Path) -> bool:

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import PhantomclipError
+from .files import special_kind
 
 
 class PromptError(PhantomclipError):
@@ -53,11 +54,8 @@ def _check_regular(path: Path) -> None:
     if not path.exists():
         raise PromptError(f"prompts file {path} does not exist: give a text file (one prompt per line) or JSONL")
     if not path.is_file():
-        kind = ("a FIFO (named pipe)" if path.is_fifo() else "a character device" if path.is_char_device()
-                else "a block device" if path.is_block_device() else "a socket" if path.is_socket()
-                else "a special file")
-        raise PromptError(f"prompts file {path} is {kind}, not a regular file: save the prompts to a file and give "
-                          "its path")
+        raise PromptError(f"prompts file {path} is {special_kind(path.stat().st_mode)}, not a regular file: save "
+                          "the prompts to a file and give its path")
 
 
 def _jsonl_prompt(path: Path, i: int, line: str) -> str:

@@ -61,9 +61,11 @@ def check_seed(flag: str, value, error: type[PhantomclipError] = ConfigError) ->
     check_number(flag, value, 0, SEED_LIMIT - 1, integer=True, error=error)
 
 
-FIELD_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "None": (type(None),),
-               "list[str]": (list,)}
-"""a config field's annotation part -> the Python types a value of it may have (an int is a float's value too)."""
+FIELD_KINDS = {"str": ((str,), "a string"), "int": ((int,), "a whole number"), "float": ((int, float), "a number"),
+               "bool": ((bool,), "true or false"), "None": ((type(None),), "None"),
+               "list[str]": ((list,), "a list of names (or one comma-separated string)")}
+"""a config field's annotation part -> the Python types a value of it may have (an int is a float's value too), and
+how the error line says it."""
 
 
 def check_field_types(cfg, error: type[PhantomclipError] = ConfigError) -> None:
@@ -74,12 +76,10 @@ def check_field_types(cfg, error: type[PhantomclipError] = ConfigError) -> None:
 
     for f in dataclasses.fields(cfg):
         value, parts = getattr(cfg, f.name), [p.strip() for p in str(f.type).split("|")]
-        ok = any(isinstance(value, FIELD_KINDS.get(p, (object,))) and not (isinstance(value, bool) and p != "bool")
-                 for p in parts)
+        ok = any(isinstance(value, FIELD_KINDS[p][0] if p in FIELD_KINDS else object)
+                 and not (isinstance(value, bool) and p != "bool") for p in parts)
         if ok and isinstance(value, list):
             ok = all(isinstance(v, str) for v in value)
         if not ok:
-            said = {"str": "a string", "int": "a whole number", "float": "a number", "bool": "true or false",
-                    "None": "None", "list[str]": "a list of names (or one comma-separated string)"}
-            want = " or ".join(said.get(p, p) for p in parts)
+            want = " or ".join(FIELD_KINDS[p][1] if p in FIELD_KINDS else p for p in parts)
             raise error(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .devices import resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS
+from .engines.vllm_memory import check_share
 from .errors import ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
 from .knobs import KnobSettings
@@ -130,8 +131,7 @@ class DiagnoseConfig:
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
             check_number("--drift", self.drift, 1, integer=True)
         check_number("--max-model-len", self.max_model_len, 0, integer=True)
-        if self.vllm_memory_share is not None:
-            check_number("--vllm-memory-share", self.vllm_memory_share, 0, 1, low_open=True)
+        check_share(self.vllm_memory_share)
         check_seed("--seed", self.seed)
         check_number("--temperature", self.temperature, 0, low_open=True)
         check_number("--keep-share", self.keep_share, 0, 1, low_open=True, high_open=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .devices import resolve_device
 from .engines import ENGINE_KINDS, cannot_run
+from .engines.vllm_memory import check_share
 from .errors import check_field_types, check_number, check_seed
 from .interventions import TrainConfigError, resolve_plan
 from .loss import AGGREGATIONS, KNOBS, check_knobs
@@ -118,8 +119,7 @@ class TrainConfig:
         for flag, value, low in whole:
             check_number(flag, value, low, integer=True, error=TrainConfigError)
         check_seed("--seed", self.seed, error=TrainConfigError)
-        if self.vllm_memory_share is not None:
-            check_number("--vllm-memory-share", self.vllm_memory_share, 0, 1, low_open=True, error=TrainConfigError)
+        check_share(self.vllm_memory_share, TrainConfigError)
         # an lr above 1 is no AdamW step size: it diverges in one step (NaN from step 2)
         check_number("--lr", self.lr, 0, 1, low_open=True, error=TrainConfigError)
         check_number("--temperature", self.temperature, 0, low_open=True, error=TrainConfigError)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PhantomclipError
+from ..errors import ConfigError, PhantomclipError, check_number
 
 GIB = 1 << 30
 
@@ -48,6 +48,12 @@ fused attention does not keep), doubled for fp32."""
 
 class GpuMemoryError(PhantomclipError):
     """vLLM and the job cannot share the GPU as asked (one line naming the memory needed and available, exit 2)."""
+
+
+def check_share(share: float | None, error: type[PhantomclipError] = ConfigError) -> None:
+    """--vllm-memory-share: None (plan_share's default) or a share of the GPU in (0, 1], for every command."""
+    if share is not None:
+        check_number("--vllm-memory-share", share, 0, 1, low_open=True, error=error)
 
 
 @dataclass(frozen=True)

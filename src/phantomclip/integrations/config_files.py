@@ -37,6 +37,11 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
     return doc
 
 
+SAMPLING = (("temperature", float, {"low": 0, "low_open": True}),
+            ("top_p", float, {"low": 0, "low_open": True, "high": 1}), ("top_k", int, {"low": -1}))
+"""the sampling settings both readers take: (key, type, `number`'s bounds); top_k −1 is vLLM's and verl's 'off'."""
+
+
 def number(flag: str, key: str, value, cast=float, low: float | None = None, low_open: bool = False,
            high: float | None = None):
     """A config value as a finite number (cast=int: a whole number) in [low, high] (low excluded if low_open), else

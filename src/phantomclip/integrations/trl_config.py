@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..loss import clip_range
 from ..recipes import RECIPES
-from .config_files import naming_file, number, read_mapping
+from .config_files import SAMPLING, naming_file, number, read_mapping
 
 FLAG = "--from-trl-config"
 TRL_IS_CLIP_MAX = 3.0
@@ -97,9 +97,9 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
-    for key, cast, low, high in (("temperature", float, 0, None), ("top_p", float, 0, 1), ("top_k", int, -1, None)):
+    for key, cast, bounds in SAMPLING:
         if cfg.get(key) is not None:
-            settings[key] = number(FLAG, key, cfg[key], cast, low=low, low_open=cast is float, high=high)
+            settings[key] = number(FLAG, key, cfg[key], cast, **bounds)
     if settings.get("top_k") == -1:  # vLLM's "off", diagnose's 0
         settings["top_k"] = 0
     if cfg.get("min_p"):

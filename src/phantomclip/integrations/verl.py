@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..recipes import RECIPES
-from .config_files import naming_file, number, read_mapping
+from .config_files import SAMPLING, naming_file, number, read_mapping
 
 FLAG = "--from-verl-config"
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
@@ -117,12 +117,12 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
     """Rollout temperature, top_p, top_k (verl's −1 = off is diagnose's 0) and the log-prob mode vLLM reports."""
     rollout = "actor_rollout_ref.rollout"
-    for key, cast, low, high in (("temperature", float, 0, None), ("top_p", float, 0, 1), ("top_k", int, -1, None)):
+    for key, cast, bounds in SAMPLING:
         value = get(cfg, f"{rollout}.{key}")
         if value is None:
             notes.append(f"{rollout}.{key} not set: diagnose's default")
             continue
-        number = _number(f"{rollout}.{key}", value, cast, low=low, low_open=cast is float, high=high)
+        number = _number(f"{rollout}.{key}", value, cast, **bounds)
         settings[key] = 0 if key == "top_k" and number < 0 else number
     mode = get(cfg, f"{rollout}.logprobs_mode")
     if mode in ("raw_logprobs", "processed_logprobs"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config_flags import add_config_args, config_from_args, say_error, typed_flags
+from .config_flags import add_config_args, config_from_args, typed_flags
+from .console import say_error
 
 EXIT_USAGE = 2
 EXIT_GATE = 1

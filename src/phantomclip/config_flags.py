@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -75,20 +73,3 @@ def typed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         if len(matches) == 1:
             typed.add(options[matches[0]])
     return typed
-
-
-def say_error(line: str, code: int) -> int:
-    """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
-    raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a captured stdout (tests) has no descriptor
-            pass
-    return code

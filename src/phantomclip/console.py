@@ -1,8 +1,11 @@
-"""The console side of a job: progress bars on stderr, and a Ctrl-C that stops at the end of a step."""
+"""The console side of a job: progress bars on stderr, a Ctrl-C that stops at the end of a step, and the one error
+line that never fails."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 
@@ -69,3 +72,20 @@ class GracefulStop:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
         return False
+
+
+def say_error(line: str, code: int) -> int:
+    """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
+    raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a captured stdout (tests) has no descriptor
+            pass
+    return code

@@ -25,16 +25,17 @@ from .scoring import score_packed
 PROMPT_STREAM = 1_000_003
 """prompt draw of step k under seed s: random.Random(s · PROMPT_STREAM + k). A prime larger than any step count,
 so two (seed, step) pairs of runs under 10^6 steps never share a draw."""
+
+SAMPLE_STREAM = 7919
+"""sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
+would meet only after 7919 steps, far beyond any run here)."""
+
+
 def drawn_prompts(seed: int, step: int, per_step: int, pool_size: int) -> list[int]:
     """The pool indices batch `step` samples from (PROMPT_STREAM): fixed by the seed before the run starts, so the
     trainer tokenizes only the prompts its steps will draw, and the producer draws exactly those."""
     rng = random.Random(seed * PROMPT_STREAM + step)
     return [rng.randrange(pool_size) for _ in range(per_step)]
-
-
-SAMPLE_STREAM = 7919
-"""sampling seed of step k under seed s: s · SAMPLE_STREAM + k (the 1000th prime; streams of seeds s and s + 1
-would meet only after 7919 steps, far beyond any run here)."""
 
 
 @dataclass

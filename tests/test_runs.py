@@ -106,6 +106,29 @@ def test_damaged_config_json_is_named(tmp_path):
             RunDir.resume(run.path, {"seed": 1})
 
 
+def test_json_past_pythons_limits_is_one_line_in_every_run_file(tmp_path):
+    """A number of more digits than int() converts, or nesting past the interpreter's stack, is named with its file
+    (and line) by the shared readers, whichever command reads it (resume, trace --run, report), not a ValueError or
+    RecursionError traceback; nothing is rewritten."""
+    big, deep = "1" * 5000, "[" * 100_000 + "]" * 100_000
+    run = _finished_run(tmp_path / "r")
+    rows = run.metrics_path.read_text()
+    for line, message in ((f'{{"step": 1, "x": {big}}}', r"metrics.jsonl: a line is not valid JSON \(line 1 holds "
+                           r"an integer of more than \d+ digits\)"),
+                          (deep, r"metrics.jsonl: a line is nested too deep to read \(line 1\)")):
+        run.metrics_path.write_text(line + "\n" + rows)
+        with pytest.raises(RunError, match=message):
+            read_jsonl(run.metrics_path)
+        with pytest.raises(RunError, match=message):
+            RunDir.resume(run.path, {"seed": 1})
+        assert run.metrics_path.read_text() == line + "\n" + rows
+    run.metrics_path.write_text(rows)
+    for text, message in ((f'{{"seed": {big}}}', "holds an integer of more than"), (deep, "nested too deep to read")):
+        (run.path / "config.json").write_text(text)
+        with pytest.raises(RunError, match=f"config.json is not readable JSON \\({message}"):
+            RunDir.resume(run.path, {"seed": 1})
+
+
 def test_a_bad_line_mid_file_is_an_error_and_nothing_is_rewritten(tmp_path):
     """Only a torn last line is a crash artefact; damage in the middle must not silently drop the rows after it."""
     run = _finished_run(tmp_path / "r")

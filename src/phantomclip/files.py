@@ -201,6 +201,22 @@ def rounded(x: torch.Tensor, digits: int = 6) -> list[float | None]:
     return [round(v, digits) if math.isfinite(v) else None for v in x.double().tolist()]
 
 
+JSON_ERRORS = (ValueError, RecursionError)
+"""what json.loads raises on text it cannot read: JSONDecodeError (a ValueError), int()'s digit limit on a number of
+thousands of digits (a ValueError), and a RecursionError for nesting past the interpreter's stack."""
+
+
+def json_reason(e: Exception) -> str:
+    """Why json.loads refused a text, in a few words: Python's own limits said as what they mean in the file, else
+    the decoder's first line."""
+    if isinstance(e, RecursionError):
+        return "nested too deep to read"
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "integer string conversion" in text:
+        return f"holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text[:80]
+
+
 def write_json(result: dict, path: str | Path) -> None:
     """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
     atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))

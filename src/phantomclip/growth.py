@@ -27,6 +27,7 @@ from .depth import site_errors
 from .devices import describe_device
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
+from .files import JSON_ERRORS, json_reason
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import RunDir, read_json_object
@@ -96,8 +97,9 @@ def read_tokens(path: Path) -> dict:
     numbers >= 0), at least one completion token; one GrowthError line naming the file otherwise."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise GrowthError(f"{path} is not readable JSON ({getattr(e, 'strerror', None) or type(e).__name__}): "
+    except (OSError, *JSON_ERRORS) as e:
+        why = getattr(e, "strerror", None) or (json_reason(e) if isinstance(e, JSON_ERRORS) else e)
+        raise GrowthError(f"{path} is not readable JSON ({why}): "
                           "restore it or remove it (its snapshot is then measured on the reference tokens only)"
                           ) from None
     rows = {k: record.get(k) if isinstance(record, dict) else None for k in ("prompt_ids", "completion_ids")}

@@ -31,11 +31,13 @@ import torch
 from . import SCHEMA_VERSION
 from .errors import PhantomclipError, PhantomclipWarning
 from .files import (
+    JSON_ERRORS,
     TEMP_SUFFIX,
     atomic_write,
     atomic_write_bytes,
     check_output_dir,
     content_hash,
+    json_reason,
     json_safe,
     write_error,
 )
@@ -66,6 +68,12 @@ def read_jsonl(path: Path) -> list[dict]:
                               PhantomclipWarning, stacklevel=2)
                 break
             row = None
+        except RecursionError:
+            raise RunError(f"{path}: a line is nested too deep to read (line {i}): repair or remove that line; "
+                           "nothing was read past it") from None
+        except ValueError as e:  # not the decoder's: int()'s digit limit
+            raise RunError(f"{path}: a line is not valid JSON (line {i} {json_reason(e)}): repair or remove that "
+                           "line; nothing was read past it") from None
         step = row.get("step", 0) if isinstance(row, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             raise RunError(f"{path}, line {i}: not a JSON object with a whole-number step (the file was edited or "
@@ -89,9 +97,10 @@ def read_json_object(path: Path, what: str) -> dict:
     """A JSON file that must hold an object (config.json, experiment.json): one line naming the file otherwise."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunError(f"{path} is not readable JSON ({getattr(e, 'strerror', None) or e}): the {what} is damaged; "
-                       "restore it or start a new --out") from None
+    except (OSError, UnicodeDecodeError, *JSON_ERRORS) as e:
+        why = getattr(e, "strerror", None) or (json_reason(e) if isinstance(e, JSON_ERRORS) else e)
+        raise RunError(f"{path} is not readable JSON ({why}): the {what} is damaged; restore it or start a new "
+                       "--out") from None
     if not isinstance(doc, dict):
         raise RunError(f"{path} holds a JSON {type(doc).__name__}, not an object: the {what} is damaged; restore it "
                        "or start a new --out")

@@ -10,7 +10,6 @@ would otherwise silently lack what the user expects to see.
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError, PhantomclipWarning
+from ..files import json_reason
 from ..runs import read_jsonl
 
 
@@ -57,14 +57,6 @@ KIND_WORDS = {"diagnose": "a diagnose JSON", "sanity": "an experiment summary", 
               "growths": "a trace --run JSON"}
 
 
-def _json_value_error(e: ValueError) -> str:
-    """Why json.loads refused: its own first line, or, for int()'s digit limit, what that means in this file."""
-    text = str(e).splitlines()[0]
-    if "integer string conversion" in text:
-        return f"holds an integer of more than {sys.get_int_max_str_digits()} digits"
-    return text[:80]
-
-
 class Unusable(Exception):
     """A file that is not phantomclip data (unreadable, not JSON, not an object, of no known kind): the reason."""
 
@@ -81,7 +73,7 @@ def read_json(path: Path) -> dict:
     except RecursionError:
         raise Unusable("is not valid JSON for phantomclip (nested too deep to read)") from None
     except ValueError as e:  # json.JSONDecodeError, and int() refusing a number of thousands of digits
-        raise Unusable(f"is not valid JSON ({_json_value_error(e)})") from None
+        raise Unusable(f"is not valid JSON ({json_reason(e)})") from None
     if not isinstance(data, dict):
         raise Unusable(f"holds a JSON {type(data).__name__}, not the object phantomclip writes")
     return data
@@ -119,25 +111,14 @@ def _check_shape(path: Path, doc: dict, shape: dict[str, type]) -> None:
                               "was edited or is not one phantomclip wrote")
 
 
-def _read_run_rows(path: Path) -> list[dict]:
-    try:
-        return read_jsonl(path)
-    except PhantomclipError:
-        raise
-    except RecursionError:
-        raise ReportError(f"{path}: a line is nested too deep to read: the file was edited or damaged") from None
-    except ValueError as e:  # an integer too long for int()
-        raise ReportError(f"{path}: a line is not valid JSON ({_json_value_error(e)})") from None
-
-
 def _add(data: ReportData, f: Path, doc: dict) -> bool:
     """File `doc` (read from `f`) into `data`; False when it is of no kind the page draws."""
     if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
         _check_schema(f, doc, None)
         name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
         data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
-                          "metrics": _read_run_rows(f.parent / "metrics.jsonl"),
-                          "tokens": _read_run_rows(f.parent / "tokens.jsonl")})
+                          "metrics": read_jsonl(f.parent / "metrics.jsonl"),
+                          "tokens": read_jsonl(f.parent / "tokens.jsonl")})
         return True
     if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):
         return True  # an experiment's plan: its summary.json beside it holds what the page draws

@@ -453,6 +453,22 @@ def test_a_config_nested_100000_deep_is_one_line(flag, suffix, tmp_path, capsys,
     assert f"{flag} {path}: nested too deep" in bad_cli(["diagnose", *TINY, flag, str(path)], capsys)
 
 
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+@pytest.mark.parametrize("flag", ["--from-trl-config", "--from-verl-config", "--prompts"])
+def test_a_number_past_ints_digit_limit_is_one_line(flag, suffix, tmp_path, capsys, monkeypatch):
+    """5,000 digits: int() refuses more than 4,300, a ValueError that is neither YAML's nor the JSON decoder's own."""
+    _no_model_work(monkeypatch)
+    big = "1" * 5000
+    path = tmp_path / f"big.{suffix}"
+    if flag == "--prompts":
+        path.write_text(f'{{"prompt": "hi", "n": {big}}}\n')
+    else:
+        json_text = f'{{"data": {{"max_response_length": {big}}}}}'
+        path.write_text(json_text if suffix == "json" else f"temperature: {big}\n")
+    line = bad_cli(["diagnose", *TINY, "--n", "2", flag, str(path)], capsys)
+    assert "holds an integer of more than" in line and str(path) in line, line
+
+
 def test_typed_flags_win_over_the_config(tmp_path, capsys):
     """model_name_or_path replaced a typed --model (and the help did not say so): a flag the user typed, also as an
     abbreviation argparse accepts, wins; an untyped one is the config's."""

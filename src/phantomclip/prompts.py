@@ -7,7 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import PhantomclipError
-from .files import special_kind
+from .files import json_reason, special_kind
 
 
 class PromptError(PhantomclipError):
@@ -65,6 +65,9 @@ def _jsonl_prompt(path: Path, i: int, line: str) -> str:
         raise PromptError(f"{path}, non-empty line {i}: not valid JSON ({e.msg}): one object per line") from None
     except RecursionError:
         raise PromptError(f"{path}, non-empty line {i}: JSON nested too deep: one flat object per line") from None
+    except ValueError as e:  # not the decoder's: int()'s digit limit
+        raise PromptError(f"{path}, non-empty line {i}: not valid JSON ({json_reason(e)}): one object per line"
+                          ) from None
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
         raise PromptError(f'{path}, non-empty line {i}: needs a non-empty string field "prompt"')
     return _text(path, i, row["prompt"])

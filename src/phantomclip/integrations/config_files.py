@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError, check_number
+from ..files import json_reason
 
 
 def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
@@ -30,6 +31,8 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
     except RecursionError:  # a document nested thousands deep overflows the parser's stack
         raise ConfigError(f"{flag} {path}: nested too deep to be a trainer config (thousands of levels): give the "
                           "trainer's YAML or JSON config") from None
+    except ValueError as e:  # not the parser's: int()'s digit limit on a number of thousands of digits
+        raise ConfigError(f"{flag} {path}: not a trainer config ({json_reason(e)})") from None
     if doc is None:
         return {}
     if not isinstance(doc, dict):

@@ -1,12 +1,16 @@
 """`phantomclip report` on hostile input: every file named on the command line is used or refused by name (one line,
 exit 2, no traceback); files found by searching a directory may be skipped, with a warning that names them."""
 
+import collections
+import html
+import html.parser
 import json
+import re
 import shutil
 
 from conftest import bad_cli
 from phantomclip.cli import main
-from phantomclip.report import demo_sources
+from phantomclip.report import build, demo_sources
 
 DEMO = demo_sources()[0]
 
@@ -86,3 +90,106 @@ def test_report_without_from_draws_the_demo(capsys, tmp_path):
     assert main(["report", "--out", str(tmp_path / "r")]) == 0
     assert "no --from: drawing the bundled demo data" in capsys.readouterr().err
     assert "In short" in (tmp_path / "r" / "index.html").read_text()
+
+
+HOSTILE = ("</script><script>window.__pwned = 1</script>", "<!--<script>", "a\u2028b\u2029c", "lone \ud800 \udfff",
+           "<img src=x onerror=window.__pwned=1>", "'\"><svg onload=window.__pwned=1>", "]]>&amp;&#x3c;</SCRIPT ")
+"""strings that end a <script> block, open a comment or an element, break an older JavaScript string literal, or have
+no UTF-8 form (lone surrogates)."""
+RENAMED = {"tis": HOSTILE[0], "icepop": HOSTILE[1], "mis": HOSTILE[2], "fp32-head": HOSTILE[3],
+           "smollm2-135m": HOSTILE[4], "local": HOSTILE[5], "trust_region": "trust_region"}
+"""string in the demo's files (an arm and its runs' intervention, a diagnose recipe, the model, the engine kind) ->
+the hostile string put in its place, as a key and as a value, wherever it occurs."""
+DIRECTORIES = {"tis": "a<!--<script>\udc80", "icepop": "x<img src=x onerror=window.__pwned=1>"}
+"""arm directories renamed (a '/' cannot be in a name; \\udc80 is the byte 0x80, a name that is not UTF-8)."""
+
+
+def _rename(x):
+    if isinstance(x, dict):
+        return {RENAMED.get(k, k): _rename(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rename(v) for v in x]
+    if isinstance(x, str) and x.startswith("/work/growth-runs2/"):  # trace --run's run path: a hostile run name
+        return "/w/" + HOSTILE[1] + x.rsplit("/", 1)[1]
+    return RENAMED.get(x, x) if isinstance(x, str) else x
+
+
+def hostile_demo(root) -> list:
+    """The demo data with hostile strings in every kind of field that reaches the page, and a run directory of its
+    own with a hostile name; returns the --from sources."""
+    demo = root / "demo"
+    shutil.copytree(DEMO, demo)
+    for f in [*demo.rglob("*.json"), *demo.rglob("*.jsonl")]:
+        lines = f.read_text(encoding="utf-8").splitlines() if f.suffix == ".jsonl" else [f.read_text("utf-8")]
+        f.write_text("\n".join(json.dumps(_rename(json.loads(line))) for line in lines if line) + "\n")
+    for old, new in DIRECTORIES.items():
+        (demo / "sanity" / old).rename(demo / "sanity" / new)
+    alone = root / "run <!--<script>\udcff"
+    shutil.copytree(demo / "sanity" / "none" / "seed-0", alone)
+    return [demo, alone]
+
+
+class _Tags(html.parser.HTMLParser):
+    """The page's structure: every start tag with its attribute names, and its comments."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags, self.comments, self.scripts, self.inside = collections.Counter(), 0, [], False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[(tag, tuple(sorted(name for name, _ in attrs)))] += 1
+        self.inside = tag == "script"
+
+    def handle_endtag(self, tag):
+        self.inside = False
+
+    def handle_comment(self, data):
+        self.comments += 1
+
+    def handle_data(self, data):
+        if self.inside:
+            self.scripts.append(data)
+
+
+def _structure(text: str) -> _Tags:
+    parser = _Tags()
+    parser.feed(text)
+    parser.close()
+    return parser
+
+
+def test_escaping_functions_round_trip_every_hostile_string():
+    """script_json: JSON.parse (json.loads here, the same grammar) reads back exactly what went in, and the text holds
+    nothing the HTML tokenizer acts on inside a <script> block; html_text: no markup, and the text is shown as is."""
+    from phantomclip.report.escape import html_text, script_json
+
+    for s in HOSTILE:
+        for x in (s, {s: [s, 1.5, None]}, [{"name": s}]):
+            text = script_json(x)
+            assert json.loads(text) == x
+            assert not set(text) & {"<", ">", "&", "\u2028", "\u2029"} and text.isascii(), text
+        shown = html_text(s)
+        assert not set(shown) & {"<", ">", '"', "'"} and shown.encode("utf-8")
+        assert html.unescape(shown) == s.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates: \ud800
+
+
+def test_hostile_names_reach_the_page_as_text_never_as_markup(tmp_path):
+    """Every field that reaches the page (arm names, the runs' intervention, a diagnose recipe, the model, the engine
+    kind, run directory names, trace --run's run) holds a hostile string: the page has exactly the elements,
+    attributes, comments and script blocks of the demo page, its data block parses back with the strings intact, and
+    no block holds `</script` or `<!--`."""
+    clean = build(demo_sources(), tmp_path / "clean").read_text(encoding="utf-8")
+    page = build(hostile_demo(tmp_path), tmp_path / "hostile").read_text(encoding="utf-8")
+    a, b = _structure(clean), _structure(page)
+    assert b.comments == a.comments and len(b.scripts) == len(a.scripts) == 2
+    tags = {k: v for k, v in b.tags.items() if k[0] not in ("li", "details", "summary", "pre", "a", "b")}
+    assert tags == {k: v for k, v in a.tags.items() if k[0] not in ("li", "details", "summary", "pre", "a", "b")}
+    assert page.count("<li><b>run ") == clean.count("<li><b>run ") + 1  # the appendix: the lone run directory
+    for block in b.scripts:
+        assert "</script" not in block.lower() and "<!--" not in block and "\u2028" not in block
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\nconst PALETTE", page, re.S).group(1))
+    names = {t.get("name", "") for fig in figures.values() for t in fig["data"]}
+    for s in HOSTILE[:3]:
+        assert any(n.startswith(s) for n in names), s  # the arms' lines, named as the files name them
+    text = html.unescape(page)
+    assert HOSTILE[4] in text and "a<!--<script>\\x80/seed-0" in text and "run <!--<script>\\xff" in text

@@ -205,3 +205,24 @@ def test_source_lines_name_file_engine_model_and_machine(demo_page):
     assert machine(gpu) == "GPU (NVIDIA H200, CUDA 12.8)"
     assert machine({"device": {"device": "cpu", "torch": "2.13.0+cpu"}}) == "CPU (torch 2.13.0+cpu)"
     assert machine({}) == "machine not recorded"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_hostile_names_run_no_script_in_chromium(tmp_path):
+    """The page built from data whose names hold scripts (test_report_inputs.hostile_demo) draws every figure and
+    runs none of them: the flag they would set stays unset."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from test_report_inputs import hostile_demo
+
+    page_path = build(hostile_demo(tmp_path), tmp_path / "report")
+    errors = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_path.as_uri())
+        page.wait_for_function(f"document.querySelectorAll('.figure .main-svg').length >= {len(FIGURES)}")
+        page.wait_for_timeout(500)  # an onerror or onload handler fires after the image or SVG is processed
+        pwned = page.evaluate("() => window.__pwned")
+        browser.close()
+    assert pwned is None and not errors, (pwned, errors)

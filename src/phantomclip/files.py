@@ -47,6 +47,17 @@ def output_target(path: str | Path) -> tuple[Path, bool]:
     return Path(os.path.realpath(path)), False
 
 
+def printable(text: str) -> str:
+    """`text` safe to print, encode as UTF-8 or put in a page: the bytes of a file name that are not UTF-8 (which
+    Python holds as lone surrogates, PEP 383) shown as \\xNN, any other lone surrogate (from JSON's \\udXXX) as
+    \\udXXX; valid text is returned unchanged. Every message and page that names a path goes through it, so a name
+    that is not UTF-8 is shown, not a UnicodeEncodeError traceback."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate outside U+DC80-U+DCFF: not a file name's byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def special_kind(mode: int) -> str:
     """What a file that is neither regular nor a directory is, in words ('a FIFO (named pipe)'), from its st_mode."""
     return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)

@@ -9,9 +9,8 @@ note saying how to produce them instead of an empty table.
 
 from __future__ import annotations
 
-import html
-
 from ..diagnose_text import drift_lines, fmt_figure, framework_rows, knob_lines
+from .escape import html_text
 
 RERUN = "phantomclip diagnose --json diagnose.json"
 """the command that writes every key the panel reads."""
@@ -24,13 +23,13 @@ def html_framework_panel(diagnose: list[dict]) -> str | None:
     result = diagnose[-1]
     parts = [framework_table_html(result), knob_list(result)]
     if "drift" in result:
-        parts.append("<pre>" + html.escape("\n".join(drift_lines(result["drift"]))) + "</pre>")
+        parts.append("<pre>" + html_text("\n".join(drift_lines(result["drift"]))) + "</pre>")
     return "\n".join(parts)
 
 
 def _older(what: str) -> str:
     return (f'<p class="note">This diagnose JSON has no {what}: it was written by an earlier phantomclip. Rerun '
-            f"<code>{html.escape(RERUN)}</code> with this version and pass the file to "
+            f"<code>{html_text(RERUN)}</code> with this version and pass the file to "
             "<code>phantomclip report --from</code>.</p>")
 
 
@@ -41,18 +40,18 @@ def framework_table_html(result: dict) -> str:
         return _older("framework figures")
     recipe = next(iter(result["recipes"]))
     rows = "".join(
-        f"<tr><td>{html.escape(fw)}</td><td><code>{html.escape(figure)}</code></td><td>{fmt_figure(value)}</td>"
-        f"<td>{html.escape(threshold or '—')}</td><td>{_verdict_cell(verdict)}</td></tr>"
+        f"<tr><td>{html_text(fw)}</td><td><code>{html_text(figure)}</code></td><td>{fmt_figure(value)}</td>"
+        f"<td>{html_text(threshold or '—')}</td><td>{_verdict_cell(verdict)}</td></tr>"
         for fw, figure, value, threshold, verdict in framework_rows(result))
-    return (f"<p>What each framework would log for a <b>{html.escape(recipe)}</b> trainer against the "
-            f"{html.escape(str(result['engine']['dtype']))} engine, each by its own definition, beside the bound its "
-            "project publishes (every figure: the JSON's <code>recipes." + html.escape(recipe) + ".frameworks</code>)"
+    return (f"<p>What each framework would log for a <b>{html_text(recipe)}</b> trainer against the "
+            f"{html_text(str(result['engine']['dtype']))} engine, each by its own definition, beside the bound its "
+            "project publishes (every figure: the JSON's <code>recipes." + html_text(recipe) + ".frameworks</code>)"
             ":</p><table><thead><tr><th>framework</th><th>figure</th><th>value</th><th>published threshold</th>"
             f"<th>verdict</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
 def _verdict_cell(verdict: str) -> str:
-    return '<span class="verdict-zero">over</span>' if verdict == "over" else html.escape(verdict)
+    return '<span class="verdict-zero">over</span>' if verdict == "over" else html_text(verdict)
 
 
 def knob_list(result: dict) -> str:
@@ -60,6 +59,6 @@ def knob_list(result: dict) -> str:
     if "knobs" not in result:
         return _older("knob advice")
     knobs = result["knobs"]
-    items = "".join(f"<li>{html.escape(line)}</li>" for line in knob_lines(knobs))
-    return (f"<p><b>For your config</b> ({html.escape(knobs['recipe'])} trainer's β; every figure: the JSON's "
+    items = "".join(f"<li>{html_text(line)}</li>" for line in knob_lines(knobs))
+    return (f"<p><b>For your config</b> ({html_text(knobs['recipe'])} trainer's β; every figure: the JSON's "
             f"<code>knobs</code>):</p><ul>{items}</ul>")

@@ -12,10 +12,10 @@ do not all show.
 
 from __future__ import annotations
 
-import html
 import re
 from pathlib import Path
 
+from .escape import html_text
 from .plots import LOG_AXIS, PALETTE, arm_colour, plot_layout, seed_symbol
 
 COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
@@ -168,14 +168,15 @@ def html_growth_table(growths: list[dict]) -> str | None:
                 reference_parts.append(part)
                 names.append(run_name(doc))
                 mix_smallest += abs(d["mix"]) == min(abs(d[p]) for p in PARTS)
-            body += (f"<tr><td>{html.escape(run_name(doc))}</td><td>{which}</td><td>{first} → {step}</td>"
+            body += (f"<tr><td>{html_text(run_name(doc))}</td><td>{html_text(which)}</td>"
+                     f"<td>{html_text(first)} → {html_text(step)}</td>"
                      f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
-                     + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{part}</td></tr>")
+                     + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{html_text(part)}</td></tr>")
     verdict = growth_verdict(reference_parts, names, mix_smallest)
     note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
             "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
             "with the policy.")
-    return head + body + "</tbody></table>" + f'<p class="note">{html.escape(note)}</p>'
+    return head + body + "</tbody></table>" + f'<p class="note">{html_text(note)}</p>'
 
 
 def growth_verdict(parts: list[str], names: list[str], mix_smallest: int) -> str:

@@ -11,9 +11,9 @@ can be negative) is the mean with its paired 95% Student-t interval over seeds, 
 
 from __future__ import annotations
 
-import html
 import math
 
+from .escape import html_text
 from .plots import arm_colour
 
 UNITS = {"final_length": (1, "tokens"), "length_auc": (1, "tokens"), "steps_to_converge": (1, "steps"),
@@ -78,7 +78,7 @@ def _cells(summary: dict, a: dict, arms: list[str]) -> list[str]:
     beta = "<br>→ ".join(_mean_range(summary, arm, k, digits=3) for k in ("beta_abs_mean_start", "beta_abs_mean_end"))
     swatch = f'<span class="swatch" style="background:{arm_colour(arm, arms)}"></span>'
     n = len(a["seeds"])
-    return [f"{swatch}<b>{html.escape(arm)}</b><br><small>{n} seed{'s' if n != 1 else ''}, {a['converged']} "
+    return [f"{swatch}<b>{html_text(arm)}</b><br><small>{n} seed{'s' if n != 1 else ''}, {html_text(a['converged'])} "
             "converged</small>",
             _mean_range(summary, arm, "final_length"), _difference(vs.get("final_length"), 1),
             _mean_range(summary, arm, "phantom_rate", 100, 2),
@@ -95,19 +95,19 @@ def html_sanity_table(data) -> str | None:
     summary = data.sanity[-1]
     baseline = summary.get("baseline", "none")
     arms = [a["run"] for a in summary["arms"]]
-    head = "<table class=\"arms\"><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in COLUMNS)
+    head = "<table class=\"arms\"><thead><tr>" + "".join(f"<th>{html_text(h)}</th>" for h in COLUMNS)
     body = "</tr></thead>"
     for a in summary["arms"]:
         doc = INTERVENTIONS.get(a["run"].split(",")[0].split("=")[0])
         body += ("<tbody><tr>" + "".join(f"<td>{c}</td>" for c in _cells(summary, a, arms)) + "</tr>"
                  f'<tr class="sub"><td colspan="{len(COLUMNS)}"><b>What it changes:</b> '
-                 f"{html.escape(doc.doc if doc else 'the baseline run')}. <b>Against the baseline:</b> "
-                 f"{html.escape(arm_verdict(a, baseline))}.</td></tr></tbody>")
+                 f"{html_text(doc.doc if doc else 'the baseline run')}. <b>Against the baseline:</b> "
+                 f"{html_text(arm_verdict(a, baseline))}.</td></tr></tbody>")
     note = ("<p class=\"note\">Lengths, rates and |β| cannot be negative: each is the mean over seeds with the seeds' "
             "lowest and highest value in brackets (a min–max, not an interval, so no bound leaves the quantity's "
             "range). "
             "Differences against the baseline can be negative: each is the mean of the per-seed differences with its "
-            f"paired {html.escape(summary.get('interval', '95% Student t interval'))}; pp = percentage points. An "
+            f"paired {html_text(summary.get('interval', '95% Student t interval'))}; pp = percentage points. An "
             "interval that includes zero means no difference was detected at this number of seeds, not that there is "
             "none.</p>")
     return head + body + "</table>" + note

@@ -10,7 +10,6 @@ map, 3-D and WebGL code of the full bundle: 1.5 MB instead of 4.8 MB.
 
 from __future__ import annotations
 
-import html
 import json
 import re
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 from ..files import json_safe
 from . import figures as diagnose_figures
 from . import growth_panel
+from .escape import html_text, script_json
 from .interventions_table import html_sanity_table
 from .plots import PALETTE
 from .sources import ReportData, ReportError, collect
@@ -71,10 +71,10 @@ def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) 
         cfg = _no_absolute_paths(cfg, roots)
         link = copied.get(Path(path))
         shown = link or short_path(path, roots)
-        name = f'<a href="{html.escape(link)}">{html.escape(link)}</a>' if link else html.escape(shown)
-        out += (f"<li><b>{html.escape(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
-                f"{html.escape(json.dumps(cfg, indent=1, default=str))}</pre></details>"
-                + (f"<details><summary>versions</summary><pre>{html.escape(json.dumps(versions, indent=1))}</pre>"
+        name = f'<a href="{html_text(link)}">{html_text(link)}</a>' if link else html_text(shown)
+        out += (f"<li><b>{html_text(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
+                f"{html_text(json.dumps(cfg, indent=1, default=str))}</pre></details>"
+                + (f"<details><summary>versions</summary><pre>{html_text(json.dumps(versions, indent=1))}</pre>"
                    "</details>" if versions else "")
                 + "</li>")
     return out + "</ul>"
@@ -96,9 +96,9 @@ def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str
     kind, docs = fig.pop("source")
     title = fig.pop("title")
     figures[name] = _compact(json_safe(fig))  # NaN/inf -> null: browsers' JSON has neither
-    return (f'<figure class="chart"><div class="fig-title">{html.escape(title)}</div>'
+    return (f'<figure class="chart"><div class="fig-title">{html_text(title)}</div>'
             f'<div class="figure" id="fig-{name}"></div>'
-            f'<figcaption class="source">{html.escape(source_line(kind, docs, roots))}</figcaption></figure>')
+            f'<figcaption class="source">{html_text(source_line(kind, docs, roots))}</figcaption></figure>')
 
 
 def _compact(x):
@@ -113,7 +113,7 @@ def _compact(x):
 
 
 def _missing(command: str) -> str:
-    return (f'<p class="missing">No data for this figure yet. Run <code>{html.escape(command)}</code> and pass its '
+    return (f'<p class="missing">No data for this figure yet. Run <code>{html_text(command)}</code> and pass its '
             'output to <code>phantomclip report --from</code>.</p>')
 
 
@@ -140,7 +140,7 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
         draw, command = FIGURES[name]
         fig = draw(data)
         return _figure_block(name, fig, figures, ctx["roots"]) if fig else _missing(command)
-    return f'<p class="missing">Unknown figure {html.escape(name)} in article.md.</p>'
+    return f'<p class="missing">Unknown figure {html_text(name)} in article.md.</p>'
 
 
 def _text(name: str) -> str:
@@ -153,6 +153,8 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     from markdown_it import MarkdownIt
 
     ctx = {"copied": copied or {}, "roots": [Path(r).resolve() for r in roots or []]}
+    # Markdown's raw HTML and the template's unescaped variables are safe: article.md and the template are ours, and
+    # every piece of data in the blocks below went through escape.html_text or escape.script_json.
     body = MarkdownIt("commonmark", {"html": True}).render(_text("article.md"))
     figures: dict[str, dict] = {}
     for marker in re.findall(r"<!-- figure: [a-z_]+ -->", body):
@@ -161,14 +163,19 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     template = Environment(autoescape=False).from_string(_text("template.html.j2"))
     return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
                            plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),
-                           figures=json.dumps(figures, allow_nan=False, separators=(",", ":")),
-                           widgets_js=_text("widgets.js"), palette=json.dumps(PALETTE))
+                           figures=script_json(figures), widgets_js=_text("widgets.js"), palette=script_json(PALETTE))
+
+
+def _safe_name(name: str) -> str:
+    """A directory's name as a copy's file name and link: letters, digits, `.`, `_` and `-` kept, anything else
+    (`<`, a quote, a byte that is not UTF-8) one `_`, so a link needs no escaping to reach its file."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     copied: dict[Path, str] = {}
     for i, f in enumerate(data.files()):
-        rel = f"data/{i:02d}-{f.parent.name}-{f.name}"
+        rel = f"data/{i:02d}-{_safe_name(f.parent.name)}-{f.name}"
         (out / "data").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, out / rel)
         copied[f] = rel

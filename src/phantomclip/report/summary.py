@@ -8,10 +8,10 @@ directory given to --from (or as a bare file name), never as this machine's abso
 
 from __future__ import annotations
 
-import html
 import math
 from pathlib import Path
 
+from .escape import html_text
 from .interventions_table import seed_values
 
 
@@ -105,12 +105,12 @@ def _diagnose_line(doc: dict) -> str:
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
     e = doc["engine"]
-    line = (f"Before any training step, a {html.escape(name)} trainer and a {html.escape(str(e['dtype']))} "
-            f"{html.escape(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
+    line = (f"Before any training step, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
+            f"{html_text(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
             f"<b>{stats['beta_abs_mean']:.3g} nats</b> per token")
     if isinstance(outside, (int, float)) and math.isfinite(outside):
-        line += (f"; <b>{_pct(outside, 1)}</b> of the {e['tokens']} sampled tokens already sit outside the trust "
-                 f"region ε = {tr['epsilon_low']:g} on β alone")
+        line += (f"; <b>{_pct(outside, 1)}</b> of the {html_text(e['tokens'])} sampled tokens already sit outside "
+                 f"the trust region ε = {tr['epsilon_low']:g} on β alone")
     return line + " (sections 3 and 4)."
 
 
@@ -119,7 +119,7 @@ def _training_line(summary: dict) -> str | None:
     if base is None or not math.isfinite(base["phantom_share_of_clipped"].get("mean", math.nan)):
         return None
     seeds = len(base["seeds"])
-    return (f"In training (baseline '{html.escape(base['run'])}', {seeds} seed{'s' if seeds > 1 else ''}), "
+    return (f"In training (baseline '{html_text(base['run'])}', {seeds} seed{'s' if seeds > 1 else ''}), "
             f"<b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed were phantom-"
             f"clipped: β pushed them out, α alone would not have; {_pct(base['phantom_rate']['mean'], 2)} of all "
             "tokens (section 5).")
@@ -134,9 +134,9 @@ def _interventions_line(summary: dict) -> str | None:
         if not vs or not all(isinstance(vs.get(k), (int, float)) and math.isfinite(vs[k])
                              for k in ("low", "high", "mean")):
             continue
-        with_mean = f"{html.escape(a['run'])} ({vs['mean']:+.1f})"
+        with_mean = f"{html_text(a['run'])} ({vs['mean']:+.1f})"
         if not detected({"final_length": vs}):
-            none.append(html.escape(a["run"]))
+            none.append(html_text(a["run"]))
         elif vs["high"] < 0:
             helped.append(with_mean)
         else:
@@ -214,4 +214,4 @@ def html_sections_compared(diagnose: list[dict], sanity: list[dict]) -> str:
         text += "Both put the two trainers in the same order."
     else:
         text += _why_orders_differ(summary, match_arm, baseline, diag["engine"]["tokens"])
-    return f'<p class="note" id="sections-compared">{html.escape(text)}</p>'
+    return f'<p class="note" id="sections-compared">{html_text(text)}</p>'

@@ -34,7 +34,7 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs", "files", "console", "devices"),
+             "frameworks", "knobs", "files", "console", "devices", "fp8"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config",
              "diagnose_config"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),

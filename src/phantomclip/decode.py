@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import dequant_kv, is_fp8
 from .recipes import ATTENTION_FP32, Recipe, decoder_body, is_emulated, lm_head, native_low_precision_cpu
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -118,6 +119,8 @@ def packed_dtype(linear: nn.Linear) -> torch.dtype | None:
     licence as the fp32 case); the weight's dtype for a native bf16 Linear whose layout `packs_bit_identically`; None
     for any other forward (autocast, fp32 attention hooks, a native fp16 kernel)."""
     w = linear.weight
+    if is_fp8(linear):  # an FP8 engine's Linear computes its own product (fp8.py); packing would replace it
+        return None
     if w.dtype == torch.float32 or is_emulated(linear):
         return torch.float32 if can_pack(torch.float32) else None
     if "forward" not in linear.__dict__ and can_pack(w.dtype) and packs_bit_identically(linear):
@@ -171,6 +174,7 @@ class StaticDecoder:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, max_len, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.filled = 0  # slots written so far
+        self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8.use_fp8_kv): store E4M3 values
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -203,8 +207,11 @@ class StaticDecoder:
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head's D before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+        v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.fp8_kv:  # vLLM writes E4M3 into its cache and attends over what it reads back, this step's too
+            k, v = dequant_kv(k), dequant_kv(v)
         self.k[i, :, :, start:end] = k
-        self.v[i, :, :, start:end] = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        self.v[i, :, :, start:end] = v
         keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]  # [B, Hkv, end, D], views
         if T == 1:
             # One query per row: fold each kv head's query group into the query axis, [B, Hkv, groups, D], so that

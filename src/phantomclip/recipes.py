@@ -18,7 +18,7 @@ import contextlib
 import copy
 import functools
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ class Recipe:
     """if set, run the forward under torch.autocast to this dtype (weights stay in `weight_dtype`)."""
     fp32_modules: tuple[str, ...] = ()
     """module roles kept in fp32 with fp32 inputs (see `MODULE_ROLES`): e.g. ('lm_head', 'final_norm')."""
+    quant: tuple[str, ...] = ()
+    """FP8 quantisers an engine adds around the computation (fp8.FP8_QUANTS): e.g. ('fp8-w8a8', 'fp8-kv')."""
     doc: str = field(default="", compare=False)
     """one line for `--help` and the report."""
 
@@ -75,15 +77,44 @@ class RecipeError(PhantomclipError):
 
 
 def get_recipe(name: str) -> Recipe:
-    """Look up a recipe by name; the error lists the valid names."""
-    if name not in RECIPES:
-        raise RecipeError(f"unknown recipe {name!r}: use one of {', '.join(RECIPES)}")
-    return RECIPES[name]
+    """Look up a recipe by name; the error lists the valid names. 'base+q1+q2' is the recipe `base` with the FP8
+    quantisers q1, q2 (`with_quant`), e.g. 'bf16+fp8-w8a8+fp8-kv'."""
+    base, *quant = name.split("+")
+    if base not in RECIPES:
+        raise RecipeError(f"unknown recipe {base!r}: use one of {', '.join(RECIPES)}")
+    return with_quant(RECIPES[base], tuple(quant)) if quant else RECIPES[base]
+
+
+def with_quant(recipe: Recipe, quant: tuple[str, ...]) -> Recipe:
+    """`recipe` run by an FP8 engine: the same layout with the quantisers `quant` (fp8.py) around its Linears and
+    KV cache, named 'base+q1+q2'. An empty `quant` gives `recipe` back."""
+    from .fp8 import KV_QUANT, Fp8Error, check_quants
+
+    if not quant:
+        return recipe
+    try:
+        check_quants(quant)
+    except Fp8Error as e:
+        raise RecipeError(str(e)) from None
+    if KV_QUANT in quant and ATTENTION_FP32 in recipe.fp32_modules:
+        raise RecipeError(f"{recipe.name}: fp8-kv needs the model's own attention, not fp32 attention")
+    quant = tuple(dict.fromkeys(recipe.quant + quant))
+    return replace(recipe, name="+".join([recipe.name.split("+")[0], *quant]), quant=quant,
+                   doc=f"{recipe.doc}, with {' and '.join(quant)}")
+
+
+def without_quant(recipe: Recipe) -> Recipe:
+    """The same recipe without its FP8 quantisers: what β_quant compares an FP8 engine's recipe with."""
+    return RECIPES[recipe.name.split("+")[0]] if recipe.quant else recipe
 
 
 def engine_recipe(dtype: torch.dtype) -> Recipe:
     """The plain recipe an engine of this dtype runs (weights and compute in `dtype`)."""
     return next(r for r in RECIPES.values() if r.weight_dtype == dtype and not r.autocast_dtype and not r.fp32_modules)
+
+
+class QuantError(RecipeError):
+    """An FP8 recipe a model cannot serve (a layer shape the block size does not divide): names recipe and layer."""
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -317,7 +348,24 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
             raise RecipeError(f"exact_weights needs matmul='emulated' (got {matmul!r}): a native kernel can only "
                               f"multiply by the weights stored in {recipe.weight_dtype}")
         _use_exact_weights(model, master)
+    if recipe.quant:
+        _use_quant(model, recipe)
     return model.eval()
+
+
+def _use_quant(model: nn.Module, recipe: Recipe) -> None:
+    """Put the recipe's FP8 quantisers in (fp8.py): the engine's Linears but the LM head (and MoE routers), and its
+    KV cache. After the kernels are chosen: a quantised Linear runs its own FP8 forward."""
+    from .fp8 import KV_QUANT, LINEAR_QUANTS, Fp8Error, use_fp8, use_fp8_kv
+
+    for q in recipe.quant:
+        if q in LINEAR_QUANTS:
+            try:
+                use_fp8(model, q, {id(lm_head(model))}, recipe.name)
+            except Fp8Error as e:
+                raise QuantError(str(e)) from None
+        elif q == KV_QUANT:
+            use_fp8_kv(model)
 
 
 def _use_exact_weights(model: nn.Module, master: nn.Module) -> None:

@@ -1,0 +1,310 @@
+"""FP8 (E4M3) engines emulated on any CPU: vLLM's quantisers as pure functions, and their Linear and KV-cache forwards.
+
+What an FP8 engine does to a forward. vLLM stores a Linear's weight as E4M3 values times a scale, quantises the
+Linear's input on the fly, multiplies the two in FP8 with fp32 accumulation and scales the fp32 result back
+(`D = scale_a * (scale_b * acc)`), or, on GPUs without FP8 compute, multiplies bf16 inputs by the FP8 weight
+(weight-only, Marlin). With `kv_cache_dtype="fp8"` it also stores every key and value as E4M3. Everything else (the
+embeddings, the LM head, norms, attention itself, MoE routers) stays in the model's dtype.
+
+How it is emulated here. Each quantiser is quantise -> dequantise around the unchanged computation: the E4M3 values
+are computed exactly as vLLM's kernels compute them (the scale rule, the division or the reciprocal multiply, the
+saturation at ±448, torch's round-to-nearest-even cast), then multiplied in fp32. A product of two E4M3 values has 8
+significant bits, so every product is exact in fp32 and the emulated GEMM differs from the GPU's only by summation
+order, as `recipes.py`'s emulated bf16 kernel does. torch's own `_scaled_mm` runs on this CPU (torch 2.13) and agrees
+with it (tests/test_fp8.py), but is 4x slower than an fp32 product at decode shapes, so it is not used.
+
+Sources (vLLM, the file and the commit read):
+- per-tensor dynamic scale (online `quantization="fp8"` weights: `Fp8LinearMethod.process_weights_after_loading`
+  calls `ops.scaled_fp8_quant(weight, scale=None)`): scale = amax / 448, q = sat(x * (1 / scale)),
+  csrc/quantization/w8a8/fp8/common.cu @096d3dc9 (`segmented_max_reduction_strided`,
+  `scaled_fp8_quant_kernel_strided_dynamic`); one scale for a merged layer (q/k/v, gate/up are one Linear in vLLM):
+  vllm/model_executor/layers/quantization/fp8.py @0071b24b.
+- per-token dynamic activations (what that `Fp8LinearOp` uses where CUTLASS runs, `use_per_token_if_dynamic`):
+  scale = max(amax_row / 448, 1 / (448 * 512)), q = sat(x / scale): common.cu @096d3dc9
+  (`dynamic_per_token_scaled_fp8_quant_kernel_strided`), the floor also in input_quant_fp8.py @014af6b5
+  (`_FP8_MIN_SCALING_FACTOR`), so an all-zero row gives zeros, not NaN.
+- the GEMM epilogue: D = scale_a * (scale_b * acc), rounded once to the output dtype:
+  csrc/cutlass_extensions/epilogue/scaled_mm_epilogues_c3x.hpp (`ScaledEpilogue`).
+- block-quantised weights (DeepSeek-V3-style checkpoints, `weight_block_size=[128, 128]`): per 128 x 128 block,
+  amax clamped to 1e-4, q = x * (448 / amax), scale = amax / 448: vllm/utils/deep_gemm.py @779d1fc1
+  (`per_block_cast_to_fp8`); activations in 1 x 128 groups: scale = max(amax, 1e-10) / 448, q = sat(x / scale):
+  csrc/quantization/w8a8/fp8/per_token_group_quant.cu @0f5257e2; the product accumulates block by block,
+  `acc += dot(a, b) * a_s * b_s`: vllm/model_executor/layers/quantization/utils/fp8_utils.py @364d0192 (the Triton
+  `w8a8_block_fp8_matmul`). vLLM's group quantiser needs K % 128 == 0 and merged layers need every part's rows
+  % 128 == 0 (fp8.py `create_weights`): a model that breaks either is refused (`check_blocks`).
+- weight-only FP8 (W8A16, GPUs below compute capability 8.9: `use_marlin` in fp8.py @0071b24b): the same per-tensor
+  weight, bf16 activations, the scale applied to the fp32 accumulator (Marlin's channel-wise path; assumed, not read).
+- the FP8 KV cache: every key (after RoPE) and value stored as sat(x / scale) in E4M3 and read back as e4m3 * scale,
+  csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh @0492a439 (`scaled_vec_conversion`, `__NV_SATFINITE`); the scale
+  is 1.0 unless the checkpoint carries k/v scales: vllm/model_executor/layers/quantization/kv_cache.py @0531c222
+  (`process_weights_after_loading`). Queries stay in the model's dtype (FlashAttention 3 can quantise them too; not
+  emulated).
+- which layers are quantised: every `LinearBase` (fp8.py `get_quant_method`); the LM head is a
+  `VocabParallelEmbedding`, and MoE routers are built with `quant_config=None`, so both stay unquantised.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+"""the largest finite E4M3 value (torch.finfo(torch.float8_e4m3fn).max)."""
+MIN_SCALING_FACTOR = 1.0 / (E4M3_MAX * 512.0)
+"""vLLM's floor on a per-token scale: a row of zeros gets this scale and quantises to zeros."""
+GROUP_EPS = 1e-10
+"""vLLM's floor on a 1 x 128 group's amax (per_token_group_quant_fp8's eps)."""
+BLOCK_AMAX_FLOOR = 1e-4
+"""the floor on a 128 x 128 weight block's amax (per_block_cast_to_fp8)."""
+BLOCK = 128
+"""the block edge of block quantisation (weights 128 x 128, activations 1 x 128)."""
+
+
+# -------------------------------------------------------------------------------------------- quantisers
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x -> E4M3, saturating at ±448 (`__NV_SATFINITE`), rounding to nearest even (torch's cast). The clamp
+    makes saturation independent of torch's version (older casts turned overflow into NaN); NaN stays NaN."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quant_tensor(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor quantisation: (q E4M3 like x, scale [] fp32) with scale = amax / 448 and q = sat(x * (1 /
+    scale)). `amax`: the amax to use (a merged layer's, over all its parts). An all-zero tensor has scale 0; vLLM's
+    kernel then computes 0 * inf = NaN, which its clamp turns into 448, and 448 * 0 dequantises to 0: here q = 0
+    directly, the same dequantised zeros."""
+    x32 = x.float()
+    amax = x32.abs().amax() if amax is None else amax.float()
+    scale = amax / E4M3_MAX  # [] fp32
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return to_e4m3(x32 * inv), scale
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token (per-row) quantisation of x [..., K]: (q, scale [..., 1]) with scale = max(amax_row / 448,
+    1 / (448 * 512)) and q = sat(x / scale). Per channel, a weight [N, K] is quantised row by row the same way."""
+    x32 = x.float()
+    scale = (x32.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_min(MIN_SCALING_FACTOR)  # [..., 1]
+    return to_e4m3(x32 / scale), scale
+
+
+def quant_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic 1 x `group` quantisation of x [..., K] (K % group == 0): (q [..., K], scale [..., K / group]) with
+    scale = max(amax_group, 1e-10) / 448 and q = sat(x / scale)."""
+    x32 = x.float()
+    g = x32.unflatten(-1, (-1, group))  # [..., K/group, group]
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(GROUP_EPS) / E4M3_MAX  # [..., K/group, 1]
+    return to_e4m3(g / scale).flatten(-2), scale.squeeze(-1)
+
+
+def quant_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """128 x 128 block quantisation of a weight w [N, K] (both divisible by `block`): (q [N, K], scale [N / block,
+    K / block]) with amax clamped to 1e-4, q = x * (448 / amax) and scale = amax / 448."""
+    N, K = w.shape
+    v = w.float().reshape(N // block, block, K // block, block)  # [Nb, block, Kb, block]
+    amax = v.abs().amax(dim=(1, 3), keepdim=True).clamp_min(BLOCK_AMAX_FLOOR)  # [Nb, 1, Kb, 1]
+    q = to_e4m3(v * (E4M3_MAX / amax)).reshape(N, K)
+    return q, (amax / E4M3_MAX).reshape(N // block, K // block)
+
+
+def dequant_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """A key or value through the FP8 KV cache: stored as sat(x / scale) in E4M3, read back as e4m3 * scale, in x's
+    dtype. With scale 1.0 (vLLM's default) this is elementwise and idempotent, so a cache read twice is the same."""
+    return (to_e4m3(x.float() / scale).float() * scale).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ GEMMs
+
+
+def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N] = sx * (sw * (xq @ wq^T)): E4M3 xq [M, K] and wq [N, K] multiplied exactly with fp32 accumulation,
+    then the CUTLASS epilogue's two scalings in its order. sx [M, 1] or [], sw [1, N] or []."""
+    acc = F.linear(xq.float(), wq.float())  # [M, N] fp32
+    return sx * (sw * acc)
+
+
+def block_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                  block: int = BLOCK) -> torch.Tensor:
+    """fp32 [M, N] = Σ_k (xq_k @ wq_k^T) * sx_k * sw_k over the K / block blocks, as the Triton block kernel
+    accumulates. xq [M, K], sx [M, K/block], wq [N, K], sw [N/block, K/block]."""
+    x3 = xq.float().unflatten(-1, (-1, block)).transpose(0, 1)  # [Kb, M, block]
+    w3 = wq.float().unflatten(-1, (-1, block)).transpose(0, 1)  # [Kb, N, block]
+    parts = torch.bmm(x3, w3.transpose(1, 2))  # [Kb, M, N] fp32, one block's products each
+    sw_cols = sw.repeat_interleave(block, dim=0)[: wq.shape[0]].T  # [Kb, N]
+    scaled = parts * sx.T[:, :, None] * sw_cols[:, None, :]  # [Kb, M, N]
+    out = scaled[0]
+    for k in range(1, scaled.shape[0]):  # the kernel's order: block 0, then 1, ...
+        out = out + scaled[k]
+    return out
+
+
+# -------------------------------------------------------------------------------------- linear recipes
+
+
+@dataclass(frozen=True)
+class LinearQuant:
+    """How an FP8 engine runs a Linear: the weight's scale granularity and the activations'."""
+
+    name: str
+    weight: str
+    """'tensor' (one scale per merged layer), 'channel' (one per output row) or 'block' (128 x 128)."""
+    activation: str | None
+    """'token' (dynamic, one scale per row), 'group' (dynamic, 1 x 128) or None (weight-only: bf16 activations)."""
+    doc: str = ""
+
+
+LINEAR_QUANTS: dict[str, LinearQuant] = {q.name: q for q in [
+    LinearQuant("fp8-w8a8", "tensor", "token",
+                "vLLM quantization='fp8' on an FP8 GPU: per-tensor weights, dynamic per-token activations"),
+    LinearQuant("fp8-w8a8-channel", "channel", "token",
+                "FP8-dynamic checkpoints (compressed-tensors): per-channel weights, per-token activations"),
+    LinearQuant("fp8-block", "block", "group",
+                "block-quantised FP8 checkpoints: 128x128 weight blocks, 1x128 activation groups"),
+    LinearQuant("fp8-w8a16", "tensor", None,
+                "weight-only FP8 (vLLM's Marlin path on GPUs without FP8 compute): bf16 activations"),
+]}
+KV_QUANT = "fp8-kv"
+"""the FP8 KV cache (vLLM kv_cache_dtype='fp8', E4M3, scale 1.0)."""
+FP8_QUANTS = (*LINEAR_QUANTS, KV_QUANT)
+"""every quantiser name an engine recipe can carry (at most one Linear quantiser, and fp8-kv)."""
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linears vLLM merges into one (QKVParallelLinear, MergedColumnParallelLinear): one per-tensor scale for all."""
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+"""leaf names of MoE routers, which vLLM builds unquantised."""
+
+
+class Fp8Error(ValueError):
+    """An FP8 recipe a model cannot serve (names the recipe and the layer)."""
+
+
+def check_quants(names: tuple[str, ...]) -> None:
+    """Refuse unknown names and two Linear quantisers at once."""
+    for n in names:
+        if n not in FP8_QUANTS:
+            raise Fp8Error(f"unknown FP8 quantiser {n!r}: use one of {', '.join(FP8_QUANTS)}")
+    linear = [n for n in names if n in LINEAR_QUANTS]
+    if len(linear) > 1:
+        raise Fp8Error(f"{' and '.join(linear)}: an engine quantises its Linears one way; pick one (fp8-kv combines)")
+
+
+def quantised_linears(model: nn.Module, skip: set[int]) -> dict[str, nn.Linear]:
+    """name -> Linear for every Linear an FP8 engine quantises: all but the modules in `skip` (the LM head) and MoE
+    routers."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and id(m) not in skip and name.rpartition(".")[2] not in ROUTER_NAMES}
+
+
+def check_blocks(model: nn.Module, skip: set[int], recipe: str) -> None:
+    """For block quantisation: every quantised Linear's K and N divisible by 128 (vLLM's group quantiser and its
+    merged-layer check), else one Fp8Error naming the recipe and the first layer that breaks it."""
+    for name, m in quantised_linears(model, skip).items():
+        N, K = m.weight.shape
+        if N % BLOCK or K % BLOCK:
+            raise Fp8Error(f"recipe {recipe}: layer {name} has weight {N} x {K}, not divisible by the {BLOCK} x "
+                           f"{BLOCK} block of fp8-block; use fp8-w8a8 or fp8-w8a16 for this model")
+
+
+@torch.no_grad()
+def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | None = None):
+    """(q E4M3 [N, K], scale) of a Linear's stored weight under `spec`: scale [] for 'tensor' (from `amax` when the
+    layer is one part of a merged one), [1, N] for 'channel', [N/128, K/128] for 'block'."""
+    if spec.weight == "tensor":
+        return quant_tensor(w, amax)
+    if spec.weight == "channel":
+        q, s = quant_rows(w)  # s [N, 1]
+        return q, s.T
+    return quant_blocks(w)
+
+
+def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 engine's Linear on x [..., K] with the quantised weight (wq, sw): [..., N] in `out_dtype`."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if spec.activation == "token":
+        xq, sx = quant_rows(x2)  # [M, K] E4M3, [M, 1]
+        out = scaled_product(xq, sx, wq, sw)  # [M, N] fp32
+    elif spec.activation == "group":
+        xq, sx = quant_groups(x2)  # [M, K], [M, K/128]
+        out = block_product(xq, sx, wq, sw)
+    else:  # weight-only: the activations as they are (bf16 values are exact in fp32)
+        out = F.linear(x2.float(), wq.float()) * sw  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype).reshape(*x.shape[:-1], wq.shape[0])
+
+
+def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward of an FP8 engine (installed by `use_fp8`); the quantised weight is refreshed when a weight
+    of its merged group changed (a weight sync bumps the version)."""
+    group = self._pc_fp8_group  # the Linears sharing one per-tensor scale (just self where none)
+    key = tuple((m.weight.data_ptr(), m.weight._version) for m in group)
+    if getattr(self, "_pc_fp8_key", None) != key:
+        spec = self._pc_fp8_spec
+        amax = (torch.stack([m.weight.detach().float().abs().amax() for m in group]).amax()
+                if spec.weight == "tensor" else None)
+        self._pc_fp8_w = quantise_weight(self.weight.detach(), spec, amax)
+        self._pc_fp8_key = key
+    wq, sw = self._pc_fp8_w
+    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype)
+
+
+def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
+    """Route the Linears an FP8 engine quantises through `_fp8_forward` under `quant` (in place); returns how many.
+    Raises Fp8Error for a model the recipe cannot serve."""
+    spec = LINEAR_QUANTS[quant]
+    if spec.weight == "block":
+        check_blocks(model, skip, recipe)
+    linears = quantised_linears(model, skip)
+    by_parent: dict[str, dict[str, nn.Linear]] = {}
+    for name, m in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = m
+    import types
+
+    for name, m in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        siblings = by_parent[parent]
+        fused = next((f for f in FUSED if leaf in f and all(p in siblings for p in f)), (leaf,))
+        m._pc_fp8_group = [siblings[p] for p in fused]
+        m._pc_fp8_spec = spec
+        m._pc_fp8_key = None
+        m.forward = types.MethodType(_fp8_forward, m)
+    return len(linears)
+
+
+def is_fp8(linear: nn.Module) -> bool:
+    """True if `linear` runs an FP8 engine's forward (`use_fp8`): no other kernel may replace it."""
+    return getattr(linear, "_pc_fp8_spec", None) is not None
+
+
+# -------------------------------------------------------------------------------------------- KV cache
+
+
+@functools.cache
+def fp8_kv_attention_name() -> str:
+    """Register (once) an attention function that passes keys and values through the FP8 KV cache before PyTorch's
+    SDPA: what a prefill (scoring) computes when the engine stores its cache in FP8. The decode path
+    (`decode.StaticDecoder`) quantises what it writes into its cache instead."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, dequant_kv(key), dequant_kv(value), attention_mask, **kwargs)
+
+    AttentionInterface.register("phantomclip_fp8_kv_sdpa", fp8_kv_sdpa)
+    AttentionMaskInterface.register("phantomclip_fp8_kv_sdpa", sdpa_mask)
+    return "phantomclip_fp8_kv_sdpa"
+
+
+def use_fp8_kv(model: nn.Module) -> None:
+    """Store the model's keys and values in FP8 (in place): its attention goes through `fp8_kv_attention_name`, and
+    `model._pc_fp8_kv` tells the static decoder to quantise its cache."""
+    model.set_attn_implementation(fp8_kv_attention_name())
+    model._pc_fp8_kv = True

@@ -1,0 +1,264 @@
+"""FP8 quantisers (fp8.py): bit for bit against torch's own float8 casts, hand-worked edge cases, the GEMMs against
+float64 references and torch._scaled_mm, and the recipes on a model (which layers, shared scales, engine = shadow)."""
+
+import pytest
+import torch
+
+from phantomclip import fp8
+from phantomclip.engine import LocalEngine
+from phantomclip.recipes import QuantError, RecipeError, apply_recipe, get_recipe, lm_head, without_quant
+from phantomclip.scoring import score
+
+E4M3 = torch.float8_e4m3fn
+
+
+def all_e4m3_values() -> torch.Tensor:
+    """The 256 E4M3 bit patterns as fp32 (NaN patterns included)."""
+    return torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+
+
+# ------------------------------------------------------------------------------------------- the cast
+
+
+def test_every_e4m3_value_round_trips_bit_for_bit():
+    v = all_e4m3_values()
+    finite = torch.isfinite(v)
+    back = fp8.to_e4m3(v[finite])
+    assert torch.equal(back.view(torch.uint8), v[finite].to(E4M3).view(torch.uint8))
+    assert torch.equal(back.float(), v[finite])
+    assert v[finite].abs().max().item() == fp8.E4M3_MAX == torch.finfo(E4M3).max
+
+
+def test_cast_equals_torch_cast_inside_the_range():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(100_000, generator=g) * s for s in (1e-3, 1.0, 30.0, 150.0)]).clamp(-448, 448)
+    assert torch.equal(fp8.to_e4m3(x).view(torch.uint8), x.to(E4M3).view(torch.uint8))
+
+
+def test_hand_worked_roundings():
+    # E4M3 has 3 stored mantissa bits: spacing 1/8 in [1, 2), 32 in [256, 448]; the smallest subnormal is 2^-9.
+    cases = {
+        1.0625: 1.0,  # halfway between 1 and 1.125: ties to the even mantissa (000)
+        1.1875: 1.25,  # halfway between 1.125 and 1.25: ties to even (010)
+        1.07: 1.125,  # nearer 1.125
+        2.0**-10: 0.0,  # half the smallest subnormal: ties to even, which is zero
+        1.5 * 2.0**-9: 2.0**-8,  # halfway between 1 and 2 subnormal steps: ties to 2 (even)
+        3 * 2.0**-9: 3 * 2.0**-9,  # a subnormal is exact
+        2.0**-6: 2.0**-6,  # the smallest normal
+        440.0: 448.0,  # between 416 and 448: nearer 448
+        460.0: 448.0,  # above the largest value: saturates
+        1e6: 448.0,
+        float("inf"): 448.0,  # __NV_SATFINITE: even infinity saturates
+        -500.0: -448.0,
+        -0.0: -0.0,
+    }
+    x = torch.tensor(list(cases))
+    got = fp8.to_e4m3(x).float()
+    assert got.tolist() == list(cases.values())
+    assert torch.isnan(fp8.to_e4m3(torch.tensor([float("nan")])).float()).all()
+
+
+# ------------------------------------------------------------------------------------------ quantisers
+
+
+def test_per_tensor_scale_hand_worked():
+    # amax 896 -> scale 2 -> q = x / 2, exact: the dequantised tensor is x again
+    x = torch.tensor([1.0, -2.0, 896.0, 3.0])
+    q, s = fp8.quant_tensor(x)
+    assert s.item() == 2.0 and q.float().tolist() == [0.5, -1.0, 448.0, 1.5]
+    # an all-zero tensor: scale 0, zeros out, no NaN (vLLM: 0 * inf = NaN, clamped to 448, times scale 0 = 0)
+    q0, s0 = fp8.quant_tensor(torch.zeros(4, 4))
+    assert s0.item() == 0.0 and torch.equal(q0.float() * s0, torch.zeros(4, 4))
+    # a merged layer's amax sets the scale of each part
+    q1, s1 = fp8.quant_tensor(torch.tensor([1.0]), amax=torch.tensor(448.0))
+    assert s1.item() == 1.0 and q1.float().item() == 1.0
+
+
+def test_per_token_scale_and_the_zero_row():
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, -4.0, 2.0]])
+    q, s = fp8.quant_rows(x)
+    assert s[0, 0].item() == pytest.approx(fp8.MIN_SCALING_FACTOR) and torch.equal(q[0].float(), torch.zeros(3))
+    assert s[1, 0].item() == pytest.approx(4.0 / 448.0)
+    # x / scale, then the cast: -4 -> -448 exactly, 1 -> 112, 2 -> 224
+    assert q[1].float().tolist() == [112.0, -448.0, 224.0]
+    assert not torch.isnan(q.float()).any()
+
+
+def test_groups_and_blocks_hand_worked():
+    x = torch.zeros(2, 256)
+    x[1, 128:] = torch.linspace(-8, 8, 128)
+    q, s = fp8.quant_groups(x)  # [2, 256], [2, 2]
+    assert s.shape == (2, 2) and s[0, 0].item() == pytest.approx(fp8.GROUP_EPS / 448)
+    assert s[1, 1].item() == pytest.approx(8 / 448) and q.float()[1, -1].item() == 448.0
+    assert torch.equal(q.float()[0], torch.zeros(256))  # zero groups: zeros, no NaN
+    w = torch.zeros(256, 128)
+    w[128:] = 2.0
+    qb, sb = fp8.quant_blocks(w)  # an all-zero block and a constant one
+    assert sb.shape == (2, 1) and sb[0, 0].item() == pytest.approx(1e-4 / 448) and sb[1, 0].item() == pytest.approx(
+        2 / 448)
+    assert torch.equal(qb.float()[:128], torch.zeros(128, 128)) and (qb.float()[128:] == 448).all()
+
+
+def test_kv_cache_round_trip_is_elementwise_and_idempotent():
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(2, 3, 5, 8, generator=g) * 100).bfloat16()
+    once = fp8.dequant_kv(k)
+    assert once.dtype == torch.bfloat16
+    assert torch.equal(once, fp8.dequant_kv(once))  # a cache read twice is the same cache
+    assert torch.equal(once.float(), k.float().clamp(-448, 448).to(E4M3).float())  # scale 1: torch's cast
+    assert torch.equal(fp8.dequant_kv(k[:, :1]), once[:, :1])  # no scale across tokens
+
+
+# ----------------------------------------------------------------------------------------------- GEMMs
+
+
+def _operands(M=8, K=256, N=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    return x, w
+
+
+def _bound(terms: torch.Tensor, K: int) -> torch.Tensor:
+    """fp32 summation of K terms: |error| <= K * 2^-24 * Σ|terms| (the standard recursive-sum bound) plus the two
+    scale products' roundings."""
+    return (K + 2) * 2.0**-24 * terms
+
+
+def test_scaled_product_against_float64():
+    x, w = _operands()
+    xq, sx = fp8.quant_rows(x)
+    wq, sw = fp8.quant_tensor(w)
+    got = fp8.scaled_product(xq, sx, wq, sw)
+    ref = (xq.double() @ wq.double().T) * sx.double() * sw.double()  # [M, N]
+    terms = (xq.double().abs() @ wq.double().abs().T) * sx.double() * sw.double()
+    assert ((got.double() - ref).abs() <= _bound(terms, x.shape[1])).all()
+
+
+def test_scaled_product_against_torch_scaled_mm():
+    x, w = _operands()
+    xq, sx = fp8.quant_rows(x)
+    wq, sw = fp8.quant_rows(w)  # per channel: torch's row-wise scaling takes [M, 1] and [1, N]
+    try:
+        theirs = torch._scaled_mm(xq, wq.T, scale_a=sx, scale_b=sw.T, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:  # builds without a CPU kernel
+        pytest.skip(f"torch._scaled_mm does not run on this CPU: {e}")
+    ours = fp8.scaled_product(xq, sx, wq, sw.T)
+    terms = (xq.double().abs() @ wq.double().abs().T) * sx.double() * sw.double().T
+    assert ((ours.double() - theirs.double()).abs() <= 2 * _bound(terms, x.shape[1])).all()
+
+
+def test_block_product_against_float64():
+    x, w = _operands(K=256, N=256)
+    xq, sx = fp8.quant_groups(x)  # [M, 256], [M, 2]
+    wq, sw = fp8.quant_blocks(w)  # [256, 256], [2, 2]
+    got = fp8.block_product(xq, sx, wq, sw)
+    xd = xq.double() * sx.double().repeat_interleave(128, 1)  # dequantised [M, K]
+    wd = wq.double() * sw.double().repeat_interleave(128, 0).repeat_interleave(128, 1)  # [N, K]
+    ref, terms = xd @ wd.T, xd.abs() @ wd.abs().T
+    assert ((got.double() - ref).abs() <= _bound(terms, 256)).all()
+
+
+# -------------------------------------------------------------------------------------- recipes on a model
+
+
+def test_recipe_names_compose_and_refuse(tiny):
+    r = get_recipe("bf16+fp8-w8a8+fp8-kv")
+    assert r.quant == ("fp8-w8a8", "fp8-kv") and r.weight_dtype == torch.bfloat16 and r.name == "bf16+fp8-w8a8+fp8-kv"
+    assert without_quant(r) == get_recipe("bf16")
+    assert get_recipe("fp32+fp8-w8a16").weight_dtype == torch.float32
+    with pytest.raises(RecipeError, match="unknown FP8"):
+        get_recipe("bf16+fp8-nope")
+    with pytest.raises(RecipeError, match="pick one"):
+        get_recipe("bf16+fp8-w8a8+fp8-block")
+
+
+def test_block_recipe_refuses_a_shape_naming_recipe_and_layer(tiny):
+    # tiny-random's hidden size is 64: not a multiple of the 128 block
+    with pytest.raises(QuantError, match=r"recipe bf16\+fp8-block: layer model\.layers\.0\.self_attn\.q_proj"):
+        apply_recipe(tiny.model, get_recipe("bf16+fp8-block"))
+
+
+def test_which_layers_are_quantised_and_merged_scales(tiny):
+    model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a8"))
+    assert not fp8.is_fp8(lm_head(model))  # the head stays bf16
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(fp8.is_fp8(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.down_proj))
+    x = torch.randn(3, 64).bfloat16()
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        m(x if m is not mlp.down_proj else torch.randn(3, 128).bfloat16())
+    # q, k and v are one Linear in vLLM: one per-tensor scale, from the amax of all three
+    amax = max(m.weight.float().abs().max() for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert m._pc_fp8_w[1].item() == (amax / 448).item()
+    assert mlp.gate_proj._pc_fp8_w[1].item() == mlp.up_proj._pc_fp8_w[1].item()
+
+
+def test_linear_forward_is_the_emulated_gemm(tiny):
+    model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a8"))
+    lin = model.model.layers[1].mlp.down_proj
+    x = torch.randn(2, 5, 128).bfloat16()
+    got = lin(x)  # [2, 5, 64] bf16
+    wq, sw = fp8.quant_tensor(lin.weight)
+    xq, sx = fp8.quant_rows(x.reshape(-1, 128))
+    want = (sx * (sw * (xq.float() @ wq.float().T))).bfloat16().reshape(2, 5, 64)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["bf16+fp8-w8a8", "bf16+fp8-w8a8-channel", "bf16+fp8-w8a16", "bf16+fp8-w8a8+fp8-kv"])
+def test_engine_and_shadow_quantise_bit_for_bit(tiny, name):
+    """The engine (LocalEngine: static decode, packed weights) and the shadow (apply_recipe, scoring) hold the same
+    E4M3 weights and scales, and their Linears give the same outputs on the same inputs."""
+    recipe = get_recipe(name)
+    engine = LocalEngine(tiny.model, recipe=recipe)
+    shadow = apply_recipe(tiny.model, recipe)
+    x = torch.randn(4, 64).bfloat16()
+    for (n, a), b in zip(engine.model.named_modules(), shadow.modules()):
+        if fp8.is_fp8(a):
+            inp = x if a.weight.shape[1] == 64 else torch.randn(4, a.weight.shape[1]).bfloat16()
+            assert torch.equal(a(inp), b(inp)), n
+            assert torch.equal(a._pc_fp8_w[0].view(torch.uint8), b._pc_fp8_w[0].view(torch.uint8)), n
+            assert torch.equal(a._pc_fp8_w[1], b._pc_fp8_w[1]), n
+    assert engine.describe()["packed_weights"] is False or not any(
+        getattr(m, "_pc_packed_dtype", None) for m in engine.model.modules() if fp8.is_fp8(m))
+
+
+def test_engine_rescore_and_weight_sync_follow_the_quantiser(tiny, tiny_prompts):
+    from phantomclip.engine import SamplingParams
+
+    recipe = get_recipe("bf16+fp8-w8a8+fp8-kv")
+    engine = LocalEngine(tiny.model, recipe=recipe)
+    params = SamplingParams(max_tokens=6, seed=3)
+    out = engine.generate(tiny_prompts[:4], params)
+    again = engine.rescore(out, params)
+    assert again.logp_engine == out.logp_engine  # the engine's own decode path, bit for bit
+    plain = LocalEngine(tiny.model, recipe=get_recipe("bf16")).rescore(out, params)
+    assert plain.logp_engine != out.logp_engine  # FP8 moved the log-probs
+    master = apply_recipe(tiny.model, get_recipe("fp32"))
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(1.5)
+    engine.load_weights(master)  # the quantised weights are refreshed from the synced ones
+    lin = engine.model.model.layers[0].mlp.down_proj
+    lin(torch.randn(1, 128).bfloat16())
+    assert torch.equal(lin._pc_fp8_w[0].float(), fp8.quant_tensor(lin.weight)[0].float())
+
+
+def test_weight_only_on_exactly_representable_weights_changes_nothing(tiny, tiny_prompts):
+    """Weights that are E4M3 values with amax 448 per merged layer quantise to themselves (scale 1): weight-only FP8
+    then computes exactly what the bf16 recipe's emulated kernel computes, so β_quant = 0 token for token."""
+    master = apply_recipe(tiny.model, get_recipe("fp32"))
+    model = apply_recipe(master, get_recipe("bf16+fp8-w8a16"))
+    with torch.no_grad():
+        for mod in fp8.quantised_linears(master, {id(lm_head(master))}).values():
+            w = mod.weight * (400.0 / mod.weight.abs().max())
+            mod.weight.copy_(fp8.to_e4m3(w).float())
+            mod.weight[0, 0] = 448.0  # every part of a merged layer reaches 448: its scale is 1
+    plain = apply_recipe(master, get_recipe("bf16"), matmul="emulated")
+    quant = apply_recipe(master, get_recipe("bf16+fp8-w8a16"), matmul="emulated")
+    ids = torch.tensor([p + [5, 6, 7] for p in tiny_prompts[:3] if len(p) == len(tiny_prompts[0])] or [[1, 2, 3, 4]])
+    attn = torch.ones_like(ids)
+    a = score(plain, get_recipe("bf16"), ids, attn).logp
+    b = score(quant, get_recipe("bf16+fp8-w8a16"), ids, attn).logp
+    assert torch.equal(a, b)
+    del model

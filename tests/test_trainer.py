@@ -449,3 +449,38 @@ def test_kept_snapshots_round_trip_bit_exactly(tmp_path):
     assert len(tokens["completion_ids"]) == 2 * 8 and len(rows) == 4  # prompts_per_step x group_size
     with pytest.raises(TrainConfigError, match="--keep-snapshots writes into the run directory: give --out"):
         train(TrainConfig(**{**TINY, "keep_snapshots": 2}))
+
+
+def test_four_way_split_with_an_fp8_engine_adds_up_exactly():
+    """With an FP8 engine β_precision splits into β_quant (the unquantised shadow − the FP8 shadow) and the rest. Each
+    part is a difference of two fp32 values, exact in float64, and every partial sum α, α + β_kernel, ... in this order
+    is again such a difference (the sum telescopes), so each addition is exact: the parts add up bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    logp_engine = -torch.rand(64, 32, generator=g) * 12  # [B, T]
+    logp_shadow_old = logp_engine + torch.randn(64, 32, generator=g) * 0.05
+    logp_shadow = logp_shadow_old + torch.randn(64, 32, generator=g) * 0.1
+    logp_plain = logp_shadow + torch.randn(64, 32, generator=g) * 0.05
+    logp = logp_plain + torch.randn(64, 32, generator=g) * 0.05
+    split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine, logp_plain)
+    total = split["alpha"] + split["beta_kernel"] + split["beta_quant"] + split["beta_precision"]
+    assert torch.equal(total, split["log_ratio"])
+    assert torch.equal(split["beta_quant"] + split["beta_precision"], logp.double() - logp_shadow.double())
+    assert torch.equal(split["beta_quant"], logp_plain.double() - logp_shadow.double())
+
+
+def test_training_with_an_fp8_engine_logs_beta_quant(tmp_path):
+    """The engine samples in bf16+fp8-w8a8+fp8-kv, the shadow runs the same recipe, β_quant is logged every step
+    and tokens.jsonl carries it per token; a run without FP8 logs no such key."""
+    import json
+
+    cfg = TrainConfig(**TINY, steps=2, engine_quant="fp8-w8a8,fp8-kv", token_log_steps=1)
+    assert resolve_plan(cfg).engine_recipe == "bf16+fp8-w8a8+fp8-kv"
+    assert resolve_plan(TrainConfig(intervention="fp16", engine_quant="fp8-w8a16")).engine_recipe == "fp16+fp8-w8a16"
+    rows = train(cfg, out=tmp_path / "run").metrics
+    for r in rows:
+        assert math.isfinite(r["mismatch/beta_quant_abs_mean"]) and r["mismatch/beta_quant_abs_mean"] > 0
+    tokens = json.loads((tmp_path / "run" / "tokens.jsonl").read_text().splitlines()[0])
+    assert len(tokens["beta_quant"]) == len(tokens["beta"])
+    assert "mismatch/beta_quant_mean" not in train(TrainConfig(**TINY, steps=1)).metrics[0]
+    with pytest.raises(TrainConfigError, match="--engine-quant"):
+        TrainConfig(**TINY, engine_quant="fp8-w8a8,fp8-block").validate()

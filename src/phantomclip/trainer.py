@@ -57,7 +57,7 @@ from .producer import (
     snapshot,
     start_producer,
 )
-from .recipes import Recipe, apply_recipe, get_recipe
+from .recipes import Recipe, apply_recipe, get_recipe, without_quant
 from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
 from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig
@@ -133,6 +133,9 @@ class StepContext:
     shadow_recipe: Recipe
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    plain_shadow: nn.Module | None = None
+    """with an FP8 engine: the shadow without its quantisers (same weights, same dtype), synced alike; the difference
+    of the two is β_quant (metrics.ratio_split)."""
 
 
 @dataclass
@@ -293,8 +296,10 @@ def _step_context(setup: RunSetup) -> tuple[StepContext, int, dict[int, dict]]:
     shadow_recipe = get_recipe(plan.engine_recipe)
     policy = TrainerForward(master, get_recipe(plan.trainer_recipe), cfg.matmul)
     shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
+    plain = apply_recipe(master, without_quant(shadow_recipe), matmul=cfg.matmul) if shadow_recipe.quant else None
     ctx = StepContext(cfg=cfg, plan=plan, tokenizer=setup.tokenizer, reward_fn=setup.reward_fn, policy=policy,
-                      shadow=shadow, shadow_recipe=shadow_recipe, optimizer=optimizer, scaler=scaler)
+                      shadow=shadow, shadow_recipe=shadow_recipe, optimizer=optimizer, scaler=scaler,
+                      plain_shadow=plain)
     return ctx, start, snapshots
 
 
@@ -379,6 +384,8 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
 
     t0 = time.perf_counter()
     logp_shadow = score_packed(ctx.shadow, ctx.shadow_recipe, packed, P, cfg.group_size, cfg.temperature)  # [B, L]
+    logp_plain = (score_packed(ctx.plain_shadow, without_quant(ctx.shadow_recipe), packed, P, cfg.group_size,
+                               cfg.temperature) if ctx.plain_shadow is not None else None)  # [B, L], FP8 engines
     timings["time/shadow_s"] = clock(logp_shadow.device) - t0
     # θ_old = θ_t on-policy: the shadow at θ_old is the shadow itself (α ≡ 0 with no extra forward)
     logp_shadow_old = logp_shadow if batch.logp_shadow_old is None else batch.logp_shadow_old  # [B, L]
@@ -402,9 +409,11 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     # the shadow follows the update; the share of its values that changed is what the engine's next sync sees
     t0 = time.perf_counter()
     changed_share = sync_weights(ctx.shadow, ctx.policy.master)
+    if ctx.plain_shadow is not None:
+        sync_weights(ctx.plain_shadow, ctx.policy.master, count_changes=False)
     timings["time/sync_s"] = clock(logp.device) - t0
 
-    split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine)  # float64 [B, L] each
+    split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine, logp_plain)  # float64 [B, L] each
     zeroed = out.clipped_low | out.clipped_high  # [B, L]
     # a token whose log-prob overflowed on any side (NaN weights, fp16 overflow) is counted, not averaged in
     finite = torch.stack([split["log_ratio"], split["alpha"], split["beta"]]).isfinite().all(0)  # [B, L]
@@ -472,7 +481,8 @@ def _token_record(split: dict[str, torch.Tensor], mask: torch.Tensor, advantages
                   masked: torch.Tensor) -> dict[str, list]:
     """tokens.jsonl's per-token lists over the completion tokens (row-major): α, β and its parts, A, clip flags."""
     m = mask.bool()  # [B, L]
-    parts = {name: rounded(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision")}
+    parts = {name: rounded(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision", "beta_quant")
+             if name in split}
     return {**parts, "advantage": rounded(advantages[:, None].expand_as(m)[m]), "clipped": zeroed[m].tolist(),
             "masked": masked[m].tolist()}
 

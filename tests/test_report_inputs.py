@@ -7,6 +7,7 @@ import html.parser
 import json
 import re
 import shutil
+import warnings
 
 from conftest import bad_cli
 from phantomclip.cli import main
@@ -193,3 +194,50 @@ def test_hostile_names_reach_the_page_as_text_never_as_markup(tmp_path):
         assert any(n.startswith(s) for n in names), s  # the arms' lines, named as the files name them
     text = html.unescape(page)
     assert HOSTILE[4] in text and "a<!--<script>\\x80/seed-0" in text and "run <!--<script>\\xff" in text
+
+
+def _null_figures(x, keys: tuple[str, ...], seeds_left: int | None):
+    """An experiment summary as one where `keys` were never measured (null in every arm and run), and, with
+    `seeds_left`, where each arm's interval is unknown (one seed: low and high null)."""
+    if isinstance(x, dict):
+        out = {k: None if k in keys and not isinstance(v, dict) else _null_figures(v, keys, seeds_left)
+               for k, v in x.items()}
+        if k_in := [k for k in keys if isinstance(out.get(k), dict)]:
+            for k in k_in:
+                out[k] = {"mean": None, "low": None, "high": None, "n": 0}
+        if seeds_left is not None and {"mean", "low", "high", "n"} <= set(out):
+            out.update(low=None, high=None, n=seeds_left)
+        return out
+    if isinstance(x, list):
+        return [_null_figures(v, keys, seeds_left) for v in x]
+    return x
+
+
+def test_a_finished_or_unfinished_experiment_always_draws(tmp_path):
+    """An experiment whose baseline clipped no token (no phantom share: null), one of a single seed (no interval:
+    null), and one still being written (a run with its config but no row yet, a run cut mid-line, no summary for
+    them) each draw a page; a summary line whose figure is null is left out, not filled in."""
+    from phantomclip.report.summary import html_summary
+
+    summary = json.loads((DEMO / "sanity" / "summary.json").read_text())
+    cases = {"no clip": _null_figures(summary, ("phantom_share_of_clipped", "phantom_adv_share"), None),
+             "one seed": _null_figures(summary, (), 1),
+             "no beta": _null_figures(summary, ("beta_abs_mean_start", "beta_abs_mean_end"), None)}
+    diagnose = [json.loads((DEMO / "diagnose.json").read_text())]
+    for name, doc in cases.items():
+        text = html_summary(diagnose, [doc])
+        assert text.count("<li>") == (2 if name == "no clip" else 3 if name == "no beta" else 2), (name, text)
+        exp = tmp_path / name.replace(" ", "-")
+        shutil.copytree(DEMO / "sanity", exp)
+        (exp / "summary.json").write_text(json.dumps(doc))
+        assert build([exp, DEMO / "diagnose.json"], tmp_path / f"r-{exp.name}").exists()
+    writing = tmp_path / "writing"  # an experiment being written: runs beyond the summary, one with no row yet
+    shutil.copytree(DEMO / "sanity", writing)
+    shutil.copytree(writing / "tis" / "seed-0", writing / "tis" / "seed-3")
+    (writing / "tis" / "seed-3" / "metrics.jsonl").write_text("")
+    shutil.copytree(writing / "mis" / "seed-0", writing / "mis" / "seed-3")
+    rows = (writing / "mis" / "seed-3" / "metrics.jsonl").read_text().splitlines()
+    (writing / "mis" / "seed-3" / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n" + rows[2][:40])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the torn last line's warning
+        assert build([writing], tmp_path / "r-writing").exists()

@@ -21,13 +21,15 @@ UNITS = {"final_length": (1, "tokens"), "length_auc": (1, "tokens"), "steps_to_c
 """vs_baseline key -> (scale, unit) of the verdict's differences (their words: experiments.DIFFERENCE_LABELS)."""
 
 
-def _finite(*xs) -> bool:
+def finite(*xs) -> bool:
+    """Whether every one of `xs` is a finite number: the report's one test before a figure is used, since a summary
+    writes null where a figure was not measured (no token clipped: no phantom share; one seed: no interval)."""
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
 
 def seed_values(summary: dict, arm: str, key: str) -> list[float]:
     """The arm's per-seed values of `key` (its runs' rows in the summary), the unmeasured (null, NaN) left out."""
-    return [r[key] for r in summary.get("runs", []) if r.get("run") == arm and _finite(r.get(key))]
+    return [r[key] for r in summary.get("runs", []) if r.get("run") == arm and finite(r.get(key))]
 
 
 def _mean_range(summary: dict, arm: str, key: str, scale: float = 1, digits: int = 1) -> str:
@@ -41,10 +43,10 @@ def _mean_range(summary: dict, arm: str, key: str, scale: float = 1, digits: int
 
 def _difference(d: dict | None, scale: float, digits: int = 1) -> str:
     """'−8.1 [−11.3, −4.9]': a paired difference and its 95% interval (one seed: the difference alone)."""
-    if not d or not _finite(d.get("mean")):
+    if not d or not finite(d.get("mean")):
         return "—"
     text = f"{scale * d['mean']:+.{digits}f}"
-    if _finite(d.get("low"), d.get("high")):
+    if finite(d.get("low"), d.get("high")):
         text += f" <small>[{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]</small>"
     return text
 

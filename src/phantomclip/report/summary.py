@@ -8,11 +8,10 @@ directory given to --from (or as a bare file name), never as this machine's abso
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from .escape import html_text
-from .interventions_table import seed_values
+from .interventions_table import finite, seed_values
 
 
 def short_path(path: str, roots: list[Path]) -> str:
@@ -108,7 +107,7 @@ def _diagnose_line(doc: dict) -> str:
     line = (f"Before any training step, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
             f"{html_text(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
             f"<b>{stats['beta_abs_mean']:.3g} nats</b> per token")
-    if isinstance(outside, (int, float)) and math.isfinite(outside):
+    if finite(outside):
         line += (f"; <b>{_pct(outside, 1)}</b> of the {html_text(e['tokens'])} sampled tokens already sit outside "
                  f"the trust region ε = {tr['epsilon_low']:g} on β alone")
     return line + " (sections 3 and 4)."
@@ -116,8 +115,8 @@ def _diagnose_line(doc: dict) -> str:
 
 def _training_line(summary: dict) -> str | None:
     base = next((a for a in summary["arms"] if a["run"] == summary.get("baseline")), None)
-    if base is None or not math.isfinite(base["phantom_share_of_clipped"].get("mean", math.nan)):
-        return None
+    if base is None or not finite(base["phantom_share_of_clipped"].get("mean"), base["phantom_rate"].get("mean")):
+        return None  # the baseline clipped no token (no share), or no seed finished
     seeds = len(base["seeds"])
     return (f"In training (baseline '{html_text(base['run'])}', {seeds} seed{'s' if seeds > 1 else ''}), "
             f"<b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed were phantom-"
@@ -131,8 +130,7 @@ def _interventions_line(summary: dict) -> str | None:
     helped, hurt, none = [], [], []
     for a in summary["arms"]:
         vs = a.get("vs_baseline", {}).get("final_length")
-        if not vs or not all(isinstance(vs.get(k), (int, float)) and math.isfinite(vs[k])
-                             for k in ("low", "high", "mean")):
+        if not vs or not finite(*(vs.get(k) for k in ("low", "high", "mean"))):
             continue
         with_mean = f"{html_text(a['run'])} ({vs['mean']:+.1f})"
         if not detected({"final_length": vs}):
@@ -202,6 +200,8 @@ def html_sections_compared(diagnose: list[dict], sanity: list[dict]) -> str:
     d_match, d_base = recipes[engine_dtype]["beta_abs_mean"], recipes[base_trainer]["beta_abs_mean"]
     t_match = arms[match_arm]["beta_abs_mean_start"]["mean"]
     t_base = arms[baseline]["beta_abs_mean_start"]["mean"]
+    if not finite(d_match, d_base, t_match, t_base):
+        return ""  # a figure not measured (null): no order to compare
     agree = (d_match > d_base) == (t_match > t_base)
     text = (f"Sections 3 and 7 both compare a trainer in the engine's {engine_dtype} with the {base_trainer} "
             f"trainer. Section 3 measured the {diag['engine']['tokens']} tokens that diagnose sampled once, before "

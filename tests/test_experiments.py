@@ -158,3 +158,16 @@ def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
     before = (tmp_path / "force-r1" / "seed-0" / "metrics.jsonl").read_text()
     run_experiment(matrix, tmp_path)  # finished early counts as finished: nothing is rerun
     assert (tmp_path / "force-r1" / "seed-0" / "metrics.jsonl").read_text() == before
+
+
+def test_fp8_matrix_pairs_the_bf16_engine_with_the_fp8_engine_and_its_corrections():
+    from phantomclip.experiments import build_matrix
+    from phantomclip.interventions import resolve_plan
+
+    m = build_matrix("fp8", TrainConfig(model="tiny-random:30"), seeds=3)
+    assert list(m.arms) == ["none", "fp8", "fp8,tis", "fp8,mis", "fp8,icepop", "fp8,shadow-ratio", "fp8,force-r1"]
+    assert resolve_plan(m.arms["none"]).engine_recipe == "bf16"
+    plans = {a: resolve_plan(c) for a, c in m.arms.items() if a != "none"}
+    assert {p.engine_recipe for p in plans.values()} == {"bf16+fp8-w8a8"}
+    assert plans["fp8,tis"].correction == "token_truncate" and plans["fp8,shadow-ratio"].clip_on == "shadow"
+    assert all(p.trainer_recipe == "fp32" for p in plans.values()) and m.seeds == (0, 1, 2)

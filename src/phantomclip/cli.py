@@ -243,6 +243,10 @@ def _experiment_parser(sub) -> None:
                    "and a verdict (also summary.md / summary.json in --out)."),
         "epsilon": ("the ε sweep (0.05, 0.1, 0.2, 0.3) of the baseline and match-bf16",
                     "Runs the baseline and match-bf16 at each ε under --seeds seeds; read like sanity."),
+        "fp8": ("the bf16 engine against an FP8 engine (fp8-w8a8), alone and with TIS, MIS, IcePop, shadow ratio, "
+                "force r=1",
+                "Runs the baseline (the bf16 engine), the FP8 engine and the FP8 engine with each correction under "
+                "--seeds seeds; read like sanity."),
     }
     for name, (help_text, description) in helps.items():
         s = esub.add_parser(name, help=help_text, description=description)

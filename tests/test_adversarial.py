@@ -257,11 +257,10 @@ def _resumable(tmp_path, capsys) -> Path:
     ("append-old", "line 4: step 2 where a step after 3 (the checkpoint's) belongs"),
     ("drop-middle", "line 2: step 3 where step 2 belongs"),
     ("swap", "line 1: step 2 where step 1 belongs"),
-    ("no-checkpoint", "has 3 logged steps but no checkpoint.pt to continue from"),
 ])
-def test_resume_refuses_damaged_rows_and_a_missing_checkpoint(tmp_path, capsys, damage, fragment):
+def test_resume_refuses_damaged_rows(tmp_path, capsys, damage, fragment):
     """Resume continues only from rows 1..k in order and the checkpoint of step k: a duplicated, missing or reordered
-    row, or a deleted checkpoint, is one line naming the file (and line), and nothing is rewritten."""
+    row is one line naming the file and line, and nothing is rewritten."""
     out = _resumable(tmp_path, capsys)
     metrics = out / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
@@ -271,12 +270,36 @@ def test_resume_refuses_damaged_rows_and_a_missing_checkpoint(tmp_path, capsys, 
         metrics.write_text(lines[0] + lines[2])
     elif damage == "swap":
         metrics.write_text(lines[1] + lines[0] + lines[2])
-    else:
-        (out / "checkpoint.pt").unlink()
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
     line = bad_cli([*T, "--steps", "4", "--out", str(out), "--resume"], capsys)
     assert fragment in line, line
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
+
+
+def _figures(path: Path) -> list[dict]:
+    """A run file's rows without their clock readings (the only figures a rerun does not repeat)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def test_rows_without_a_checkpoint_are_recomputed_from_step_zero(tmp_path, capsys):
+    """A run killed after logging rows but before its first checkpoint (checkpoint.pt absent, rows 1..k) continues:
+    its rows are a function of its config and seed, so resume recomputes them from step 0 (a warning says so) and they
+    equal the uninterrupted run's. Shown inside an experiment, whose reruns it blocked: an experiment removes its
+    runs' checkpoints once they finish, so a run cut back to its first row is that state."""
+    exp = tmp_path / "exp"
+    flags = ["experiment", "sanity", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--seeds", "1",
+             "--only", "none", "--out", str(exp)]
+    assert main(flags) == 0
+    run = exp / "none" / "seed-0"
+    full = {name: _figures(run / name) for name in ("metrics.jsonl", "samples.jsonl")}
+    for name in full:
+        (run / name).write_text((run / name).read_text().splitlines(keepends=True)[0])
+    assert not (run / "checkpoint.pt").exists()
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "has 1 logged steps but no checkpoint.pt: recomputing them from step 0" in capsys.readouterr().err
+    assert {name: _figures(run / name) for name in full} == full
 
 
 # ------------------------------------------------------------------------ resume continues only its own checkpoint

@@ -316,9 +316,10 @@ class RunDir:
                 raise RunError(f"{run.path} already has {done} steps, more than --steps {max_step}: give --steps "
                                f"{done} or more to continue it")
             logged = {p: read_jsonl(p) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
-            if ckpt is None and logged[run.metrics_path]:
-                raise RunError(f"{run.path} has {len(logged[run.metrics_path])} logged steps but no checkpoint.pt to "
-                               "continue from: restore checkpoint.pt, or start over with a new --out")
+            if ckpt is None and logged[run.metrics_path]:  # killed before its first checkpoint: a run's rows are a
+                # function of its config and seed, so recomputing them from step 0 gives them again
+                warnings.warn(f"{run.path} has {len(logged[run.metrics_path])} logged steps but no checkpoint.pt: "
+                              "recomputing them from step 0", PhantomclipWarning, stacklevel=2)
             # metrics: a row per step; samples: a row per step where any were logged; tokens: the first steps only
             for p, every_step in ((run.metrics_path, True), (run.samples_path, bool(logged[run.samples_path])),
                                   (run.tokens_path, False)):

@@ -44,7 +44,7 @@ from .metrics import (
 from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
-from .recipes import apply_recipe, cpu_description, engine_recipe, get_recipe
+from .recipes import apply_recipe, cpu_description, get_recipe, without_quant
 from .scoring import score
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ class Sampled:
     """wall time of sampling (engine start-up excluded)."""
     drift: Drift | None = None
     """--drift: the same weights pushed K times into the engine before it closed, and the gap after each push."""
+    logp_engine_plain: torch.Tensor | None = None  # [n, T] --engine-quant: the same tokens read by the plain engine
 
 
 @dataclass
@@ -134,6 +135,8 @@ class Reference:
     """the shadow's recipe name."""
     rebuilt: str | None
     """the engine column rebuilt from the shadow's log S ('logp_engine' or 'logp_engine_processed'), if any."""
+    logp_plain_shadow: torch.Tensor | None = None  # [n, T] FP8 engines: the shadow without the quantisers
+    logp_engine_plain: torch.Tensor | None = None  # [n, T] FP8 engines: the plain engine's log-probs of the tokens
 
 
 @dataclass
@@ -146,6 +149,8 @@ class Figures:
     per_token: dict[str, dict[str, list]]
     knobs: dict
     """the knob advice (knobs.knob_figures) on the first trainer recipe's β, naming it."""
+    fp8: dict | None = None
+    """--engine-quant: the FP8 engine beside the plain engine on the same samples, and β_quant (`fp8_figures`)."""
 
 
 # -------------------------------------------------------------------------------------------- phases
@@ -168,11 +173,13 @@ def measure(
     prep = prepare(cfg, say)
     with progress_bar(console) as progress:
         sampled = sample(cfg, prep, progress, say)
-        shadow = engine_recipe(prep.engine_dtype).name
-        # the shadow first: every recipe's split needs it (a recipe that is the shadow is scored once)
+        shadow_recipe = cfg.engine_recipe()  # an FP8 engine's shadow carries its quantisers
+        shadow, plain = shadow_recipe.name, without_quant(shadow_recipe).name
+        # the shadow first: every recipe's split needs it (a recipe that is the shadow is scored once); an FP8
+        # engine's shadow without its quantisers second (β_quant)
         scored = {name: score_recipe(cfg, prep, sampled, name, name == shadow, progress)
-                  for name in dict.fromkeys([shadow, *cfg.trainer])}
-    return prep, sampled, scored, reference(sampled, scored[shadow], shadow)
+                  for name in dict.fromkeys([shadow, plain, *cfg.trainer])}
+    return prep, sampled, scored, reference(sampled, scored[shadow], shadow, scored[plain] if plain != shadow else None)
 
 
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
@@ -203,7 +210,7 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     beside = BesideVllm(batch_tokens=cfg.batch_size * longest, training=False, share=cfg.vllm_memory_share)
     engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, matmul=prep.matmul, logprobs_mode=cfg.logprobs_mode,
                           max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift),
-                          beside=beside)
+                          beside=beside, recipe=cfg.engine_recipe())
     try:
         task = progress.add_task(f"sampling ({cfg.engine} {cfg.engine_dtype} engine)", total=cfg.n)
         rollouts: list[Rollout] = []
@@ -223,9 +230,26 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
+    plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(cfg, prep,
+             rollouts, stop, progress)]) if cfg.engine_recipe().quant else None)  # [n, T]
     return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
                    measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
-                   seconds=seconds, drift=drift)
+                   seconds=seconds, drift=drift, logp_engine_plain=plain)
+
+
+def plain_engine_reads(cfg: DiagnoseConfig, prep: Prepared, rollouts: list[Rollout], stop: tuple[int, ...],
+                       progress) -> list[Rollout]:
+    """--engine-quant: the FP8 engine's tokens read by the same local engine without the quantisers (teacher-forced
+    through its decode path, `LocalEngine.rescore`): the bf16 engine's log-probs of the same samples."""
+    from .engine import LocalEngine
+
+    engine = LocalEngine(prep.lm.model, recipe=without_quant(cfg.engine_recipe()), matmul=prep.matmul)
+    task = progress.add_task(f"reading the samples with the {engine.recipe.name} engine", total=len(rollouts))
+    reads = []
+    for i, r in enumerate(rollouts):
+        reads.append(engine.rescore(r, cfg.sampling(i, stop)))
+        progress.advance(task)
+    return reads
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
@@ -287,9 +311,9 @@ def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progres
     return {"logp_alone": logp, "seconds_alone": clock(device) - t0}
 
 
-def reference(sampled: Sampled, shadow: Scored, shadow_name: str) -> Reference:
+def reference(sampled: Sampled, shadow: Scored, shadow_name: str, plain: Scored | None = None) -> Reference:
     """Both engine columns in full: the one the engine did not measure is rebuilt with the shadow's kept mass S
-    (processed = full − log S)."""
+    (processed = full − log S). `plain`: an FP8 engine's shadow without the quantisers."""
     raw, processed = sampled.logp_engine, sampled.logp_engine_processed  # [n, T] each
     if sampled.measured == "raw":
         processed = raw - shadow.log_kept  # [n, T]
@@ -297,7 +321,8 @@ def reference(sampled: Sampled, shadow: Scored, shadow_name: str) -> Reference:
         raw = processed + shadow.log_kept  # [n, T]
     rebuilt = {"raw": "logp_engine_processed", "processed": "logp_engine"}.get(sampled.measured)
     return Reference(logp_engine=raw, logp_engine_processed=processed, logp_shadow=shadow.logp, shadow=shadow_name,
-                     rebuilt=rebuilt)
+                     rebuilt=rebuilt, logp_plain_shadow=None if plain is None else plain.logp,
+                     logp_engine_plain=sampled.logp_engine_plain)
 
 
 def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask: torch.Tensor) -> Figures:
@@ -309,7 +334,43 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
     first = cfg.trainer[0]
     knobs = knob_figures(scored[first].logp - ref.logp_engine, mask, cfg.knob_settings(), cfg.keep_share,
                          cfg.knob_length or cfg.max_tokens)  # β [n, T] of the user's recipe
-    return Figures(kernel=kernel, recipes=recipes, per_token=per_token, knobs={"recipe": first, **knobs})
+    fp8 = fp8_figures(cfg, scored, ref, mask) if ref.logp_plain_shadow is not None else None
+    return Figures(kernel=kernel, recipes=recipes, per_token=per_token, knobs={"recipe": first, **knobs}, fp8=fp8)
+
+
+def fp8_figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask: torch.Tensor) -> dict:
+    """An FP8 engine beside the plain engine of its dtype, on the FP8 engine's samples (keys in docs/metrics.md,
+    'FP8 engines'). β = logp − logp_engine splits exactly per token into β_precision (logp − the plain shadow),
+    β_quant (the plain shadow − the FP8 shadow: the quantisers alone, same weights, same kernels) and β_kernel (the FP8
+    shadow − the FP8 engine). `pushed_out` counts the first recipe's tokens outside the trust region that
+    β − β_quant would have kept inside: what the quantisation costs, token by token."""
+    first = cfg.trainer[0]
+    beta = (scored[first].logp - ref.logp_engine).double()  # [n, T] against the FP8 engine
+    beta_quant = (ref.logp_plain_shadow - ref.logp_shadow).double()  # [n, T]
+    ok = mask & torch.isfinite(beta) & torch.isfinite(beta_quant)  # [n, T]
+    eps = (cfg.epsilon, cfg.epsilon_high)
+    out_fp8 = trust_region_split(beta[ok], *eps)
+    out_without = trust_region_split((beta - beta_quant)[ok], *eps)
+    outside, outside_without = out_fp8[0] | out_fp8[1], out_without[0] | out_without[1]  # [N] each
+    plain_engine = ref.logp_engine_plain
+    return {
+        "engine_recipe": ref.shadow, "plain_recipe": without_quant(get_recipe(ref.shadow)).name,
+        "beta_quant": _pick(_stats(cfg, ref.logp_plain_shadow, ref.logp_shadow, mask)),
+        "engines": _pick(_stats(cfg, plain_engine, ref.logp_engine, mask)),
+        "kernel_plain": _pick(_stats(cfg, ref.logp_plain_shadow, plain_engine, mask)),
+        "recipes_plain_engine": {name: _pick(_stats(cfg, scored[name].logp, plain_engine, mask))
+                                 for name in cfg.trainer},
+        "trust_region": {
+            "recipe": first, "outside": mean_or_nan(outside.double()),
+            "outside_without_quant": mean_or_nan(outside_without.double()),
+            "pushed_out": mean_or_nan((outside & ~outside_without).double()),
+            "pulled_in": mean_or_nan((outside_without & ~outside).double()),
+        },
+        "knobs_plain_engine": knob_figures(scored[first].logp - plain_engine, mask, cfg.knob_settings(),
+                                           cfg.keep_share, cfg.knob_length or cfg.max_tokens),
+    }
+
+
 
 
 def recipe_figures(
@@ -320,7 +381,11 @@ def recipe_figures(
     bias when sampling truncated, and its per-token β, entropy and β_precision."""
     stats = _stats(cfg, s.logp, ref.logp_engine, mask)
     stats["seconds"] = s.seconds
-    stats["split"] = {"precision": _pick(_stats(cfg, s.logp, ref.logp_shadow, mask)), "kernel": _pick(kernel)}
+    # an FP8 engine: precision against the shadow without the quantisers, β_quant between the two shadows
+    base = ref.logp_shadow if ref.logp_plain_shadow is None else ref.logp_plain_shadow
+    stats["split"] = {"precision": _pick(_stats(cfg, s.logp, base, mask)), "kernel": _pick(kernel)}
+    if ref.logp_plain_shadow is not None:
+        stats["split"]["quant"] = _pick(_stats(cfg, ref.logp_plain_shadow, ref.logp_shadow, mask))
     if s.logp_alone is not None:
         rows = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)  # [n]
         rows[alone_rows(mask.shape[0])] = True
@@ -329,7 +394,7 @@ def recipe_figures(
     stats["split"]["correlation"] = _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)
     stats["frameworks"] = framework_figures(s.logp, ref.logp_engine, mask, cfg.framework)
     tokens = {"beta": rounded((s.logp - ref.logp_engine)[mask]), "entropy": rounded(s.entropy[mask]),
-              "beta_precision": rounded((s.logp - ref.logp_shadow)[mask])}
+              "beta_precision": rounded((s.logp - base)[mask])}
     if cfg.sampling(0).truncated:
         stats["truncation"] = truncation_stats(cfg, s, ref, mask)
         tokens["log_kept"] = rounded(s.log_kept[mask])
@@ -362,10 +427,13 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         "recipes": figs.recipes,
         "knobs": figs.knobs,
         **({"drift": sampled.drift.as_dict()} if sampled.drift else {}),
+        **({"fp8": figs.fp8} if figs.fp8 else {}),
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),
             "beta_kernel": rounded((ref.logp_shadow - ref.logp_engine)[mask]),
+            **({"beta_quant": rounded((ref.logp_plain_shadow - ref.logp_shadow)[mask]),
+                "logp_engine_plain": rounded(ref.logp_engine_plain[mask])} if figs.fp8 else {}),
             "per_recipe": figs.per_token,
         },
     }

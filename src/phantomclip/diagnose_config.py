@@ -11,11 +11,12 @@ from .engines import ENGINE_KINDS
 from .engines.vllm_memory import check_share
 from .errors import ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
+from .interventions import engine_quants
 from .knobs import KnobSettings
 from .loss import KNOBS, check_knobs, clip_range
 from .models import BUNDLED_NAME
 from .numerics import parse_dtype
-from .recipes import RECIPES, get_recipe, resolve_matmul
+from .recipes import RECIPES, Recipe, RecipeError, engine_recipe, get_recipe, resolve_matmul, with_quant
 
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "seq_mask_cap": "cap", "token_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
@@ -36,6 +37,11 @@ class DiagnoseConfig:
     docs/vllm.md)."""
     engine_dtype: str = "bf16"
     """dtype the inference engine samples in (bf16, fp16 or fp32)."""
+    engine_quant: str = ""
+    """FP8 quantisers the engine samples with, comma-separated, on top of --engine-dtype (fp8.py): fp8-w8a8 (vLLM
+    quantization='fp8'), fp8-w8a8-channel, fp8-block, fp8-w8a16 (weight-only) and/or fp8-kv (kv_cache_dtype='fp8').
+    The FP8 engine's tokens are then also read by the plain engine, and β splits into β_quant and the rest (the
+    result's 'fp8' key). Local engine only. Empty: none."""
     logprobs_mode: str = "raw"
     """which log-probs vLLM reports: 'raw' (full vocabulary, before temperature) or 'processed' (after temperature
     and truncation, as TRL asks for)."""
@@ -124,6 +130,13 @@ class DiagnoseConfig:
             parse_dtype(self.engine_dtype)
         except ValueError as e:
             raise ConfigError(f"--engine-dtype: {e}") from None
+        try:
+            recipe = self.engine_recipe()
+        except RecipeError as e:
+            raise ConfigError(f"--engine-quant: {e}") from None
+        if self.engine != "local" and recipe.quant:
+            raise ConfigError(f"--engine-quant {self.engine_quant}: the FP8 engine is emulated by the local engine; "
+                              "vLLM's own FP8 is not wired into --engine vllm yet: use --engine local")
         check_knobs(self, KNOB_FIELDS)
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
@@ -156,6 +169,10 @@ class DiagnoseConfig:
         if self.engine == "vllm":
             check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
             require_vllm()
+
+    def engine_recipe(self) -> Recipe:
+        """The recipe the engine samples in: --engine-dtype's plain recipe with --engine-quant's FP8 quantisers."""
+        return with_quant(engine_recipe(parse_dtype(self.engine_dtype)), engine_quants(self.engine_quant))
 
     def knob_settings(self) -> KnobSettings:
         """The user's current setting of every correction knob (knobs.py)."""

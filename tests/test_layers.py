@@ -4,7 +4,7 @@ and none reaches for another module's private name.
 Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
   leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs,
             files, console, devices
-  core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth, train_config,
+  core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth, train_config, routing,
             diagnose_config
   jobs      diagnose, trainer, trace, experiments, growth, compare (the `phantomclip engines` command)
   surfaces  report, integrations, cli, diagnose_text, job_text, config_flags
@@ -35,7 +35,7 @@ ROOT = ""
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
              "frameworks", "knobs", "files", "console", "devices", "fp8"),
-    "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config",
+    "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing",
              "diagnose_config"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text", "job_text", "config_flags"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import bad_cli, eps, fp32_forward_noise, offline
+from phantomclip.answer import LEVELS
 from phantomclip.cli import main
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12"]
@@ -43,7 +44,9 @@ def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
         assert stats["outside_trust_region"] == pytest.approx(outside)
     # a bf16 trainer against a bf16 engine sees a much smaller gap than fp32 does (tiny model: kernels agree)
     assert d["recipes"]["bf16"]["beta_abs_mean"] < d["recipes"]["fp32"]["beta_abs_mean"] / 3
-    assert "Smallest gap against the bf16 engine: bf16" in d["verdict"]
+    # the ranking puts bf16 first when it has fewer tokens outside, or as many and a smaller mean |β|
+    assert "Fewest tokens outside [1-0.2, 1+0.2] against the bf16 engine: bf16" in d["verdict"]
+    assert d["answer"]["contract"]["trainer"] == "fp32" and d["answer"]["level"] == LEVELS[d["answer"]["status"]]
 
 
 def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys, tiny, tiny_prompts):
@@ -54,7 +57,8 @@ def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys, tiny, ti
     noise = fp32_forward_noise(tiny.model, max(len(p) for p in tiny_prompts) + 12)
     assert stats["beta_abs_max"] <= noise and stats["outside_trust_region"] == 0, (stats["beta_abs_max"], noise)
     printed = " ".join(capsys.readouterr().out.split())  # undo the console's word wrap
-    assert "No recipe pushes a token outside the trust region" in printed
+    assert "Your fp32 trainer pushes no measured token outside the trust region" in printed
+    assert printed.startswith("answer: OK: 0.00% of tokens outside [0.8, 1.2] at α = 0")  # the answer comes first
 
 
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
@@ -175,6 +179,7 @@ def test_diagnose_flags_are_the_config_fields():
     defaults["trainer"] = ",".join(defaults["trainer"])
     defaults["framework"] = ",".join(defaults["framework"])
     defaults.pop("max_tokens")
+    defaults.pop("unmapped")  # set by the config readers, not a flag
     assert args == defaults
 
 

@@ -15,19 +15,28 @@ from phantomclip.diagnose_text import (
 )
 
 
-def _recs(**gaps):
-    return {name: {"beta_abs_mean": g, "beta_abs_max": 0.5} for name, g in gaps.items()}
+def _result(**gaps):
+    """A result with one recipe per gap (the first is the user's), a bf16 local engine, ε 0.2 and a clip keep of ε_low
+    0.3, ε_high 0.4 (wider than now: the ε advice is to widen)."""
+    recs = {name: {"beta_abs_mean": g, "beta_abs_max": 0.5} for name, g in gaps.items()}
+    return {"recipes": recs, "engine": {"dtype": "bf16", "kind": "local"},
+            "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2},
+            "knobs": {"keep_share": 0.99, "clip": {"keep": {"epsilon_low": 0.3, "epsilon_high": 0.4}}}}
 
 
 def test_same_gap_spread():
-    """Recipes within SAME_GAP_SPREAD of each other are one gap (the engine's noise); beyond it, the best is advised."""
+    """Recipes within SAME_GAP_SPREAD of each other are one gap (the engine's noise); beyond it, the best is advised
+    with the one ε rule's setting (answer.epsilon_advice), never the verdict's own."""
     assert SAME_GAP_SPREAD == 1.25
-    one_gap = _advice(_recs(fp32=0.04, bf16=0.0496), "fp32", "bf16")  # 0.0496 / 0.04 = 1.24
+    r = _result(fp32=0.04, bf16=0.0496)
+    one_gap = _advice(r, r["recipes"], "bf16")  # 0.0496 / 0.04 = 1.24
     assert one_gap.startswith("No trainer recipe removes the gap: all 2 are within 24% of each other, bf16 included")
-    lever = _advice(_recs(fp32=0.04, bf16=0.0501), "fp32", "bf16")  # 1.2525: a lever
+    r = _result(bf16=0.0501, fp32=0.04)
+    lever = _advice(r, r["recipes"], "fp32")  # 1.2525: a lever, and fp32 is not the user's (bf16, first)
     assert lever.startswith("Change: train with fp32; or compute the clip ratio from a bf16 shadow forward")
-    # |β|max = 0.5: e^0.5 − 1 = 0.65, 1 − e^−0.5 = 0.39
-    assert "ε_high ≥ 0.65 and ε_low ≥ 0.39 keep every measured token inside" in lever
+    assert "ε_low 0.3, ε_high 0.4 keep 99% of tokens inside" in lever
+    r["knobs"]["clip"]["keep"] = {"epsilon_low": 0.15, "epsilon_high": 0.19}  # narrower than 0.2 on both sides
+    assert "the current ε already keeps 99% of tokens inside" in _advice(r, r["recipes"], "fp32")
 
 
 def _split(now, prec, kern, corr):

@@ -56,6 +56,7 @@ def test_verl_keys_map_to_exact_settings(tmp_path):
         # token_k1 "0.5_4": verl keeps log 0.5 <= -log r <= log 4, i.e. r in [1/4, 1/0.5]
         "icepop_low": 0.25, "icepop_high": 2.0,
         "model": "tiny-random:0",
+        "answer_in": "verl",  # the answer names verl's keys
     }
     assert any("bypass_mode" in n for n in notes)
     assert not any("not set" in n for n in notes)  # every key the mapping reads is in the fixture
@@ -78,7 +79,7 @@ def test_other_dtypes_and_corrections():
 def test_missing_keys_are_notes_with_verls_defaults():
     settings, notes = diagnose_settings_from_verl({"data": {"max_response_length": 64}})
     assert settings == {"trainer": "bf16,fp32,fp16,bf16-autocast,fp32-head", "engine_dtype": "bf16",
-                        "epsilon": 0.2, "epsilon_high": 0.2, "max_tokens": 64}
+                        "epsilon": 0.2, "epsilon_high": 0.2, "max_tokens": 64, "answer_in": "verl"}
     text = "\n".join(notes)
     for key in ("fsdp_config.dtype", "rollout.dtype", "rollout.temperature", "rollout.top_p", "rollout.top_k",
                 "clip_ratio_low", "clip_ratio_high", "algorithm.rollout_correction", "model.path"):

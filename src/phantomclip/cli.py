@@ -36,7 +36,7 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift",), knobs=DIAGNOSE_KNOBS)
+    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped"), knobs=DIAGNOSE_KNOBS)
     p.set_defaults(max_tokens=None)  # None = not given: a config file's completion length may fill it (_run_diagnose)
     p.add_argument("--drift", type=_whole_number, default=None, metavar="K",
                    help="push the same (unchanged) weights into the engine K times (K >= 1) and re-read the same "
@@ -64,7 +64,7 @@ def _diagnose_parser(sub) -> None:
 DIAGNOSE_GATE_UNDER = ("recipes",)
 """where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
 DIAGNOSE_KEYS = ("schema", "config", "versions", "cpu", "device", "model", "engine", "trust_region", "shadow",
-                 "recipes", "knobs", "drift", "tokens", "verdict")
+                 "recipes", "knobs", "drift", "tokens", "answer", "verdict")
 """the top-level keys of diagnose's result (diagnose.result_dict, and the verdict; 'drift' with --drift): a --fail-if
 key starts with one of them or with a --trainer recipe (read under 'recipes'), which is checked before any work."""
 DRIFT_GATE = "drift.max_abs>0"
@@ -132,6 +132,7 @@ def _apply_config_file(args) -> None:
     gives that diagnose refuses is one line naming the config, before anything is printed."""
     from .diagnose import DiagnoseConfig
     from .errors import ConfigError
+    from .integrations.config_files import TRAINER_NOTE
 
     settings, notes, source = {}, [], args.from_trl_config or args.from_verl_config
     if args.from_trl_config:
@@ -146,6 +147,9 @@ def _apply_config_file(args) -> None:
         settings["knob_length"] = settings["max_tokens"]
     typed = getattr(args, "typed", set())
     kept = sorted(k for k in settings if k in typed)
+    if "trainer" in typed:  # the recipe measured is the one typed: the config's is neither measured nor told
+        notes = [n for n in notes if not n.startswith(TRAINER_NOTE)]
+        settings.pop("unmapped", None)
     settings = {k: v for k, v in settings.items() if k not in typed}
     for key, value in settings.items():
         setattr(args, key, value)
@@ -165,6 +169,13 @@ def _apply_config_file(args) -> None:
     err = Console(stderr=True)
     err.print(f"from the {'TRL' if args.from_trl_config else 'verl'} config: "
               + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
+    if "max_tokens" in settings:  # a real config's length multiplies the run: say so before any work
+        from .diagnose import scored_recipes
+
+        k = len(scored_recipes(config_from_args(DiagnoseConfig, args)))
+        err.print(f"this run samples {args.n} completions of up to {args.max_tokens} tokens (the config's length) and "
+                  f"scores them under {k} recipes; --max-tokens 48 samples shorter, and the knob "
+                  f"advice is still judged at {args.max_tokens} tokens", markup=False)
     if kept:
         err.print("kept the flags you gave over the config's values: "
                   + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)

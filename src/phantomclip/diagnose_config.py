@@ -21,6 +21,8 @@ from .recipes import RECIPES, Recipe, RecipeError, engine_recipe, get_recipe, re
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "seq_mask_cap": "cap", "token_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
 """DiagnoseConfig's fields that are loss.KNOBS: one default, range and help for every command."""
+ANSWER_FRAMEWORKS = ("", "trl", "verl")
+"""the frameworks whose config fields the answer can name (answer.RECIPE_FIELDS)."""
 
 
 @dataclass
@@ -105,6 +107,12 @@ class DiagnoseConfig:
     """completion length in tokens the knob advice judges the sequence knobs at (extrapolated when longer than the
     sampled completions); 0: --max-tokens. --from-trl-config / --from-verl-config fill it from the config's
     completion length when it is 0."""
+    answer_in: str = ""
+    """whose config fields the answer's changes are written in: 'trl' (GRPOConfig fields), 'verl' (its YAML keys) or
+    '' (phantomclip's own flags); --from-trl-config / --from-verl-config set it (answer.py)."""
+    unmapped: str = ""
+    """what of a --from-trl-config / --from-verl-config file maps to no recipe phantomclip measures (its trainer's
+    dtype, say); set by those readers, not a flag. The answer then gives no status, only the generic changes."""
     drift: int | None = None
     """push the same (unchanged) weights into the engine this many times and re-read the same tokens after each
     push (engines/drift.py); a gap that moves is an engine defect. None: off."""
@@ -138,6 +146,9 @@ class DiagnoseConfig:
             raise ConfigError(f"--engine-quant {self.engine_quant}: the FP8 engine is emulated by the local engine; "
                               "vLLM's own FP8 is not wired into --engine vllm yet: use --engine local")
         check_knobs(self, KNOB_FIELDS)
+        if self.answer_in not in ANSWER_FRAMEWORKS:
+            raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "
+                              "own flags")
         for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
         check_number("--knob-length", self.knob_length, 0, integer=True)

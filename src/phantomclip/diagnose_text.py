@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .answer import answer, answer_lines, bound, epsilon_advice, ranking, user_recipe
 from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
@@ -30,13 +31,16 @@ worth a change, β is the engine's own rounding noise (a judgement, the same sca
 
 
 def with_verdict(result: dict) -> dict:
-    """`result` with its 'verdict' paragraph added (the key the JSON output and `render_diagnose` read)."""
+    """`result` with its 'answer' block (answer.py: status and changes, the first lines printed) and its 'verdict'
+    paragraph (the long explanation) added: the keys the JSON output and `render_diagnose` read."""
+    result["answer"] = answer(result)
     result["verdict"] = verdict(result)
     return result
 
 
 def verdict(result: dict) -> str:
-    """One paragraph: which recipe has the smallest gap and what the figures mean for PPO clipping."""
+    """One paragraph about the user's recipe (the first measured): how it compares with the best measured one
+    (answer.ranking), what its figures mean for PPO clipping, and what to change (answer.epsilon_advice)."""
     recs = result["recipes"]
     eng = result["engine"]["dtype"]
     region = f"[1-{result['config']['epsilon']:g}, 1+{result['config']['epsilon_high']:g}]"
@@ -53,29 +57,29 @@ def verdict(result: dict) -> str:
     def overflow(k: str) -> int:  # the recipe's own non-finite log-probs, not the tokens the engine left without one
         return recs[k]["nonfinite"] - engine_missing
 
-    best = min(usable, key=lambda k: (overflow(k) > 0, usable[k]["beta_abs_mean"]))
-    worst = max(usable, key=lambda k: usable[k]["outside_trust_region"])
-    w, b = usable[worst], usable[best]
+    best, mine = ranking(result)[0], user_recipe(result)
+    b = usable[best]
     parts = [
-        f"Smallest gap against the {eng} engine: {best} (mean |β| {b['beta_abs_mean']:.4f}, "
-        f"{100 * b['outside_trust_region']:.2f}% of tokens outside {region})."
+        f"Fewest tokens outside {region} against the {eng} engine: {best} ({100 * b['outside_trust_region']:.2f}%, "
+        f"mean |β| {b['beta_abs_mean']:.4f})."
     ]
-    if w["outside_trust_region"] > 0:
+    w = usable.get(mine)
+    if w is not None and w["outside_trust_region"] > 0:
         parts.append(
-            f"With a {worst} trainer, {100 * w['outside_trust_region']:.2f}% of tokens leave the trust region before "
+            f"With your {mine} trainer, {100 * w['outside_trust_region']:.2f}% of tokens leave the trust region before "
             f"the policy has moved ({100 * w['outside_below']:.2f}% below, {100 * w['outside_above']:.2f}% above): "
             f"in PPO/GRPO each of them gets zero gradient whenever its advantage has the matching sign (phantom "
             f"clipping)"
             + (f", and low-probability tokens (p < {LOW_P:g}) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident "
                f"ones (p > {HIGH_P:g})." if math.isfinite(w["lowp_highp_ratio"]) else ".")
         )
-        parts.append(_advice(usable, best, eng, result["engine"]["kind"]))
-    else:
-        parts.append(f"No recipe pushes a token outside the trust region {region}: precision alone will not cause "
-                     "phantom clipping here.")
-    # The split and the truncation bias are told for the first recipe that differs from the engine's own
-    # dtype (by default fp32, the usual trainer); the shadow recipe's precision part is zero by definition.
-    told = next((k for k in usable if k != result["shadow"]["recipe"]), next(iter(usable)))
+        parts.append(_advice(result, usable, best))
+    elif w is not None:
+        parts.append(f"Your {mine} trainer pushes no measured token outside the trust region {region}: precision "
+                     "alone will not cause phantom clipping here.")
+    # The split and the truncation bias are told for the user's recipe (for the shadow recipe, whose precision part
+    # is zero by definition, the split says all of the gap is kernels).
+    told = mine if mine in usable else next(iter(usable))
     parts += [_split_verdict(result, told), _batch_verdict(result, told), _truncation_verdict(result, told),
               _drift_verdict(result)]
     if engine_missing:
@@ -190,12 +194,21 @@ DRIFT_METHODS = {"rescore": "the fixed tokens teacher-forced through its decode 
 """how --drift read the tokens again (engines/drift.py), as the verdict and the printed block say it."""
 
 
-def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> str:
+def epsilon_words(result: dict) -> str:
+    """The ε advice (answer.epsilon_advice, the one rule) as words: the ε to set, or that the current one suffices."""
+    eps = epsilon_advice(result.get("knobs"))
+    if eps is None:
+        keep = (result.get("knobs") or {}).get("keep_share")
+        return (f"the current ε already keeps {100 * keep:g}% of tokens inside" if keep is not None
+                else "no ε advice (a result without the knob figures)")
+    return (f"ε_low {eps['epsilon_low']:g}, ε_high {eps['epsilon_high']:g} keep {100 * eps['keep_share']:g}% of "
+            "tokens inside")
+
+
+def _advice(result: dict, recs: dict[str, dict], best: str) -> str:
     """What to change, from the figures: is a trainer recipe the lever, or is β the engine's own noise?"""
-    b = recs[best]
-    # |β| <= m for every token needs 1 + ε_high >= e^m and 1 - ε_low <= e^-m.
-    m = b["beta_abs_max"]
-    widen = f"ε_high ≥ {math.expm1(m):.2f} and ε_low ≥ {-math.expm1(-m):.2f} keep every measured token inside"
+    eng, kind = result["engine"]["dtype"], result["engine"]["kind"]
+    widen = epsilon_words(result)
     tolerate = (f"so the clip must tolerate it: widen ε ({widen}), correct with importance sampling (TIS/MIS), "
                 f"or sample in a wider dtype (compare --engine-dtype fp16 or fp32).")
     gaps = [v["beta_abs_mean"] for v in recs.values()]
@@ -206,6 +219,9 @@ def _advice(recs: dict[str, dict], best: str, eng: str, kind: str = "local") -> 
         why = f", {same} included (the engine's own dtype, with other kernels: {_kernels(kind)})" if same else ""
         return (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
                 f"other{why}. β here is the {eng} engine's rounding noise, amplified through the network, " + tolerate)
+    if best == user_recipe(result):
+        return (f"{best} is already the best measured recipe: compute the clip ratio from a {eng} shadow forward, or "
+                f"widen ε ({widen}).")
     if get_recipe(best).compute_dtype == parse_dtype(eng):
         return (f"Change: train with {best}, which matches the engine's {eng} arithmetic; else compute the clip "
                 f"ratio from a {eng} shadow forward, or widen ε ({widen}).")
@@ -275,6 +291,9 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
 
 def render_diagnose(result: dict, console: Console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
+    for line in answer_lines(result.get("answer") or answer(result)):  # the answer first; a bare result too
+        console.print(line, markup=False)
+    console.print()
     e = result["engine"]
     how = (f"{e['matmul']} matmul" if e["kind"] == "local"
            else f"vLLM, {e['logprobs_mode']} log-probs, started in {e['startup_seconds']:.0f} s")
@@ -321,6 +340,12 @@ def render_diagnose(result: dict, console: Console) -> None:
         console.print()
     if "drift" in result:
         for line in drift_lines(result["drift"]):
+            console.print(line, markup=False)
+        console.print()
+    if "fp8" in result:  # --engine-quant: the FP8 engine beside the plain engine (fp8_text.py)
+        from .fp8_text import fp8_lines
+
+        for line in fp8_lines(result):
             console.print(line, markup=False)
         console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
@@ -370,12 +395,7 @@ KNOB_VERBS = {"clip": "clips", "token_truncate": "truncates"}
 def _bound(x, up: bool) -> str:
     """x to 3 significant digits, rounded up (a lower bound on a setting, '≥') or down ('≤'), so the printed setting
     still does what the line says; n/a for NaN or null."""
-    if x is None or math.isnan(x):
-        return "n/a"
-    if x == 0 or math.isinf(x):
-        return f"{x:g}"
-    scale = 10 ** (2 - math.floor(math.log10(abs(x))))
-    return f"{(math.ceil if up else math.floor)(x * scale) / scale:g}"
+    return "n/a" if x is None or math.isnan(x) else f"{bound(x, up):g}"
 
 
 def _knob_now(setting: dict) -> str:
@@ -409,7 +429,13 @@ def knob_lines(knobs: dict) -> list[str]:
             continue
         at, verb = k.get("at_length"), KNOB_VERBS.get(name, "drops")
         longer = f"; {pct(at['sequences'])} of {n}-token ones (extrapolated)" if at else ""
-        if k["unit"] == "token":
+        if name == "clip":  # the one ε rule (answer.epsilon_advice): never narrower than the current ε
+            eps = epsilon_advice(knobs)
+            touched = f"{verb} {pct(k['tokens'])} of tokens, {pct(k['sequences'])} of sequences{longer}"
+            advice = (f"ε already leaves {keep} of tokens untouched" if eps is None else
+                      f"ε_low ≥ {eps['epsilon_low']:g}, ε_high ≥ {eps['epsilon_high']:g} for {keep} of tokens "
+                      "untouched")
+        elif k["unit"] == "token":
             touched = f"{verb} {pct(k['tokens'])} of tokens, {pct(k['sequences'])} of sequences{longer}"
             advice = f"{_knob_advice(k['keep'])} for {keep} of tokens untouched"
         else:

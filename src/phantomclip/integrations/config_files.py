@@ -40,6 +40,16 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
     return doc
 
 
+TRAINER_NOTE = "your trainer recipe is "
+"""how both readers' note on the trainer recipe they read begins: the CLI leaves it out when --trainer was typed."""
+
+
+def trainer_note(recipe: str, where: str) -> str:
+    """The note naming the trainer recipe a reader took from the config (`where`: the keys it read)."""
+    return (f"{TRAINER_NOTE}{recipe} (from {where}), first row; the other recipes are measured too, to say what to "
+            "change")
+
+
 SAMPLING = (("temperature", float, {"low": 0, "low_open": True}),
             ("top_p", float, {"low": 0, "low_open": True, "high": 1}), ("top_k", int, {"low": -1}))
 """the sampling settings both readers take: (key, type, `number`'s bounds); top_k −1 is vLLM's and verl's 'off'."""

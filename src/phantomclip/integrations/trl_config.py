@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..loss import clip_range
 from ..recipes import RECIPES
-from .config_files import SAMPLING, naming_file, number, read_mapping
+from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
 
 FLAG = "--from-trl-config"
 TRL_IS_CLIP_MAX = 3.0
@@ -83,9 +83,9 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
         trainer = "bf16-autocast"
     else:
         trainer = "fp32"
-    notes.append(f"your trainer recipe is {trainer} (first row); the other recipes are measured too, to say what "
-                 "to change")
+    notes.append(trainer_note(trainer, "bf16, fp16, cast_lm_head_to_fp32, model_init_kwargs.dtype"))
     if model_dtype == "auto":
+        settings["unmapped"] = "model_init_kwargs.dtype 'auto' (the checkpoint's own dtype)"
         notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
                      "(pass --trainer bf16)")
     if _flag(cfg, "use_vllm") is False:
@@ -94,6 +94,7 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     engine_dtype = str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")
     settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
     settings["engine_dtype"] = engine_dtype
+    settings["answer_in"] = "trl"
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:

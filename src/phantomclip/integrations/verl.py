@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..recipes import RECIPES
-from .config_files import SAMPLING, naming_file, number, read_mapping
+from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
 
 FLAG = "--from-verl-config"
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
@@ -87,6 +87,7 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     verl's defaults when absent: fsdp_config.dtype bfloat16, rollout.dtype bfloat16 (_generated_ppo_trainer.yaml)."""
     strategy = get(cfg, "actor_rollout_ref.actor.strategy")
     if strategy not in (None, "fsdp", "fsdp2"):
+        settings["unmapped"] = f"actor_rollout_ref.actor.strategy {strategy!r}"
         notes.append(f"actor strategy {strategy!r}: only the FSDP actor's dtype keys are read; pass --trainer "
                      "yourself if its forward dtype differs")
     mixed = get(cfg, f"{ACTOR_FSDP}.mixed_precision")
@@ -96,18 +97,24 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
         notes.append(f"{where} not set: verl's default bfloat16 assumed (FSDP casts every parameter to it for the "
                      "forward)")
         raw = "bfloat16"
-    trainer = _dtype(where, raw, notes) or "bf16"
+    trainer = _dtype(where, raw, notes)
+    if trainer is None:
+        settings["unmapped"] = f"{where} {raw!r}"
+        trainer = "bf16"
     master = get(cfg, f"{ACTOR_FSDP}.model_dtype")
     if master is not None and _dtype(f"{ACTOR_FSDP}.model_dtype", master, notes) not in (None, "fp32"):
         notes.append(f"model_dtype {master}: the actor's master weights are {master} too, so the optimizer's updates "
                      "are rounded as well; the forward is what diagnose measures")
     settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
-    notes.append(f"your trainer recipe is {trainer} ({where}: FSDP runs the actor's forward in it), first row; the "
-                 "other recipes are measured too, to say what to change")
+    settings["answer_in"] = "verl"
+    notes.append(trainer_note(trainer, f"{where}: FSDP runs the actor's forward in it"))
     rollout = get(cfg, "actor_rollout_ref.rollout.dtype")
     if rollout is None:
         notes.append("actor_rollout_ref.rollout.dtype not set: verl's default bfloat16 assumed")
-    settings["engine_dtype"] = _dtype("actor_rollout_ref.rollout.dtype", rollout or "bfloat16", notes) or "bf16"
+    engine = _dtype("actor_rollout_ref.rollout.dtype", rollout or "bfloat16", notes)
+    if engine is None:
+        settings["unmapped"] = f"actor_rollout_ref.rollout.dtype {rollout!r}"
+    settings["engine_dtype"] = engine or "bf16"
     name = get(cfg, "actor_rollout_ref.rollout.name")
     if name not in (None, "vllm", "???"):
         notes.append(f"rollout engine {name!r}: measured against phantomclip's engine in {settings['engine_dtype']} "

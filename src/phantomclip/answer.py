@@ -1,0 +1,219 @@
+"""The answer `diagnose` gives first: is this run at risk, and which settings of the user's own config to change.
+
+One function per decision, read from the result dict alone (a JSON written earlier answers the same):
+  `ranking`         the measured trainer recipes, fewest tokens outside the trust region first
+  `epsilon_advice`  the one ε rule (the knob advice's keep share, never narrower than the current ε)
+  `status`          ok / at risk / will stall, from the stated thresholds below
+  `changes`         each change as the user's framework spells it, with the figure this run measured for it
+`answer` gathers them into the JSON's `answer` block, which the terminal (`answer_lines`), the verdict paragraph
+(diagnose_text.py) and `--fail-if answer.level>=1` all read; no wording recomputes a figure.
+
+Only what was measured is spoken of: the user's recipe is the first of --trainer (or the config's), and a recipe
+change is offered only for a recipe this run scored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+OK_SHARE = 0.001
+"""at most this share of tokens outside the trust region at α = 0 is `ok`: about one token in a thousand loses its
+gradient to β before the policy moves (a judgement: below the resolution of a typical diagnose run of a few thousand
+tokens, where a single token is 0.02-0.04%)."""
+STALL_SHARE = 0.10
+"""from this share of tokens outside the trust region at α = 0 the run `will stall`: the Hugging Face analysis
+("Defeating the trainer-generator precision mismatch in TRL", April 2026) saw about 18% of tokens phantom-clipped
+early in a run that never converged; at α = 0 a token outside is clipped when its advantage has the matching sign,
+about half the time under GRPO's zero-mean advantages, so 10% outside already phantom-clips about 5% before the
+policy moves, and β grows as training goes (trace's growth figures). Between the two: `at risk` (on the bundled model
+0.7-1.0% outside at α = 0 phantom-clipped 1.7% of tokens over 30 steps, and removing those clips gave detectably
+shorter completions: docs/results.md, the sanity matrix)."""
+LEVELS = {"ok": 0, "at risk": 1, "will stall": 2, "not judged": None}
+"""the status words and the number `--fail-if answer.level>=1` compares; 'not judged' (a config the readers could not
+map to a measured contract) has none, so no gate passes or fails on a contract that was not measured."""
+
+RECIPE_FIELDS: dict[str, dict[str, str | None]] = {
+    # TRL: GRPOConfig fields (trl 1.16 trl/trainer/grpo_config.py; bf16/fp16 from transformers' TrainingArguments).
+    # TRL's bf16 defaults to True unless fp16 is set, so an untouched GRPOConfig trains with bf16 autocast.
+    "trl": {"fp32": "bf16: false", "bf16": "model_init_kwargs: {dtype: bfloat16}", "fp16": "fp16: true, bf16: false",
+            "bf16-autocast": "bf16: true", "fp32-head": "cast_lm_head_to_fp32: true"},
+    # verl: the FSDP actor's forward dtype (verl/trainer/config/engine/fsdp.yaml @b178a3c; integrations/verl.py);
+    # verl has no autocast-over-fp32 or fp32-head switch for the actor.
+    "verl": {"fp32": "actor_rollout_ref.actor.fsdp_config.dtype: float32",
+             "bf16": "actor_rollout_ref.actor.fsdp_config.dtype: bfloat16",
+             "fp16": "actor_rollout_ref.actor.fsdp_config.dtype: float16", "bf16-autocast": None, "fp32-head": None},
+}
+"""how each framework's config selects a trainer recipe (None: no setting of that framework does)."""
+EPSILON_FIELDS = {"trl": ("epsilon", "epsilon_high"),
+                  "verl": ("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
+                  "": ("--epsilon", "--epsilon-high")}
+"""the trust region's two sides as each framework names them ('': diagnose's and train's own flags)."""
+SHADOW_FIELDS = {"trl": "with_shadow_ratio(GRPOTrainer)",
+                 "verl": None, "": "train --intervention shadow-ratio"}
+"""where the clip can be computed on α alone (the shadow ratio; TRL: phantomclip.integrations.trl, docs/trl.md); verl
+has no hook for it."""
+FRAMEWORK_NAMES = {"trl": "TRL GRPOConfig", "verl": "verl", "": "phantomclip flags"}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change: the setting as the user's framework spells it, and what this run measured for it."""
+
+    setting: str
+    effect: str
+
+
+def user_recipe(result: dict) -> str:
+    """The user's trainer recipe: the first of --trainer (the config's, when one was read)."""
+    return next(iter(result["recipes"]))
+
+
+def outside(rec: dict) -> float:
+    """A recipe's share of tokens outside the trust region at α = 0 (NaN for a JSON null)."""
+    v = rec.get("outside_trust_region")
+    return math.nan if v is None else float(v)
+
+
+def ranking(result: dict) -> list[str]:
+    """The measured recipes with scored tokens, best first: no overflow of their own, then fewest tokens outside the
+    trust region, then smallest mean |β| (the tie-break when no token is outside)."""
+    recs, missing = result["recipes"], result["engine"].get("nonfinite_logprobs", 0)
+    usable = [k for k, v in recs.items() if v["tokens"] > 0]
+
+    def key(k: str):
+        v = recs[k]
+        return (v["nonfinite"] - missing > 0, outside(v), v["beta_abs_mean"])
+
+    return sorted(usable, key=key)
+
+
+def epsilon_advice(knobs: dict | None) -> dict | None:
+    """The one ε rule, from a result's knob block: the knob advice's ε (the smallest ε_low, ε_high that leave
+    `keep_share` of the user's recipe's tokens inside, each side given half the allowance; knobs.py), rounded up to 3
+    significant digits, where it is wider than the current ε, and the current ε elsewhere. None when the current ε
+    already keeps that share inside on both sides (nothing to widen), or without knob figures."""
+    clip = (knobs or {}).get("clip")
+    if not clip:
+        return None
+    now_low, now_high = clip["setting"]["epsilon_low"], clip["setting"]["epsilon_high"]
+    need_low, need_high = clip["keep"]["epsilon_low"], clip["keep"]["epsilon_high"]
+    if any(v is None or not math.isfinite(v) for v in (need_low, need_high)):
+        return None
+    if need_low <= now_low and need_high <= now_high:
+        return None
+    return {"epsilon_low": max(now_low, bound(need_low)), "epsilon_high": max(now_high, bound(need_high)),
+            "keep_share": knobs["keep_share"]}
+
+
+def bound(x: float, up: bool = True) -> float:
+    """x to 3 significant digits, rounded up (a lower bound on a setting, '≥') or down (an upper bound, '≤'), so that
+    the printed setting still does what its line says; 0, ±inf and NaN as they are."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    scale = 10 ** (2 - math.floor(math.log10(abs(x))))
+    return (math.ceil if up else math.floor)(x * scale) / scale
+
+
+def status(result: dict) -> tuple[str, list[str]]:
+    """(status word, reasons): from the user's recipe's share of tokens outside the trust region at α = 0 against
+    OK_SHARE and STALL_SHARE. Without a measured token: 'at risk' with the reason (never 'ok' for what was not
+    measured)."""
+    unmapped = result["config"].get("unmapped")
+    if unmapped:
+        return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
+                              f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
+    mine = result["recipes"][user_recipe(result)]
+    share = outside(mine)
+    region = _region(result)
+    if mine["tokens"] == 0 or not math.isfinite(share):
+        return "at risk", [f"no finite log-prob was measured for the {user_recipe(result)} trainer: nothing says "
+                           "the run is safe (see the verdict below)"]
+    said = f"{_pct(share)} of tokens outside {region} at α = 0"
+    if share >= STALL_SHARE:
+        return "will stall", [f"{said} (stall ≥ {100 * STALL_SHARE:g}%)"]
+    return ("at risk" if share > OK_SHARE else "ok"), [f"{said} (ok ≤ {100 * OK_SHARE:g}%)"]
+
+
+def _region(result: dict) -> str:
+    tr = result["trust_region"]
+    return f"[{1 - tr['epsilon_low']:.4g}, {1 + tr['epsilon_high']:.4g}]"
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.2f}%"
+
+
+def changes(result: dict, framework: str = "") -> list[Change]:
+    """What to change, strongest first, each with the figure this run measured for it, as `framework` ('trl',
+    'verl', or '' for phantomclip's flags) spells it: a measured trainer recipe with fewer tokens outside than the
+    user's; the ε that keeps the knob advice's share inside; the shadow ratio. Nothing when the status is ok."""
+    word, _ = status(result)
+    if word == "ok":
+        return []
+    if word == "not judged":
+        framework = ""
+    recs, mine = result["recipes"], user_recipe(result)
+    out: list[Change] = []
+    best = next(iter(ranking(result)), mine)
+    if best != mine and outside(recs[best]) < outside(recs[mine]):
+        field = RECIPE_FIELDS.get(framework, {}).get(best, f"--trainer {best}" if not framework else None)
+        if field is None:
+            field = f"a {best} trainer (no {FRAMEWORK_NAMES[framework]} setting selects it)"
+        out.append(Change(field, f"{_pct(outside(recs[best]))} outside (yours: {_pct(outside(recs[mine]))})"))
+    eps = epsilon_advice(result.get("knobs"))
+    if eps is not None:
+        low, high = EPSILON_FIELDS.get(framework, EPSILON_FIELDS[""])
+        sep, join = (" ", " ") if framework == "" else (": ", ", ")
+        out.append(Change(f"{low}{sep}{eps['epsilon_low']:g}{join}{high}{sep}{eps['epsilon_high']:g}",
+                          f"keeps {100 * eps['keep_share']:g}% of your tokens inside"))
+    shadow = SHADOW_FIELDS.get(framework)
+    if shadow:
+        out.append(Change(shadow, "β leaves the clip (clip on α alone)"))
+    return out
+
+
+def answer(result: dict) -> dict:
+    """The JSON's `answer` block: the contract measured, the status with its level and reasons, and the changes in
+    the framework the settings came from (config.answer_in)."""
+    framework = result["config"].get("answer_in") or ""
+    word, reasons = status(result)
+    if framework == "trl" and word != "not judged":
+        reasons.append(_trl_reason(result))
+    if word == "not judged":
+        framework = ""
+    tr, eng = result["trust_region"], result["engine"]
+    return {
+        "contract": {"trainer": user_recipe(result), "engine": eng["kind"], "engine_dtype": eng["dtype"],
+                     "epsilon_low": tr["epsilon_low"], "epsilon_high": tr["epsilon_high"]},
+        "status": word, "level": LEVELS[word], "reasons": reasons, "framework": framework,
+        "changes": [asdict(c) for c in changes(result, framework)],
+        "thresholds": {"ok_share": OK_SHARE, "stall_share": STALL_SHARE},
+    }
+
+
+def _trl_reason(result: dict) -> str:
+    """Where β meets the loss in TRL: GRPOTrainer clips against its own recomputed log-probs (trl 1.16
+    grpo_trainer.py, `old_per_token_logps`) and meets β in the importance-sampling weight; AsyncGRPOTrainer clips
+    against vLLM's log-probs directly."""
+    seq = (result.get("knobs") or {}).get("sequence_mask")
+    if not seq:
+        return "TRL: AsyncGRPOTrainer clips on this ratio; GRPOTrainer meets β in its IS correction"
+    at = seq.get("at_length")
+    share = at["sequences"] if at else seq["sequences"]
+    length = f" of {result['knobs']['length']['target']}-token ones" if at else ""
+    return (f"TRL: AsyncGRPOTrainer clips on this ratio; GRPOTrainer meets β in its IS correction, whose "
+            f"sequence_mask at C = {seq['setting']['cap']:g} drops {_pct(share)} of sequences{length}")
+
+
+def answer_lines(ans: dict) -> list[str]:
+    """The answer as the first printed lines: status and why, the contract measured, one line per change."""
+    c = ans["contract"]
+    lines = [f"answer: {ans['status'].upper()}: {ans['reasons'][0]}",
+             f"  measured: {c['trainer']} trainer, {c['engine_dtype']} {c['engine']} engine, "
+             f"ε {c['epsilon_low']:g}/{c['epsilon_high']:g}"]
+    lines += [f"  {r}" for r in ans["reasons"][1:]]
+    if ans["changes"]:
+        lines.append(f"  change ({FRAMEWORK_NAMES[ans['framework']]}), strongest first:")
+        lines += [f"    {ch['setting']}  ->  {ch['effect']}" for ch in ans["changes"]]
+    return lines

@@ -4,8 +4,8 @@
 import math
 
 import torch
-from conftest import bad_cli
 
+from conftest import bad_cli
 from phantomclip.diagnose import figures, measure, result_dict
 from phantomclip.diagnose_config import DiagnoseConfig
 from phantomclip.engine import LocalEngine

@@ -26,6 +26,7 @@ from . import DIAGNOSE_SCHEMA
 from .console import progress_bar
 from .devices import clock, describe_device, resolve_device, software_versions
 from .diagnose_config import DiagnoseConfig
+from .diagnose_fp8 import fp8_figures, plain_engine_reads
 from .engine import Rollout
 from .engines import start_engine
 from .engines.drift import Drift, first_rows, measure_drift
@@ -230,26 +231,11 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
-    plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(cfg, prep,
-             rollouts, stop, progress)]) if cfg.engine_recipe().quant else None)  # [n, T]
+    plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(
+             cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if cfg.engine_recipe().quant else None)
     return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
                    measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
                    seconds=seconds, drift=drift, logp_engine_plain=plain)
-
-
-def plain_engine_reads(cfg: DiagnoseConfig, prep: Prepared, rollouts: list[Rollout], stop: tuple[int, ...],
-                       progress) -> list[Rollout]:
-    """--engine-quant: the FP8 engine's tokens read by the same local engine without the quantisers (teacher-forced
-    through its decode path, `LocalEngine.rescore`): the bf16 engine's log-probs of the same samples."""
-    from .engine import LocalEngine
-
-    engine = LocalEngine(prep.lm.model, recipe=without_quant(cfg.engine_recipe()), matmul=prep.matmul)
-    task = progress.add_task(f"reading the samples with the {engine.recipe.name} engine", total=len(rollouts))
-    reads = []
-    for i, r in enumerate(rollouts):
-        reads.append(engine.rescore(r, cfg.sampling(i, stop)))
-        progress.advance(task)
-    return reads
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
@@ -334,41 +320,11 @@ def figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask
     first = cfg.trainer[0]
     knobs = knob_figures(scored[first].logp - ref.logp_engine, mask, cfg.knob_settings(), cfg.keep_share,
                          cfg.knob_length or cfg.max_tokens)  # β [n, T] of the user's recipe
-    fp8 = fp8_figures(cfg, scored, ref, mask) if ref.logp_plain_shadow is not None else None
+    fp8 = (fp8_figures(cfg, {name: scored[name].logp for name in cfg.trainer}, engine=ref.logp_engine,
+                       shadow=ref.logp_shadow, plain_shadow=ref.logp_plain_shadow, plain_engine=ref.logp_engine_plain,
+                       shadow_name=ref.shadow, mask=mask, stats=lambda a, b: _pick(_stats(cfg, a, b, mask)))
+           if ref.logp_plain_shadow is not None else None)
     return Figures(kernel=kernel, recipes=recipes, per_token=per_token, knobs={"recipe": first, **knobs}, fp8=fp8)
-
-
-def fp8_figures(cfg: DiagnoseConfig, scored: dict[str, Scored], ref: Reference, mask: torch.Tensor) -> dict:
-    """An FP8 engine beside the plain engine of its dtype, on the FP8 engine's samples (keys in docs/metrics.md,
-    'FP8 engines'). β = logp − logp_engine splits exactly per token into β_precision (logp − the plain shadow),
-    β_quant (the plain shadow − the FP8 shadow: the quantisers alone, same weights, same kernels) and β_kernel (the FP8
-    shadow − the FP8 engine). `pushed_out` counts the first recipe's tokens outside the trust region that
-    β − β_quant would have kept inside: what the quantisation costs, token by token."""
-    first = cfg.trainer[0]
-    beta = (scored[first].logp - ref.logp_engine).double()  # [n, T] against the FP8 engine
-    beta_quant = (ref.logp_plain_shadow - ref.logp_shadow).double()  # [n, T]
-    ok = mask & torch.isfinite(beta) & torch.isfinite(beta_quant)  # [n, T]
-    eps = (cfg.epsilon, cfg.epsilon_high)
-    out_fp8 = trust_region_split(beta[ok], *eps)
-    out_without = trust_region_split((beta - beta_quant)[ok], *eps)
-    outside, outside_without = out_fp8[0] | out_fp8[1], out_without[0] | out_without[1]  # [N] each
-    plain_engine = ref.logp_engine_plain
-    return {
-        "engine_recipe": ref.shadow, "plain_recipe": without_quant(get_recipe(ref.shadow)).name,
-        "beta_quant": _pick(_stats(cfg, ref.logp_plain_shadow, ref.logp_shadow, mask)),
-        "engines": _pick(_stats(cfg, plain_engine, ref.logp_engine, mask)),
-        "kernel_plain": _pick(_stats(cfg, ref.logp_plain_shadow, plain_engine, mask)),
-        "recipes_plain_engine": {name: _pick(_stats(cfg, scored[name].logp, plain_engine, mask))
-                                 for name in cfg.trainer},
-        "trust_region": {
-            "recipe": first, "outside": mean_or_nan(outside.double()),
-            "outside_without_quant": mean_or_nan(outside_without.double()),
-            "pushed_out": mean_or_nan((outside & ~outside_without).double()),
-            "pulled_in": mean_or_nan((outside_without & ~outside).double()),
-        },
-        "knobs_plain_engine": knob_figures(scored[first].logp - plain_engine, mask, cfg.knob_settings(),
-                                           cfg.keep_share, cfg.knob_length or cfg.max_tokens),
-    }
 
 
 def recipe_figures(

@@ -133,9 +133,7 @@ class StepContext:
     shadow_recipe: Recipe
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    plain_shadow: nn.Module | None = None
-    """with an FP8 engine: the shadow without its quantisers (same weights, same dtype), synced alike; the difference
-    of the two is β_quant (metrics.ratio_split)."""
+    plain_shadow: nn.Module | None = None  # FP8 engines: the shadow without its quantisers, synced alike (β_quant)
 
 
 @dataclass
@@ -296,10 +294,9 @@ def _step_context(setup: RunSetup) -> tuple[StepContext, int, dict[int, dict]]:
     shadow_recipe = get_recipe(plan.engine_recipe)
     policy = TrainerForward(master, get_recipe(plan.trainer_recipe), cfg.matmul)
     shadow = apply_recipe(master, shadow_recipe, matmul=cfg.matmul)  # current weights, engine precision
-    plain = apply_recipe(master, without_quant(shadow_recipe), matmul=cfg.matmul) if shadow_recipe.quant else None
+    bare = apply_recipe(master, without_quant(shadow_recipe), matmul=cfg.matmul) if shadow_recipe.quant else None
     ctx = StepContext(cfg=cfg, plan=plan, tokenizer=setup.tokenizer, reward_fn=setup.reward_fn, policy=policy,
-                      shadow=shadow, shadow_recipe=shadow_recipe, optimizer=optimizer, scaler=scaler,
-                      plain_shadow=plain)
+                      shadow=shadow, shadow_recipe=shadow_recipe, optimizer=optimizer, scaler=scaler, plain_shadow=bare)
     return ctx, start, snapshots
 
 
@@ -409,8 +406,7 @@ def _train_step(batch: Batch, ctx: StepContext) -> StepOut:
     # the shadow follows the update; the share of its values that changed is what the engine's next sync sees
     t0 = time.perf_counter()
     changed_share = sync_weights(ctx.shadow, ctx.policy.master)
-    if ctx.plain_shadow is not None:
-        sync_weights(ctx.plain_shadow, ctx.policy.master, count_changes=False)
+    ctx.plain_shadow is None or sync_weights(ctx.plain_shadow, ctx.policy.master, count_changes=False)  # FP8 only
     timings["time/sync_s"] = clock(logp.device) - t0
 
     split = ratio_split(logp, logp_shadow, logp_shadow_old, logp_engine, logp_plain)  # float64 [B, L] each
@@ -481,8 +477,8 @@ def _token_record(split: dict[str, torch.Tensor], mask: torch.Tensor, advantages
                   masked: torch.Tensor) -> dict[str, list]:
     """tokens.jsonl's per-token lists over the completion tokens (row-major): α, β and its parts, A, clip flags."""
     m = mask.bool()  # [B, L]
-    parts = {name: rounded(split[name][m]) for name in ("alpha", "beta", "beta_kernel", "beta_precision", "beta_quant")
-             if name in split}
+    parts = {n: rounded(split[n][m]) for n in ("alpha", "beta", "beta_kernel", "beta_precision", "beta_quant")
+             if n in split}  # beta_quant: FP8 engines only
     return {**parts, "advantage": rounded(advantages[:, None].expand_as(m)[m]), "clipped": zeroed[m].tolist(),
             "masked": masked[m].tolist()}
 

@@ -1,0 +1,40 @@
+"""diagnose's lines for an FP8 engine (the result's 'fp8' key, diagnose.fp8_figures): the FP8 engine beside the plain
+engine on the same samples, β_quant, and what the quantisers cost in trust region. Words only: every figure is read
+from the result, none is computed here."""
+
+from __future__ import annotations
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None or v != v else f"{v:.4f}"
+
+
+def fp8_lines(result: dict) -> list[str]:
+    """Plain-text lines for the 'fp8' key of a diagnose result (empty without one)."""
+    f = result.get("fp8")
+    if not f:
+        return []
+    fp8, plain = f["engine_recipe"], f["plain_recipe"]
+    q, e, tr = f["beta_quant"], f["engines"], f["trust_region"]
+    lines = [
+        f"FP8 engine {fp8} beside the {plain} engine on the same {q['tokens']} tokens (every figure: JSON fp8):",
+        f"  the engines' own gap, {plain} − {fp8} engine: mean {_num(e['beta_mean'])}, mean |·| "
+        f"{_num(e['beta_abs_mean'])}, p99 |·| {_num(e['beta_abs_p99'])}, outside the trust region "
+        f"{_pct(e['outside_trust_region'])}",
+        f"  β_quant = {plain} shadow − {fp8} shadow (the quantisers alone, same weights and kernels): mean "
+        f"{_num(q['beta_mean'])}, mean |·| {_num(q['beta_abs_mean'])}, p99 |·| {_num(q['beta_abs_p99'])}, "
+        f"outside {_pct(q['outside_trust_region'])}",
+        f"  {'trainer':<14}{'mean |β| vs FP8':>17}{'vs ' + plain:>12}{'outside vs FP8':>16}{'vs ' + plain:>12}",
+    ]
+    for name, vs_plain in f["recipes_plain_engine"].items():
+        vs_fp8 = result["recipes"].get(name, {})
+        lines.append(f"  {name:<14}{_num(vs_fp8.get('beta_abs_mean')):>17}{_num(vs_plain['beta_abs_mean']):>12}"
+                     f"{_pct(vs_fp8.get('outside_trust_region')):>16}{_pct(vs_plain['outside_trust_region']):>12}")
+    lines.append(f"  the quantisers push {_pct(tr['pushed_out'])} of the {tr['recipe']} trainer's tokens outside the "
+                 f"trust region ({_pct(tr['outside'])} outside with β_quant, {_pct(tr['outside_without_quant'])} "
+                 f"without it; {_pct(tr['pulled_in'])} pulled in)")
+    return lines

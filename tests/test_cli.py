@@ -187,3 +187,20 @@ def test_diagnose_refuses_unknown_names_in_one_line(capsys):
     assert "--engine 'sglang': use one of local, vllm" in bad_cli(TINY + ["--engine", "sglang"], capsys)
     assert "--logprobs-mode 'full': use one of raw, processed" in bad_cli(TINY + ["--logprobs-mode", "full"], capsys)
     assert "--matmul: unknown matmul mode 'fast'" in bad_cli(TINY + ["--matmul", "fast"], capsys)
+
+
+def test_resume_takes_the_runs_own_settings(tmp_path, capsys):
+    """`train --resume DIR` needs no flag again: every setting is the run's (config.json); a typed flag that differs
+    from the run's is refused naming the key, one a resume may change (--steps) is taken."""
+    out = tmp_path / "run"
+    flags = ["--model", "tiny-random:0", "--group-size", "2", "--max-tokens", "4", "--lr", "1e-4"]
+    assert main(["train", *flags, "--steps", "1", "--out", str(out)]) == 0
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 0  # the model, group, length and lr: the run's
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and json.loads((out / "config.json").read_text())["lr"] == 1e-4
+    capsys.readouterr()  # the two runs' progress
+    line = bad_cli(["train", "--resume", str(out), "--steps", "3", "--lr", "2e-4"], capsys)
+    assert line.endswith(f"--lr 0.0002: the run in {out} has 0.0001 (config.json); drop --lr to continue it, or start "
+                         "a new run with another --out")
+    assert "no config.json there" in bad_cli(["train", "--resume", str(tmp_path / "none")], capsys)
+    assert "name two runs" in bad_cli(["train", "--resume", str(out), "--out", str(tmp_path / "b")], capsys)

@@ -184,9 +184,12 @@ def _apply_config_file(args) -> None:
 
 
 def _train_parser(sub) -> None:
-    from .train_config import KNOB_FIELDS as TRAIN_KNOBS
-    from .train_config import TrainConfig
+    import dataclasses
 
+    from .train_config import KNOB_FIELDS as TRAIN_KNOBS
+    from .train_config import RESUME_MAY_CHANGE, TrainConfig
+
+    resume_flags = [f.name for f in dataclasses.fields(TrainConfig) if f.name in RESUME_MAY_CHANGE]
     p = sub.add_parser(
         "train", help="asynchronous GRPO that logs α (policy change) and β (precision gap) separately",
         description="Train with GRPO: an engine samples with weights --staleness steps old, the trainer takes one "
@@ -194,7 +197,10 @@ def _train_parser(sub) -> None:
     )
     add_config_args(p, TrainConfig, knobs=TRAIN_KNOBS)
     p.add_argument("--out", default=None, help="run directory (default: runs/<task>-<intervention>-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="DIR",
+                   help="continue the run in DIR (or --out) from its last checkpoint, with the settings in its "
+                   "config.json: flags need not be typed again; one typed with another value than the run's is "
+                   f"refused, except {', '.join('--' + k.replace('_', '-') for k in resume_flags)}")
     p.add_argument("--list-interventions", action="store_true", help="list the interventions and exit")
 
 
@@ -211,6 +217,36 @@ def whole_run_line(s: dict) -> str:
             f"end: {pct(s['beta_outside_end'])}")
 
 
+def _settings_from_run(args, config_cls) -> None:
+    """`train --resume DIR`: every flag not typed takes the run's own value from DIR/config.json; a typed flag whose
+    value differs from the run's is refused naming the key (a resumed run continues the same numbers), except those
+    a resume may change (train_config.RESUME_MAY_CHANGE: the budget and what is logged)."""
+    import dataclasses
+    from pathlib import Path
+
+    from .runs import read_json_object
+    from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfigError
+
+    path = Path(args.out) / "config.json"
+    if not path.is_file():
+        raise TrainConfigError(f"--resume {args.out}: no config.json there, so no run to continue: drop --resume to "
+                               "start one")
+    saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration")}
+    typed = getattr(args, "typed", set())
+    for f in dataclasses.fields(config_cls):
+        if f.name not in saved:
+            continue
+        value = saved[f.name]
+        if f.name not in typed:
+            setattr(args, f.name, value)
+            continue
+        given = config_from_args(config_cls, args)  # the typed value as the config reads it (lists split, ...)
+        if getattr(given, f.name) != value and f.name not in RESUME_MAY_CHANGE:
+            flag = "--" + f.name.replace("_", "-")
+            raise TrainConfigError(f"{flag} {getattr(given, f.name)!r}: the run in {args.out} has {value!r} "
+                                   f"(config.json); drop {flag} to continue it, or start a new run with another --out")
+
+
 def _run_train(args) -> int:
     import time
 
@@ -223,10 +259,16 @@ def _run_train(args) -> int:
         for name, iv in INTERVENTIONS.items():
             print(f"{name:14s} {iv.doc}")
         return 0
+    if isinstance(args.resume, str):
+        if args.out and args.out != args.resume:
+            raise TrainConfigError(f"--resume {args.resume} and --out {args.out} name two runs: give one of them")
+        args.out, args.resume = args.resume, True
+    if args.resume and not args.out:
+        raise TrainConfigError("--resume needs the run directory to continue: --resume DIR")
+    if args.resume:
+        _settings_from_run(args, TrainConfig)
     cfg = config_from_args(TrainConfig, args)
     cfg.validate()
-    if args.resume and not args.out:
-        raise TrainConfigError("--resume needs --out, the run directory to continue")
     out = args.out or f"runs/{cfg.task}-{cfg.intervention.replace(',', '+')}-{time.strftime('%Y%m%d-%H%M%S')}"
     err = Console(stderr=True)
     result = train(cfg, out=out, resume=args.resume, console=err)
@@ -244,7 +286,6 @@ def _experiment_parser(sub) -> None:
     from .experiments import DEFAULT_SEEDS, SANITY_DEFAULTS
     from .train_config import KNOB_FIELDS as TRAIN_KNOBS
     from .train_config import TrainConfig
-
     p = sub.add_parser("experiment", help="named experiment matrices over several seeds, read with 95%% intervals")
     esub = p.add_subparsers(dest="experiment", required=True)
     helps = {

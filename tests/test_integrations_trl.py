@@ -322,3 +322,18 @@ def test_trl_config_wrong_types_are_one_line(tmp_path):
                              ({"bf16": "maybe"}, "bf16 is 'maybe', not a boolean")):
         with pytest.raises(ConfigError, match=fragment):
             diagnose_settings_from_trl(config)
+
+
+def test_trl_config_fp8_keys_map_to_engine_quantisers():
+    """vLLM's quantization='fp8' (vllm_kwargs) -> fp8-w8a8, kv_cache_dtype='fp8' (vllm_kwargs or vllm-serve's field)
+    -> fp8-kv; 'auto' and absent -> nothing; an unknown scheme is a note, not a quantiser."""
+    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+
+    s, _ = diagnose_settings_from_trl({"vllm_kwargs": {"quantization": "fp8", "kv_cache_dtype": "fp8"}})
+    assert s["engine_quant"] == "fp8-w8a8,fp8-kv"
+    s, _ = diagnose_settings_from_trl({"kv_cache_dtype": "fp8_e4m3"})
+    assert s["engine_quant"] == "fp8-kv"
+    s, _ = diagnose_settings_from_trl({"kv_cache_dtype": "auto"})
+    assert "engine_quant" not in s
+    s, notes = diagnose_settings_from_trl({"vllm_kwargs": {"quantization": "awq"}})
+    assert "engine_quant" not in s and any("awq" in n for n in notes)

@@ -119,3 +119,17 @@ def test_cli_reads_the_verl_config_and_keeps_an_explicit_max_tokens(tmp_path, ca
     assert list(d["recipes"])[0] == "bf16"
     line = bad_cli(["diagnose", "--from-verl-config", str(path), "--from-trl-config", str(path)], capsys)
     assert "not allowed with argument" in line
+
+
+def test_verl_fp8_rollout_maps_to_block_fp8():
+    """verl's FP8 rollout is DeepSeek's block scheme (docs/advance/fp8.md): actor_rollout_ref.rollout.quantization
+    fp8 -> --engine-quant fp8-block; absent -> none; another scheme is named and not applied."""
+    from phantomclip.integrations.verl import diagnose_settings_from_verl
+
+    base = {"actor_rollout_ref": {"rollout": {"quantization": "fp8"}}}
+    settings, notes = diagnose_settings_from_verl(base)
+    assert settings["engine_quant"] == "fp8-block" and any("fp8-block" in n for n in notes)
+    settings, _ = diagnose_settings_from_verl({"actor_rollout_ref": {"rollout": {"dtype": "bfloat16"}}})
+    assert "engine_quant" not in settings
+    settings, notes = diagnose_settings_from_verl({"actor_rollout_ref": {"rollout": {"quantization": "int4"}}})
+    assert "engine_quant" not in settings and "int4" in settings["unmapped"]

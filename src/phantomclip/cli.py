@@ -64,7 +64,7 @@ def _diagnose_parser(sub) -> None:
 DIAGNOSE_GATE_UNDER = ("recipes",)
 """where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
 DIAGNOSE_KEYS = ("schema", "config", "versions", "cpu", "device", "model", "engine", "trust_region", "shadow",
-                 "recipes", "knobs", "drift", "tokens", "answer", "verdict")
+                 "recipes", "knobs", "drift", "routing", "tokens", "answer", "verdict")
 """the top-level keys of diagnose's result (diagnose.result_dict, and the verdict; 'drift' with --drift): a --fail-if
 key starts with one of them or with a --trainer recipe (read under 'recipes'), which is checked before any work."""
 DRIFT_GATE = "drift.max_abs>0"

@@ -14,6 +14,7 @@ verdict and the tables are diagnose_text.py's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from . import DIAGNOSE_SCHEMA
+from . import DIAGNOSE_SCHEMA, routing
 from .console import progress_bar
 from .devices import clock, describe_device, resolve_device, software_versions
 from .diagnose_config import DiagnoseConfig
@@ -45,6 +46,7 @@ from .models import LoadedModel, load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
 from .recipes import apply_recipe, cpu_description, get_recipe, without_quant
+from .routing import Routes
 from .scoring import score
 
 if TYPE_CHECKING:
@@ -90,6 +92,8 @@ class Sampled:
     drift: Drift | None = None
     """--drift: the same weights pushed K times into the engine before it closed, and the gap after each push."""
     logp_engine_plain: torch.Tensor | None = None  # [n, T] --engine-quant: the same tokens read by the plain engine
+    routes: list[Routes] | None = None
+    """MoE models (--routing, local engine): the experts the engine chose as it decoded, per batch (routing.py)."""
 
 
 @dataclass
@@ -104,6 +108,8 @@ class Scored:
     logp_alone: torch.Tensor | None = None  # [n, T] the `alone_rows` scored one at a time, unpadded; 0 elsewhere
     seconds_alone: float = 0.0
     """wall time of scoring those rows alone (`score_alone`)."""
+    routes: list[Routes] | None = None
+    """MoE models: the experts this recipe's forward chose, per batch (where the engine's were captured)."""
 
 
 @dataclass
@@ -134,6 +140,8 @@ class Figures:
     """the knob advice (knobs.knob_figures) on the first trainer recipe's β, naming it."""
     fp8: dict | None = None
     """--engine-quant: the FP8 engine beside the plain engine on the same samples, and β_quant (`fp8_figures`)."""
+    routing: dict | None = None
+    """MoE models: the route table (`route_phase`, routing.route_figures)."""
 
 
 # -------------------------------------------------------------------------------------------- phases
@@ -143,7 +151,9 @@ def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     """Run the diagnose job and return every figure as a JSON-ready dict (`files.write_json`); the words that
     say what they mean are `diagnose_text.with_verdict`'s."""
     prep, sampled, scored, ref = measure(cfg, console)
-    return result_dict(cfg, prep, sampled, ref, figures(cfg, scored, ref, sampled.mask))
+    figs = figures(cfg, scored, ref, sampled.mask)
+    figs.routing = route_phase(cfg, prep, sampled, scored, ref) if sampled.routes else None
+    return result_dict(cfg, prep, sampled, ref, figs)
 
 
 def measure(
@@ -208,6 +218,8 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     if cfg.engine == "vllm":
         say(f"starting vLLM ({cfg.engine_dtype}, {cfg.logprobs_mode} log-probs); about 30 s on a CPU")
     longest = max(len(p) for p in prep.prompt_ids) + cfg.max_tokens
+    # MoE models: the engine's routes as it decodes (an MoE family without an adapter is refused here, in one line)
+    routes = [] if cfg.routing and cfg.engine == "local" and routing.routers(prep.lm.model) else None
     beside = BesideVllm(batch_tokens=cfg.batch_size * longest, training=False, share=cfg.vllm_memory_share)
     engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, matmul=prep.matmul, logprobs_mode=cfg.logprobs_mode,
                           max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift),
@@ -217,7 +229,11 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
         rollouts: list[Rollout] = []
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
-            rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
+            if routes is None:
+                rollouts.append(engine.generate(batch, cfg.sampling(i, stop)))
+            else:
+                rollout, batch_routes = routing.generate_with_routes(engine, batch, cfg.sampling(i, stop))
+                rollouts.append(rollout), routes.append(batch_routes)
             progress.advance(task, len(batch))
         seconds = clock(prep.device) - t0
         info = engine.describe()
@@ -235,7 +251,7 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
              cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if cfg.engine_recipe().quant else None)
     return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
                    measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
-                   seconds=seconds, drift=drift, logp_engine_plain=plain)
+                   seconds=seconds, drift=drift, logp_engine_plain=plain, routes=routes)
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
@@ -250,11 +266,14 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     task = progress.add_task(f"scoring ({name}{', shadow' if shadow else ''})", total=len(sampled.packed))
     t0 = time.perf_counter()
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
-    logp, entropy, log_kept = [], [], []
+    logp, entropy, log_kept, routes = [], [], [], []
     for host in sampled.packed:
         p = {k: v.to(prep.device) for k, v in host.items()}  # the batch on the device; its scores back on the host
-        sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
-                   temperature=cfg.temperature, truncation=prep.truncation)
+        with routing.capture(model) if sampled.routes else contextlib.nullcontext() as recorder:
+            sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
+                       temperature=cfg.temperature, truncation=prep.truncation)
+        if recorder is not None:
+            routes.append(recorder.routes(routing.full_layout(p["input_ids"].shape[1]), *p["input_ids"].shape))
         logp.append(sc.logp.cpu())  # [B_i, T_i]
         entropy.append(sc.entropy.cpu())  # [B_i, T_i]
         log_kept.append(sc.log_kept.cpu() if prep.truncation else torch.zeros_like(logp[-1]))  # [B_i, T_i]
@@ -262,7 +281,8 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     seconds = clock(prep.device) - t0
     alone = (score_alone(cfg, sampled, model, name, progress, prep.device)
              if cfg.batch_invariance and name in cfg.trainer else {})
-    return Scored(logp=_concat(logp), entropy=_concat(entropy), log_kept=_concat(log_kept), seconds=seconds, **alone)
+    return Scored(logp=_concat(logp), entropy=_concat(entropy), log_kept=_concat(log_kept), seconds=seconds,
+                  routes=routes or None, **alone)
 
 
 BATCH_INVARIANCE_SEQUENCES = 12
@@ -295,6 +315,28 @@ def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progres
         logp[row, cols] = sc.logp[0].cpu()  # [L]
         progress.advance(task)
     return {"logp_alone": logp, "seconds_alone": clock(device) - t0}
+
+
+def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: dict[str, Scored],
+                ref: Reference) -> dict:
+    """MoE models: every scored recipe's routes against the engine's, and the first trainer recipe's β split into
+    β_route (its own routes against the engine's, one more forward with the engine's replayed) and β_rest
+    (routing.route_figures; keys in docs/metrics.md)."""
+    first = cfg.trainer[0]
+    recipe = get_recipe(first)
+    model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
+    replayed = _concat(routing.replayed_logprobs(model, recipe, sampled.packed, sampled.routes, cfg.temperature,
+                                                 prep.device))  # [n, T]
+    split = routing.route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
+    where = _concat([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
+    own = {name: routing.concat(s.routes) for name, s in scored.items() if s.routes}
+    return routing.route_figures(routing.concat(sampled.routes), own, where, _num_experts(prep.lm.model), first,
+                                 split, sampled.mask, cfg.epsilon, cfg.epsilon_high)
+
+
+def _num_experts(model) -> int:
+    cfg = model.config
+    return int(next(getattr(cfg, k) for k in routing.EXPERT_KEYS if getattr(cfg, k, None)))
 
 
 def reference(sampled: Sampled, shadow: Scored, shadow_name: str, plain: Scored | None = None) -> Reference:
@@ -382,6 +424,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         "knobs": figs.knobs,
         **({"drift": sampled.drift.as_dict()} if sampled.drift else {}),
         **({"fp8": figs.fp8} if figs.fp8 else {}),
+        **({"routing": figs.routing} if figs.routing else {}),
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),

@@ -116,6 +116,10 @@ class DiagnoseConfig:
     drift: int | None = None
     """push the same (unchanged) weights into the engine this many times and re-read the same tokens after each
     push (engines/drift.py); a gap that moves is an engine defect. None: off."""
+    routing: bool = True
+    """mixture-of-experts models: capture the experts the engine chose as it decoded, compare every recipe's choice
+    with them, and split the first trainer recipe's β into β_route and the rest (one more forward; routing.py). Needs
+    --engine local; dense models ignore it."""
 
     def __post_init__(self):
         if isinstance(self.trainer, str):

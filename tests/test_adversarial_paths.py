@@ -257,3 +257,76 @@ def test_train_tokenizes_only_the_prompts_its_steps_draw(tmp_path, capsys, monke
     assert sorted(encoded) == sorted({lines[i] for i in drawn})
     sampled = [json.loads(x)["samples"][0]["prompt"] for x in (out / "samples.jsonl").read_text().splitlines()]
     assert sampled == [lines[i] for i in drawn]
+
+
+# ------------------------------------------------------------------------------------ files that are not ours
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    return victim
+
+
+@pytest.mark.parametrize("name,kind", [(".lock", "link"), (".lock", "fifo"), ("metrics.jsonl", "link"),
+                                       ("checkpoint.pt", "link"), ("summary.json", "link"), ("index.html", "link"),
+                                       ("data", "link")])
+def test_no_output_goes_through_a_link_or_into_a_special_file_we_did_not_make(name, kind, tmp_path, capsys):
+    """A file of a directory phantomclip writes (a run's lock, metrics and checkpoint, an experiment's summary, a
+    report's page and data copies) that is a link to another file, or a FIFO, is refused in one line: the other file
+    keeps its content (a lock through a link wrote a pid into it) and no open hangs. For a resumed run the link
+    points at the run's own file moved away, so the run reads it as its own and only the write is refused."""
+    victim = _victim(tmp_path)
+    out = tmp_path / "out"
+    if name == "summary.json":
+        command = [*OUT_COMMANDS["experiment"], "--out", str(out)]
+    elif name in ("index.html", "data"):
+        command = ["report", "--out", str(out)]
+    else:
+        command = [*OUT_COMMANDS["train"], "--checkpoint-every", "1", "--out", str(out)]
+    if name in ("metrics.jsonl", "checkpoint.pt"):  # a run to resume, whose file is then moved and linked
+        assert main(command) == 0
+        (out / name).rename(victim)
+        command += ["--resume", "--steps", "2"]
+    before = victim.read_bytes()
+    out.mkdir(exist_ok=True)
+    if name == "data":  # a report's data copy, linked by someone between two builds
+        (out / "data").mkdir()
+        (out / "data" / "00-demo-diagnose-vllm.json").symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(out / name)
+    else:
+        (out / name).symlink_to(victim)
+    capsys.readouterr()
+    line = bad_cli(command, capsys, after_progress=True)  # the report says first that it draws the demo
+    assert "is a symbolic link" in line or "is a FIFO" in line, line
+    assert victim.read_bytes() == before
+
+
+def test_only_our_own_temp_files_are_removed_from_an_existing_out(tmp_path, capsys):
+    """train --out into an existing directory removes the temp files a killed phantomclip stranded there (named
+    .<one of its files>.<8 random characters>.tmp) and nothing else: a user's .notes.tmp, a name that only looks
+    like ours, a link named like ours."""
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = [".notes.tmp", ".config.json.tmp", ".metrics.jsonl.abcdefghi.tmp", ".other.abcdefgh.tmp"]
+    for name in theirs:
+        (out / name).write_text("keep me\n")
+    (out / ".samples.jsonl.abcdefgh.tmp").symlink_to(_victim(tmp_path))
+    (out / ".metrics.jsonl.k2_x9q0z.tmp").write_text("stranded\n")  # ours: mkstemp's name beside metrics.jsonl
+    assert main([*OUT_COMMANDS["train"], "--out", str(out)]) == 0
+    assert all((out / name).read_text() == "keep me\n" for name in theirs)
+    assert (out / ".samples.jsonl.abcdefgh.tmp").is_symlink()
+    assert not (out / ".metrics.jsonl.k2_x9q0z.tmp").exists()
+
+
+@pytest.mark.parametrize("command", list(JSON_COMMANDS))
+def test_a_read_only_json_target_is_refused_before_work(command, tmp_path, capsys, monkeypatch):
+    """--json onto a file made read-only (0444) is refused in one line before any work, the file unchanged: the
+    rename of a temp file replaced it, as root too."""
+    _no_model_work(monkeypatch)
+    target = tmp_path / "kept.json"
+    target.write_text("{}\n")
+    target.chmod(0o444)
+    line = bad_cli([*JSON_COMMANDS[command], "--json", str(target)], capsys)
+    assert f"--json {target} is read-only: make it writable" in line, line
+    assert target.read_text() == "{}\n" and stat.S_IMODE(target.stat().st_mode) == 0o444

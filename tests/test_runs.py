@@ -159,7 +159,7 @@ def test_orphan_run_files_and_stranded_temp_files(tmp_path):
     with pytest.raises(RunError, match=r"holds run files \(metrics.jsonl\) but no config.json"):
         RunDir.create(path, {})
     run = _finished_run(tmp_path / "s")
-    stranded = run.path / ".checkpoint.pt.abc123.tmp"
+    stranded = run.path / ".checkpoint.pt.abc123de.tmp"  # mkstemp's 8 random characters
     stranded.write_bytes(b"half a checkpoint")
     again, ckpt = RunDir.resume(run.path, {"seed": 1})
     assert ckpt["step"] == 2 and not stranded.exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import SCHEMA_VERSION
 from .errors import SEED_LIMIT
-from .files import atomic_write_bytes, check_output_dir, write_json
+from .files import atomic_write_bytes, check_output_dir, remove_owned, write_json
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
 from .runs import DirLock, RunDir, read_json_object
@@ -130,7 +130,7 @@ def check_manifest(matrix: Matrix, out: Path) -> None:
     path = out / "experiment.json"
     manifest = {"experiment": matrix.experiment, "arms": list(matrix.arms), "seeds": list(matrix.seeds)}
     if not path.exists():
-        write_json(manifest, path)
+        write_json(manifest, path, owned=True)
         return
     old = read_json_object(path, "experiment's manifest")
     if old == manifest:
@@ -198,7 +198,7 @@ def _run_all(matrix: Matrix, out: Path, runs: list[tuple[str, int, TrainConfig]]
             result = train(cfg, out=path, resume=(path / "config.json").exists(), console=console)
             done, interrupted = result.metrics, result.interrupted
         if not interrupted and not keep_checkpoints:
-            (path / "checkpoint.pt").unlink(missing_ok=True)
+            remove_owned(path / "checkpoint.pt")
         results.append(summarize_run(arm, seed, done, cfg.steps, finished=not interrupted,
                                      patience=max(1, cfg.stop_after_converged)))
         summary = summarize(matrix, results)
@@ -310,8 +310,8 @@ DIFFERENCE_LABELS = {"final_length": "final length", "length_auc": "mean length 
 
 
 def write_summary(summary: dict, out: Path) -> None:
-    write_json(summary, out / "summary.json")
-    atomic_write_bytes(out / "summary.md", summary_markdown(summary).encode())
+    write_json(summary, out / "summary.json", owned=True)
+    atomic_write_bytes(out / "summary.md", summary_markdown(summary).encode(), owned=True)
 
 
 def _ci(x: dict, scale: float = 1.0, digits: int = 1, bare: bool = False) -> str:

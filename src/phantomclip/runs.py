@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,17 @@ from typing import Any
 import torch
 
 from . import SCHEMA_VERSION
-from .errors import PhantomclipError, PhantomclipWarning
+from .errors import PhantomclipError, PhantomclipWarning, WriteError
 from .files import (
     JSON_ERRORS,
-    TEMP_SUFFIX,
     atomic_write,
     atomic_write_bytes,
     check_output_dir,
     content_hash,
     json_reason,
     json_safe,
+    open_owned,
+    stranded_temps,
     write_error,
 )
 
@@ -192,10 +194,10 @@ class DirLock:
         import fcntl
 
         self.path, self.fd = Path(directory) / ".lock", None
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise write_error(self.path, e) from None
+        try:  # never through a link (its target's content would become a pid), never a FIFO (the open would hang)
+            self.fd = open_owned(self.path, os.O_RDWR, "its lock file")
+        except WriteError as e:
+            raise RunError(str(e)) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -220,6 +222,8 @@ class DirLock:
 
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tokens.jsonl", "checkpoint.pt")
+SNAPSHOT_NAME = re.compile(r"step-[0-9]{6,}(\.safetensors|\.tokens\.json)")
+"""the names of the files a run keeps under snapshots/ (RunDir.snapshot_path)."""
 
 
 class RunDir:
@@ -239,7 +243,8 @@ class RunDir:
     def _take(self) -> None:
         """Lock the directory, then remove temp files a killed writer stranded (only the lock holder may)."""
         self.lock = DirLock(self.path, "run")
-        for tmp in [*self.path.glob(f".*{TEMP_SUFFIX}"), *self.snapshots_path.glob(f".*{TEMP_SUFFIX}")]:
+        for tmp in [*stranded_temps(self.path, lambda name: name in (*RUN_FILES, "config.json")),
+                    *stranded_temps(self.snapshots_path, lambda name: SNAPSHOT_NAME.fullmatch(name) is not None)]:
             tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -265,7 +270,8 @@ class RunDir:
             if orphans:
                 raise RunError(f"{run.path} holds run files ({', '.join(orphans)}) but no config.json, so they belong "
                                "to no run this tool can continue: choose another --out or remove them")
-            atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode())
+            atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode(),
+                               owned=True)
         except BaseException:
             run.close()
             raise
@@ -327,7 +333,7 @@ class RunDir:
             rows = {p: [r for r in found if r.get("step", 0) <= done] for p, found in logged.items()}
             # drop what came after the checkpoint: it is recomputed
             for p, kept in rows.items():
-                atomic_write_bytes(p, "".join(jsonl_line(r) for r in kept).encode())
+                atomic_write_bytes(p, "".join(jsonl_line(r) for r in kept).encode(), owned=True)
         except BaseException:
             run.close()
             raise
@@ -359,8 +365,9 @@ class RunDir:
         return ckpt
 
     def _append(self, path: Path, row: dict) -> None:
+        fd = open_owned(path, os.O_WRONLY | os.O_APPEND)  # never through a link or into a FIFO
         try:
-            with open(path, "a", encoding="utf-8") as f:
+            with open(fd, "a", encoding="utf-8") as f:
                 f.write(jsonl_line(row))
                 f.flush()
                 os.fsync(f.fileno())
@@ -414,13 +421,13 @@ class RunDir:
         from safetensors.torch import save_model
 
         path = self.snapshot_path(step)
-        atomic_write(path, lambda tmp: save_model(model, tmp))
+        atomic_write(path, lambda tmp: save_model(model, tmp), owned=True)
         return path.stat().st_size
 
     def save_snapshot_tokens(self, version: int, record: dict) -> None:
         """The tokens sampled with the weights of snapshot `version` (prompt and completion ids), beside it."""
         record = {"step": version, **record}
-        atomic_write_bytes(self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode())
+        atomic_write_bytes(self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode(), owned=True)
 
     def log_step(self, row: dict, samples: dict, tokens: dict, token_log_steps: int) -> None:
         """One training step's rows: metrics always, samples always, per-token records for the first steps."""
@@ -442,4 +449,4 @@ class RunDir:
         configuration goes with it (key CHECKPOINT_CONFIG), so a resume can tell another run's checkpoint."""
         buf = io.BytesIO()
         torch.save(state if self.config is None else {**state, CHECKPOINT_CONFIG: plain_config(self.config)}, buf)
-        atomic_write_bytes(self.checkpoint_path, buf.getvalue())
+        atomic_write_bytes(self.checkpoint_path, buf.getvalue(), owned=True)

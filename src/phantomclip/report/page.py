@@ -17,7 +17,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from ..files import json_safe
+from ..files import atomic_write, json_safe
 from . import figures as diagnose_figures
 from . import growth_panel
 from .escape import html_text, script_json
@@ -177,7 +177,7 @@ def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     for i, f in enumerate(data.files()):
         rel = f"data/{i:02d}-{_safe_name(f.parent.name)}-{f.name}"
         (out / "data").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, out / rel)
+        atomic_write(out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp), owned=True)  # never through a link
         copied[f] = rel
         if f.name == "metrics.jsonl":
             copied[f.parent] = rel
@@ -201,7 +201,7 @@ def build(sources: list[str | Path], out: str | Path) -> Path:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a file damaged below its top level
             raise ReportError(f"cannot draw the report from {', '.join(map(str, sources))} ({type(e).__name__}: "
                               f"{str(e)[:80]}): a file there was edited or is not one phantomclip wrote") from None
-        atomic_write_bytes(page, body.encode("utf-8"))
+        atomic_write_bytes(page, body.encode("utf-8"), owned=True)
     except OSError as e:
         raise ReportError(f"--out {out}: cannot write the report ({e.strerror or e})") from None
     return page

@@ -1,0 +1,497 @@
+"""The α/β monitor and the shadow-ratio fix inside TRL's AsyncGRPOTrainer (trl 1.16, trl/experimental/async_grpo).
+
+    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
+    Trainer = with_async_shadow_ratio(AsyncGRPOTrainer, engine_dtype="bfloat16")   # the clip sees α, not α + β
+    trainer = Trainer(model=..., args=AsyncGRPOConfig(...), callbacks=[AsyncPrecisionMonitor(engine_dtype="bfloat16")])
+
+In the async trainer the PPO ratio is log π_trainer(θ_t) − log μ_vLLM(θ_v): the server's own log-probs at the weights
+of the sample's version v, up to `max_staleness` syncs old (async_grpo_trainer.py `compute_loss`). Written out:
+
+    log r = α + β_precision + β_kernel
+    α           = log π_shadow(θ_t) − log π_shadow(θ_v)      the policy's move since v, both sides one precision
+    β_precision = log π_trainer(θ_t) − log π_shadow(θ_t)      the trainer's precision against the engine's
+    β_kernel    = log π_shadow(θ_v) − log μ_vLLM(θ_v)         the engine's kernels against the shadow's, same weights
+
+where a shadow is the policy's weights rounded to the engine's dtype, run through the trainer's own packed forward.
+Hence one shadow per live version, each taken when TRL syncs that version to the server (`_sync_weight`), kept while
+a sample of it may still be trained (`max_staleness` + 1 of them), and looked up by each token's sample version.
+
+TRL's packed batch does not carry a sample's version (the queue reader drops it), so the integration carries it: it
+reads each group's version off the queue (all samples of a group share one: async_rollout_worker.py `_score_group`)
+and adds `pc_sample_version` [rows, samples] to the collated batch; a token's version is then that of its
+`segment_id`. Staleness is counted at the loss (current version − the sample's), not at dequeue as TRL's
+`sample/staleness_*` are, one prefetched micro-batch earlier. What this reads of TRL is checked at attach.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import IntegrationError
+from ..loss import KNOBS, clip_range
+from ..numerics import parse_dtype
+from ..recipes import resolve_matmul
+from .trl import check_trl_version
+from .trl_async_stats import MEANS, async_figures, async_precision_stats
+from .weights import build_shadow, check_supported, sharded_root, sync_shadow
+
+__all__ = ["AsyncPrecisionMonitor", "IntegrationError", "async_precision_stats", "async_figures", "shadow_memory",
+           "with_async_shadow_ratio"]
+
+TRAINER_METHODS = ("_sync_weight", "compute_loss", "get_train_dataloader")
+"""the trainer's methods the hooks wrap (trl 1.16 async_grpo_trainer.py); checked at attach."""
+TRAINER_ATTRIBUTES = ("epsilon_low", "epsilon_high", "temperature", "accelerator", "callback_handler")
+"""set before TRL's Trainer.__init__ ends (a callback's on_init_end sees them); checked at attach."""
+TRAINER_STATE = ("_metrics", "model_version", "rollout_queue")
+"""set at the end of AsyncGRPOTrainer.__init__: checked at attach after it, else when training starts."""
+MODULE_NAMES = ("StepIntervalCallback", "RolloutQueueDataset", "DataCollatorForRollout")
+PACKED_KEYS = ("attention_mask", "input_ids", "position_ids", "shift_labels", "token_index", "old_log_probs",
+               "advantages", "segment_id", "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k",
+               "tree_max_seqlens")
+"""the packed batch's fields TRL's compute_loss reads (packing.py `TreeRow.pack` and the collator)."""
+VERSION_KEY = "pc_sample_version"
+
+
+def _check_engine(engine_dtype, matmul, what: str) -> None:
+    """The engine dtype and matmul mode, checked with the CLI's rules when the object is built (one line)."""
+    if not isinstance(engine_dtype, str):
+        raise IntegrationError(f"{what}: engine_dtype must be a dtype name such as 'bfloat16', got {engine_dtype!r}")
+    try:
+        parse_dtype(engine_dtype)
+        resolve_matmul(matmul)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise IntegrationError(f"{what}: {e}") from None
+
+
+def _missing(trainer, name: str) -> IntegrationError:
+    return IntegrationError(f"{type(trainer).__name__} has no attribute {name!r}: this TRL's async trainer differs "
+                            "from trl 1.16's, which phantomclip.integrations.trl_async reads")
+
+
+def check_trainer_state(trainer) -> None:
+    for name in TRAINER_STATE:
+        if not hasattr(trainer, name):
+            raise _missing(trainer, name)
+
+
+def check_async_internals(trainer, built: bool = True) -> None:
+    """One IntegrationError line naming the first attribute of TRL's async trainer the hooks need and do not find
+    (a newer TRL whose internals differ), before anything is replaced. `built`: AsyncGRPOTrainer.__init__ has
+    returned (else its last attributes are checked when training starts)."""
+    check_trl_version()
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    for name in TRAINER_METHODS:
+        if not callable(getattr(type(trainer), name, None)):
+            raise _missing(trainer, name)
+    for name in TRAINER_ATTRIBUTES:
+        if not hasattr(trainer, name):
+            raise _missing(trainer, name)
+    if built:
+        check_trainer_state(trainer)
+    for name in MODULE_NAMES:
+        if not hasattr(async_grpo_trainer, name):
+            raise IntegrationError(f"trl.experimental.async_grpo.async_grpo_trainer has no {name!r}: this TRL's async "
+                                   "trainer differs from trl 1.16's")
+    for name in ("max_staleness", "weight_sync_steps"):
+        if not hasattr(trainer.args, name):
+            raise IntegrationError(f"{type(trainer.args).__name__} has no attribute {name!r}: this TRL's async "
+                                   "trainer differs from trl 1.16's")
+    if not hasattr(packing.TreeRow, "pack"):
+        raise IntegrationError("trl.experimental.async_grpo.packing.TreeRow has no attribute 'pack'")
+
+
+def shadow_memory(trainer, engine_dtype: str) -> tuple[int, int]:
+    """(shadows kept, bytes per shadow): one whole copy of the policy's parameters in the engine's dtype per version
+    a trained sample may have (max_staleness + 1), plus one for the current weights when they move between syncs
+    (weight_sync_steps > 1)."""
+    model = sharded_root(trainer.model)
+    seen, count = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            count += getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 placeholders hold their full size apart
+    per = count * parse_dtype(engine_dtype).itemsize
+    kept = trainer.args.max_staleness + 1 + (1 if trainer.args.weight_sync_steps > 1 else 0)
+    return kept, per
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on `device`: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_shadow_memory(trainer, engine_dtype: str) -> None:
+    kept, per = shadow_memory(trainer, engine_dtype)
+    free = available_memory(trainer.accelerator.device)
+    if kept * per > free:
+        raise IntegrationError(
+            f"the async shadows need {kept * per / 2**30:.2f} GiB ({kept} copies of {per / 2**30:.2f} GiB in "
+            f"{engine_dtype}: max_staleness {trainer.args.max_staleness} + 1) but {free / 2**30:.2f} GiB is available "
+            f"on {trainer.accelerator.device}: lower max_staleness")
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _Shadows:
+    """Engine-dtype copies of the policy keyed by the weight version TRL sent the server (at most `keep`, the oldest
+    recycled), and the current weights' copy when they have moved since the last sync."""
+
+    def __init__(self, trainer, engine_dtype: str, matmul: str):
+        from trl.trainer.utils import add_fused_lm_head
+
+        self.trainer, self.engine_dtype, self.matmul = trainer, engine_dtype, matmul
+        self.kind = check_supported(sharded_root(trainer.model))
+        self.keep = trainer.args.max_staleness + 1
+        self.versions: dict[int, nn.Module] = {}
+        self.version_step: dict[int, int] = {}
+        self.current: nn.Module | None = None
+        self.current_step = -1
+        self._add_head = lambda m: add_fused_lm_head(m, temperature=trainer.temperature)
+        self.version = 0
+
+    def _new(self) -> nn.Module:
+        shadow = build_shadow(sharded_root(self.trainer.model), self.engine_dtype, self.trainer.accelerator.device,
+                              self.matmul)
+        self._add_head(shadow)
+        return shadow.eval()
+
+    def snapshot(self, version: int) -> None:
+        """The weights just sent as `version` (every rank, in step: a sharded model's gather is a collective)."""
+        reuse = None
+        if len(self.versions) >= self.keep:
+            reuse = self.versions.pop(min(self.versions))
+        shadow = reuse if reuse is not None else self._new()
+        sync_shadow(shadow, sharded_root(self.trainer.model), self.kind)
+        self.versions[version] = shadow
+        self.version_step[version] = self.trainer.state.global_step
+        self.version = version
+
+    def now(self) -> nn.Module:
+        """The current weights in the engine's dtype: the latest version's copy if no optimizer step came since."""
+        step = self.trainer.state.global_step
+        if self.versions and self.version_step[self.version] == step:
+            return self.versions[self.version]
+        if self.current is None:
+            self.current = self._new()
+        if self.current_step != step:
+            sync_shadow(self.current, sharded_root(self.trainer.model), self.kind)
+            self.current_step = step
+        return self.current
+
+
+def _packed_forward(inputs: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(forward kwargs, token_index [M], selected [1, M_pad]) of one rank's packed row, as TRL's compute_loss builds
+    them (async_grpo_trainer.py lines 1498-1510: inter-rank padding stripped, tree attention's index tensors)."""
+    mask_bool = inputs["attention_mask"].bool()
+    selected = inputs["token_index"] >= 0
+    kwargs = {key: inputs[key][mask_bool].unsqueeze(0) for key in ("input_ids", "position_ids", "shift_labels")}
+    for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k"):
+        kwargs[key] = inputs[key][inputs[key] >= 0]
+    kwargs["tree_max_seqlen_q"], kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+    return kwargs, inputs["token_index"][selected], selected
+
+
+@torch.no_grad()
+def _score(model: nn.Module, kwargs: dict) -> torch.Tensor:
+    """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label)."""
+    return model(**kwargs, fused_lm_head=True).log_probs.float()
+
+
+class _Record:
+    """One micro-batch's per-token tensors [M] (for the monitor and for checks)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Hooks:
+    """What both the monitor and the fix install on one trainer, once: the version carried into the batch, the
+    shadows taken at each sync, and the shadow forwards at the loss."""
+
+    def __init__(self, trainer, engine_dtype: str, matmul: str):
+        self.trainer, self.engine_dtype, self.matmul = trainer, engine_dtype, matmul
+        self.fix = False
+        self.monitor: AsyncPrecisionMonitor | None = None
+        self.shadows: _Shadows | None = None
+        self.group_version: dict = {}
+        self.last: _Record | None = None
+        self.monitor_seconds = 0.0
+        self._install()
+
+    def _install(self) -> None:
+        trainer = self.trainer
+        original_sync, original_loader, original_loss = (trainer._sync_weight, trainer.get_train_dataloader,
+                                                         trainer.compute_loss)
+        from trl.experimental.async_grpo.async_grpo_trainer import StepIntervalCallback
+
+        def sync_weight():
+            original_sync()
+            self._after_sync()
+
+        for cb in trainer.callback_handler.callbacks:  # attached after __init__: TRL's periodic sync holds the method
+            if isinstance(cb, StepIntervalCallback) and getattr(cb.fn, "__func__", None) is original_sync.__func__:
+                cb.fn = sync_weight
+        trainer._sync_weight = sync_weight
+
+        def get_train_dataloader():
+            check_trainer_state(trainer)
+            if trainer.accelerator.is_main_process and not isinstance(trainer.rollout_queue, _VersionReader):
+                trainer.rollout_queue = _VersionReader(trainer.rollout_queue, self.group_version)
+            loader = original_loader()
+            if trainer.accelerator.is_main_process:  # accelerate's dispatcher iterates the loader it wraps
+                inner = getattr(loader, "base_dataloader", loader)
+                inner.collate_fn = _VersionedCollate(inner.collate_fn, self.group_version)
+            return loader
+
+        trainer.get_train_dataloader = get_train_dataloader
+
+        def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+            return self._loss(original_loss, model, inputs, return_outputs, num_items_in_batch)
+
+        trainer.compute_loss = compute_loss
+
+    def _after_sync(self) -> None:
+        trainer = self.trainer
+        version = torch.tensor([trainer.model_version if trainer.accelerator.is_main_process else 0])
+        if _world() > 1:  # TRL bumps model_version on the main process only
+            version = version.to(trainer.accelerator.device)
+            dist.broadcast(version, src=0)
+        if self.shadows is None:
+            self.shadows = _Shadows(trainer, self.engine_dtype, self.matmul)
+        self.shadows.snapshot(int(version.item()))
+
+    def _measuring(self) -> bool:
+        m = self.monitor
+        return m is not None and self.trainer.state.global_step % m.interval == 0
+
+    def _loss(self, original, model, inputs, return_outputs, num_items_in_batch):
+        measure = self._measuring() and model.training
+        if not (self.fix or measure):
+            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if VERSION_KEY not in inputs:
+            raise IntegrationError("the batch carries no sample versions: attach the monitor (or build the trainer "
+                                   "with with_async_shadow_ratio) before trainer.train()")
+        t0 = time.perf_counter()
+        shadows = self.shadows
+        kwargs, token_index, selected = _packed_forward(inputs)
+        versions = inputs[VERSION_KEY][0][inputs["segment_id"][selected]]  # [M] each token's sample version
+        now = shadows.now()
+        full_now = _score(now, kwargs)  # [1, N]
+        logp_shadow = full_now.flatten()[token_index]  # [M] current weights, engine dtype
+        logp_shadow_old = torch.full_like(logp_shadow, math.nan)  # [M] the sample's version, engine dtype
+        for v in versions.unique().tolist():
+            at = versions == v
+            model_v = shadows.versions.get(v)
+            if model_v is None:
+                if self.fix:
+                    raise IntegrationError(f"a sample of version {v} has no shadow (kept: {sorted(shadows.versions)}):"
+                                           " attach before training, and keep TRL's max_staleness filter on")
+                continue
+            full = full_now if model_v is now else _score(model_v, kwargs)
+            logp_shadow_old[at] = full.flatten()[token_index][at]
+        shadow_seconds = time.perf_counter() - t0
+        logp_engine = inputs["old_log_probs"][selected].float()  # [M] the server's log-probs at θ_v
+        call = _ModelCall(model, full_now if self.fix else None)
+        if self.fix:  # the clip sees α: old log-probs from the version's shadow, current ones from today's shadow
+            inputs = dict(inputs)
+            old = inputs["old_log_probs"].clone()  # [1, M_pad]
+            old[selected] = logp_shadow_old.to(old.dtype)
+            inputs["old_log_probs"] = old
+        loss = original(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        t1 = time.perf_counter()
+        logp = call.log_probs.detach().flatten()[token_index].float()  # [M] the loss's own forward
+        self.last = _Record(logp=logp, logp_engine=logp_engine, logp_shadow=logp_shadow,
+                            logp_shadow_old=logp_shadow_old, advantages=inputs["advantages"][selected].float(),
+                            staleness=shadows.version - versions, token_index=token_index, versions=versions,
+                            row=kwargs)
+        if measure:
+            self.monitor._record(self.last)
+        if self.monitor is not None:
+            self.monitor_seconds += shadow_seconds + (time.perf_counter() - t1)
+        return loss
+
+
+class _ModelCall:
+    """The model as TRL's compute_loss calls it: records the forward's log-probs, and with `value` given (the fix)
+    hands TRL value + (logp − logp.detach()): the shadow's value, the trainer's gradient."""
+
+    def __init__(self, model: nn.Module, value: torch.Tensor | None):
+        self.model, self.value, self.log_probs = model, value, None
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        lp = out.log_probs  # [1, N]
+        self.log_probs = lp
+        if self.value is not None:
+            out.log_probs = self.value.to(lp.dtype) + (lp - lp.detach())
+        return out
+
+
+class _VersionReader:
+    """The rollout queue as TRL's reader sees it; notes each sample's group version on the way (main process)."""
+
+    def __init__(self, inner, group_version: dict):
+        self._inner, self._group_version = inner, group_version
+
+    def get(self, *args, **kwargs):
+        sample = self._inner.get(*args, **kwargs)
+        self._group_version[sample.group_id] = int(sample.model_version)
+        return sample
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _VersionedCollate:
+    """TRL's collator, plus `pc_sample_version` [rows, samples]: the version of each sample of each row, in the
+    order `TreeRow.pack` numbers them (`segment_id`), −1 padded."""
+
+    def __init__(self, inner, group_version: dict):
+        self._inner, self._group_version = inner, group_version
+
+    def __call__(self, examples):
+        (rows,) = examples
+        batch = self._inner(examples)
+        versions = [[self._group_version[s["group_id"]] for s in row.samples] for row in rows]
+        width = max(len(v) for v in versions)
+        batch[VERSION_KEY] = torch.tensor([v + [-1] * (width - len(v)) for v in versions], dtype=torch.long)
+        return batch
+
+
+try:  # a TrainerCallback when transformers is importable (it always is beside trl)
+    from transformers import TrainerCallback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object
+
+
+def _trainer_being_built():
+    """The AsyncGRPOTrainer whose __init__ is calling the callbacks' on_init_end (callbacks get no trainer)."""
+    import inspect
+
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    for frame in inspect.stack()[1:]:
+        obj = frame.frame.f_locals.get("self")
+        if isinstance(obj, AsyncGRPOTrainer):
+            return obj
+    return None
+
+
+def _hooks_of(trainer, engine_dtype: str, matmul: str, built: bool = True) -> _Hooks:
+    hooks = trainer.__dict__.get("_pc_async")
+    if hooks is None:
+        check_async_internals(trainer, built)
+        check_shadow_memory(trainer, engine_dtype)
+        hooks = trainer._pc_async = _Hooks(trainer, engine_dtype, matmul)
+    elif (hooks.engine_dtype, hooks.matmul) != (engine_dtype, matmul):
+        raise IntegrationError(f"this trainer's shadows are {hooks.engine_dtype} (matmul {hooks.matmul}); the monitor "
+                               f"and with_async_shadow_ratio must name the same engine dtype, not {engine_dtype}")
+    return hooks
+
+
+class AsyncPrecisionMonitor(_Callback):
+    """Logs `precision/*` through the async trainer's own metrics every `interval` optimizer steps, on the tokens
+    TRL's loss trains: α, β and its two parts against the shadow of each sample's version, TRL's clip rate, the clip
+    rate on α alone, the phantom-clip rate, and the staleness of those tokens. Figures are over every rank's tokens
+    (the same on each rank), appended as (sum, count) pairs so TRL's log reduces a window token-weighted. It never
+    changes a gradient. Pass it in `callbacks=[...]` (it attaches while the trainer is built) or call `attach`
+    before `train()`."""
+
+    def __init__(self, engine_dtype: str = "bfloat16", epsilon: float | None = None, epsilon_high: float | None = None,
+                 interval: int = 1, matmul: str = "auto"):
+        check_trl_version()
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise IntegrationError(f"AsyncPrecisionMonitor interval must be an integer >= 1, got {interval!r}")
+        _check_engine(engine_dtype, matmul, "AsyncPrecisionMonitor")
+        for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
+            if value is not None:  # None: TRL's own trust region
+                KNOBS[name].check(f"AsyncPrecisionMonitor {name}", value, IntegrationError)
+        self.engine_dtype, self.matmul, self.interval = engine_dtype, matmul, interval
+        self.epsilon, self.epsilon_high = epsilon, epsilon_high
+        self.trainer = None
+        self.last: dict | None = None
+
+    def attach(self, trainer, _built: bool = True) -> None:
+        from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+        if not isinstance(trainer, AsyncGRPOTrainer):
+            raise IntegrationError("AsyncPrecisionMonitor works with trl.experimental.async_grpo.AsyncGRPOTrainer and "
+                                   f"its subclasses, not {type(trainer).__name__} (GRPOTrainer: PrecisionMonitor)")
+        if self.trainer is not None:
+            raise IntegrationError("this AsyncPrecisionMonitor is already attached to a trainer: make one per trainer")
+        hooks = _hooks_of(trainer, self.engine_dtype, self.matmul, _built)
+        if hooks.monitor is not None:
+            raise IntegrationError("this trainer already has an AsyncPrecisionMonitor: attach one only")
+        hooks.monitor, self.trainer, self.hooks = self, trainer, hooks
+        if self.epsilon is None:  # TRL's own trust region, or our ε_high over it
+            self._eps = (trainer.epsilon_low, trainer.epsilon_high if self.epsilon_high is None else self.epsilon_high)
+        else:
+            self._eps = clip_range(self.epsilon, self.epsilon_high)
+
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            trainer = _trainer_being_built()
+            if trainer is not None:
+                self.attach(trainer, _built=False)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise IntegrationError("AsyncPrecisionMonitor is not attached: pass it in the trainer's callbacks, or call "
+                                   "monitor.attach(trainer) before trainer.train()")
+        state.log_history.append({"precision/engine_dtype": self.engine_dtype,
+                                  "precision/max_staleness": self.trainer.args.max_staleness,
+                                  "precision/shadow_bytes": shadow_memory(self.trainer, self.engine_dtype)[1],
+                                  "step": state.global_step})
+
+    def _record(self, rec: _Record) -> None:
+        stats = async_precision_stats(rec.logp, rec.logp_engine, rec.logp_shadow, rec.logp_shadow_old, rec.advantages,
+                                      rec.staleness, eps_low=self._eps[0], eps_high=self._eps[1],
+                                      max_staleness=self.trainer.args.max_staleness)
+        self.last = async_figures(stats)
+        sink, s = self.trainer._metrics["train"], stats["sums"]
+        for key, name in MEANS.items():  # (sum, count): TRL's log() reduces a window as Σ sums / Σ counts
+            sink[f"precision/{key}"].append((s[name], s["tokens"]))
+        for name, value in s.items():
+            if name.startswith("staleness_"):
+                sink[f"precision/{name.replace('staleness_', 'staleness_share_')}"].append((value, s["tokens"]))
+        sink["precision/beta_abs_p99"].append(stats["beta_abs_p99"])
+        sink["precision/nonfinite_total"].append(s["nonfinite"])
+
+
+def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul: str = "auto") -> type:
+    """A subclass of `trainer_cls` (AsyncGRPOTrainer or a subclass) whose PPO clip decides on α alone.
+
+    TRL's compute_loss runs unchanged on two replaced inputs: the old log-probs become the shadow's of the sample's
+    version (log π_shadow(θ_v), instead of the server's), and the log-probs of its forward become log π_shadow(θ_t) +
+    (logp − logp.detach()): value of the current weights' shadow, gradient of the trainer's forward. The ratio TRL
+    clips is then exp(α), and its gradient is TRL's with exp(α) in place of exp(α + β) per token. TRL's loss,
+    normalisation (global token count per rank, gradient accumulation) and metrics are otherwise its own; its
+    `ratio`, `kl` and `clip_ratio/*` then describe the ratio it clips, exp(α). Costs one shadow forward per
+    micro-batch and one more per other version present in it (none at staleness 0 with weight_sync_steps = 1)."""
+    check_trl_version()
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, AsyncGRPOTrainer)):
+        name = getattr(trainer_cls, "__name__", trainer_cls)
+        raise IntegrationError(f"with_async_shadow_ratio wraps AsyncGRPOTrainer or a subclass of it, not {name!r}")
+    _check_engine(engine_dtype, matmul, "with_async_shadow_ratio")
+
+    class AsyncShadowRatio(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _hooks_of(self, engine_dtype, matmul).fix = True
+
+    AsyncShadowRatio.__name__ = AsyncShadowRatio.__qualname__ = f"AsyncShadowRatio{trainer_cls.__name__}"
+    return AsyncShadowRatio

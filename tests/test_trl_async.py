@@ -1,0 +1,263 @@
+"""AsyncPrecisionMonitor and with_async_shadow_ratio inside TRL 1.16's real AsyncGRPOTrainer on CPU: its queue,
+staleness filter, planner, tree packing, collator and compute_loss, with the bf16 LocalEngine standing in for the
+vLLM server (integrations.trl_async_cpu) and the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_close_eps, eps
+
+pytest.importorskip("trl")
+
+import trl_async_setup as setup  # noqa: E402
+from phantomclip.integrations.trl_async import (  # noqa: E402
+    AsyncPrecisionMonitor,
+    IntegrationError,
+    async_figures,
+    async_precision_stats,
+    with_async_shadow_ratio,
+)
+
+
+def _rows(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "precision/beta_abs_mean" in h]
+
+
+def test_cpu_tree_attention_equals_the_plain_forward(tmp_path):
+    """TRL's packing of a group (a shared prompt, completions that share and then leave a prefix) through TRL's
+    tree_attention with the CPU kernel gives each sample's log-probs as a plain forward of that sample alone."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
+    from trl.trainer.utils import add_fused_lm_head
+
+    from phantomclip.integrations.trl_async import _packed_forward
+    from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
+
+    register_tree_attention()
+    use_cpu_stand_ins()
+    path = setup.model_dir(str(tmp_path))
+    packed_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=TREE_ATTENTION).eval()
+    plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    add_fused_lm_head(packed_model)
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12, 13], [5, 6, 7, 20], [30, 31, 32]]  # 3 share a 4-token prompt
+    row = TreeRow()
+    for i, s in enumerate(seqs):
+        mask = [0, 0, 0] + [1] * (len(s) - 3)
+        row.add({"input_ids": torch.tensor(s), "completion_mask": torch.tensor(mask), "group_id": 0,
+                 "old_log_probs": torch.zeros(len(s)), "advantage": 1.0})
+    p = row.pack()
+    inputs = {k: v.unsqueeze(0) for k, v in p.items()}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    kwargs, token_index, _ = _packed_forward(inputs)
+    assert kwargs["input_ids"].shape[1] < sum(map(len, seqs))  # the shared prefix is forwarded once
+    with torch.no_grad():
+        got = packed_model(**kwargs, fused_lm_head=True).log_probs.flatten()[token_index]  # [M]
+        want = []
+        for s in seqs:
+            logits = plain(torch.tensor([s])).logits[0].float()  # [T, V]
+            lp = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(s[1:])[:, None])[:, 0]  # [T-1]
+            want.append(lp[2:])  # the completion tokens (positions 3..)
+    want = torch.cat(want)
+    # the same fp32 forward in another attention layout and another head (TRL's chunked log-softmax): roundings of
+    # sums over the hidden size (64) and the vocabulary (320) of values of size |logp| + a few
+    assert_close_eps(got, want, torch.float32, want.abs() + 4, terms=320, factor=4.0, name="packed vs plain")
+
+
+def test_monitor_on_the_real_async_trainer(tmp_path):
+    """3 steps, one group a step, two groups sampled per fill: staleness at the loss 0, 1, 1 (the group sampled with
+    the step's weights, then the fill's second group a version late; the next fill happens while the previous
+    step's batch is prefetched, one sync before it trains). Figures equal the stats function on the last batch's
+    tensors; the old-version shadow holds the weights TRL sent as that version, not today's; training is unchanged
+    by the monitor."""
+    from phantomclip.integrations.trl_async import _score
+    from phantomclip.integrations.weights import build_shadow
+
+    plain, _ = setup.make_trainer(str(tmp_path / "a"), steps=3)
+    plain.train()
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    sent = {}
+    watched, engine = setup.make_trainer(str(tmp_path / "b"), callbacks=[monitor], steps=3)
+    send = watched.weight_transfer.send_weights
+
+    def keep_and_send(it):  # what TRL streams as version model_version + 1 (TRL bumps the version after sending)
+        sent[watched.model_version + 1] = {n: t.clone() for n, t in it}
+        send(iter(sent[watched.model_version + 1].items()))
+
+    watched.weight_transfer.send_weights = keep_and_send
+    watched.train()
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(plain) == losses(watched)  # the monitor changes nothing: same seeds, same numbers
+    rows = _rows(watched)
+    assert len(rows) == 3
+    stale = [[k for k in range(3) if r[f"precision/staleness_share_{k}"] == 1.0] for r in rows]
+    assert stale == [[0], [1], [1]], stale
+    assert rows[0]["precision/alpha_abs_mean"] == 0.0  # staleness 0, weight_sync_steps 1: α is exactly zero
+    assert all(r["precision/beta_abs_mean"] > 0 for r in rows)  # fp32 trainer vs bf16 engine: a real gap
+    assert rows[-1]["precision/beta_kernel_abs_mean"] > 0  # the engine's decode kernels against the packed forward
+    # the last row equals the stats function on the last batch's tensors (one micro-batch a step: TRL's window
+    # reduction of one (sum, count) pair is sum / count)
+    rec = watched._pc_async.last
+    want = async_figures(async_precision_stats(rec.logp, rec.logp_engine, rec.logp_shadow, rec.logp_shadow_old,
+                                         rec.advantages, rec.staleness, eps_low=0.2, eps_high=0.2,
+                                         max_staleness=2))
+    for key, value in want.items():
+        assert math.isclose(rows[-1][f"precision/{key}"], value, rel_tol=1e-12, abs_tol=1e-15), key
+    # versions 1 (initial sync) to 4 (after step 3) were sent; the last step trained version 2's samples at 3
+    shadows = watched._pc_async.shadows
+    assert sorted(sent) == [1, 2, 3, 4] and rec.versions.unique().tolist() == [2] and rec.staleness.max() == 1
+    assert sorted(shadows.versions) == [2, 3, 4]  # max_staleness + 1 kept, the oldest recycled
+    # keyed by version: the old log-probs are those of the weights TRL sent as version 2, rounded to bf16, on the
+    # same packed row (a shadow built apart and filled from what was sent: bit for bit); version 3's differ
+    for v, equal in ((2, True), (3, False)):
+        apart = build_shadow(watched.model, "bfloat16", "cpu")
+        with torch.no_grad():
+            for name, p in apart.named_parameters():
+                p.copy_(sent[v][name])
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(apart, temperature=watched.temperature)
+        scored = _score(apart.eval(), rec.row).flatten()[rec.token_index]
+        assert torch.equal(scored, rec.logp_shadow_old) == equal, v
+
+
+def _batch_with_staleness(trainer):
+    """A real collated micro-batch trained one version late: sync (v1), the first batch (the fill samples two
+    groups at v1), a weight change, sync (v2), then the second batch: group 1 of version 1 at version 2."""
+    trainer.model.train()
+    trainer.weight_transfer.init_weight_transfer()
+    trainer._sync_weight()
+    trainer.rollout_worker.start()
+    loader = iter(trainer.get_train_dataloader())
+    next(loader)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in trainer.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))  # a step large enough to move bf16 values
+    trainer._sync_weight()
+    return trainer._prepare_inputs(next(loader))
+
+
+def test_shadow_ratio_per_token_losses_equal_a_hand_computation(tmp_path):
+    """The fix on a real packed batch of staleness 1: TRL's loss equals Σ −min(r A, clip(r) A) / tokens with
+    r = exp(α), α = shadow(θ_t) − shadow(θ_v) scored on the same packed row, and the gradient reaching each packed
+    position of the trainer's log-probs is, per loss term, −A r / tokens where the clip on α does not fire, 0 where
+    it does (summed over the terms sharing a position)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from phantomclip.integrations.trl_async import _packed_forward, _score
+
+    Trainer = with_async_shadow_ratio(AsyncGRPOTrainer)
+    trainer, _ = setup.make_trainer(str(tmp_path / "f"), cls=Trainer, epsilon=0.05, reward=setup.spread)
+    batch = _batch_with_staleness(trainer)
+    hooks = trainer._pc_async
+    kwargs, token_index, selected = _packed_forward(batch)
+    versions = batch["pc_sample_version"][0][batch["segment_id"][selected]]
+    assert versions.unique().tolist() == [1] and hooks.shadows.version == 2
+    now = _score(hooks.shadows.versions[2], kwargs).flatten()[token_index]  # [M]
+    old = _score(hooks.shadows.versions[1], kwargs).flatten()[token_index]  # [M]
+    A = batch["advantages"][selected]  # [M]
+    n = batch["global_n_tokens"][0].item()  # one process: tokens per rank = all of them
+    captured = {}
+
+    class Recording(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            out.log_probs.retain_grad()
+            captured["lp"] = out.log_probs
+            return out
+
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(Recording(trainer.model), batch)
+    loss.backward()
+    r = torch.exp(now - old)  # [M] the shadow ratio, exp(α)
+    clipped = torch.clamp(r, 1 - 0.05, 1 + 0.05)
+    per_token = -torch.min(r * A, clipped * A)  # [M]
+    assert (per_token != -(r * A)).any() and (now != old).any()  # some clip fires on α, α ≠ 0
+    # one fp32 sum of M terms of size |r A| in TRL's order and in this one
+    assert_close_eps(loss.item(), per_token.sum().item() / n, torch.float32, (r * A).abs().max() / n,
+                     terms=token_index.numel(), name="loss")
+    fires = ((A > 0) & (r > 1.05)) | ((A < 0) & (r < 0.95))  # TRL's clip on the ratio it sees: exp(α)
+    grad_terms = torch.where(fires, 0.0, -A * r / n)  # [M]
+    want = torch.zeros(captured["lp"].numel()).index_add_(0, token_index, grad_terms)  # [N]
+    # autograd through exp and the min/clamp: each term one or two roundings of |A r| / n, summed per position
+    assert_close_eps(captured["lp"].grad.flatten(), want, torch.float32, (A * r).abs().max() / n, terms=4,
+                     name="per-position gradient")
+    assert eps(torch.float32) == 2**-23
+
+
+def test_shadow_ratio_leaves_staleness_zero_ratios_at_one(tmp_path):
+    """With the fix, a batch trained at its sampling version has α = 0 exactly: TRL's logged ratio is 1 and no
+    clip fires, whatever β is (the trainer's first step)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    trainer, _ = setup.make_trainer(str(tmp_path / "z"), cls=with_async_shadow_ratio(AsyncGRPOTrainer), steps=1,
+                                    epsilon=0.001)
+    trainer.train()
+    row = next(h for h in trainer.state.log_history if "ratio" in h)
+    assert row["ratio"] == 1.0 and row["clip_ratio/region_mean"] == 0.0 and row["kl"] == 0.0
+
+
+def test_async_stats_on_constructed_tensors():
+    # ε = 0.2 (log bounds −0.223 / +0.182). Tokens: α = [0, 0, 0.3, 0.1], β_precision = [0.25, −0.3, 0, 0],
+    # β_kernel = [0, 0, 0, 0.1]; A = [+1, −1, +1, +1]; staleness [0, 0, 1, 2]; plus one token without a shadow.
+    shadow_old = torch.tensor([-1.0, -2.0, -3.0, -1.5, -2.0])
+    shadow = shadow_old + torch.tensor([0.0, 0.0, 0.3, 0.1, 0.0])
+    logp = shadow + torch.tensor([0.25, -0.3, 0.0, 0.0, 0.0])
+    engine = shadow_old - torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0])
+    shadow_old[4] = math.nan  # its version has no shadow
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0])
+    s = async_figures(async_precision_stats(logp, engine, shadow, shadow_old, adv, torch.tensor([0, 0, 1, 2, 0]),
+                                      eps_low=0.2, eps_high=0.2, max_staleness=2))
+    tol = 4 * eps(torch.float32) * 3  # each value one fp32 rounding of numbers below 3.3
+    assert s["nonfinite_total"] == 1
+    assert s["alpha_mean"] == pytest.approx(0.4 / 4, abs=tol)
+    assert s["beta_mean"] == pytest.approx((0.25 - 0.3 + 0.1) / 4, abs=tol)
+    assert s["beta_abs_mean"] == pytest.approx(0.65 / 4, abs=tol)
+    # TRL's ratio log r = α + β: [0.25, −0.3, 0.3, 0.2]; fires with A: +0.25 (A > 0) yes, −0.3 (A < 0) yes,
+    # 0.3 yes, 0.2 yes (> 0.182); on α alone: only 0.3 -> 4 clips, 1 real, 3 phantom
+    assert (s["clip_rate"], s["alpha_clip_rate"], s["phantom_clip_rate"]) == (1.0, 0.25, 0.75)
+    assert (s["staleness_share_0"], s["staleness_share_1"], s["staleness_share_2"]) == (0.5, 0.25, 0.25)
+    # |β| sorted [0, 0.1, 0.25, 0.3]: position 0.99 × 3 = 2.97, 0.25 + 0.97 × 0.05 (torch.quantile's linear rule)
+    assert s["beta_abs_p99"] == pytest.approx(0.25 + 0.97 * 0.05, abs=tol)
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    import phantomclip.integrations.trl_async as integration
+
+    with pytest.raises(IntegrationError, match="interval must be an integer >= 1"):
+        AsyncPrecisionMonitor(interval=0)
+    with pytest.raises(IntegrationError, match="wraps AsyncGRPOTrainer"):
+        with_async_shadow_ratio(dict)
+    with pytest.raises(IntegrationError, match="unknown dtype"):
+        AsyncPrecisionMonitor(engine_dtype="fp8")
+    trainer, _ = setup.make_trainer(str(tmp_path / "x"), steps=1)
+    # shadows that do not fit: one line with the need and what is available
+    monkeypatch.setattr(integration, "available_memory", lambda device: 10_000)
+    with pytest.raises(IntegrationError) as e:
+        AsyncPrecisionMonitor().attach(trainer)
+    kept, per = integration.shadow_memory(trainer, "bfloat16")
+    assert kept == 3 and per == 2 * sum(p.numel() for p in trainer.model.parameters())
+    assert "need" in str(e.value) and "max_staleness 2 + 1" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.undo()
+    # a newer TRL whose trainer lacks what the hooks read: one line naming it, before anything is replaced
+    monkeypatch.delattr(AsyncGRPOTrainer, "_sync_weight")
+    with pytest.raises(IntegrationError, match="has no attribute '_sync_weight'"):
+        AsyncPrecisionMonitor().attach(trainer)
+    monkeypatch.undo()
+    del trainer.model_version
+    with pytest.raises(IntegrationError, match="has no attribute 'model_version'"):
+        AsyncPrecisionMonitor().attach(trainer)
+    assert "_pc_async" not in trainer.__dict__
+    # a GRPOTrainer is not an async trainer; one monitor per trainer
+    with pytest.raises(IntegrationError, match="not dict"):
+        AsyncPrecisionMonitor().attach({})

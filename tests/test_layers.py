@@ -7,7 +7,7 @@ Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
   core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth, train_config, routing,
             diagnose_config
   jobs      diagnose, trainer, trace, experiments, growth, compare (the `phantomclip engines` command)
-  surfaces  report, integrations, cli, diagnose_text, answer, job_text, config_flags
+  surfaces  report, integrations, cli, diagnose_text, answer, job_text, config_flags, routing_text
 The package root (phantomclip/__init__.py: version constants) is below them all: anyone may import it, it imports
 nothing of the package.
 
@@ -38,7 +38,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing",
              "diagnose_config", "diagnose_fp8"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
-    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags", "fp8_text"),
+    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags", "fp8_text",
+                 "routing_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
 SIDEWAYS_OK = {"leaf", "core", "surfaces"}

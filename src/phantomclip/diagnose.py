@@ -330,8 +330,9 @@ def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: d
     split = routing.route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
     where = _concat([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
     own = {name: routing.concat(s.routes) for name, s in scored.items() if s.routes}
-    return routing.route_figures(routing.concat(sampled.routes), own, where, _num_experts(prep.lm.model), first,
-                                 split, sampled.mask, cfg.epsilon, cfg.epsilon_high)
+    return routing.route_figures(routing.concat(sampled.routes), own, where=where, experts=_num_experts(prep.lm.model),
+                                 split_recipe=first, split=split, mask=sampled.mask, eps_low=cfg.epsilon,
+                                 eps_high=cfg.epsilon_high)
 
 
 def _num_experts(model) -> int:

@@ -338,23 +338,22 @@ def render_diagnose(result: dict, console: Console) -> None:
         for line in knob_lines(knobs):
             console.print("  " + line, markup=False)
         console.print()
-    if "drift" in result:
-        for line in drift_lines(result["drift"]):
-            console.print(line, markup=False)
-        console.print()
-    if "fp8" in result:  # --engine-quant: the FP8 engine beside the plain engine (fp8_text.py)
-        from .fp8_text import fp8_lines
-
-        for line in fp8_lines(result):
-            console.print(line, markup=False)
-        console.print()
-    if "routing" in result:  # MoE models: the route table (routing_text.py)
-        from .routing_text import routing_lines
-
-        for line in routing_lines(result):
+    for lines in optional_blocks(result):
+        for line in lines:
             console.print(line, markup=False)
         console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
+
+
+def optional_blocks(result: dict) -> list[list[str]]:
+    """The blocks a run has only with some settings, in print order: --drift, an FP8 engine (--engine-quant,
+    fp8_text.py), an MoE model's route table (routing_text.py)."""
+    from .fp8_text import fp8_lines
+    from .routing_text import routing_lines
+
+    makers = {"drift": lambda: drift_lines(result["drift"]), "fp8": lambda: fp8_lines(result),
+              "routing": lambda: routing_lines(result)}
+    return [make() for key, make in makers.items() if key in result]
 
 
 def framework_rows(result: dict) -> list[tuple[str, str, float | None, str | None, str]]:

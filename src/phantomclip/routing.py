@@ -38,6 +38,8 @@ from torch import nn
 
 from .errors import PhantomclipError
 from .metrics import mean_or_nan, quantile_or_nan, trust_region_split
+from .recipes import Recipe
+from .scoring import score
 
 
 class RoutingError(PhantomclipError):
@@ -92,6 +94,18 @@ ADAPTERS: dict[str, Adapter] = {
 }
 """router class name -> adapter. Each class returns (router_logits [N, E], weights [N, k], ids [N, k]) from
 forward(hidden [N, H]) in transformers 5.24.0."""
+
+REPLAY_FLAGS: dict[str, str] = {
+    "verl": ("actor_rollout_ref.actor.router_replay.mode=R3 "
+             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+    "slime": "--use-rollout-routing-replay",
+    "NeMo-RL": "policy.router_replay.enabled=true",
+    "vLLM": "enable_return_routed_experts=True",
+}
+"""how each framework turns on rollout routing replay (what removes β_route), as its users write it. verl: its Router
+Replay page (docs/advance, 'Enabling R3 Mode'; R3 needs a vLLM with PRs 28284 and 33013); slime (and miles): the
+training argument in its launch scripts; NeMo-RL: docs.nvidia.com/nemo/rl/0.8.0/guides/router-replay.html, which
+sets vLLM's engine argument `enable_return_routed_experts=True` to return the routed expert ids."""
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config fields that make a model a mixture of experts (Qwen/OLMoE; Mixtral/Granite/GPT-OSS; DeepSeek)."""
@@ -383,3 +397,54 @@ def route_split(logp_own: torch.Tensor, logp_replayed: torch.Tensor, logp_engine
     magnitudes differ by more than 2^29), so β_route + β_rest == β exactly."""
     own, rep, eng = (t.detach().double() for t in (logp_own, logp_replayed, logp_engine))
     return {"beta": own - eng, "beta_route": own - rep, "beta_rest": rep - eng}
+
+
+# ---------------------------------------------------------------------------------------- a job's figures
+
+
+def concat(routes: list[Routes]) -> Routes:
+    """Batches of routes [layers, B_i, T_i, ...] as one [layers, ΣB_i, max T_i, ...], the shorter ones padded with
+    positions that are not valid (as diagnose joins its batches' log-probs)."""
+    T = max(r.valid.shape[1] for r in routes)
+
+    def pad(x: torch.Tensor, dim: int, value) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = T - x.shape[dim]
+        return torch.cat([x, torch.full(shape, value, dtype=x.dtype)], dim=dim)
+
+    return Routes(ids=torch.cat([pad(r.ids, 2, 0) for r in routes], 1),
+                  weights=torch.cat([pad(r.weights, 2, 0.0) for r in routes], 1),
+                  margin=torch.cat([pad(r.margin, 2, float("nan")) for r in routes], 1),
+                  valid=torch.cat([pad(r.valid, 1, False) for r in routes], 0))
+
+
+def replayed_logprobs(model: nn.Module, recipe: Recipe, batches: list[dict[str, torch.Tensor]], routes: list[Routes],
+                      temperature: float, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Per batch, [B_i, T_i] log-probs of the completion tokens (`Rollout.pack` batches, on the host) scored by
+    `model` (laid out for `recipe`) in one pass with the experts of `routes` (the engine's) replayed."""
+    out = []
+    for host, r in zip(batches, routes):
+        p = {k: v.to(device) for k, v in host.items()}
+        with replay(model, r, full_layout(p["input_ids"].shape[1])):
+            sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
+                       temperature=temperature, entropy=False)
+        out.append(sc.logp.cpu())  # [B_i, T_i]
+    return out
+
+
+def route_figures(engine: Routes, own: dict[str, Routes], where: torch.Tensor, experts: int, split_recipe: str,
+                  split: dict[str, torch.Tensor], mask: torch.Tensor, eps_low: float, eps_high: float) -> dict:
+    """A job's route table (keys in docs/metrics.md, `routing`): what the engine routed, each recipe's routes against
+    the engine's (`route_stats` at the real positions `where` [n, T]), and for `split_recipe` the split of its β at
+    the sampled tokens `mask` [n, T] (`route_split`) with each part's size and the share of tokens it alone puts
+    outside the trust region (the phantom-clip-prone share by cause)."""
+    tokens = mask.bool() & torch.isfinite(split["beta"])  # [n, T]
+    parts = {name: part_stats(x[tokens], eps_low, eps_high) for name, x in split.items()}
+    out = {"engine": {"source": "local engine decode", "layers": engine.layers, "experts": experts,
+                      "k": engine.ids.shape[-1], "positions": int((where.bool() & engine.valid).sum()),
+                      "route_bytes": engine.nbytes(with_weights=False)}}
+    for name, r in own.items():
+        out[name] = route_stats(r, engine, where)
+    out[split_recipe] = {**out.get(split_recipe, {}), "tokens": int(tokens.sum()), **parts,
+                         "route_touched_share": mean_or_nan((split["beta_route"][tokens] != 0).double())}
+    return out

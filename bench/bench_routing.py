@@ -63,14 +63,28 @@ def overhead(rounds: int) -> None:
         run_diagnose(cfg)
         return time.perf_counter() - t0
 
+    from phantomclip import diagnose
+
+    phase = []  # wall time of the replayed forward and the route table, inside the runs with routing on
+    real_phase = diagnose.route_phase
+
+    def timed_phase(*a, **k):
+        t0 = time.perf_counter()
+        out = real_phase(*a, **k)
+        phase.append(time.perf_counter() - t0)
+        return out
+
+    diagnose.route_phase = timed_phase
     once(True)  # warm-up: imports, first oneDNN kernels
     on, off = [], []
     for r in range(rounds):  # ABBA: neither side always runs second
         for routes in ((True, False) if r % 2 == 0 else (False, True)):
             (on if routes else off).append(once(routes))
     ratio = statistics.median(a / b for a, b in zip(on, off))
+    share = statistics.median(p / t for p, t in zip(phase[1:], on))  # phase[0] is the warm-up's
     print(f"diagnose tiny-moe:0 n=16 max_tokens=32: routing on median {statistics.median(on):.3f} s, off "
-          f"{statistics.median(off):.3f} s, median paired ratio {ratio:.3f} over {rounds} pairs")
+          f"{statistics.median(off):.3f} s, median paired ratio {ratio:.3f} over {rounds} pairs; the route phase "
+          f"(replayed forward + table) median {statistics.median(phase[1:]):.3f} s, {100 * share:.1f}% of a run")
 
 
 def main() -> None:

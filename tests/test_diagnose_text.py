@@ -21,7 +21,8 @@ def _result(**gaps):
     recs = {name: {"beta_abs_mean": g, "beta_abs_max": 0.5} for name, g in gaps.items()}
     return {"recipes": recs, "engine": {"dtype": "bf16", "kind": "local"},
             "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2},
-            "knobs": {"keep_share": 0.99, "clip": {"keep": {"epsilon_low": 0.3, "epsilon_high": 0.4}}}}
+            "knobs": {"keep_share": 0.99, "clip": {"setting": {"epsilon_low": 0.2, "epsilon_high": 0.2},
+                                                   "keep": {"epsilon_low": 0.3, "epsilon_high": 0.4}}}}
 
 
 def test_same_gap_spread():

@@ -230,6 +230,8 @@ def _advice(result: dict, recs: dict[str, dict], best: str) -> str:
 
 # ------------------------------------------------------------------------------------------- rendering
 
+GLOSSARY_LINE = "terms (β, α, β_kernel, shadow, TIS, MIS, IcePop, GSPO, nats): docs/metrics.md#glossary"
+"""the last printed line: where every term of the output is defined."""
 TOKEN_COLUMNS = ["tokens", "nonfinite", "beta_mean", "beta_abs_mean", "beta_abs_p50", "beta_abs_p90", "beta_abs_p99",
                  "beta_abs_max", "outside_trust_region", "outside_below", "outside_above"]
 SHAPE_COLUMNS = ["beta_abs_mean_lowp", "beta_abs_mean_highp", "lowp_highp_ratio", "seq_logratio_mean",
@@ -343,6 +345,7 @@ def render_diagnose(result: dict, console: Console) -> None:
             console.print(line, markup=False)
         console.print()
     console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
+    console.print(GLOSSARY_LINE, markup=False)
 
 
 def optional_blocks(result: dict) -> list[list[str]]:

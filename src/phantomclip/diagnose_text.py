@@ -283,7 +283,7 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    table.add_column("", style="bold", no_wrap=True, max_width=20)
+    table.add_column("", style="bold", no_wrap=True)  # a figure name or a recipe, whole (at most 24 characters)
     for c in cols:
         table.add_column(c, justify="right", overflow="fold", min_width=8)
     for r in rows:

@@ -21,7 +21,7 @@ def render_trace(result: dict, console) -> None:
                   f"{result['tokens']} completion tokens")
     t = table("error along depth (‖x − x_ref‖ / ‖x_ref‖ over real tokens)")
     for col in ("site", "rel error", "max |Δ|", "ref RMS", "ref max |x|"):
-        t.add_column(col, justify="left" if col == "site" else "right")
+        t.add_column(col, justify="left" if col == "site" else "right", overflow="fold")
     for r in result["sites"]:
         t.add_row(r["site"], f"{r['rel_error']:.2e}", f"{r['max_abs_error']:.3g}", f"{r['ref_rms']:.3g}",
                   f"{r['ref_max_abs']:.3g}")
@@ -33,7 +33,7 @@ def render_trace(result: dict, console) -> None:
                   f"(correlation {fo['corr']:.4f}).")
     t = table("by the reference probability of the token")
     for col in ("p", "tokens", "mean |β|", "mean |Δz_y|", "mean |Σ p Δz|", "mean |first order|"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
     for r in fo["buckets"]:
         t.add_row(f"[{r['p_low']:g}, {r['p_high']:g})", str(r["tokens"]), f"{r['beta_abs_mean']:.4f}",
                   f"{r['dz_target_abs_mean']:.4f}", f"{r['dz_expected_abs_mean']:.4f}",
@@ -49,10 +49,19 @@ def render_trace(result: dict, console) -> None:
     if "what_if" in result:
         t = table("what-if: keep modules in fp32 (ranked by gain per extra MiB)")
         for col in ("keep fp32", "mean |β|", "outside %", "gain", "extra MiB", "forward s"):
-            t.add_column(col, justify="left" if col == "keep fp32" else "right")
+            t.add_column(col, justify="left" if col == "keep fp32" else "right", overflow="fold")
         for r in result["what_if"]:
             t.add_row(",".join(r["keep_fp32"]), f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
                       f"{r['gain']:+.4f}", f"{r['extra_mib']:.2f}", f"{r['forward_s']:.2f}")
+        console.print(t)
+    if "quant_what_if" in result:  # an FP8 recipe: which part kept in the engine's dtype buys the most
+        t = table(f"what-if: keep part of the FP8 quantisation in the engine's dtype (against {result['against']}; "
+                  "ranked by gain in mean |β|)")
+        for col in ("keep", "mean |β|", "outside %", "gain"):
+            t.add_column(col, justify="left" if col == "keep" else "right", overflow="fold")
+        for r in result["quant_what_if"]:
+            t.add_row(r["keep"], f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
+                      f"{r['gain']:+.4f}")
         console.print(t)
 
 
@@ -90,7 +99,7 @@ def render_engines(result: dict, console) -> None:
     title = f"engines: {cfg.n} prompts x {cfg.max_tokens} tokens, median of {cfg.repeats} calls after a warm-up"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("engine", "dtype", "start-up s", "tokens/s", "vs local"):
-        table.add_column(col, justify="left" if col in ("engine", "dtype") else "right")
+        table.add_column(col, justify="left" if col in ("engine", "dtype") else "right", overflow="fold")
     for r in rows:
         vs = f"{r['vs_local']:.2f}x" if r["vs_local"] is not None else "n/a"
         table.add_row(r["engine"], r["dtype"], f"{r['startup_seconds']:.1f}", f"{r['tokens_per_s']:.0f}", vs)
@@ -98,19 +107,47 @@ def render_engines(result: dict, console) -> None:
 
 
 def render_experiment(summary: dict, console) -> None:
-    """The experiment's table of arms (mean and 95% t interval over seeds) and its verdict lines."""
+    """The experiment's arms (mean and 95% t interval over seeds) and its verdict lines: one table when the terminal
+    is wide enough, else the figures in as many tables as it takes, each whole cell on one line (`column_groups`)."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"experiment {summary['experiment']}: mean [95% t interval] over seeds {summary['seeds']}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("arm")
-    table.add_column("seeds", justify="right")
-    for header, _ in ARM_COLUMNS:
-        table.add_column(header, justify="right")
-    for a in summary["arms"]:
-        table.add_row(a["run"], str(len(a["seeds"])), *(cell(a) for _, cell in ARM_COLUMNS))
-    console.print(table)
+    arms = summary["arms"]
+    cells = [[cell(a) for a in arms] for _, cell in ARM_COLUMNS]  # [column][arm]
+    # a column is as wide as its widest cell (kept whole) or header word (headers wrap), plus the table's padding
+    longest = [max(len(c) for c in col) for col in cells]
+    widths = [max(w, *(len(word) for word in header.split())) + PADDING for (header, _), w in zip(ARM_COLUMNS, longest)]
+    label = max([len("arm"), *(len(a["run"]) for a in arms)]) + len("seeds") + 2 * PADDING
+    groups = column_groups(widths, console.width - label)
+    for i, group in enumerate(groups):
+        part = f" ({i + 1}/{len(groups)})" if len(groups) > 1 else ""
+        table = Table(title=f"experiment {summary['experiment']}: mean [95% t interval] over seeds "
+                      f"{summary['seeds']}{part}", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("arm", no_wrap=True)
+        table.add_column("seeds", justify="right")
+        for k in group:
+            table.add_column(ARM_COLUMNS[k][0], justify="right", min_width=longest[k], overflow="fold")
+        for j, a in enumerate(arms):
+            table.add_row(a["run"], str(len(a["seeds"])), *(cells[k][j] for k in group))
+        console.print(table)
     console.print("* censored at the budget: a run that did not converge counts as the budget")
     for line in summary["verdict"]:
         console.print(f"- {line}")
+
+
+PADDING = 3
+"""terminal columns a rich table adds around each column's text (a space on each side and the separator)."""
+
+
+def column_groups(widths: list[int], room: int) -> list[list[int]]:
+    """The columns (by index, in order) packed greedily into groups whose widths add up to at most `room`; a column
+    wider than `room` gets a group of its own."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for k, w in enumerate(widths):
+        if groups[-1] and used + w > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(k)
+        used += w
+    return groups

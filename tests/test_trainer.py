@@ -235,7 +235,7 @@ def test_shared_prompt_gradient_matches_whole_rows(tiny, tiny_prompts):
 
 
 @pytest.mark.parametrize("intervention",
-                         [n for n in INTERVENTIONS if n not in ("epsilon", "correction")] + ["epsilon=0.1"])
+                         [n for n in INTERVENTIONS if n not in ("epsilon", "correction", "r3")] + ["epsilon=0.1"])
 def test_every_intervention_runs_with_finite_metrics(intervention):
     rows = train(TrainConfig(**TINY, steps=5, intervention=intervention)).metrics
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

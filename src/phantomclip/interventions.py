@@ -39,6 +39,9 @@ class Plan:
     """rollout correction mode (loss.CORRECTIONS), weights from logp_old (or the current logp) vs logp_engine."""
     loss_scaling: bool = False
     """dynamic loss scaling (fp16 gradients underflow without it)."""
+    routes: str = "own"
+    """MoE models: 'own' (each forward's router chooses) or 'engine' (the trainer's forwards replay the experts the
+    engine chose: rollout routing replay, R3; routing.py)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ INTERVENTIONS: dict[str, Intervention] = {
                         lambda a: {"correction": "sequence_mask"}),
     "icepop": Intervention("IcePop: mask tokens whose π/μ is outside [0.5, 2] (Ring-1T)",
                            lambda a: {"correction": "icepop"}),
+    "r3": Intervention("MoE models: the trainer's forwards use the experts the engine chose (rollout routing replay, "
+                       "R3; verl router_replay.mode=R3, slime --use-rollout-routing-replay)",
+                       lambda a: {"routes": "engine"}),
     "epsilon": Intervention("epsilon=X: clip range ε_low = ε_high = X", _epsilon),
     "correction": Intervention("correction=MODE: any rollout correction of loss.CORRECTIONS", _correction),
 }

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import routing, routing_train
 from .devices import clock
 from .engine import Engine, LocalEngine, Rollout, SamplingParams, sync_weights
 from .recipes import Recipe, apply_recipe
+from .routing import Routes
 from .scoring import score_packed
 
 PROMPT_STREAM = 1_000_003
@@ -59,6 +61,8 @@ class Batch:
     """seconds spent on logp_shadow_old (part of generate_s): the cost of the three-way split."""
     sync_s: float = 0.0
     """seconds the engine's weight sync took before sampling (part of generate_s; 0 when it held the version)."""
+    routes: Routes | None = None
+    """MoE models, local engine: the experts the engine chose as it sampled, on the packed batch's grid."""
 
 
 class RolloutProducer:
@@ -157,6 +161,8 @@ class Sampling:
     temperature: float
     staleness: int
     matmul: str
+    replay_routes: bool = False
+    """--intervention r3: the θ_old forwards (logp_old, logp_shadow_old) choose the engine's experts."""
 
 
 class RolloutMaker:
@@ -181,6 +187,7 @@ class RolloutMaker:
                            else engine.model if stale else None)
         self.old_policy = (apply_recipe(master, old_recipe, matmul=sampling.matmul) if old_recipe is not None
                            else None)
+        self.capture = routing_train.capture_plan(engine, master, sampling.replay_routes)
 
     def __call__(self, k: int, version: int, weights: dict) -> Batch:
         s, t0 = self.sampling, time.perf_counter()
@@ -195,21 +202,25 @@ class RolloutMaker:
         prompt_ids = [self.pool_ids[i] for i in chosen for _ in range(s.group_size)]
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
                                 seed=s.seed * SAMPLE_STREAM + k, stop_token_ids=self.stops)
-        rollout = self.engine.generate(prompt_ids, params)
+        rollout, routes = (routing.generate_with_routes(self.engine, prompt_ids, params) if self.capture
+                           else (self.engine.generate(prompt_ids, params), None))
         packed = rollout.pack(self.stops[0] if self.stops else 0, device=self.device)
         P = rollout.prompt_width
         logp_old = logp_shadow_old = None
-        if self.old_policy is not None:
-            sync_weights(self.old_policy, weights, count_changes=False)
-            logp_old = score_packed(self.old_policy, self.old_recipe, packed, P, s.group_size, s.temperature)
-        t_split = time.perf_counter()
-        if self.shadow_old is not None:
-            logp_shadow_old = score_packed(self.shadow_old, self.shadow_recipe, packed, P, s.group_size,
-                                           s.temperature)
+        replay = routing_train.replaying([self.old_policy, self.shadow_old], routes, P, s.group_size,
+                                         s.replay_routes)
+        with replay:
+            if self.old_policy is not None:
+                sync_weights(self.old_policy, weights, count_changes=False)
+                logp_old = score_packed(self.old_policy, self.old_recipe, packed, P, s.group_size, s.temperature)
+            t_split = time.perf_counter()
+            if self.shadow_old is not None:
+                logp_shadow_old = score_packed(self.shadow_old, self.shadow_recipe, packed, P, s.group_size,
+                                               s.temperature)
         t_end = clock(self.device)
         return Batch(step=k, prompts=[self.pool[i] for i in chosen for _ in range(s.group_size)], rollout=rollout,
                      packed=packed, weights_version=version, logp_old=logp_old, generate_s=t_end - t0,
-                     logp_shadow_old=logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s)
+                     logp_shadow_old=logp_shadow_old, shadow_old_s=t_end - t_split, sync_s=sync_s, routes=routes)
 
 
 def start_producer(make_batch: Callable[[int, int, dict], Batch], start: int, steps: int, staleness: int,

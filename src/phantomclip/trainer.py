@@ -40,12 +40,7 @@ from .engines.vllm_memory import BesideVllm
 from .errors import PhantomclipError
 from .files import check_output_dir, rounded
 from .interventions import INTERVENTIONS, Plan, TrainConfigError, resolve_plan
-from .loss import (
-    CorrectionParams,
-    group_advantages,
-    grpo_loss,
-    rollout_correction,
-)
+from .loss import CorrectionParams, group_advantages, grpo_loss, rollout_correction
 from .metrics import alpha_beta_stats, ratio_split
 from .producer import (
     Batch,
@@ -58,6 +53,7 @@ from .producer import (
     start_producer,
 )
 from .recipes import Recipe, apply_recipe, get_recipe, without_quant
+from .routing_train import routed_step
 from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
 from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig
@@ -164,7 +160,7 @@ def train(
                 t0 = time.perf_counter()
                 batch = producer.get()
                 t_wait = time.perf_counter() - t0
-                step = _train_step(batch, ctx)
+                step = routed_step(_train_step, batch, ctx)  # MoE: the routing part of β; r3 replays the engine's
                 publish_weights(producer, snapshots, setup.master, k + 1, cfg.staleness)
                 step.row.update({"task/converged": bool(setup.task.converged(step.row)), "time/wait_s": t_wait,
                                  "time/step_s": clock(device) - t0})
@@ -304,7 +300,7 @@ def _rollout_maker(setup: RunSetup, ctx: StepContext) -> RolloutMaker:
     cfg = setup.cfg
     sampling = Sampling(seed=cfg.seed, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
                         max_tokens=cfg.max_tokens, temperature=cfg.temperature, staleness=cfg.staleness,
-                        matmul=cfg.matmul)
+                        matmul=cfg.matmul, replay_routes=ctx.plan.routes == "engine")
     old_recipe = ctx.policy.recipe if ctx.plan.ratio_against == "trainer_old" else None
     return RolloutMaker(engine=setup.engine, master=setup.master, pool=setup.pool, pool_ids=setup.pool_ids,
                         stops=setup.stops, sampling=sampling, shadow_recipe=ctx.shadow_recipe, old_recipe=old_recipe)

@@ -330,3 +330,97 @@ def test_a_read_only_json_target_is_refused_before_work(command, tmp_path, capsy
     line = bad_cli([*JSON_COMMANDS[command], "--json", str(target)], capsys)
     assert f"--json {target} is read-only: make it writable" in line, line
     assert target.read_text() == "{}\n" and stat.S_IMODE(target.stat().st_mode) == 0o444
+
+
+# ------------------------------------------------------------------------------------ inputs that never end
+
+@pytest.fixture(scope="module")
+def snapshot_run(tmp_path_factory):
+    """A 1-step tiny run with its snapshots (step 0 and 1, each with its tokens), made once for the input tests."""
+    out = tmp_path_factory.mktemp("inputs") / "run"
+    assert main([*OUT_COMMANDS["train"], "--keep-snapshots", "1", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def deadline():
+    """Fail, rather than hang the suite, when a command blocks on what it opened (a FIFO had no writer)."""
+    import signal
+
+    def late(signum, frame):
+        raise AssertionError("the command blocked on an input for 60 s")
+
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _special(kind: str, path: Path) -> None:
+    """A FIFO at `path`, or a link to an endless character device (/dev/zero)."""
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("name,command", [
+    ("config.json", "resume"), ("metrics.jsonl", "resume"), ("config.json", "report"), ("metrics.jsonl", "report"),
+    ("config.json", "trace"), ("snapshots/step-000001.tokens.json", "trace"),
+    ("snapshots/step-000001.safetensors", "trace"),
+])
+def test_a_run_file_that_never_ends_is_one_line(name, command, kind, snapshot_run, tmp_path, capsys, deadline):
+    """A FIFO or /dev/zero in place of a run file, for every command that reads run files (resume, report --from,
+    trace --run): one line naming the file, at once (a FIFO blocked each for ever, /dev/zero was a MemoryError)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(snapshot_run, run)
+    _special(kind, run / name)
+    args = {"resume": [*OUT_COMMANDS["train"], "--out", str(run), "--resume", "--steps", "2"],
+            "report": ["report", "--from", str(run), "--out", str(tmp_path / "r")],
+            "trace": ["trace", "--run", str(run)]}[command]
+    what = "is a FIFO (named pipe), not a regular file" if kind == "fifo" else "is a character device, not a regular"
+    if command == "report" and name == "config.json":  # a file found in a --from directory: skipped, named
+        assert main(args) == 2
+        line = capsys.readouterr().err
+        assert "warning: " in line and "Traceback" not in line, line
+    else:
+        line = bad_cli(args, capsys, after_progress=True)
+    assert name.split("/")[-1] in line and what in line, line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("flag", ["--from-trl-config", "--from-verl-config"])
+def test_a_config_that_never_ends_is_one_line(flag, kind, tmp_path, capsys, deadline, monkeypatch):
+    _no_model_work(monkeypatch)
+    path = tmp_path / "grpo.yaml"
+    _special(kind, path)
+    line = bad_cli(["diagnose", *TINY, flag, str(path)], capsys)
+    assert f"{flag} {path}: is a " in line and "not a regular file" in line, line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_report_and_experiment_inputs_that_never_end(kind, tmp_path, capsys, deadline):
+    """report --from names a FIFO or device: one line; one found in a --from directory: skipped with the warning
+    that names it; an experiment's experiment.json: one line."""
+    from phantomclip.report import demo_sources
+
+    special = tmp_path / "special.json"
+    _special(kind, special)
+    line = bad_cli(["report", "--from", str(special), "--out", str(tmp_path / "r")], capsys)
+    assert "special.json: is a " in line and "not a regular file" in line, line
+    found = tmp_path / "dir"
+    found.mkdir()
+    (found / "diagnose.json").write_bytes((demo_sources()[0] / "diagnose.json").read_bytes())
+    _special(kind, found / "special.json")
+    assert main(["report", "--from", str(found), "--out", str(tmp_path / "r")]) == 0
+    assert "skipped 1 file that phantomclip cannot use: special.json is a " in capsys.readouterr().err
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    _special(kind, exp / "experiment.json")
+    line = bad_cli([*OUT_COMMANDS["experiment"], "--out", str(exp)], capsys)
+    assert "experiment.json: is a " in line and "not a regular file" in line, line

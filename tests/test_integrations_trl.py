@@ -47,7 +47,7 @@ def test_monitor_logs_precision_keys_and_changes_nothing(tmp_path):
     assert losses(plain) == losses(watched)  # the monitor changes nothing (same seeds, same numbers)
     logged = [h for h in watched.state.log_history if "precision/beta_abs_mean" in h]
     assert len(logged) == 3
-    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate"):
+    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "beta_clip_rate"):
         assert all(math.isfinite(h[f"precision/{key}"]) for h in logged), key
     assert logged[-1]["precision/beta_abs_mean"] > 0  # fp32 trainer vs bf16 shadow: a real gap
     assert "precision/changed_share_at_sync" in logged[-1]
@@ -57,7 +57,7 @@ def test_monitor_logs_precision_keys_and_changes_nothing(tmp_path):
     logp, logp_shadow, mask, adv = monitor.last_tensors
     ref = mismatch_stats(logp, logp_shadow, mask, 0.2, 0.2, advantages=adv.reshape(-1))
     # bit-identical by construction: the same function on the same tensors, and TRL's log averages one value
-    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate"):
+    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "beta_clip_rate"):
         assert logged[-1][f"precision/{key}"] == ref[key], (key, logged[-1][f"precision/{key}"], ref[key])
 
 
@@ -71,9 +71,9 @@ def test_precision_stats_on_constructed_tensors():
     # (Sterbenz: the two are within a factor 2), so the mean of β is off by at most eps/2 * max|logp|
     assert_close_eps(s["beta_mean"], 0.1 / 3, torch.float32, logp[mask.bool()].abs().max(), factor=0.5, name="mean β")
     assert s["outside_trust_region"] == pytest.approx(2 / 3)  # 0.3 above, -0.3 below
-    assert s["phantom_clip_rate"] == pytest.approx(1 / 3)  # only 0.3 with A > 0 zeroes the gradient
+    assert s["beta_clip_rate"] == pytest.approx(1 / 3)  # only 0.3 with A > 0 zeroes the gradient
     beta = torch.tensor([0.3, -0.3, 0.1], dtype=torch.float64)
-    assert s["phantom_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2,
+    assert s["beta_clip_rate"] == phantom_clip_mask(beta, torch.ones(3, dtype=torch.float64), 0.2,
                                                        0.2).double().mean().item()
 
 
@@ -93,16 +93,16 @@ def test_precision_stats_leave_nonfinite_tokens_out():
     assert s["beta_abs_mean"] == pytest.approx(0.7 / 3, abs=1e-6)
     assert s["beta_abs_p99"] == pytest.approx(0.3, abs=1e-6)  # |β| sorted [0.1, 0.3, 0.3]: index 1.98 -> 0.3
     assert s["outside_trust_region"] == pytest.approx(2 / 3)  # the +inf token is not counted as outside
-    assert s["phantom_clip_rate"] == pytest.approx(1 / 3)  # 0.3 above with A > 0; −0.3 below with A > 0 flows
+    assert s["beta_clip_rate"] == pytest.approx(1 / 3)  # 0.3 above with A > 0; −0.3 below with A > 0 flows
     # α leaves out the tokens where the shadow or the engine has no finite log-prob: tokens 1-3 remain, α = 0.05
     logp_engine = logp_shadow - 0.05
     logp_engine[0, 0] = float("nan")  # vLLM gave no log-prob here
     s = precision_stats(logp, logp_shadow, mask, torch.tensor([1.0]), 0.2, 0.2, logp_engine=logp_engine)
-    assert s["alpha_mean"] == pytest.approx(0.05, abs=1e-6) and s["nonfinite"] == 2
+    assert s["shadow_minus_engine_mean"] == pytest.approx(0.05, abs=1e-6) and s["nonfinite"] == 2
     # nothing finite left: NaN figures, every token counted
     s = precision_stats(torch.full((1, 2), float("nan")), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
                         0.2, 0.2)
-    assert s["nonfinite"] == 2 and math.isnan(s["beta_mean"]) and math.isnan(s["phantom_clip_rate"])
+    assert s["nonfinite"] == 2 and math.isnan(s["beta_mean"]) and math.isnan(s["beta_clip_rate"])
 
 def test_shadow_ratio_changes_the_clip_decision_and_equals_trl_when_dtypes_match(tmp_path):
     from trl import GRPOTrainer
@@ -267,7 +267,7 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content,fragment", [
-    (b"\xff\xfe\x00binary", "not a text file"),
+    (b"\xff\xfe\x00binary", "is not UTF-8 text"),
     (b"- a\n- b\n", "expected a mapping of GRPOConfig fields at the top level, found list"),
     (b"epsilon: wide\n", "epsilon is 'wide', not a number"),
     (b"temperature: .nan\n", "temperature is nan, not a finite number"),

@@ -20,7 +20,78 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, WriteError
+from .errors import ConfigError, PhantomclipError, WriteError
+
+
+class InputError(PhantomclipError):
+    """An input file that is not one to read: a FIFO, device or directory, too large, unreadable, not UTF-8. The
+    message names the file; `reason` is the rest, for a caller that words the line itself."""
+
+    def __init__(self, path: str | Path, reason: str):
+        super().__init__(f"{printable(str(path))}: {reason}")
+        self.reason = reason
+
+
+INPUT_MEMORY_SHARE = 16
+"""an input file may hold at most this fraction of the machine's memory: JSON read into Python takes about 4 times
+its text (measured with tracemalloc on the demo's metrics.jsonl: 4.2x at the peak), and the job needs the rest."""
+INPUT_CAP = 2**30
+"""and at most 1 GiB whatever the memory: a metrics.jsonl of 10,000 steps is about 6 MB."""
+
+
+def input_limit() -> int:
+    """The most bytes an input file may have on this machine (INPUT_MEMORY_SHARE, INPUT_CAP)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        memory = 16 * 2**30
+    return min(INPUT_CAP, memory // INPUT_MEMORY_SHARE)
+
+
+def _check_input_stat(path: str | Path, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(path, "is a directory, not a file: give the file")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(path, f"is {special_kind(st.st_mode)}, not a regular file: give the file itself (a pipe or "
+                               "device is never read: it may never end)")
+    limit = input_limit()
+    if st.st_size > limit:
+        raise InputError(path, f"is {st.st_size / 1e6:,.0f} MB, more than the {limit / 1e6:,.0f} MB an input file may "
+                               f"have on this machine (1/{INPUT_MEMORY_SHARE} of its memory, 1 GiB at most): give "
+                               "the file phantomclip wrote")
+
+
+def check_input(path: str | Path) -> None:
+    """Refuse (InputError) an input that is not a regular file of a sane size, before a library that takes a path
+    (safetensors, transformers) opens it: a FIFO would block that open for ever."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    _check_input_stat(path, st)
+
+
+def read_input(path: str | Path) -> str:
+    """The UTF-8 text of the input file `path`: the one way phantomclip reads a file it did not just write (configs,
+    run files, report sources, snapshot tokens). A regular file only (opened without blocking, so a FIFO cannot
+    hang it, and checked on the open descriptor), at most input_limit() bytes, checked before reading; InputError
+    otherwise, naming the file printably (a name that is not UTF-8 shows its bytes as \\xNN)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    try:
+        _check_input_stat(path, os.fstat(fd))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(input_limit() + 1)
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(path, "is not UTF-8 text") from None
 
 
 def output_target(path: str | Path) -> tuple[Path, bool]:

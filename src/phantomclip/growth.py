@@ -27,7 +27,7 @@ from .depth import site_errors
 from .devices import describe_device
 from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
-from .files import JSON_ERRORS, json_reason
+from .files import JSON_ERRORS, InputError, check_input, json_reason, printable, read_input
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
 from .runs import RunDir, read_json_object
@@ -96,10 +96,10 @@ def read_tokens(path: Path) -> dict:
     """A snapshot's tokens file: prompt_ids and completion_ids, as many rows of each, lists of token ids (whole
     numbers >= 0), at least one completion token; one GrowthError line naming the file otherwise."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, *JSON_ERRORS) as e:
-        why = getattr(e, "strerror", None) or (json_reason(e) if isinstance(e, JSON_ERRORS) else e)
-        raise GrowthError(f"{path} is not readable JSON ({why}): "
+        record = json.loads(read_input(path))
+    except (InputError, *JSON_ERRORS) as e:
+        why = e.reason if isinstance(e, InputError) else json_reason(e)
+        raise GrowthError(f"{printable(str(path))} is not readable JSON ({why}): "
                           "restore it or remove it (its snapshot is then measured on the reference tokens only)"
                           ) from None
     rows = {k: record.get(k) if isinstance(record, dict) else None for k in ("prompt_ids", "completion_ids")}
@@ -120,6 +120,10 @@ def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
     from safetensors.torch import load_file
 
     path = RunDir(run.path).snapshot_path(step)
+    try:
+        check_input(path)  # safetensors opens the path itself: a FIFO there would block it
+    except InputError as e:
+        raise GrowthError(f"{e}: restore the snapshot or remove it") from None
     try:
         weights = load_file(str(path))
     except (OSError, SafetensorError) as e:

@@ -33,6 +33,7 @@ from . import SCHEMA_VERSION
 from .errors import PhantomclipError, PhantomclipWarning, WriteError
 from .files import (
     JSON_ERRORS,
+    InputError,
     atomic_write,
     atomic_write_bytes,
     check_output_dir,
@@ -40,6 +41,8 @@ from .files import (
     json_reason,
     json_safe,
     open_owned,
+    printable,
+    read_input,
     stranded_temps,
     write_error,
 )
@@ -52,12 +55,12 @@ class RunError(PhantomclipError):
 def read_jsonl(path: Path) -> list[dict]:
     """Every JSON object line of `path`. A torn last line (a writer killed mid-line) is skipped with a warning; a bad
     line anywhere else is damage and raises RunError naming the file and line (nothing after it is dropped)."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise RunError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): check the file") from None
+        lines = read_input(path).splitlines()
+    except InputError as e:
+        raise RunError(str(e)) from None
     while lines and not lines[-1].strip():
         lines.pop()
     rows = []
@@ -98,11 +101,12 @@ def nan_for_null(row: dict) -> dict:
 def read_json_object(path: Path, what: str) -> dict:
     """A JSON file that must hold an object (config.json, experiment.json): one line naming the file otherwise."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, *JSON_ERRORS) as e:
-        why = getattr(e, "strerror", None) or (json_reason(e) if isinstance(e, JSON_ERRORS) else e)
-        raise RunError(f"{path} is not readable JSON ({why}): the {what} is damaged; restore it or start a new "
-                       "--out") from None
+        doc = json.loads(read_input(path))
+    except InputError as e:
+        raise RunError(f"{e}: the {what} cannot be read; restore it or start a new --out") from None
+    except JSON_ERRORS as e:
+        raise RunError(f"{printable(str(path))} is not readable JSON ({json_reason(e)}): the {what} is damaged; "
+                       "restore it or start a new --out") from None
     if not isinstance(doc, dict):
         raise RunError(f"{path} holds a JSON {type(doc).__name__}, not an object: the {what} is damaged; restore it "
                        "or start a new --out")

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError, check_number
-from ..files import json_reason
+from ..files import InputError, json_reason, read_input
 
 
 def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
@@ -21,11 +21,9 @@ def read_mapping(config: str | Path | dict, flag: str, holds: str) -> dict:
 
     path = Path(config)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{flag} {path}: not a text file") from None
+        doc = yaml.safe_load(read_input(path))
+    except InputError as e:  # a FIFO or device (never read: it may never end), too large, unreadable, not text
+        raise ConfigError(f"{flag} {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{flag} {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     except RecursionError:  # a document nested thousands deep overflows the parser's stack

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError, PhantomclipWarning
-from ..files import json_reason
+from ..files import InputError, json_reason, read_input
 from ..runs import read_jsonl
 
 
@@ -65,11 +65,9 @@ def read_json(path: Path) -> dict:
     """The JSON object in `path`, or Unusable saying why not. Python's own limits (an integer of more than 4300
     digits, nesting deeper than the recursion limit) are reasons like any other, not tracebacks."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise Unusable(f"cannot be read ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise Unusable("is not UTF-8 text") from None
+        data = json.loads(read_input(path))
+    except InputError as e:  # a FIFO, a device, too large, unreadable, not UTF-8
+        raise Unusable(e.reason) from None
     except RecursionError:
         raise Unusable("is not valid JSON for phantomclip (nested too deep to read)") from None
     except ValueError as e:  # json.JSONDecodeError, and int() refusing a number of thousands of digits
@@ -145,7 +143,7 @@ def collect(sources: list[str | Path]) -> ReportData:
     for src in map(Path, sources):
         if not src.exists():
             raise ReportError(f"--from {src}: no such file or directory")
-        named = src.is_file()
+        named = not src.is_dir()  # a file, or a FIFO or device named by the user: read_input says which
         skipped: list[str] = []
         for found in [src] if named else sorted(src.rglob("*.json")):
             f = found.resolve()

@@ -108,3 +108,20 @@ def test_bad_trace_input(capsys):
 
     with pytest.raises(TraceError, match="cannot find the decoder layers of Odd.*module tree root is Odd"):
         trace_sites(Odd())
+
+
+def test_fp8_trace_ranks_the_parts_of_the_quantisation():
+    """trace --recipe bf16+fp8-w8a8+fp8-kv --against bf16: β is the quantisers' alone; keeping each part (weights,
+    activations, KV cache, each Linear kind, each layer) in bf16 is a row, ranked by the gain in mean |β|; the first
+    row is the whole recipe, whose mean |β| is the depth trace's (there from float64 log-softmax of the full logits,
+    here from the fp32 scorer: equal to fp32 rounding of mean |β| ~ 1, a few 1e-7)."""
+    r = run_trace(TraceConfig(**TINY, recipe="bf16+fp8-w8a8+fp8-kv", against="bf16"))
+    rows = {row["keep"]: row for row in r["quant_what_if"]}
+    whole = rows["(nothing: the whole FP8 recipe)"]
+    assert whole["beta_abs_mean"] == pytest.approx(r["beta"]["beta_abs_mean"], rel=1e-5) and whole["gain"] == 0
+    assert r["beta"]["beta_abs_mean"] > 0
+    assert {"KV cache", "activations (FP8 weights only)", "weights (per-token FP8 activations only)", "every q_proj",
+            "every down_proj", "layer 0", "layer 1"} <= set(rows)
+    gains = [row["gain"] for row in r["quant_what_if"][1:]]
+    assert gains == sorted(gains, reverse=True)
+    assert r["recipe"] == "bf16+fp8-w8a8+fp8-kv" and r["against"] == "bf16"

@@ -153,7 +153,8 @@ class LinearQuant:
 
     name: str
     weight: str
-    """'tensor' (one scale per merged layer), 'channel' (one per output row) or 'block' (128 x 128)."""
+    """'tensor' (one scale per merged layer), 'channel' (one per output row), 'block' (128 x 128) or 'none' (the
+    weight as stored: `trace`'s what-if of FP8 activations alone)."""
     activation: str | None
     """'token' (dynamic, one scale per row), 'group' (dynamic, 1 x 128) or None (weight-only: bf16 activations)."""
     doc: str = ""
@@ -168,6 +169,8 @@ LINEAR_QUANTS: dict[str, LinearQuant] = {q.name: q for q in [
                 "block-quantised FP8 checkpoints: 128x128 weight blocks, 1x128 activation groups"),
     LinearQuant("fp8-w8a16", "tensor", None,
                 "weight-only FP8 (vLLM's Marlin path on GPUs without FP8 compute): bf16 activations"),
+    LinearQuant("fp8-a8", "none", "token",
+                "what-if, no engine runs it: per-token FP8 activations times the unquantised weights (trace)"),
 ]}
 KV_QUANT = "fp8-kv"
 """the FP8 KV cache (vLLM kv_cache_dtype='fp8', E4M3, scale 1.0)."""
@@ -219,6 +222,8 @@ def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | Non
     if spec.weight == "channel":
         q, s = quant_rows(w)  # s [N, 1]
         return q, s.T
+    if spec.weight == "none":  # the stored values (bf16 is exact in fp32), scale 1
+        return w, torch.ones((), dtype=torch.float32, device=w.device)
     return quant_blocks(w)
 
 
@@ -274,8 +279,19 @@ def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
         m._pc_fp8_group = [siblings[p] for p in fused]
         m._pc_fp8_spec = spec
         m._pc_fp8_key = None
+        m._pc_fp8_prev = m.__dict__.get("forward")  # the kernel the recipe chose, for `unquantise`
         m.forward = types.MethodType(_fp8_forward, m)
     return len(linears)
+
+
+def unquantise(linear: nn.Linear) -> None:
+    """Give an FP8 Linear back the forward its recipe chose before `use_fp8` (trace's what-if: this Linear kept in
+    the engine's dtype). Its merged siblings keep the scale of the whole group, as they would in vLLM."""
+    prev = linear.__dict__.pop("_pc_fp8_prev", None)
+    linear.__dict__.pop("forward", None)
+    if prev is not None:
+        linear.forward = prev
+    linear._pc_fp8_spec = None
 
 
 def is_fp8(linear: nn.Module) -> bool:

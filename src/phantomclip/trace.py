@@ -13,7 +13,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -110,7 +110,7 @@ def with_fp32(recipe: Recipe, roles: tuple[str, ...]) -> Recipe:
     if "all" in roles:
         return Recipe(f"{recipe.name}+fp32:all", torch.float32)
     merged = tuple(dict.fromkeys((*recipe.fp32_modules, *roles)))
-    return Recipe(f"{recipe.name}+fp32:{','.join(roles)}", recipe.weight_dtype, recipe.autocast_dtype, merged)
+    return replace(recipe, name=f"{recipe.name}+fp32:{','.join(roles)}", fp32_modules=merged)  # FP8 quantisers kept
 
 
 # ------------------------------------------------------------------------------------------ analyses
@@ -346,6 +346,47 @@ def what_if_recipes(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     return {"what_if": [plain] + ranked}
 
 
+def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
+    """5. For an FP8 recipe (--recipe bf16+fp8-w8a8[+fp8-kv], best --against its plain recipe): which part of the
+    quantisation kept in the engine's dtype buys the most. Rows: the whole FP8 recipe; the weights kept (activations
+    alone quantised, `fp8-a8`), the activations kept (`fp8-w8a16`), the KV cache kept; each Linear kind (q_proj, ...)
+    kept in every layer; each layer's Linears kept. {'quant_what_if': rows} ranked by gain in mean |β|, or {}."""
+    from .fp8 import KV_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
+
+    recipe = st.recipe
+    linear = next((q for q in recipe.quant if q in LINEAR_QUANTS), None)
+    if not recipe.quant or not st.cfg.what_if:
+        return {}
+    say("what-if: parts of the FP8 quantisation kept in the engine's dtype")
+    base = replace(recipe, quant=tuple(q for q in recipe.quant if q not in LINEAR_QUANTS))
+
+    def row(label: str, r: Recipe, keep=lambda name: False) -> dict:
+        model = apply_recipe(st.master, r, st.cfg.matmul)
+        for name, m in quantised_linears(model, {id(lm_head(model))}).items():
+            if getattr(m, "_pc_fp8_spec", None) is not None and keep(name):
+                unquantise(m)
+        return {"keep": label, **_beta_summary(_logp(model, r, st.packed) - logp_ref, st.cfg.epsilon)}
+
+    rows = [row("(nothing: the whole FP8 recipe)", recipe)]
+    if linear:
+        acts = ("fp8-a8",) if LINEAR_QUANTS[linear].activation else ()  # a weight-only recipe keeps nothing else
+        rows.append(row("weights (per-token FP8 activations only)", replace(base, quant=(*acts, *base.quant))))
+        if acts:
+            rows.append(row("activations (FP8 weights only)", replace(base, quant=("fp8-w8a16", *base.quant))))
+    if KV_QUANT in recipe.quant:
+        rows.append(row("KV cache", replace(recipe, quant=tuple(q for q in recipe.quant if q != KV_QUANT))))
+    if linear:
+        names = list(quantised_linears(st.master, {id(lm_head(st.master))}))
+        for kind in dict.fromkeys(n.rpartition(".")[2] for n in names):
+            rows.append(row(f"every {kind}", recipe, lambda n, k=kind: n.rpartition(".")[2] == k))
+        layers = dict.fromkeys(n.split(".layers.")[1].split(".")[0] for n in names if ".layers." in n)
+        for i in layers:
+            rows.append(row(f"layer {i}", recipe, lambda n, i=i: f".layers.{i}." in n))
+    for r in rows:
+        r["gain"] = rows[0]["beta_abs_mean"] - r["beta_abs_mean"]
+    return {"quant_what_if": [rows[0], *sorted(rows[1:], key=lambda r: -r["gain"])]}
+
+
 def run_trace(cfg: TraceConfig, console=None) -> dict:
     """`phantomclip trace`: every figure `job_text.render_trace` prints and --json writes."""
     cfg.validate()
@@ -371,4 +412,5 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     logp_ref = _logp(st.ref_model, reference, packed)  # [N], shared by the split and the what-if table
     result |= weights_vs_compute(st, logp_ref, say)
     result |= what_if_recipes(st, logp_ref, say)
+    result |= quant_what_if(st, logp_ref, say)
     return result

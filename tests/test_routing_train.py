@@ -9,23 +9,24 @@ from phantomclip.trainer import train
 
 MOE = dict(model="tiny-moe:0", max_tokens=6, prompts_per_step=2, group_size=2, lr=3e-3)
 ROUTE_KEYS = {"route/flip_rate", "route/any_flip_share", "route/beta_route_abs_mean",
-              "route/beta_route_outside_trust_region", "route/beta_rest_abs_mean", "route/touched_share",
+              "route/beta_route_outside_trust_region", "route/log_ratio_rest_abs_mean", "route/touched_share",
               "time/route_s"}
 
 
 @pytest.mark.parametrize("intervention", ["none", "r3"])
 def test_every_moe_step_logs_the_route_split_and_r3_leaves_only_beta_rest(intervention):
-    """Under r3 the loss forward chooses the engine's experts, so its β is exactly β_rest (the step's own forward
-    and the route figures' replayed forward are the same computation at the same weights): the logged means agree to
-    float64 rounding of a mean of ~20 values (1e-15 relative). Without replay β keeps β_route as well."""
+    """At the first step (θ_old = θ_t, α = 0) under r3 the loss forward chooses the engine's experts, so its β is
+    exactly the rest after β_route (the step's own forward and the route figures' replayed forward are the same
+    computation at the same weights): the logged means agree to float64 rounding of a mean of ~20 values (1e-15
+    relative). Without replay β keeps β_route as well."""
     rows = train(TrainConfig(**MOE, steps=1, intervention=intervention)).metrics
     r = rows[0]
     assert ROUTE_KEYS <= set(r)
     assert 0 <= r["route/flip_rate"] <= r["route/any_flip_share"] <= 1
     if intervention == "r3":
-        assert r["mismatch/beta_abs_mean"] == pytest.approx(r["route/beta_rest_abs_mean"], rel=1e-12)
+        assert r["mismatch/beta_abs_mean"] == pytest.approx(r["route/log_ratio_rest_abs_mean"], rel=1e-12)
     elif r["route/beta_route_abs_mean"] > 0:
-        assert r["mismatch/beta_abs_mean"] != pytest.approx(r["route/beta_rest_abs_mean"], rel=1e-12)
+        assert r["mismatch/beta_abs_mean"] != pytest.approx(r["route/log_ratio_rest_abs_mean"], rel=1e-12)
 
 
 def test_r3_on_a_dense_model_is_one_line(tmp_path, capsys):

@@ -75,7 +75,8 @@ def routed_step(step_fn: Callable, batch, ctx):
 def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.Routes, P: int, group: int,
                        temperature: float, eps: tuple[float, float]) -> dict:
     """The step's route keys (docs/metrics.md, `route/*`): the trainer's own routes at θ_t against the engine's, and
-    β_route = logp(own routes) − logp(engine's routes) at the sampled tokens, both forwards in the trainer's recipe."""
+    β_route = logp(own routes) − logp(engine's routes) at the sampled tokens, both forwards in the trainer's recipe;
+    log r = β_route + the rest, exactly per token."""
     B, T = packed["input_ids"].shape
     with routing.capture(policy.layout) as rec:
         own = policy.logprobs(packed, P, group, grad=False, temperature=temperature)  # [B, L]
@@ -92,6 +93,7 @@ def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.
         "route/any_flip_share": stats["any_flip_share"],
         "route/beta_route_abs_mean": mean_or_nan(split["beta_route"][ok].abs()),
         "route/beta_route_outside_trust_region": mean_or_nan((below | above).double()),
-        "route/beta_rest_abs_mean": mean_or_nan(split["beta_rest"][ok].abs()),
+        # logp(engine's routes, θ_t) − logp_engine(θ_old): β_rest plus the policy's change α at staleness > 0
+        "route/log_ratio_rest_abs_mean": mean_or_nan(split["beta_rest"][ok].abs()),
         "route/touched_share": mean_or_nan((split["beta_route"][ok] != 0).double()),
     }

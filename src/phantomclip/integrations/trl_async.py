@@ -263,6 +263,12 @@ class _Hooks:
         trainer.compute_loss = compute_loss
 
     def _after_sync(self) -> None:
+        t0 = time.perf_counter()
+        self._snapshot()
+        if self.monitor is not None:  # the shadows' own cost: a copy of the weights sent, rounded, per sync
+            self.monitor_seconds += time.perf_counter() - t0
+
+    def _snapshot(self) -> None:
         trainer = self.trainer
         version = torch.tensor([trainer.model_version if trainer.accelerator.is_main_process else 0])
         if _world() > 1:  # TRL bumps model_version on the main process only

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import LocalEngine, SamplingParams
+from ..prompts import encode_prompts
 
 
 class _VarlenAttention:
@@ -106,6 +107,7 @@ class LocalRolloutWorker:
         self.num_generations, self.groups_per_fill, self.seed = num_generations, groups_per_fill, seed
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id}))
         self.params = dict(max_tokens=max_tokens, temperature=temperature, stop_token_ids=self.stop_ids)
+        self.prompt_ids = encode_prompts(tokenizer, prompts)  # the chat template where there is one, as TRL's worker
         self.model_version = 0
         self.next_group = 0
         self.rollout_buffer = _OnDemandQueue(self._fill)
@@ -128,7 +130,7 @@ class LocalRolloutWorker:
             group = self.next_group
             self.next_group += 1
             text = self.prompts[group % len(self.prompts)]
-            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompt_ids = self.prompt_ids[group % len(self.prompts)]
             params = SamplingParams(**self.params, seed=self.seed * 1_000_003 + group)
             out = self.engine.generate([prompt_ids] * self.num_generations, params)
             completions = [self.tokenizer.decode(c) for c in out.completion_ids]

@@ -1,0 +1,106 @@
+"""Overhead of AsyncPrecisionMonitor (interval 1, bf16 shadows, max_staleness 2) per step of TRL's AsyncGRPOTrainer
+on the bundled model, CPU, fp32 trainer, one process, the bf16 LocalEngine standing in for the vLLM server
+(integrations.trl_async_cpu). The target: the monitor <= 15% of an async step.
+
+    python bench/bench_trl_async_monitor.py [--steps 4] [--max-tokens 32] [--json out.json]
+
+Timed by the monitor's own clock (`_Hooks.monitor_seconds`: the shadow snapshot at each sync, the shadow forwards at
+θ_t and at each sample version present, the figures and their reduction) against TRL's own per-step clocks
+(`perf/fwd_bwd_s`, `perf/optimizer_s`, `perf/weight_sync_s`, the monitor's loss-side share included in fwd_bwd):
+the trainer side of an async step. Generation is left out of the denominator: in the real trainer the vLLM server
+samples in parallel, here the stand-in samples in this process. Also printed: the whole wall time, generation
+included, and the CPU seconds other processes used meanwhile (/proc/stat minus this process), since this machine
+is shared. 2 groups sampled per fill, one trained per step: staleness 0 and 1 alternate (one extra shadow forward on
+the stale steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def cpu_kind() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    kind = "avx512_bf16" if "avx512_bf16" in flags else ("avx2" if "avx2" in flags else "?")
+    return f"{os.cpu_count()}-core {model} ({kind}{', amx' if 'amx_bf16' in flags else ''})"
+
+
+def busy_seconds() -> float:
+    """CPU seconds of the whole machine (user + nice + system), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return (int(fields[0]) + int(fields[1]) + int(fields[2])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from phantomclip.engine import LocalEngine
+    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, shadow_memory
+    from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
+    from phantomclip.models import load_model
+    from phantomclip.prompts import bundled_prompts
+
+    torch.set_num_threads(2)
+    use_cpu_stand_ins()
+    lm = load_model("smollm2-135m")
+    engine = LocalEngine(copy.deepcopy(lm.model), torch.bfloat16)
+    neglen = lambda p, c, ids: [-float(len(i)) for i in ids]  # noqa: E731
+    worker = LocalRolloutWorker(engine, lm.tokenizer, bundled_prompts(), neglen,
+                                num_generations=8, max_tokens=args.max_tokens, groups_per_fill=2)
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    with tempfile.TemporaryDirectory() as out:
+        config = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
+                                 max_completion_length=args.max_tokens, learning_rate=1e-4, max_steps=args.steps,
+                                 logging_steps=1, report_to=[], save_strategy="no", bf16=False, use_cpu=True,
+                                 token_budget=0, max_staleness=2, seed=0)
+        trainer = AsyncGRPOTrainer(model=lm.path, args=config, reward_funcs=[], processing_class=lm.tokenizer,
+                                   train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}),
+                                   rollout_worker=worker, weight_transfer=LocalWeightTransfer(engine),
+                                   callbacks=[monitor])
+        busy0, own0, t0 = busy_seconds(), own_seconds(), time.perf_counter()
+        trainer.train()
+        wall, busy, own = time.perf_counter() - t0, busy_seconds() - busy0, own_seconds() - own0
+    rows = [h for h in trainer.state.log_history if "perf/fwd_bwd_s" in h]
+    trainer_side = sum(h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0)
+                       for h in rows)
+    hooks = trainer._pc_async
+    kept, per = shadow_memory(trainer, "bfloat16")
+    result = {
+        "cpu": cpu_kind(), "steps": args.steps, "max_tokens": args.max_tokens, "wall_s": wall,
+        "trainer_side_s": trainer_side, "monitor_s": hooks.monitor_seconds,
+        "monitor_share_of_trainer_side": hooks.monitor_seconds / trainer_side,
+        "monitor_share_of_wall": hooks.monitor_seconds / wall,
+        "others_cpu_s_per_wall_s": (busy - own) / wall, "shadow_bytes": per, "shadows_kept": kept,
+        "staleness_1_steps": sum(1 for h in trainer.state.log_history if h.get("precision/staleness_share_1") == 1.0),
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

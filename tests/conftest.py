@@ -127,3 +127,18 @@ def cpu_kind() -> str:
     except OSError:
         flags = []
     return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+
+
+def over(base: list[str], *extra: str) -> list[str]:
+    """`base` with the flags of `extra` given in their place: the command line a user types, each flag once (a
+    repeated single-value flag is refused)."""
+    given = {a for a in extra if a.startswith("--")}
+    out, skip = [], False
+    for a in base:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        skip = a in given
+        if not skip:
+            out.append(a)
+    return [*out, *extra]

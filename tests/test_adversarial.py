@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import bad_cli
+from conftest import bad_cli, over
 from phantomclip.cli import main
 
 TINY = ["--model", "tiny-random"]
 T = ["train", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--checkpoint-every", "1"]
 SEED_OUT_OF_RANGE = str(10**20)
+
 
 # (argv, a fragment the one line must hold): the audit's one-shot cases that must fail before any heavy work
 ONE_LINE = [
@@ -48,12 +49,33 @@ ONE_LINE = [
     (["engines", "--engines", "local", "--n", "0"], "--n must be a whole number >= 1"),
     (["experiment", "sanity", "--seeds", "0"], "--seeds: must be a whole number >= 1, got 0"),
     (["experiment", "sanity", "--lr", "inf"], "--lr must be a finite number"),
-    (["experiment", "sanity", "--only", ""], "--only is empty: name the arms to run"),
+    (["experiment", "sanity", "--only", ""], "--only is empty: give a value, or drop --only"),
     (["train", "--intervention", "epsilon=5"], "epsilon=X: X must be a finite number > 0 and < 1, got 5"),
     (["train", "--intervention", "epsilon=0"], "epsilon=X: X must be a finite number > 0 and < 1, got 0"),
     (["experiment", "sanity", "--only", " , "], "--only is empty: name the arms to run"),
     (["report", "--serve", "--port", "99999"], "--port: '99999' is not a port"),
     (["report", "--serve", "--port", "-1"], "--port: '-1' is not a port"),
+    # an empty value (an unset shell variable) is refused, never the default: every flag that stores a value
+    *[([*cmd, flag, value], f"{flag} is empty: give a value, or drop {flag} for its default")
+      for cmd, flag in ((["diagnose"], "--json"), (["train"], "--prompts"), (["diagnose"], "--from-trl-config"),
+                        (["diagnose"], "--from-verl-config"), (["train"], "--reward"), (["trace"], "--run"),
+                        (["report"], "--from"), (["experiment", "sanity"], "--out"), (["report"], "--out"),
+                        (["engines"], "--json"), (["train"], "--out"), (["train"], "--model"),
+                        (["diagnose"], "--trainer"), (["experiment", "epsilon"], "--prompts"))
+      for value in ("", " ")],
+    (["report", "--from", "a.json", ""], "--from is empty"),
+    (["train", "--resume", ""], "--resume is empty"),
+    # a single-value flag given twice: the first was silently dropped
+    *[([*cmd, flag, "a", flag, "b"], f"{flag} is given twice: give it once")
+      for cmd, flag in ((["report"], "--from"), (["diagnose"], "--json"), (["train"], "--out"),
+                        (["trace"], "--model"), (["experiment", "sanity"], "--only"), (["engines"], "--json"))],
+    (["train", "--steps", "2", "--steps", "3"], "--steps is given twice"),
+    # trace --run reads the model and settings from the run: one typed beside it would be ignored
+    (["trace", "--run", "no-such-run", "--model", "tiny-random"], "--model with --run: trace --run takes the model"),
+    (["trace", "--run", "no-such-run", "--n", "4"], "--n with --run"),
+    # digits int() refuses where str.isdigit takes them (a ValueError traceback)
+    (["diagnose", "--device", "cuda:²"], "use auto, cpu, cuda or cuda:N"),
+    (["train", "--device", "cuda:١"], "use auto, cpu, cuda or cuda:N"),
 ]
 
 
@@ -97,7 +119,7 @@ def test_resume_refuses_a_changed_prompts_file(tmp_path, capsys):
     assert main([*T, "--prompts", str(prompts), "--out", out]) == 0
     prompts.write_text("one\nthree\n")  # same path, new content
     capsys.readouterr()
-    line = bad_cli([*T, "--prompts", str(prompts), "--out", out, "--resume", "--steps", "3"], capsys)
+    line = bad_cli(over(T, "--prompts", str(prompts), "--out", out, "--resume", "--steps", "3"), capsys)
     assert f"other input files: prompts {prompts} changed" in line
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert set(config["inputs"]) == {"prompts"} and len(config["inputs"]["prompts"]["sha256"]) == 64
@@ -111,7 +133,7 @@ def test_fresh_run_refuses_orphan_files_and_resume_below_its_steps(tmp_path, cap
     out = str(tmp_path / "run")
     assert main([*T, "--out", out]) == 0
     capsys.readouterr()
-    assert "already has 2 steps, more than --steps 1" in bad_cli([*T, "--out", out, "--resume", "--steps", "1"],
+    assert "already has 2 steps, more than --steps 1" in bad_cli(over(T, "--out", out, "--resume", "--steps", "1"),
                                                                  capsys)
 
 
@@ -175,10 +197,10 @@ def test_a_failed_resume_releases_the_lock_and_rewrites_nothing(tmp_path, capsys
     torch.save({"step": 1}, out / "checkpoint.pt")
     for _ in range(2):
         assert "checkpoint.pt is not a checkpoint this tool wrote (no master, optimizer, scaler, snapshots)" in bad_cli(
-            [*T, "--out", str(out), "--resume", "--steps", "3"], capsys)
+            over(T, "--out", str(out), "--resume", "--steps", "3"), capsys)
     torch.save({"step": 5, "master": {}, "optimizer": {}, "scaler": {}, "snapshots": {}}, out / "checkpoint.pt")
-    assert "already has 5 steps, more than --steps 3" in bad_cli([*T, "--out", str(out), "--resume", "--steps", "3"],
-                                                                 capsys)
+    line = bad_cli(over(T, "--out", str(out), "--resume", "--steps", "3"), capsys)
+    assert "already has 5 steps, more than --steps 3" in line
     assert (out / "metrics.jsonl").read_text() == metrics and jsonl_line({"x": float("nan")}) == '{"x": null}\n'
 
 
@@ -190,7 +212,7 @@ def test_a_run_made_before_input_hashes_still_resumes(tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     del config["inputs"]  # as runs written before this version
     (out / "config.json").write_text(json.dumps(config))
-    assert main([*T, "--prompts", str(prompts), "--out", str(out), "--resume", "--steps", "3"]) == 0
+    assert main(over(T, "--prompts", str(prompts), "--out", str(out), "--resume", "--steps", "3")) == 0
 
 
 def test_experiment_continuation_and_seeds_are_checked_before_any_run(tmp_path, capsys):
@@ -200,7 +222,7 @@ def test_experiment_continuation_and_seeds_are_checked_before_any_run(tmp_path, 
     capsys.readouterr()
     assert "--reward 'nosuch.sub:f': cannot import nosuch.sub" in bad_cli([*args, "--reward", "nosuch.sub:f"], capsys)
     assert "prompts file" in bad_cli([*args, "--prompts", str(tmp_path / "missing.txt")], capsys)
-    line = bad_cli([*args[:-2], "--out", str(tmp_path / "f"), "--seed", "4294967295", "--seeds", "2"], capsys)
+    line = bad_cli(over(args, "--out", str(tmp_path / "f"), "--seed", "4294967295", "--seeds", "2"), capsys)
     assert "runs seeds up to 4294967296, past the largest seed 4294967295" in line
     assert not (tmp_path / "f" / "none").exists()
 
@@ -248,7 +270,7 @@ def test_a_model_seed_follows_the_seed_rule(spec, capsys):
 
 def _resumable(tmp_path, capsys) -> Path:
     out = tmp_path / "run"
-    assert main([*T, "--steps", "3", "--out", str(out)]) == 0  # a checkpoint at every step
+    assert main(over(T, "--steps", "3", "--out", str(out))) == 0  # a checkpoint at every step
     capsys.readouterr()
     return out
 
@@ -271,7 +293,7 @@ def test_resume_refuses_damaged_rows(tmp_path, capsys, damage, fragment):
     elif damage == "swap":
         metrics.write_text(lines[1] + lines[0] + lines[2])
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
-    line = bad_cli([*T, "--steps", "4", "--out", str(out), "--resume"], capsys)
+    line = bad_cli(over(T, "--steps", "4", "--out", str(out), "--resume"), capsys)
     assert fragment in line, line
     assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix == ".jsonl"}
 
@@ -310,7 +332,7 @@ def test_resume_refuses_another_runs_checkpoint_copied_or_linked(tmp_path, capsy
     rewritten, and the other run's checkpoint is left as it was."""
     own, other = tmp_path / "own", tmp_path / "other"
     assert main([*T, "--out", str(own)]) == 0
-    assert main([*T, "--model", "tiny-random:1", "--seed", "1", "--out", str(other)]) == 0
+    assert main(over(T, "--model", "tiny-random:1", "--seed", "1", "--out", str(other))) == 0
     capsys.readouterr()
     theirs = (other / "checkpoint.pt").read_bytes()
     before = {p.name: p.read_bytes() for p in own.iterdir() if p.is_file()}
@@ -320,7 +342,7 @@ def test_resume_refuses_another_runs_checkpoint_copied_or_linked(tmp_path, capsy
             (own / "checkpoint.pt").write_bytes(theirs)
         else:
             (own / "checkpoint.pt").symlink_to(other / "checkpoint.pt")
-        line = bad_cli([*T, "--out", str(own), "--resume", "--steps", "3"], capsys)
+        line = bad_cli(over(T, "--out", str(own), "--resume", "--steps", "3"), capsys)
         assert "checkpoint.pt was written by another run (model: 'tiny-random:1' -> 'tiny-random'; seed: 1 -> 0)" \
             in line, line
         assert (own / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
@@ -336,9 +358,9 @@ def test_a_checkpoint_without_its_configuration_still_resumes(tmp_path, capsys):
     assert ckpt["config"]["model"] == "tiny-random" and ckpt["config"]["inputs"] == {}
     torch.save({**ckpt, "config": ["not", "a", "mapping"]}, out / "checkpoint.pt")
     capsys.readouterr()
-    assert "its configuration is a list" in bad_cli([*T, "--out", str(out), "--resume", "--steps", "3"], capsys)
+    assert "its configuration is a list" in bad_cli(over(T, "--out", str(out), "--resume", "--steps", "3"), capsys)
     torch.save({k: v for k, v in ckpt.items() if k != "config"}, out / "checkpoint.pt")
-    assert main([*T, "--out", str(out), "--resume", "--steps", "3"]) == 0
+    assert main(over(T, "--out", str(out), "--resume", "--steps", "3")) == 0
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
@@ -409,7 +431,7 @@ def test_rewards_past_float32_are_one_line_not_a_silent_step(values, flags, tmp_
     module = _user_module(tmp_path, monkeypatch, f"reward_huge_{len(flags)}",
                           f"def score(prompts, completions, ids):\n    v = {values}\n"
                           "    return [v[i % len(v)] for i in range(len(completions))]\n")
-    line = bad_cli([*T, *flags, "--reward", f"{module}:score", "--out", str(tmp_path / "run")], capsys,
+    line = bad_cli(over(T, *flags, "--reward", f"{module}:score", "--out", str(tmp_path / "run")), capsys,
                    after_progress=True)
     assert f"reward function {module}.score returned rewards that overflow float32" in line, line
 
@@ -441,6 +463,9 @@ VERL_BAD = [
     ("actor_rollout_ref: {rollout: {temperature: false}}", "actor_rollout_ref.rollout.temperature is False, not a "
      "number"),
     ("actor_rollout_ref: {actor: {clip_ratio: abc}}", "actor_rollout_ref.actor.clip_ratio is 'abc', not a number"),
+    # a bound of 0 in any spelling (1 / 0 was a ZeroDivisionError traceback)
+    *[(f"algorithm: {{rollout_correction: {{rollout_rs: token_k1, rollout_rs_threshold: {spec}}}}}",
+       "algorithm.rollout_correction.rollout_rs_threshold") for spec in ("0", '"0.0"', '"0_2"', '"0.5_0"', "-0.0")],
 ]
 
 
@@ -517,7 +542,7 @@ def test_trace_run_names_the_damaged_file_and_key(tmp_path, capsys):
     """config.json lacking keys or holding wrong types, a snapshot's tokens file lacking fields, holding other
     values or another model's token ids: one line naming the file and key (a KeyError or TypeError before)."""
     out = tmp_path / "run"
-    assert main([*T, "--steps", "1", "--keep-snapshots", "1", "--out", str(out)]) == 0
+    assert main(over(T, "--steps", "1", "--keep-snapshots", "1", "--out", str(out))) == 0
     config_path, tokens_path = out / "config.json", out / "snapshots" / "step-000000.tokens.json"
     config, tokens = json.loads(config_path.read_text()), json.loads(tokens_path.read_text())
     config_cases = [
@@ -611,3 +636,44 @@ def test_the_whole_run_line_prints_no_nan():
     assert "nan" not in line.lower() and "0.0000 (last 5), x -;" in line, line
     assert "x2.00;" in whole_run_line({**summary, "beta_abs_mean_start": 0.1, "beta_abs_mean_end": 0.2,
                                        "beta_growth": 2.0})
+
+
+def test_digits_python_reads_as_digits_but_int_refuses():
+    """'²' passes str.isdigit and fails int(): errors.ascii_digits is the one test before int() on part of a key or a
+    name (--fail-if's list indices, a snapshot's step), and a snapshot named other than snapshot_path names it (step-2
+    beside step-000002) is not read as a second copy of its step."""
+    from phantomclip.errors import ascii_digits
+    from phantomclip.frameworks import _walk
+    from phantomclip.runs import RunDir
+
+    assert [ascii_digits(t) for t in ("12", "²", "١", "", "1a", "007")] == [True, False, False, False, False, True]
+    summary = {"tokens": {"sequence": [5, 6]}}
+    assert _walk(summary, "tokens.sequence.1") == 6 and _walk(summary, "tokens.sequence.²") is _walk(summary, "no")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        run = RunDir(Path(d))
+        run.snapshots_path.mkdir()
+        for name in ("step-000002", "step-2", "step-²", "step-0000002", "step-000010"):
+            (run.snapshots_path / f"{name}.safetensors").write_bytes(b"")
+        assert run.snapshot_steps() == [2, 10]
+
+
+def test_names_that_are_not_utf8_are_printed_not_a_traceback(tmp_path, capsys):
+    """A --from directory, a file in it and an --out whose names hold bytes that are not UTF-8 (Python holds them as
+    lone surrogates): the warning, the error and the 'wrote' line name them with \\xNN, never a UnicodeEncodeError."""
+    import os
+    import shutil
+
+    from phantomclip.report import demo_sources
+
+    src = Path(os.fsdecode(bytes(tmp_path) + b"/d\xff"))
+    src.mkdir()
+    shutil.copyfile(demo_sources()[0] / "diagnose.json", src / "diagnose.json")
+    (src / "x\udcfe.json").write_text("{}")
+    out = Path(os.fsdecode(bytes(tmp_path) + b"/r\xfd"))
+    assert main(["report", "--from", str(src), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "x\\xfe.json is none of" in captured.err and "r\\xfd/index.html" in captured.out, captured
+    line = bad_cli(["report", "--from", str(src / "x\udcfe.json"), "--out", str(out)], capsys)
+    assert "d\\xff/x\\xfe.json: is none of" in line and line.encode("utf-8"), line

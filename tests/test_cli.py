@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import bad_cli, eps, fp32_forward_noise, offline
+from conftest import bad_cli, eps, fp32_forward_noise, offline, over
 from phantomclip.answer import LEVELS
 from phantomclip.cli import main
 
@@ -66,7 +66,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
     assert "unknown dtype 'fp8'" in bad_cli(TINY + ["--engine-dtype", "fp8"], capsys)
     assert "--epsilon must be a finite number > 0 and < 1" in bad_cli(TINY + ["--epsilon", "1.5"], capsys)
     assert "--epsilon must be a finite number > 0 and < 1" in bad_cli(TINY + ["--epsilon", "0"], capsys)
-    assert "--n must be a whole number >= 1" in bad_cli(TINY + ["--n", "0"], capsys)
+    assert "--n must be a whole number >= 1" in bad_cli(over(TINY, "--n", "0"), capsys)
     assert "does not exist" in bad_cli(["diagnose", "--model", str(tmp_path / "missing")], capsys)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import bad_cli
+from conftest import bad_cli, over
 from phantomclip.cli import DIAGNOSE_KEYS, _check_gates, main
 from phantomclip.diagnose import DiagnoseConfig, figures, measure
 from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
@@ -103,7 +103,7 @@ def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
     # before the config's own checks too
     assert "--fail-if 'x'" in bad_cli(TINY + ["--framework", "nope", "--fail-if", "x"], capsys)
     # a key that cannot start a path in the result (a misspelt recipe) is refused before the run, too
-    line = bad_cli(TINY + ["--trainer", "fp32,bf16", "--fail-if", "fp23.outside_trust_region>0.01"], capsys)
+    line = bad_cli(over(TINY, "--trainer", "fp32,bf16", "--fail-if", "fp23.outside_trust_region>0.01"), capsys)
     assert line == ("phantomclip diagnose: error: --fail-if fp23.outside_trust_region: no figure starts with 'fp23'; a "
                     "key starts with a recipe of --trainer (fp32, bf16) or one of " + ", ".join(DIAGNOSE_KEYS))
     assert not out.exists()

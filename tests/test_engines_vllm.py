@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_close_eps, bad_cli, eps, fp32_forward_noise
+from conftest import assert_close_eps, bad_cli, eps, fp32_forward_noise, over
 from phantomclip.cli import main
 from phantomclip.engine import LocalEngine, SamplingParams
 from phantomclip.engines import vllm as backend
@@ -253,8 +253,8 @@ def test_diagnose_processed_logprobs_with_top_p(tmp_path, fake_vllm, tiny):
     """Processed log-probs carry −log S; the corrected ratio (trainer renormalised over its kept set) removes it.
     fp32 engine vs fp32 trainer: β ≈ 0, so the naive ratio is log S itself and the corrected one ≈ 0."""
     out = tmp_path / "d.json"
-    args = TINY + ["--trainer", "fp32", "--engine-dtype", "fp32", "--logprobs-mode", "processed", "--top-p", "0.7",
-                   "--n", "12", "--json", str(out)]
+    args = over(TINY, "--trainer", "fp32", "--engine-dtype", "fp32", "--logprobs-mode", "processed", "--top-p", "0.7",
+                "--n", "12", "--json", str(out))
     assert main(args) == 0
     d = json.loads(out.read_text())
     assert d["engine"]["rebuilt_column"] == "logp_engine"

@@ -17,9 +17,37 @@ JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's targ
 """what --json does with what is already at PATH (files.output_target)."""
 
 
+def _say(line: str, stream=None) -> None:
+    """Print a line naming paths (files.printable: a name that is not UTF-8 shown as \\xNN)."""
+    from .files import printable
+
+    print(printable(line), file=stream or sys.stdout)
+
+
+class StoreOnce(argparse.Action):
+    """argparse's plain store, refusing what a shell makes of a slip: an empty value (an unset variable in
+    `--json "$OUT"` was silently the default) and a single-value flag given twice (the first was silently dropped)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("flags_given", set())
+        if self.dest in given:
+            parser.error(f"{option_string} is given twice: give it once (a flag of several values takes them "
+                         "after one flag)")
+        if any(isinstance(v, str) and not v.strip() for v in (values if isinstance(values, list) else [values])):
+            parser.error(f"{option_string} is empty: give a value, or drop {option_string} for its default")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's usage errors (a bad flag value, an unknown flag) as one line on stderr, exit 2, like every other
-    bad input (argparse prints the whole usage block first)."""
+    bad input (argparse prints the whole usage block first). Every flag that stores one value is a StoreOnce: the
+    rule is registered once here, for every command's parser and group, not flag by flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -228,7 +256,7 @@ def _settings_from_run(args, config_cls) -> None:
     from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfigError
 
     path = Path(args.out) / "config.json"
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):  # a FIFO or device there is read_input's to refuse
         raise TrainConfigError(f"--resume {args.out}: no config.json there, so no run to continue: drop --resume to "
                                "start one")
     saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration")}
@@ -336,7 +364,7 @@ def _run_experiment(args) -> int:
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
     render_experiment(summary, Console())
-    print(f"wrote {args.out}/summary.md and summary.json")
+    _say(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
 
@@ -386,15 +414,26 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     render(result, Console())
     if args.json:
         write_json(result, args.json)
-        print(f"wrote {args.json}")
+        _say(f"wrote {args.json}")
     return check(result) if check else 0
+
+
+TRACE_RUN_READS = {"run", "matmul", "device", "json"}
+"""the flags trace --run uses; any other one typed beside --run is refused (the run's config.json says them)."""
 
 
 def _run_trace(args) -> int:
     from . import growth
     from .devices import resolve_device
+    from .errors import ConfigError
     from .job_text import render_growth, render_trace
     from .trace import TraceConfig, run_trace
+
+    ignored = sorted(getattr(args, "typed", set()) - TRACE_RUN_READS) if args.run else []
+    if ignored:  # the run's config.json says the model and its settings: a typed one would be silently dropped
+        flag = "--" + ignored[0].replace("_", "-")
+        raise ConfigError(f"{flag} with --run: trace --run takes the model and its settings from the run's "
+                          f"config.json, so {flag} would be ignored; drop it")
 
     def run(cfg, err):
         if cfg.run:
@@ -461,7 +500,7 @@ def _run_report(args) -> int:
     sources = args.sources or demo_sources()
     out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
     page = build(sources, out)
-    print(f"wrote {page}")
+    _say(f"wrote {page}")
     if args.serve:
         handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
         try:
@@ -484,14 +523,26 @@ def _show_as_line(prog: str, category: type[Warning], default):
 
     def show(message, cat, filename, lineno, file=None, line=None):
         if issubclass(cat, category):
-            print(f"{prog}: warning: {message}", file=sys.stderr)
+            _say(f"{prog}: warning: {message}", sys.stderr)
         else:
             default(message, cat, filename, lineno, file, line)
 
     return show
 
 
+def _names_never_fail_the_streams() -> None:
+    """A path whose name is not UTF-8 (Python holds its bytes as lone surrogates) is printed, not a
+    UnicodeEncodeError: stdout and stderr write what they cannot encode as a backslash escape (files.printable
+    spells names in the messages themselves the same way)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):  # a captured or replaced stream (tests, pipes set up by a caller)
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _names_never_fail_the_streams()
     parser = OneLineParser(prog="phantomclip",
                            description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)

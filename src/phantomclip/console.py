@@ -77,8 +77,10 @@ class GracefulStop:
 def say_error(line: str, code: int) -> int:
     """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
     raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""
+    from .files import printable
+
     try:
-        print(line, file=sys.stderr, flush=True)
+        print(printable(line), file=sys.stderr, flush=True)  # a path that is not UTF-8 shown as \xNN
     except (OSError, ValueError):
         pass
     try:

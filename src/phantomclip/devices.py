@@ -13,7 +13,7 @@ import time
 import torch
 
 from . import __version__
-from .errors import ConfigError
+from .errors import ConfigError, ascii_digits
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
@@ -30,7 +30,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if spec == "cpu":
         return torch.device("cpu")
     kind, _, index = spec.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
+    if kind != "cuda" or (index and not ascii_digits(index)):
         raise DeviceError(f"--device {spec!r}: use {DEVICE_CHOICES} (other device types are not supported)")
     if not torch.cuda.is_available():
         raise DeviceError(f"--device {spec}: torch sees no CUDA device here (torch {torch.__version__}, CUDA build "

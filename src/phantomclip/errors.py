@@ -83,3 +83,10 @@ def check_field_types(cfg, error: type[PhantomclipError] = ConfigError) -> None:
         if not ok:
             want = " or ".join(FIELD_KINDS[p][1] if p in FIELD_KINDS else p for p in parts)
             raise error(f"--{f.name.replace('_', '-')} must be {want}, got {value!r}")
+
+
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is one or more of the digits 0-9: the test before int() on a part of a name or key. str.isdigit
+    also takes '²' and other digits int() refuses (a ValueError traceback in --device cuda:², --fail-if x.²>0, a
+    snapshot named step-².safetensors)."""
+    return text.isascii() and text.isdigit()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, PhantomclipError
+from .errors import ConfigError, PhantomclipError, ascii_digits
 from .metrics import mean_or_nan, pearson
 
 FrameworkFigures = dict[str, float]
@@ -406,7 +406,7 @@ def _walk(summary: dict, key: str):
             if isinstance(node, dict) and part in node:
                 node, i = node[part], j
                 break
-            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            if isinstance(node, list) and ascii_digits(part) and int(part) < len(node):
                 node, i = node[int(part)], j
                 break
         else:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import SCHEMA_VERSION
-from .errors import PhantomclipError, PhantomclipWarning, WriteError
+from .errors import PhantomclipError, PhantomclipWarning, WriteError, ascii_digits
 from .files import (
     JSON_ERRORS,
     InputError,
@@ -403,7 +403,8 @@ class RunDir:
         """Steps with a weights snapshot (snapshots/step-NNNNNN.safetensors), ascending."""
         names = (p.name.removeprefix("step-").removesuffix(".safetensors")
                  for p in self.snapshots_path.glob("step-*.safetensors"))
-        return sorted(int(n) for n in names if n.isdigit())
+        # only the names snapshot_path writes: step-2 beside step-000002 would read one step twice
+        return sorted(int(n) for n in names if ascii_digits(n) and n == f"{int(n):06d}")
 
     def keep_snapshot(self, model: torch.nn.Module, step: int, every: int, missing_only: bool = False) -> int | None:
         """`train --keep-snapshots every`: the weights after `step` steps when step is a multiple of `every`

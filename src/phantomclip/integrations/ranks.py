@@ -65,11 +65,11 @@ def top_quantile(top: torch.Tensor, n: int, q: float) -> float:
 def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.Tensor,
                            advantages: torch.Tensor, eps_low: float, eps_high: float,
                            logp_engine: torch.Tensor | None = None) -> dict[str, float]:
-    """The monitor's figures over all ranks' tokens (keys of `integrations.trl.MONITOR_KEYS`, + alpha_mean with
+    """The monitor's figures over all ranks' tokens (keys of `integrations.trl.MONITOR_KEYS`, + shadow_minus_engine_mean with
     engine log-probs). Per-token tensors are [B, T] (advantages [B], [B, 1] or [B, T]), B may be 0 on a rank.
 
     β = logp − logp_shadow. A token whose logp or logp_shadow is not finite is left out of every β figure and
-    counted in `nonfinite`; alpha_mean = mean(logp_shadow − logp_engine) over the tokens where both are finite.
+    counted in `nonfinite`; shadow_minus_engine_mean = mean(logp_shadow − logp_engine) (α + β_kernel, not α) over the tokens where both are finite.
     A figure with no token left on any rank is NaN. Definitions: docs/metrics.md (the TRL monitor's block).
     """
     m = mask.bool()  # [B, T]
@@ -102,9 +102,9 @@ def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.T
         "beta_abs_mean": rate(total["beta_abs_sum"], n),
         "beta_abs_p99": top_quantile(tops, n, P99),
         "outside_trust_region": rate(total["outside"], n),
-        "phantom_clip_rate": rate(total["phantom"], n),
+        "beta_clip_rate": rate(total["phantom"], n),
         "nonfinite": int(total["nonfinite"]),
     }
     if logp_engine is not None:
-        out["alpha_mean"] = rate(total["alpha_sum"], total["alpha_tokens"])
+        out["shadow_minus_engine_mean"] = rate(total["alpha_sum"], total["alpha_tokens"])
     return out

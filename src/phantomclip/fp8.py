@@ -122,11 +122,24 @@ def dequant_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ GEMMs
 
 
-def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+def product(x: torch.Tensor, wq: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [M, N] = x @ wq^T with fp32 accumulation: F.linear, or oneDNN on `packed`, wq's fp32 image laid out once
+    (`pack_weight`; the engine's layout, as `decode.pack_linears` gives its other Linears: another summation order)."""
+    if packed is None:
+        return F.linear(x.float(), wq.float())
+    return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "")
+
+
+def pack_weight(wq: torch.Tensor) -> torch.Tensor:
+    """wq's fp32 image laid out once for oneDNN's linear (x86 CPUs with mkldnn: `decode.can_pack`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(wq.float(), 16)
+
+
+def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                   packed: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, N] = sx * (sw * (xq @ wq^T)): E4M3 xq [M, K] and wq [N, K] multiplied exactly with fp32 accumulation,
     then the CUTLASS epilogue's two scalings in its order. sx [M, 1] or [], sw [1, N] or []."""
-    acc = F.linear(xq.float(), wq.float())  # [M, N] fp32
-    return sx * (sw * acc)
+    return sx * (sw * product(xq, wq, packed))  # [M, N]
 
 
 def block_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -228,17 +241,18 @@ def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 engine's Linear on x [..., K] with the quantised weight (wq, sw): [..., N] in `out_dtype`."""
+               bias: torch.Tensor | None, out_dtype: torch.dtype, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 engine's Linear on x [..., K] with the quantised weight (wq, sw): [..., N] in `out_dtype`. `packed`:
+    wq laid out for oneDNN (`pack_weight`), for the per-tensor, per-channel and weight-only products."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if spec.activation == "token":
         xq, sx = quant_rows(x2)  # [M, K] E4M3, [M, 1]
-        out = scaled_product(xq, sx, wq, sw)  # [M, N] fp32
+        out = scaled_product(xq, sx, wq, sw, packed)  # [M, N] fp32
     elif spec.activation == "group":
         xq, sx = quant_groups(x2)  # [M, K], [M, K/128]
         out = block_product(xq, sx, wq, sw)
     else:  # weight-only: the activations as they are (bf16 values are exact in fp32)
-        out = F.linear(x2.float(), wq.float()) * sw  # [M, N]
+        out = product(x2, wq, packed) * sw  # [M, N]
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype).reshape(*x.shape[:-1], wq.shape[0])
@@ -254,9 +268,12 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         amax = (torch.stack([m.weight.detach().float().abs().amax() for m in group]).amax()
                 if spec.weight == "tensor" else None)
         self._pc_fp8_w = quantise_weight(self.weight.detach(), spec, amax)
+        # the engine's layout (decode.pack_linears sets _pc_fp8_pack): the image laid out once for oneDNN
+        packs = getattr(self, "_pc_fp8_pack", False) and spec.weight != "block"
+        self._pc_fp8_packed = pack_weight(self._pc_fp8_w[0]) if packs else None
         self._pc_fp8_key = key
     wq, sw = self._pc_fp8_w
-    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype)
+    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype, self._pc_fp8_packed)
 
 
 def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:

@@ -677,3 +677,79 @@ def test_names_that_are_not_utf8_are_printed_not_a_traceback(tmp_path, capsys):
     assert "x\\xfe.json is none of" in captured.err and "r\\xfd/index.html" in captured.out, captured
     line = bad_cli(["report", "--from", str(src / "x\udcfe.json"), "--out", str(out)], capsys)
     assert "d\\xff/x\\xfe.json: is none of" in line and line.encode("utf-8"), line
+
+
+# ------------------------------------------------------------------------ one validator of run files
+
+ROW_DAMAGE = {  # name -> (the damaged second row, from the good one; the fragment of the one line)
+    "empty": (lambda r: {}, 'line 2: no "step"'),
+    "no figures": (lambda r: {"step": r["step"]}, 'line 2: no "completion/length_mean" (and 6 more)'),
+    "no clock": (lambda r: {k: v for k, v in r.items() if k != "time/step_s"}, 'line 2: no "time/step_s"'),
+    "a string": (lambda r: {**r, "reward/mean": "high"}, "line 2: reward/mean is 'high', not a number"),
+    "a list": (lambda r: {**r, "clip/rate": [0.1]}, "line 2: clip/rate is '[0.1]', not a number"),
+    "step 0": (lambda r: {**r, "step": 0}, "line 2: step 0 is not a whole number >= 1"),
+}
+
+
+@pytest.mark.parametrize("damage", list(ROW_DAMAGE))
+def test_a_damaged_metrics_row_is_one_line_for_every_reader(damage, tmp_path, capsys):
+    """run_checks.check_metrics_rows is every reader's check of metrics.jsonl: resume, an experiment's rerun and
+    report --from each refuse the same damaged row in one line naming the file, the line and the key (a row {} was a
+    KeyError, a row of no figures accepted, a string a TypeError)."""
+    out = _resumable(tmp_path, capsys)
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    make, fragment = ROW_DAMAGE[damage]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [rows[0], make(rows[1]), rows[2]]))
+    before = metrics.read_bytes()
+    for argv in (over(T, "--out", str(out), "--resume", "--steps", "4"),
+                 ["report", "--from", str(out), "--out", str(tmp_path / "r")]):
+        line = bad_cli(argv, capsys)
+        assert f"metrics.jsonl, {fragment}" in line, line
+    assert metrics.read_bytes() == before
+    from phantomclip.run_checks import RunFileError
+    from phantomclip.runs import RunDir
+
+    with pytest.raises(RunFileError) as e:
+        RunDir(out).metrics()  # what an experiment's rerun reads a finished run with
+    assert fragment in str(e.value)
+
+
+CHECKPOINT_DAMAGE = {  # name -> (the damaged checkpoint, from the good one; the fragment)
+    "snapshots a list": (lambda c: {**c, "snapshots": list(c["snapshots"].values())}, "snapshots is a list"),
+    "snapshots empty": (lambda c: {**c, "snapshots": {}}, "holds weight versions [], where step 3 at staleness 1 "
+                                                          "needs [2]"),
+    "fp16 master": (lambda c: {**c, "master": {k: v.half() for k, v in c["master"].items()}},
+                    "is torch.float16, not the fp32 master weights"),
+    "version of another shape": (lambda c: {**c, "snapshots": {2: {k: v[:1] for k, v in c["master"].items()}}},
+                                 "weight version 2 is not the master's fp32 tensors"),
+}
+
+
+@pytest.mark.parametrize("damage", list(CHECKPOINT_DAMAGE))
+def test_a_damaged_checkpoint_is_one_line(damage, tmp_path, capsys):
+    """A checkpoint whose snapshots are a list (an IndexError) or empty (the producer waited for ever), or whose
+    master weights are fp16 (accepted): one line naming the file, before any step."""
+    out = _resumable(tmp_path, capsys)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    make, fragment = CHECKPOINT_DAMAGE[damage]
+    torch.save(make(ckpt), out / "checkpoint.pt")
+    line = bad_cli(over(T, "--out", str(out), "--resume", "--steps", "4"), capsys)
+    assert "checkpoint.pt: " in line and fragment in line, line
+
+
+def test_a_damaged_snapshot_is_one_line_for_trace_run(tmp_path, capsys):
+    """trace --run: a snapshot holding 1 of the model's tensors, or int64 tensors, was read as if whole."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    assert main(over(T, "--steps", "1", "--keep-snapshots", "1", "--out", str(out))) == 0
+    path = out / "snapshots" / "step-000001.safetensors"
+    weights = load_file(str(path))
+    first = sorted(weights)[0]
+    save_file({first: weights[first]}, str(path))
+    line = bad_cli(["trace", "--run", str(out)], capsys, after_progress=True)
+    assert f"holds 1 of the model's {len(weights)} tensors" in line, line
+    save_file({k: v.long() for k, v in weights.items()}, str(path))
+    line = bad_cli(["trace", "--run", str(out)], capsys, after_progress=True)
+    assert "is torch.int64, not the fp32 weights train writes" in line, line

@@ -4,14 +4,20 @@ import pytest
 import torch
 
 from phantomclip.errors import PhantomclipWarning, WriteError
+from phantomclip.run_checks import METRIC_KEYS
 from phantomclip.runs import RunDir, RunError, config_diff, read_jsonl
+
+
+def _row(step: int, **figures) -> dict:
+    """A metrics row with every figure readers need (run_checks.METRIC_KEYS, at 0) and `figures`."""
+    return {**dict.fromkeys(METRIC_KEYS, 0.0), "step": step, **figures}
 
 
 def test_create_log_checkpoint_resume(tmp_path):
     cfg = {"seed": 1, "lr": 1e-5, "steps": 10}
     run = RunDir.create(tmp_path / "r", cfg)
     for step in range(1, 6):
-        run.log_metrics({"step": step, "loss": float(step)})
+        run.log_metrics(_row(step, loss=float(step)))
         if step == 3:
             run.save_checkpoint({"step": 3, "w": torch.ones(2) * 3})
     with open(run.metrics_path, "a") as f:
@@ -64,7 +70,7 @@ def test_interrupted_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 def _finished_run(path, cfg=None):
     run = RunDir.create(path, cfg or {"seed": 1})
     for step in (1, 2):
-        run.log_metrics({"step": step, "loss": float(step)})
+        run.log_metrics(_row(step, loss=float(step)))
     run.save_checkpoint({"step": 2, "w": torch.ones(2)})
     run.close()
     return run
@@ -142,11 +148,11 @@ def test_a_bad_line_mid_file_is_an_error_and_nothing_is_rewritten(tmp_path):
 
 def test_nan_is_written_as_null_and_read_back_as_nan(tmp_path):
     run = RunDir.create(tmp_path / "r", {})
-    run.log_metrics({"step": 1, "loss": float("nan"), "norm": float("inf"), "ok": 1.5})
+    run.log_metrics(_row(1, loss=float("nan"), norm=float("inf"), ok=1.5))
     line = run.metrics_path.read_text()
-    assert json.loads(line) == {"step": 1, "loss": None, "norm": None, "ok": 1.5}  # strict JSON: no bare NaN
+    assert json.loads(line) == _row(1, loss=None, norm=None, ok=1.5)  # strict JSON: no bare NaN
     with open(run.metrics_path, "a") as f:
-        f.write('{"step": 2, "loss": NaN, "norm": 1.0, "ok": 2.0}\n')  # older files: bare NaN
+        f.write(json.dumps(_row(2, ok=2.0))[:-1] + ', "loss": NaN, "norm": 1.0}\n')  # older files: bare NaN
     rows = run.metrics()
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["loss"] != r["loss"] for r in rows) and rows[0]["norm"] != rows[0]["norm"] and rows[1]["ok"] == 2.0

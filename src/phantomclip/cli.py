@@ -6,51 +6,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config_flags import add_config_args, config_from_args, typed_flags
+from .config_flags import (
+    EXIT_USAGE,
+    OneLineParser,
+    add_config_args,
+    config_from_args,
+    names_never_fail_the_streams,
+    say,
+    typed_flags,
+)
 from .console import say_error
 
-EXIT_USAGE = 2
 EXIT_GATE = 1
 """`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
 JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's target is replaced, the link kept; a "
               "device or FIFO such as /dev/stdout is written into; a directory is refused)")
 """what --json does with what is already at PATH (files.output_target)."""
-
-
-def _say(line: str, stream=None) -> None:
-    """Print a line naming paths (files.printable: a name that is not UTF-8 shown as \\xNN)."""
-    from .files import printable
-
-    print(printable(line), file=stream or sys.stdout)
-
-
-class StoreOnce(argparse.Action):
-    """argparse's plain store, refusing what a shell makes of a slip: an empty value (an unset variable in
-    `--json "$OUT"` was silently the default) and a single-value flag given twice (the first was silently dropped)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        given = namespace.__dict__.setdefault("flags_given", set())
-        if self.dest in given:
-            parser.error(f"{option_string} is given twice: give it once (a flag of several values takes them "
-                         "after one flag)")
-        if any(isinstance(v, str) and not v.strip() for v in (values if isinstance(values, list) else [values])):
-            parser.error(f"{option_string} is empty: give a value, or drop {option_string} for its default")
-        given.add(self.dest)
-        setattr(namespace, self.dest, values)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's usage errors (a bad flag value, an unknown flag) as one line on stderr, exit 2, like every other
-    bad input (argparse prints the whole usage block first). Every flag that stores one value is a StoreOnce: the
-    rule is registered once here, for every command's parser and group, not flag by flag."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register("action", None, StoreOnce)
-        self.register("action", "store", StoreOnce)
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _diagnose_parser(sub) -> None:
@@ -364,7 +335,7 @@ def _run_experiment(args) -> int:
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
     render_experiment(summary, Console())
-    _say(f"wrote {args.out}/summary.md and summary.json")
+    say(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
 
@@ -414,7 +385,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     render(result, Console())
     if args.json:
         write_json(result, args.json)
-        _say(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     return check(result) if check else 0
 
 
@@ -500,7 +471,7 @@ def _run_report(args) -> int:
     sources = args.sources or demo_sources()
     out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
     page = build(sources, out)
-    _say(f"wrote {page}")
+    say(f"wrote {page}")
     if args.serve:
         handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
         try:
@@ -523,26 +494,15 @@ def _show_as_line(prog: str, category: type[Warning], default):
 
     def show(message, cat, filename, lineno, file=None, line=None):
         if issubclass(cat, category):
-            _say(f"{prog}: warning: {message}", sys.stderr)
+            say(f"{prog}: warning: {message}", sys.stderr)
         else:
             default(message, cat, filename, lineno, file, line)
 
     return show
 
 
-def _names_never_fail_the_streams() -> None:
-    """A path whose name is not UTF-8 (Python holds its bytes as lone surrogates) is printed, not a
-    UnicodeEncodeError: stdout and stderr write what they cannot encode as a backslash escape (files.printable
-    spells names in the messages themselves the same way)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(errors="backslashreplace")
-        except (AttributeError, ValueError):  # a captured or replaced stream (tests, pipes set up by a caller)
-            pass
-
-
 def main(argv: list[str] | None = None) -> int:
-    _names_never_fail_the_streams()
+    names_never_fail_the_streams()
     parser = OneLineParser(prog="phantomclip",
                            description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,8 +1,10 @@
-"""A job's config dataclass as command-line flags: one --flag per field, its docstring as help, and back."""
+"""A job's config dataclass as command-line flags (one --flag per field, its docstring as help, and back), and the
+parser's own rules: usage errors as one line, a flag given once and never empty, names printed whatever their bytes."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -73,3 +75,54 @@ def typed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         if len(matches) == 1:
             typed.add(options[matches[0]])
     return typed
+
+
+EXIT_USAGE = 2
+"""the exit status of bad input: a usage error, a bad value, a file that cannot be used."""
+
+
+def say(line: str, stream=None) -> None:
+    """Print a line naming paths (files.printable: a name that is not UTF-8 shown as \\xNN)."""
+    from .files import printable
+
+    print(printable(line), file=stream or sys.stdout)
+
+
+class StoreOnce(argparse.Action):
+    """argparse's plain store, refusing what a shell makes of a slip: an empty value (an unset variable in
+    `--json "$OUT"` was silently the default) and a single-value flag given twice (the first was silently dropped)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("flags_given", set())
+        if self.dest in given:
+            parser.error(f"{option_string} is given twice: give it once (a flag of several values takes them "
+                         "after one flag)")
+        if any(isinstance(v, str) and not v.strip() for v in (values if isinstance(values, list) else [values])):
+            parser.error(f"{option_string} is empty: give a value, or drop {option_string} for its default")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors (a bad flag value, an unknown flag) as one line on stderr, exit 2, like every other
+    bad input (argparse prints the whole usage block first). Every flag that stores one value is a StoreOnce: the
+    rule is registered once here, for every command's parser and group, not flag by flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def names_never_fail_the_streams() -> None:
+    """A path whose name is not UTF-8 (Python holds its bytes as lone surrogates) is printed, not a
+    UnicodeEncodeError: stdout and stderr write what they cannot encode as a backslash escape (files.printable
+    spells names in the messages themselves the same way)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):  # a captured or replaced stream (tests, pipes set up by a caller)
+            pass

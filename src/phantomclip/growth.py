@@ -30,6 +30,7 @@ from .errors import PhantomclipError, PhantomclipWarning
 from .files import JSON_ERRORS, InputError, check_input, json_reason, printable, read_input
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
 from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
+from .run_checks import check_snapshot
 from .runs import RunDir, read_json_object
 from .scoring import LOGIT_STATS, score
 
@@ -129,11 +130,8 @@ def load_snapshot(model: torch.nn.Module, run: RunSnapshots, step: int) -> bool:
     except (OSError, SafetensorError) as e:
         warnings.warn(f"{path}: cannot be read ({e}): skipped", PhantomclipWarning, stacklevel=2)
         return False
+    check_snapshot(path, weights, model, str(run.config.get("model")))
     own = model.state_dict()
-    foreign = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
-    if foreign:
-        raise GrowthError(f"{path} holds weights of another model than {run.config.get('model')} ({foreign[0]}): "
-                          "analyse a run with the model it was trained with")
     with torch.no_grad():
         for k, v in weights.items():
             own[k].copy_(v)

@@ -46,6 +46,7 @@ from .files import (
     stranded_temps,
     write_error,
 )
+from .run_checks import check_checkpoint, check_metrics_rows
 
 
 class RunError(PhantomclipError):
@@ -325,7 +326,10 @@ class RunDir:
             if max_step is not None and done > max_step:
                 raise RunError(f"{run.path} already has {done} steps, more than --steps {max_step}: give --steps "
                                f"{done} or more to continue it")
+            if ckpt is not None and {"master", "snapshots"} <= set(required):  # the trainer's own checkpoint
+                check_checkpoint(run.checkpoint_path, ckpt, int(config.get("staleness", 0)))
             logged = {p: read_jsonl(p) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+            check_metrics_rows(run.metrics_path, logged[run.metrics_path])
             if ckpt is None and logged[run.metrics_path]:  # killed before its first checkpoint: a run's rows are a
                 # function of its config and seed, so recomputing them from step 0 gives them again
                 warnings.warn(f"{run.path} has {len(logged[run.metrics_path])} logged steps but no checkpoint.pt: "
@@ -388,7 +392,7 @@ class RunDir:
         self._append(self.tokens_path, row)
 
     def metrics(self) -> list[dict]:
-        return [nan_for_null(r) for r in read_jsonl(self.metrics_path)]
+        return [nan_for_null(r) for r in check_metrics_rows(self.metrics_path, read_jsonl(self.metrics_path))]
 
     @property
     def snapshots_path(self) -> Path:

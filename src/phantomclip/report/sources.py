@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError, PhantomclipWarning
 from ..files import InputError, json_reason, read_input
+from ..run_checks import check_metrics_rows
 from ..runs import read_jsonl
 
 
@@ -115,7 +116,8 @@ def _add(data: ReportData, f: Path, doc: dict) -> bool:
         _check_schema(f, doc, None)
         name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
         data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
-                          "metrics": read_jsonl(f.parent / "metrics.jsonl"),
+                          "metrics": check_metrics_rows(f.parent / "metrics.jsonl",
+                                                        read_jsonl(f.parent / "metrics.jsonl")),
                           "tokens": read_jsonl(f.parent / "tokens.jsonl")})
         return True
     if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):

@@ -261,3 +261,20 @@ def test_bad_input(tmp_path, monkeypatch):
     # a GRPOTrainer is not an async trainer; one monitor per trainer
     with pytest.raises(IntegrationError, match="not dict"):
         AsyncPrecisionMonitor().attach({})
+
+
+def test_weights_that_move_between_syncs(tmp_path):
+    """weight_sync_steps 2: the second step trains a sample of the version synced at the start (staleness 0) with
+    weights one optimizer step newer, so α is measured against a separate copy of the current weights (one more
+    shadow kept, counted in the memory check), not the version's."""
+    from phantomclip.integrations.trl_async import shadow_memory
+
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    trainer, _ = setup.make_trainer(str(tmp_path / "w"), callbacks=[monitor], steps=2, weight_sync_steps=2)
+    assert shadow_memory(trainer, "bfloat16")[0] == 2 + 1 + 1  # max_staleness + 1 versions + the current weights
+    trainer.train()
+    rows = _rows(trainer)
+    assert [r["precision/staleness_share_0"] for r in rows] == [1.0, 1.0]
+    assert rows[0]["precision/alpha_abs_mean"] == 0.0 and rows[1]["precision/alpha_abs_mean"] > 0
+    shadows = trainer._pc_async.shadows
+    assert shadows.current is not None and sorted(shadows.versions) == [1, 2]

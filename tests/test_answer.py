@@ -17,6 +17,7 @@ from phantomclip.answer import (
     changes,
     epsilon_advice,
     ranking,
+    recipe_gain,
     status,
 )
 from phantomclip.diagnose_text import knob_lines, render_diagnose, verdict
@@ -28,12 +29,16 @@ def _rec(outside: float, mean: float = 0.04, tokens: int = 1000) -> dict:
 
 
 def _result(answer_in: str = "", keep=(0.15, 0.19), **recs) -> dict:
-    """A result whose first recipe is the user's; ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high)."""
+    """A result whose first recipe is the user's; ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per
+    token, each recipe puts its share of the 1000 tokens outside (β = 0.5) from the first token on, so the tokens a
+    better recipe keeps inside are all outside under a worse one (the sign test sees only that direction)."""
     clip = {"unit": "token", "setting": {"epsilon_low": 0.2, "epsilon_high": 0.2}, "tokens": 0.0, "sequences": 0.0,
             "keep": {"epsilon_low": keep[0], "epsilon_high": keep[1]}, "at_length": None}
+    per = {k: {"beta": [0.5 if i < round(v["outside_trust_region"] * v["tokens"]) else 0.0 for i in range(1000)]}
+           for k, v in recs.items()}
     return {"recipes": recs, "engine": {"dtype": "bf16", "kind": "local", "nonfinite_logprobs": 0},
-            "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2},
-            "config": {"answer_in": answer_in, "epsilon": 0.2, "epsilon_high": 0.2},
+            "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2, "log_low": -0.2231, "log_high": 0.1823},
+            "config": {"answer_in": answer_in, "epsilon": 0.2, "epsilon_high": 0.2}, "tokens": {"per_recipe": per},
             "knobs": {"keep_share": 0.99, "length": {"target": 48}, "clip": clip}}
 
 
@@ -86,12 +91,28 @@ def test_ranking_by_share_outside_then_mean():
 def test_changes_in_the_users_framework(framework, best, setting):
     r = _result(framework, keep=(0.3, 0.4), **{"bf16-autocast": _rec(0.015), best: _rec(0.0066)})
     got = changes(r, framework)
-    assert got[0].setting == setting and got[0].effect == "0.66% outside (yours: 1.50%)"
+    # 15 tokens outside against 7 (0.66% of 1000, rounded): 8 discordant tokens, all one way: p = 2^-8 = 0.0039
+    assert got[0].setting == setting and got[0].effect == "0.66% outside (yours: 1.50%; sign test p = 0.004)"
     eps = {"trl": "epsilon: 0.3, epsilon_high: 0.4",
            "verl": "actor_rollout_ref.actor.clip_ratio_low: 0.3, actor_rollout_ref.actor.clip_ratio_high: 0.4",
            "": "--epsilon 0.3 --epsilon-high 0.4"}[framework]
     assert got[1].setting == eps and got[1].effect == "keeps 99% of your tokens inside"
     assert len(got) == (2 if framework == "verl" else 3)  # verl has no hook for the shadow ratio
+
+
+def test_a_recipe_change_needs_a_detectable_gain():
+    """The sign test on the same tokens (McNemar's exact form), Bonferroni over the other recipes measured."""
+    r = _result(fp32=_rec(0.020), **{"fp32-head": _rec(0.017)})  # 20 against 17 outside: 3 discordant tokens
+    assert recipe_gain(r, "fp32", "fp32-head") == {"worse": 3, "better": 0, "p": 0.125}  # 1/2^3
+    assert [c.setting for c in changes(r)][0] != "--trainer fp32-head"  # not detectable: not offered
+    r = _result(fp32=_rec(0.020), bf16=_rec(0.025), **{"fp32-head": _rec(0.014)})  # 6 discordant: p = 1/64
+    assert recipe_gain(r, "fp32", "fp32-head")["p"] == 1 / 64
+    assert changes(r)[0].setting == "--trainer fp32-head"  # 0.0156 < 0.05 / 2 comparisons
+    # 12 worse and 9 better, as fp32 against fp32-head on the bundled model: P(X >= 12 | 21, 1/2) = 0.332
+    per = r["tokens"]["per_recipe"]
+    per["fp32"]["beta"] = [0.5] * 12 + [0.0] * 9 + [0.5] * 8 + [0.0] * 971
+    per["fp32-head"]["beta"] = [0.0] * 12 + [0.5] * 9 + [0.5] * 8 + [0.0] * 971
+    assert recipe_gain(r, "fp32", "fp32-head")["p"] == pytest.approx(0.3318119, abs=1e-7)
 
 
 def test_ok_has_no_changes_and_a_worse_recipe_is_never_offered():

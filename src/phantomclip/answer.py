@@ -144,10 +144,36 @@ def _pct(share: float) -> str:
     return f"{100 * share:.2f}%"
 
 
+SIGNIFICANCE = 0.05
+"""a recipe change is offered when its gain passes a one-sided sign test at this level, Bonferroni-corrected over the
+other recipes measured (each is a comparison the ranking made)."""
+
+
+def recipe_gain(result: dict, mine: str, other: str) -> dict | None:
+    """Is `other` detectably better than `mine` on the same tokens? Per token (the JSON's per-token β), `worse`:
+    outside the trust region under `mine` only, `better`: under `other` only. Under no difference each discordant
+    token is either with probability 1/2 (the sign test, McNemar's exact form), so p = P(X >= worse | X ~
+    Binomial(worse + better, 1/2)). None without per-token arrays (a result written without them)."""
+    per = (result.get("tokens") or {}).get("per_recipe") or {}
+    if mine not in per or other not in per:
+        return None
+    lo, hi = result["trust_region"]["log_low"], result["trust_region"]["log_high"]
+
+    def out(name: str) -> list[bool]:
+        return [b is not None and (b < lo or b > hi) for b in per[name]["beta"]]
+
+    pairs = list(zip(out(mine), out(other)))
+    worse, better = sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)
+    n = worse + better
+    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
+    return {"worse": worse, "better": better, "p": p}
+
+
 def changes(result: dict, framework: str = "") -> list[Change]:
     """What to change, strongest first, each with the figure this run measured for it, as `framework` ('trl',
-    'verl', or '' for phantomclip's flags) spells it: a measured trainer recipe with fewer tokens outside than the
-    user's; the ε that keeps the knob advice's share inside; the shadow ratio. Nothing when the status is ok."""
+    'verl', or '' for phantomclip's flags) spells it: a measured trainer recipe with detectably fewer tokens outside
+    than the user's on the same tokens (`recipe_gain`); the ε that keeps the knob advice's share inside; the shadow
+    ratio. Nothing when the status is ok."""
     word, _ = status(result)
     if word == "ok":
         return []
@@ -156,11 +182,13 @@ def changes(result: dict, framework: str = "") -> list[Change]:
     recs, mine = result["recipes"], user_recipe(result)
     out: list[Change] = []
     best = next(iter(ranking(result)), mine)
-    if best != mine and outside(recs[best]) < outside(recs[mine]):
+    gain = recipe_gain(result, mine, best) if best != mine else None
+    if gain is not None and gain["p"] < SIGNIFICANCE / max(1, len(recs) - 1):
         field = RECIPE_FIELDS.get(framework, {}).get(best, f"--trainer {best}" if not framework else None)
         if field is None:
             field = f"a {best} trainer (no {FRAMEWORK_NAMES[framework]} setting selects it)"
-        out.append(Change(field, f"{_pct(outside(recs[best]))} outside (yours: {_pct(outside(recs[mine]))})"))
+        out.append(Change(field, f"{_pct(outside(recs[best]))} outside (yours: {_pct(outside(recs[mine]))}; "
+                                 f"sign test p = {gain['p']:.1g})"))
     eps = epsilon_advice(result.get("knobs"))
     if eps is not None:
         low, high = EPSILON_FIELDS.get(framework, EPSILON_FIELDS[""])
@@ -179,7 +207,7 @@ def answer(result: dict) -> dict:
     framework = result["config"].get("answer_in") or ""
     word, reasons = status(result)
     if framework == "trl" and word != "not judged":
-        reasons.append(_trl_reason(result))
+        reasons += _trl_reasons(result)
     if word == "not judged":
         framework = ""
     tr, eng = result["trust_region"], result["engine"]
@@ -192,18 +220,19 @@ def answer(result: dict) -> dict:
     }
 
 
-def _trl_reason(result: dict) -> str:
+def _trl_reasons(result: dict) -> list[str]:
     """Where β meets the loss in TRL: GRPOTrainer clips against its own recomputed log-probs (trl 1.16
     grpo_trainer.py, `old_per_token_logps`) and meets β in the importance-sampling weight; AsyncGRPOTrainer clips
     against vLLM's log-probs directly."""
     seq = (result.get("knobs") or {}).get("sequence_mask")
+    said = ["TRL AsyncGRPOTrainer: clips on this ratio"]
     if not seq:
-        return "TRL: AsyncGRPOTrainer clips on this ratio; GRPOTrainer meets β in its IS correction"
+        return said + ["TRL GRPOTrainer: clips on its own log-probs; β meets its IS correction"]
     at = seq.get("at_length")
     share = at["sequences"] if at else seq["sequences"]
     length = f" of {result['knobs']['length']['target']}-token ones" if at else ""
-    return (f"TRL: AsyncGRPOTrainer clips on this ratio; GRPOTrainer meets β in its IS correction, whose "
-            f"sequence_mask at C = {seq['setting']['cap']:g} drops {_pct(share)} of sequences{length}")
+    return said + [f"TRL GRPOTrainer: clips on its own log-probs; its IS correction (sequence_mask, C = "
+                   f"{seq['setting']['cap']:g}) drops {_pct(share)} of sequences{length}"]
 
 
 def answer_lines(ans: dict) -> list[str]:

@@ -34,9 +34,9 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-    "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
              "frameworks", "knobs", "files", "console", "devices", "fp8", "run_checks"),
-             "diagnose_config", "diagnose_fp8"),
+    "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
+             "routing_depth", "diagnose_config", "diagnose_fp8"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags", "fp8_text",
                  "routing_text"),

@@ -37,6 +37,7 @@ from .recipes import (
     lm_head,
     resolve_matmul,
 )
+from .routing_depth import trace_routing
 from .scoring import score
 
 KEEP_FP32 = {"lm_head": "lm_head", "norm": "norm", "final-norm": "final_norm", "attention-softmax": ATTENTION_FP32,
@@ -413,4 +414,5 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     result |= weights_vs_compute(st, logp_ref, say)
     result |= what_if_recipes(st, logp_ref, say)
     result |= quant_what_if(st, logp_ref, say)
+    result |= trace_routing(st.model, recipe, st.ref_model, reference, packed)  # MoE: where routing flips start
     return result

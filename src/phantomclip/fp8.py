@@ -11,7 +11,9 @@ are computed exactly as vLLM's kernels compute them (the scale rule, the divisio
 saturation at ±448, torch's round-to-nearest-even cast), then multiplied in fp32. A product of two E4M3 values has 8
 significant bits, so every product is exact in fp32 and the emulated GEMM differs from the GPU's only by summation
 order, as `recipes.py`'s emulated bf16 kernel does. torch's own `_scaled_mm` runs on this CPU (torch 2.13) and agrees
-with it (tests/test_fp8.py), but is 4x slower than an fp32 product at decode shapes, so it is not used.
+with it (tests/test_fp8.py), but took 18x the time of an fp32 product at 16 rows and 1.6x at 1024 (1536 x 576, 2-core
+AMD EPYC with AVX512-BF16), so it is not used. The engine lays each E4M3 image out once for oneDNN (`pack_weight`,
+what `decode.pack_linears` does for its other Linears); the scorer multiplies with F.linear.
 
 Sources (vLLM, the file and the commit read):
 - per-tensor dynamic scale (online `quantization="fp8"` weights: `Fp8LinearMethod.process_weights_after_loading`

@@ -1,10 +1,7 @@
-"""The TRL integration with LoRA (PEFT), TRL's KL term, dropout, a bf16 trainer and ZeRO-3's gather (one process)."""
+"""The TRL integration with LoRA (PEFT), TRL's KL term, dropout and a bf16 trainer (one process; real DeepSpeed ZeRO-3:
+tests/test_trl_zero3.py)."""
 
 from __future__ import annotations
-
-import math
-import sys
-from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -176,42 +173,3 @@ def test_unsupported_peft_is_refused_at_attach(tmp_path):
     trainer.model = trainer.model_wrapped = peft.get_peft_model(trainer.model, config)
     with pytest.raises(IntegrationError, match="LoRA on Linear layers only, not Embedding"):
         PrecisionMonitor().attach(trainer)
-
-
-def test_zero3_weights_come_through_gathered_parameters(tmp_path, monkeypatch):
-    """DeepSpeed is not installed here: a stand-in for `deepspeed.zero.GatheredParameters` holds each parameter
-    empty (as ZeRO-3's placeholders are outside the context) and restores it inside. The shadow is filled only
-    through it, each parameter gathered once, and equals the cast of the full weights."""
-    from phantomclip.models import load_model
-
-    model = load_model("tiny-random:30").model
-    full = {id(p): p.detach().clone() for p in model.parameters()}
-    gathered = []
-
-    class GatheredParameters:
-        def __init__(self, params):
-            self.params = list(params)
-
-        def __enter__(self):
-            gathered.extend(id(p) for p in self.params)
-            for p in self.params:
-                p.data = full[id(p)].clone()
-
-        def __exit__(self, *exc):
-            for p in self.params:
-                p.data = torch.empty(0)
-
-    for p in model.parameters():
-        p.ds_id = len(gathered)
-        p.data = torch.empty(0)
-    fake = ModuleType("deepspeed")
-    fake.zero = SimpleNamespace(GatheredParameters=GatheredParameters)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    shadow = build_shadow(model, "bfloat16", "cpu")
-    sync_shadow(shadow, model)
-    assert sorted(gathered) == sorted(full)  # every parameter once (the tied head is the embedding)
-    for name, p in shadow.named_parameters():
-        src = dict(load_model("tiny-random:30").model.named_parameters())[name]
-        assert torch.equal(p, src.detach().to(torch.bfloat16)), name
-    assert all(p.numel() == 0 for p in model.parameters())  # released again
-    assert math.isfinite(sum(p.float().sum().item() for p in shadow.parameters()))

@@ -20,21 +20,22 @@ B, P, L = 8, 3, 6
 """global batch: rows, prompt length, completion length."""
 
 
-def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, **config):
+def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, model=None, **config):
+    """A tiny GRPOTrainer on the tiny model (`model`: another policy with the tiny model's vocabulary)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model
+    from phantomclip.models import load_model, tiny_tokenizer
 
     torch.manual_seed(0)
-    lm = load_model(MODEL)
+    lm = load_model(MODEL) if model is None else None
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=L,
-                      report_to=[], use_cpu=True, save_strategy="no", bf16=False, logging_steps=1, max_steps=steps,
-                      learning_rate=1e-3, seed=0, data_seed=0, **config)
+                      report_to=[], save_strategy="no", bf16=False, logging_steps=1, max_steps=steps,
+                      learning_rate=1e-3, seed=0, data_seed=0, **{"use_cpu": True, **config})
     ds = Dataset.from_dict({"prompt": ["hello there", "what is two plus two"] * 8})
     reward = lambda completions, completion_ids, **kw: [float(sum(c) % 7) for c in completion_ids]  # noqa: E731
-    return (cls or GRPOTrainer)(model=lm.model, args=args, reward_funcs=reward, train_dataset=ds,
-                                processing_class=lm.tokenizer, callbacks=list(callbacks))
+    return (cls or GRPOTrainer)(model=lm.model if lm else model, args=args, reward_funcs=reward, train_dataset=ds,
+                                processing_class=lm.tokenizer if lm else tiny_tokenizer(), callbacks=list(callbacks))
 
 
 def global_batch() -> dict:

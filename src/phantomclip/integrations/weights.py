@@ -18,6 +18,7 @@ did the wrapping.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -210,8 +211,14 @@ def build_shadow(model: nn.Module, engine_dtype: str, device: torch.device | str
     config on the meta device (no weights allocated twice, nothing copied from the trainer's module but its
     buffers); fill it with `sync_shadow`."""
     base = base_of(model)
+    # The model's class built from a copy of its config, not `_from_config`: under DeepSpeed ZeRO-3 (a
+    # HfDeepSpeedConfig alive in the process) `_from_config` builds inside `deepspeed.zero.Init` and then runs
+    # `initialize_weights_zero3` (transformers 5.24.0 modeling_utils.py, `PreTrainedModel._from_config`:
+    # `needs_zero3_init = is_deepspeed_zero3_enabled() and ...`), which partitions the skeleton and fails on its meta
+    # RoPE buffer ('Cannot copy out of meta tensor'). The constructor has no ZeRO-3 branch, skips weight init on the
+    # meta device (`init_weights`), and does not write the trainer's config (`_from_config` sets its dtype).
     with torch.device("meta"):
-        skeleton = type(base)._from_config(base.config, dtype=torch.float32)
+        skeleton = type(base)(copy.deepcopy(base.config)).float()
     shadow = apply_recipe(skeleton, engine_recipe(parse_dtype(engine_dtype)), matmul=matmul, device=device)
     shadow.to_empty(device=device)
     buffers = {engine_name(name): b for name, b in base.named_buffers()}  # RoPE tables: never sharded, kept in fp32

@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine: no spinning)")
     args = ap.parse_args()
     import tempfile
 
@@ -64,7 +65,7 @@ def main() -> None:
     from phantomclip.models import load_model
     from phantomclip.prompts import bundled_prompts
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     use_cpu_stand_ins()
     lm = load_model("smollm2-135m")
     engine = LocalEngine(copy.deepcopy(lm.model), torch.bfloat16)

@@ -52,8 +52,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--no-fix", action="store_true", help="TRL's own ratio (α + β) in the clip")
     ap.add_argument("--json", help="write the logged rows here")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine: no spinning)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     use_cpu_stand_ins()
     lm = load_model("smollm2-135m")  # fp32 weights, TRL's async trainer loads the same from lm.path
     engine = LocalEngine(copy.deepcopy(lm.model), torch.bfloat16)

@@ -101,3 +101,19 @@ def test_zero3_training_loop_logs_the_same_rows_on_every_rank(ranks):
     assert [h["step"] for h in measured] == [1, 2], logs[0]
     assert all(h["precision/beta_abs_mean"] > 0 for h in measured)
     assert 0 < measured[1]["precision/changed_share_at_sync"] <= 1  # the optimizer stepped: the shadow moved
+
+
+def test_deepspeed_tensor_parallel_is_refused_at_attach(tmp_path):
+    """DeepSpeed AutoTP layers hold a slice of each weight, which the shadow cannot take for the whole: one line at
+    attach, naming the layer (one process; the layer is DeepSpeed's own class, its slicing not set up)."""
+    from deepspeed.module_inject.layers import LinearLayer
+
+    from phantomclip.integrations.trl import IntegrationError, PrecisionMonitor
+
+    trainer = worker.make_trainer(str(tmp_path))
+    layer = LinearLayer.__new__(LinearLayer)
+    torch.nn.Module.__init__(layer)
+    trainer.model.model.layers[0].self_attn.q_proj = layer
+    with pytest.raises(IntegrationError, match=r"^the shadow cannot mirror DeepSpeed tensor parallelism \(LinearLayer "
+                       r"at model\.layers\.0\.self_attn\.q_proj holds a slice of its weight\)"):
+        PrecisionMonitor().attach(trainer)

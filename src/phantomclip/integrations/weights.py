@@ -74,9 +74,27 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def _check_no_tensor_parallel(model: nn.Module) -> None:
+    """DeepSpeed's AutoTP (`tensor_parallel.autotp_size` > 1) replaces Linear layers and embeddings by layers that
+    hold a slice of each weight (deepspeed 0.19.8 module_inject/layers.py, TensorParallel_Layer): no ZeRO tag, no
+    DTensor, so the shadow would take a rank's slice for the whole weight. Refused (one line); read from the loaded
+    module only (an AutoTP layer exists only if DeepSpeed was imported)."""
+    import sys
+
+    layers = sys.modules.get("deepspeed.module_inject.layers")
+    if layers is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, layers.TensorParallel_Layer):
+            raise IntegrationError(f"the shadow cannot mirror DeepSpeed tensor parallelism ({type(module).__name__} "
+                                   f"at {name} holds a slice of its weight): train without tensor_parallel.autotp_size"
+                                   " (ZeRO-3 is supported) or drop PrecisionMonitor / with_shadow_ratio")
+
+
 def check_supported(model: nn.Module) -> str:
     """Raise IntegrationError (one line) for what `full_weights` cannot mirror exactly; returns the sharding kind."""
     kind = sharding_of(model)
+    _check_no_tensor_parallel(model)
     if not _is_peft(_inner(model)):
         return kind
     if kind == "fsdp1":

@@ -13,7 +13,7 @@ from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build,
 
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
             "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop",
-            "6. Why the gap grows", "7. Interventions", "8. Your framework", "9. Appendix"]
+            "6. The gap along training", "7. Interventions", "8. Your framework", "9. Appendix"]
 
 
 @pytest.fixture(scope="module")

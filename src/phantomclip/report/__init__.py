@@ -7,7 +7,7 @@ data. Plotly rather than Vega-Lite: a browser bundle of it ships with this packa
 network), and its legend toggles and hover give the interactions the article needs without a second grammar to learn.
 
 Modules, by concept: `sources` reads and classifies the files; `figures` draws the diagnose and trace figures,
-`training_panel` the closed loop, `growth_panel` why the gap grows, `interventions_table` the arms' table,
+`training_panel` the closed loop, `growth_panel` the gap along training, `interventions_table` the arms' table,
 `framework_panel` "Your framework"; `summary` writes the words that come from the data (the summary at the top, the
 source line under each figure); `plots` holds the shared look; `page` assembles and writes the page.
 """

@@ -1,5 +1,6 @@
-"""The article's "Why the gap grows" section: what `phantomclip trace --run` measured along training runs, drawn from
-its JSON alone (growth.py writes it; every key is defined in docs/metrics.md, "Metrics of `phantomclip trace --run`").
+"""The article's "The gap along training" section: what `phantomclip trace --run` measured along training runs, drawn
+from its JSON alone (growth.py writes it; every key is defined in docs/metrics.md,
+"Metrics of `phantomclip trace --run`").
 
 Four pieces: mean |β| and its parts at each snapshot on the fixed reference tokens (`fig_growth`); mean |β| per
 engine-probability bucket at the first and the last snapshot (`fig_growth_buckets`); the engine recipe's relative

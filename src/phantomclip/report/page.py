@@ -23,6 +23,7 @@ from . import growth_panel
 from .escape import html_text, script_json
 from .interventions_table import html_sanity_table
 from .plots import PALETTE
+from .prose import TEXTS
 from .sources import ReportData, ReportError, collect
 from .summary import html_sections_compared, html_summary, short_path, source_line
 from .training_panel import fig_alpha_beta_steps, per_step
@@ -160,6 +161,10 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     for marker in re.findall(r"<!-- figure: [a-z_]+ -->", body):
         name = marker[len("<!-- figure: ") : -len(" -->")]
         body = body.replace(marker, _block(name, data, figures, ctx), 1)
+    for marker in re.findall(r"<!-- text: [a-z_]+ -->", body):  # sentences computed from the data (prose.py)
+        name = marker[len("<!-- text: ") : -len(" -->")]
+        text = TEXTS[name](data) if name in TEXTS else f"(unknown text {name} in article.md)"
+        body = body.replace(marker, html_text(text), 1)
     template = Environment(autoescape=False).from_string(_text("template.html.j2"))
     return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
                            plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),

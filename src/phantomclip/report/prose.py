@@ -1,0 +1,144 @@
+"""The article's sentences that state a direction, a slope, a ratio or a count: computed from the data the figure
+beside them draws, never written into article.md, so a page built from other data says what that data shows.
+
+article.md places them with `<!-- text: NAME -->` inside a paragraph; `TEXTS[NAME](data)` returns the sentence (plain
+text, escaped by the page) or "" when its data is missing, and the paragraph then reads without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..metrics import PROB_EDGES
+
+WEAK = 0.3
+"""|r| below this: the points are said to show no clear direction (Cohen's 'small' effect, 1988, as a reading aid;
+the sentence gives r itself as well)."""
+
+
+def pearson_and_slope(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Pearson's r and the least-squares slope of y on x; None with fewer than 3 points or no spread."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy), sxy / sxx
+
+
+def _direction(r: float) -> str:
+    if abs(r) < WEAK:
+        return "show no clear direction"
+    return "rise to the right" if r > 0 else "fall to the right"
+
+
+def alpha_beta_steps(data) -> str:
+    """Section 4: which way the per-step (mean α, mean β) points of fig_alpha_beta_steps go, against the slope −1
+    that the shadow's shared rounding alone would give them."""
+    from .training_panel import SHOWN_ARMS, _shown, arm_runs
+
+    arms = arm_runs(data, "mismatch/alpha_mean")
+    shown, every = ([], []), ([], [])
+    for arm, runs in arms.items():
+        for r in runs:
+            for m in r["metrics"]:
+                a, b = m.get("mismatch/alpha_mean"), m.get("mismatch/beta_mean")
+                if a is None or b is None:
+                    continue
+                for (xs, ys), keep in ((every, True), (shown, _shown(arm, len(arms)) is True)):
+                    if keep:
+                        xs.append(a)
+                        ys.append(b)
+    fit = pearson_and_slope(*every)
+    if fit is None:
+        return ""
+    r, slope = fit
+    text = (f"In these runs the {len(every[0])} points {_direction(r)} (Pearson r = {r:+.2f}, least-squares slope "
+            f"{slope:+.2f}")
+    fit_shown = pearson_and_slope(*shown) if len(shown[0]) < len(every[0]) else None
+    if fit_shown is not None:
+        text += (f"; the {len(shown[0])} points of the arms shown when the page opens ({', '.join(SHOWN_ARMS)}): "
+                 f"r = {fit_shown[0]:+.2f}, slope {fit_shown[1]:+.2f}")
+    text += ")"
+    if r <= -WEAK:
+        return text + ": the direction the shared rounding gives them."
+    if r < WEAK:
+        return text + ": the shared rounding does not set a direction here, and nothing else does either."
+    return text + (": the opposite of the shared rounding's direction, so something that moves α and β the same way "
+                   "outweighs it in these runs.")
+
+
+def _bucket_ratio(edges: list[float], means: list) -> tuple[str, str, float] | None:
+    """(lowest non-empty bucket, highest non-empty bucket, ratio of their mean |β|) or None."""
+    filled = [(i, m) for i, m in enumerate(means) if m is not None and m > 0]
+    if len(filled) < 2:
+        return None
+    (lo, m_lo), (hi, m_hi) = filled[0], filled[-1]
+    return f"{edges[lo]:g}–{edges[lo + 1]:g}", f"{edges[hi]:g}–{edges[hi + 1]:g}", m_lo / m_hi
+
+
+def _ratio_words(ratio: float) -> str:
+    return f"{ratio:.1f} times" if ratio >= 1 else f"{1 / ratio:.1f} times less than"
+
+
+def rare_tokens(data) -> str:
+    """Section 3: how much larger mean |β| is in the lowest probability bucket than in the highest, by the first
+    recipe of the last diagnose file (the data of fig_beta_by_prob)."""
+    if not data.diagnose:
+        return ""
+    from .figures import _bucket_of
+
+    diag = data.diagnose[-1]
+    name, arr = next(iter(diag["tokens"]["per_recipe"].items()))
+    sums, counts = [0.0] * (len(PROB_EDGES) - 1), [0] * (len(PROB_EDGES) - 1)
+    for lp, b in zip(diag["tokens"]["logp_engine"], arr["beta"]):
+        if lp is not None and b is not None:
+            k = _bucket_of(math.exp(lp))
+            sums[k] += abs(b)
+            counts[k] += 1
+    found = _bucket_ratio(list(PROB_EDGES), [s / c if c else None for s, c in zip(sums, counts)])
+    if found is None:
+        return ""
+    lo, hi, ratio = found
+    return (f"In this data ({name} trainer), tokens the engine gave a probability of {lo} carry "
+            f"{_ratio_words(ratio)} the mean |β| of tokens at {hi}.")
+
+
+def gap_along_runs(data) -> str:
+    """Section 6: whether mean |β| on the fixed tokens rose from the first to the last snapshot, run by run, and
+    how much larger the rarest bucket's |β| was than the most confident's at the first snapshot."""
+    rows = [[s for s in g["snapshots"] if "reference" in s] for g in data.growths]
+    pairs = [(r[0]["reference"]["beta_abs_mean"], r[-1]["reference"]["beta_abs_mean"]) for r in rows if r]
+    pairs = [(a, b) for a, b in pairs if a and b is not None]
+    if not pairs:
+        return ""
+    factors = [b / a for a, b in pairs]
+    up = sum(f > 1.05 for f in factors)
+    down = sum(f < 1 / 1.05 for f in factors)
+    n = len(factors)
+    span = (f"×{factors[0]:.2f}" if n == 1 else f"×{min(factors):.2f} to ×{max(factors):.2f}")
+    if n == 1:
+        moved = ("grew" if up else "shrank" if down else "stayed within 5% of where it was")
+        text = (f"In the one run measured here, mean |β| on the fixed tokens {moved} from the first to the last "
+                f"snapshot ({span}).")
+    else:
+        text = (f"In the {n} runs measured here, mean |β| on the fixed tokens grew by more than 5% from the first to "
+                f"the last snapshot in {up}, shrank by more than 5% in {down}, and held within 5% in {n - up - down} "
+                f"({span}).")
+    first = next((r[0]["reference"] for r in rows if r), None)
+    found = _bucket_ratio(data.growths[0]["prob_edges"], first["bucket_beta_abs_mean"]) if first else None
+    if found:
+        lo, hi, ratio = found
+        text += (f" At the first snapshot, tokens of engine probability {lo} carried {_ratio_words(ratio)} the mean "
+                 f"|β| of tokens at {hi}.")
+    return text
+
+
+TEXTS: dict[str, Callable] = {"alpha_beta_steps": alpha_beta_steps, "rare_tokens": rare_tokens,
+                              "gap_along_runs": gap_along_runs}
+"""marker name -> the sentence it becomes ("" when its data is missing)."""

@@ -1,0 +1,97 @@
+"""The article's sentences that state a direction, a slope, a ratio or a count follow the data: the demo data, then
+the same data altered so the true answer flips, and the page must say the other thing."""
+
+import copy
+import html
+import math
+
+import pytest
+
+from phantomclip.report import collect, demo_sources, render
+from phantomclip.report.prose import alpha_beta_steps, gap_along_runs, pearson_and_slope, rare_tokens
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return collect(demo_sources())
+
+
+def test_pearson_and_slope_by_hand():
+    # x = 1, 2, 3; y = 2, 4, 7: mean x 2, mean y 13/3; Sxy = (-1)(-7/3) + 0 + (1)(8/3) = 5, Sxx = 2,
+    # Syy = 49/9 + 1/9 + 64/9 = 114/9: slope 2.5, r = 5 / sqrt(2 * 114/9) = 0.99340...
+    r, slope = pearson_and_slope([1.0, 2.0, 3.0], [2.0, 4.0, 7.0])
+    assert slope == pytest.approx(2.5, rel=1e-12)  # float64 sums of three small numbers: a few ulps at most
+    assert r == pytest.approx(5 / math.sqrt(2 * 114 / 9), rel=1e-12)
+    assert pearson_and_slope([1.0, 2.0], [1.0, 2.0]) is None  # too few points for a direction
+    assert pearson_and_slope([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # no spread in x
+
+
+def _alpha_beta(data) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in data.runs:
+        for m in r["metrics"]:
+            if m.get("mismatch/alpha_mean") is not None and m.get("mismatch/beta_mean") is not None:
+                xs.append(m["mismatch/alpha_mean"])
+                ys.append(m["mismatch/beta_mean"])
+    return xs, ys
+
+
+def test_alpha_beta_sentence_follows_the_points(demo):
+    """The demo's per-step points rise (r = +0.79 over all arms, the issue's measure); the page says so, with the
+    numbers of the points drawn, and no longer says they fall. Negate every α: the same points mirrored fall, with
+    r and slope of the opposite sign, and the sentence says that instead."""
+    xs, ys = _alpha_beta(demo)
+    r, slope = pearson_and_slope(xs, ys)
+    assert r == pytest.approx(0.79, abs=0.01)
+    text = alpha_beta_steps(demo)
+    assert f"the {len(xs)} points rise to the right (Pearson r = {r:+.2f}, least-squares slope {slope:+.2f}" in text
+    assert "r = +0.81" in text  # the arms shown on opening, the issue's other figure
+    page = html.unescape(render(demo))
+    assert text in page and "sloping down" not in page and "points fall along" not in page
+
+    flipped = copy.deepcopy(demo)
+    for run in flipped.runs:
+        for m in run["metrics"]:
+            if m.get("mismatch/alpha_mean") is not None:
+                m["mismatch/alpha_mean"] = -m["mismatch/alpha_mean"]
+    text = alpha_beta_steps(flipped)
+    assert f"points fall to the right (Pearson r = {-r:+.2f}, least-squares slope" in text
+    assert "the direction the shared rounding gives them" in text
+    assert text in html.unescape(render(flipped))
+
+    flat = copy.deepcopy(demo)  # β held constant but for a tiny alternation: no direction
+    for run in flat.runs:
+        for i, m in enumerate(run["metrics"]):
+            if m.get("mismatch/beta_mean") is not None:
+                m["mismatch/beta_mean"] = 0.01 * (-1) ** (i + len(run["name"]))
+    assert "show no clear direction" in alpha_beta_steps(flat)
+
+
+def test_rare_token_and_growth_sentences_follow_the_data(demo):
+    """Section 3's ratio of the rarest bucket's |β| to the most confident's and section 6's count of runs whose
+    |β| grew are computed: swap the data and they say the other thing."""
+    assert "carry " in rare_tokens(demo) and "times the mean |β|" in rare_tokens(demo)
+    growth = gap_along_runs(demo)
+    firsts = [[s for s in g["snapshots"] if "reference" in s] for g in demo.growths]
+    factors = [r[-1]["reference"]["beta_abs_mean"] / r[0]["reference"]["beta_abs_mean"] for r in firsts]
+    assert all(f > 1.05 for f in factors) and len(factors) == 6  # the demo: all six runs grew
+    assert "grew by more than 5% from the first to the last snapshot in 6, shrank by more than 5% in 0" in growth
+    assert f"×{min(factors):.2f} to ×{max(factors):.2f}" in growth
+
+    one = copy.deepcopy(demo)  # one run whose last snapshot equals its first: it neither grew nor shrank
+    one.growths = one.growths[:1]
+    rows = [s for s in one.growths[0]["snapshots"] if "reference" in s]
+    rows[-1]["reference"]["beta_abs_mean"] = rows[0]["reference"]["beta_abs_mean"]
+    text = gap_along_runs(one)
+    assert "In the one run measured here" in text and "stayed within 5% of where it was" in text and "×1.00" in text
+
+    diag = copy.deepcopy(demo)  # the rare tokens' β made tiny: they now carry less than the confident ones
+    d = diag.diagnose[-1]
+    per = next(iter(d["tokens"]["per_recipe"].values()))
+    per["beta"] = [b * 1e-6 if lp is not None and b is not None and math.exp(lp) < 0.01 else b
+                   for lp, b in zip(d["tokens"]["logp_engine"], per["beta"])]
+    assert "times less than the mean |β|" in rare_tokens(diag)
+
+    empty = copy.deepcopy(demo)
+    empty.growths, empty.diagnose, empty.runs = [], [], []
+    assert gap_along_runs(empty) == rare_tokens(empty) == alpha_beta_steps(empty) == ""

@@ -18,6 +18,7 @@ from phantomclip.answer import (
     epsilon_advice,
     ranking,
     recipe_gain,
+    sign_test,
     status,
 )
 from phantomclip.diagnose_text import knob_lines, render_diagnose, verdict
@@ -155,3 +156,23 @@ def test_answer_is_printed_first_and_fits_80_columns(demo):
     assert lines[: len(first)] == first
     assert lines[0] == "answer: AT RISK: 0.79% of tokens outside [0.8, 1.2] at α = 0 (ok ≤ 0.1%)"
     assert max(map(len, lines)) <= 80, max(lines, key=len)
+
+
+def test_causes_beyond_precision_name_their_fix():
+    """FP8: sampling without the quantisers is offered when they push detectably more tokens out (a sign test on the
+    pushed-out and pulled-in counts); routing: replay is offered when β_rest (the engine's routes) has fewer outside."""
+    r = _result("verl", fp32=_rec(0.05))
+    r["fp8"] = {"engine_recipe": "bf16+fp8-w8a8", "trust_region": {"recipe": "fp32", "outside": 0.05,
+                "outside_without_quant": 0.01, "pushed_out": 0.045, "pulled_in": 0.005}}  # 45 out, 5 in of 1000
+    got = changes(r, "verl")[0]
+    assert got.setting == "actor_rollout_ref.rollout.quantization: null"
+    assert got.effect == f"1.00% outside without FP8 (with it: 5.00%; sign test p = {sign_test(45, 5):.1g})"
+    assert answer(r)["contract"]["engine_dtype"] == "bf16+fp8-w8a8"
+    r["fp8"]["trust_region"].update(pushed_out=0.004, pulled_in=0.002)  # 4 against 2: p = 11/32, not detectable
+    assert sign_test(4, 2) == 11 / 32 and all("quantization" not in c.setting for c in changes(r, "verl"))
+    r = _result(fp32=_rec(0.0156))
+    r["routing"] = {"fp32": {"beta": {"outside_trust_region": 0.0156}, "beta_rest": {"outside_trust_region": 0.0039}}}
+    assert changes(r)[0].setting == "train --intervention r3"
+    assert changes(r)[0].effect == "0.39% outside with the engine's routes replayed (yours: 1.56%)"
+    r["routing"]["fp32"]["beta_rest"]["outside_trust_region"] = 0.0156  # routing puts no token out: no replay
+    assert all(c.setting != "train --intervention r3" for c in changes(r))

@@ -164,9 +164,13 @@ def recipe_gain(result: dict, mine: str, other: str) -> dict | None:
 
     pairs = list(zip(out(mine), out(other)))
     worse, better = sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)
+    return {"worse": worse, "better": better, "p": sign_test(worse, better)}
+
+
+def sign_test(worse: int, better: int) -> float:
+    """One-sided exact sign test: P(X >= worse) for X ~ Binomial(worse + better, 1/2); 1 with no discordant token."""
     n = worse + better
-    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
-    return {"worse": worse, "better": better, "p": p}
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
 
 
 def changes(result: dict, framework: str = "") -> list[Change]:
@@ -189,6 +193,10 @@ def changes(result: dict, framework: str = "") -> list[Change]:
             field = f"a {best} trainer (no {FRAMEWORK_NAMES[framework]} setting selects it)"
         out.append(Change(field, f"{_pct(outside(recs[best]))} outside (yours: {_pct(outside(recs[mine]))}; "
                                  f"sign test p = {gain['p']:.1g})"))
+    for cause in CAUSES.values():  # the causes beyond precision this run measured (FP8 engines, expert routing)
+        change = cause(result, framework)
+        if change is not None:
+            out.append(change)
     eps = epsilon_advice(result.get("knobs"))
     if eps is not None:
         low, high = EPSILON_FIELDS.get(framework, EPSILON_FIELDS[""])
@@ -199,6 +207,48 @@ def changes(result: dict, framework: str = "") -> list[Change]:
     if shadow:
         out.append(Change(shadow, "β leaves the clip (clip on α alone)"))
     return out
+
+
+FP8_OFF = {"trl": "vllm_kwargs without quantization and kv_cache_dtype",
+           "verl": "actor_rollout_ref.rollout.quantization: null", "": "sample in bf16 (no --engine-quant)"}
+"""how each framework samples without FP8 (TRL passes vLLM's own settings through vllm_kwargs; integrations/)."""
+REPLAY_ON = {"trl": "vLLM enable_return_routed_experts=True and a trainer that replays them (TRL has none)",
+             "verl": "actor_rollout_ref.actor.router_replay.mode: R3, "
+                     "actor_rollout_ref.rollout.enable_rollout_routing_replay: true",
+             "": "train --intervention r3"}
+"""how each framework replays the engine's expert routes in the trainer (routing.REPLAY_FLAGS, with their sources)."""
+
+
+def fp8_change(result: dict, framework: str) -> Change | None:
+    """Sampling without the engine's FP8 quantisers, when they put detectably more of the user's tokens outside
+    (diagnose's `fp8.trust_region`: tokens pushed out and pulled in by β_quant, a sign test on the two counts)."""
+    tr = (result.get("fp8") or {}).get("trust_region")
+    if not tr:
+        return None
+    n = result["recipes"][tr["recipe"]]["tokens"]
+    worse, better = round(tr["pushed_out"] * n), round(tr["pulled_in"] * n)
+    p = sign_test(worse, better)
+    if p >= SIGNIFICANCE:
+        return None
+    return Change(FP8_OFF[framework], f"{_pct(tr['outside_without_quant'])} outside without FP8 (with it: "
+                                      f"{_pct(tr['outside'])}; sign test p = {p:.1g})")
+
+
+def route_change(result: dict, framework: str) -> Change | None:
+    """Routing replay, when the routing part of β puts tokens outside: diagnose's `routing.<recipe>` split, what is
+    outside with the engine's routes replayed (β_rest) against β."""
+    split = (result.get("routing") or {}).get(user_recipe(result)) or {}
+    if "beta_rest" not in split:
+        return None
+    now, replayed = split["beta"]["outside_trust_region"], split["beta_rest"]["outside_trust_region"]
+    if not replayed < now:
+        return None
+    return Change(REPLAY_ON[framework], f"{_pct(replayed)} outside with the engine's routes replayed (yours: "
+                                        f"{_pct(now)})")
+
+
+CAUSES = {"fp8": fp8_change, "routing": route_change}
+"""one change function per cause beyond precision: (result, framework) -> Change or None."""
 
 
 def answer(result: dict) -> dict:
@@ -212,7 +262,8 @@ def answer(result: dict) -> dict:
         framework = ""
     tr, eng = result["trust_region"], result["engine"]
     return {
-        "contract": {"trainer": user_recipe(result), "engine": eng["kind"], "engine_dtype": eng["dtype"],
+        "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
+                     "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),
                      "epsilon_low": tr["epsilon_low"], "epsilon_high": tr["epsilon_high"]},
         "status": word, "level": LEVELS[word], "reasons": reasons, "framework": framework,
         "changes": [asdict(c) for c in changes(result, framework)],

@@ -12,7 +12,7 @@ import math
 
 from ..metrics import PROB_EDGES
 from .growth_panel import bucket_labels, site_label
-from .plots import LOG_AXIS, PALETTE, plot_layout
+from .plots import LOG_AXIS, PALETTE, category_axis, log_axis, plot_layout
 
 
 def fig_spacing(data) -> dict:
@@ -58,7 +58,8 @@ def fig_beta_by_prob(data) -> dict | None:
                        "y": [s / c if c else None for s, c in zip(sums, counts)], "line": {"color": PALETTE[i]},
                        "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
     return {"data": traces, "layout": plot_layout("engine probability of the sampled token", "mean |β| (nats)",
-                                                  yaxis=LOG_AXIS),
+                                                  yaxis=log_axis([y for t in traces for y in t["y"]]),
+                                                  xaxis=category_axis(labels)),
             "title": "Mean |β| by the engine's probability of the sampled token, per trainer recipe",
             "source": ("diagnose", [diag])}
 
@@ -187,7 +188,9 @@ def fig_trace_depth(data) -> dict | None:
                       "x": [site_label(s["site"]) for s in sites], "y": [s["rel_error"] for s in sites],
                       "text": [s["site"] for s in sites], "hovertemplate": "%{text}: %{y:.3g}",
                       "line": {"color": PALETTE[0]}}],
-            "layout": plot_layout("layer (residual stream after it)", "‖x − x_ref‖ / ‖x_ref‖", yaxis=LOG_AXIS,
-                                  showlegend=False),
+            "layout": plot_layout("site: embedding, the residual stream after each layer, final norm, logits, "
+                                  "log-probabilities", "‖x − x_ref‖ / ‖x_ref‖",
+                                  yaxis=log_axis([s["rel_error"] for s in sites]),
+                                  xaxis=category_axis([site_label(s["site"]) for s in sites]), showlegend=False),
             "title": f"{t['recipe']} against {t['against']}: relative error along the depth",
             "source": ("traces", [t])}

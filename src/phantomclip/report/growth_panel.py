@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from .escape import html_text
-from .plots import LOG_AXIS, PALETTE, arm_colour, plot_layout, seed_symbol
+from .plots import PALETTE, arm_colour, category_axis, log_axis, plot_layout, seed_symbol
 
 COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
 """what writes the data of this section."""
@@ -91,7 +91,9 @@ def fig_growth_buckets(growths: list[dict]) -> dict | None:
             traces.append(_line(growths, i, f"{run_name(doc)}, step {s['step']}",
                                 (bucket_labels(doc["prob_edges"]), s["reference"]["bucket_beta_abs_mean"]), dash))
     return {"data": traces, "layout": plot_layout("engine probability of the token", "mean |β| (nats)",
-                                                  yaxis=LOG_AXIS), "source": ("growths", growths),
+                                                  yaxis=log_axis([y for t in traces for y in t["y"] if y is not None]),
+                                                  xaxis=category_axis(bucket_labels(growths[0]["prob_edges"]))),
+            "source": ("growths", growths),
             "title": "Mean |β| by the engine's probability of the token, first (dotted) and last (solid) snapshot, "
                      "fixed tokens"}
 
@@ -110,8 +112,11 @@ def fig_growth_depth(growths: list[dict]) -> dict | None:
                                 ([site_label(d["site"]) for d in depth], [d["rel_error"] for d in depth]), dash))
     if not traces:
         return None
-    return {"data": traces, "layout": plot_layout("layer (residual stream after it)",
-                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖", yaxis=LOG_AXIS),
+    sites = list(dict.fromkeys(x for t in traces for x in t["x"]))
+    return {"data": traces, "layout": plot_layout("site: embedding, the residual stream after each layer, final norm",
+                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖",
+                                                  yaxis=log_axis([y for t in traces for y in t["y"]]),
+                                                  xaxis=category_axis(sites)),
             "source": ("growths", growths),
             "title": "Relative error of the engine's recipe against the trainer's along the depth, first (dotted) "
                      "and last (solid) snapshot, fixed tokens"}

@@ -7,6 +7,8 @@ cut off) and its source line below it. Legends sit above the plot area, so they 
 
 from __future__ import annotations
 
+import math
+
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
 
@@ -35,6 +37,48 @@ def seed_symbol(i: int) -> str:
 
 LOG_AXIS = {"type": "log", "dtick": 1, "exponentformat": "power"}
 """log axes label whole decades only: the 2 and 5 minor labels crowd each other on a short axis."""
+
+
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _power_text(v: float) -> str:
+    """0.002 -> '2·10⁻³', 0.01 -> '10⁻²', 1 -> '1': the tick label of a log axis."""
+    exp = math.floor(math.log10(v) + 1e-9)
+    mant = f"{v / 10**exp:.2g}"
+    power = "1" if exp == 0 else "10" + str(exp).translate(SUPERSCRIPT)
+    return power if mant == "1" else (mant if exp == 0 else f"{mant}·{power}")
+
+
+def log_axis(values) -> dict:
+    """A log axis labelled at least three times inside the data's range: whole decades when the data spans three
+    or more, else 1, 2 and 5 of each decade, else every digit. Plotly's own decade-only labels leave a single label
+    on data that spans less than a decade (issue 40: the depth figure read '10⁻²' alone), so the dip of one layer
+    could not be read. Zeros and negatives cannot sit on a log axis and are left out of the range."""
+    pos = [v for v in values if isinstance(v, (int, float)) and v > 0 and math.isfinite(v)]
+    if not pos:
+        return dict(LOG_AXIS)
+    lo, hi = min(pos), max(pos)
+    e_lo, e_hi = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    axis: dict = {"type": "log", "tickmode": "array"}
+    for mantissas in ((1,), (1, 2, 5), tuple(range(1, 10))):
+        every = [float(f"{m * 10.0**e:.3g}") for e in range(e_lo, e_hi + 1) for m in mantissas]
+        ticks = [v for v in every if lo / 1.05 <= v <= hi * 1.05]
+        if len(ticks) >= 3:
+            break
+    else:  # data inside one step of the digits (0.011-0.019): the digits on either side and the half between
+        below = max((v for v in every if v < lo), default=lo / 2)
+        above = min((v for v in every if v > hi), default=hi * 2)
+        ticks = sorted({below, float(f"{(below + above) / 2:.3g}"), above})
+        axis["range"] = [math.log10(below) - 0.02, math.log10(above) + 0.02]
+    return {**axis, "tickvals": ticks, "ticktext": [_power_text(v) for v in ticks]}
+
+
+def category_axis(labels: list[str]) -> dict:
+    """An axis of named places in the given order: labels such as '11' and 'logits' are names, and on an axis whose
+    type Plotly guesses from mostly numeric labels the others are dropped (issue 40: 'embed', 'norm', 'logits' and
+    'logprobs' of the depth figure were not drawn)."""
+    return {"type": "category", "categoryorder": "array", "categoryarray": list(labels)}
 
 
 def plot_layout(x: str, y: str, **kw) -> dict:

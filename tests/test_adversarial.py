@@ -76,6 +76,13 @@ ONE_LINE = [
     # digits int() refuses where str.isdigit takes them (a ValueError traceback)
     (["diagnose", "--device", "cuda:²"], "use auto, cpu, cuda or cuda:N"),
     (["train", "--device", "cuda:١"], "use auto, cpu, cuda or cuda:N"),
+    # sizes bounded before anything is allocated or drawn (errors.LENGTH_LIMIT, STEPS_LIMIT, SEEDS_LIMIT)
+    (["diagnose", "--knob-length", str(10**30)], "--knob-length must be a whole number >= 0 and <= 16777216"),
+    (["diagnose", "--max-tokens", str(2**24 + 1)], "--max-tokens must be a whole number >= 1 and <= 16777216"),
+    (["train", "--max-tokens", str(10**12)], "--max-tokens must be a whole number >= 1 and <= 16777216"),
+    (["train", "--steps", str(10**12)], "--steps must be a whole number >= 1 and <= 100000"),
+    (["experiment", "sanity", "--steps", str(100_001)], "--steps must be a whole number >= 1 and <= 100000"),
+    (["experiment", "epsilon", "--seeds", str(10**8)], "--seeds must be a whole number >= 1 and <= 1000"),
 ]
 
 
@@ -439,8 +446,8 @@ def test_rewards_past_float32_are_one_line_not_a_silent_step(values, flags, tmp_
 # ------------------------------------------------------------------------ trainer config files, both readers
 
 TRL_BAD = [  # (YAML text, the fragment after '--from-trl-config FILE: ' or in the line)
-    ("max_completion_length: -5", "max_completion_length must be a whole number >= 1, got -5"),
-    ("max_completion_length: 0", "max_completion_length must be a whole number >= 1, got 0"),
+    ("max_completion_length: -5", "max_completion_length must be a whole number >= 1 and <= 16777216, got -5"),
+    ("max_completion_length: 0", "max_completion_length must be a whole number >= 1 and <= 16777216, got 0"),
     ("max_completion_length: 4.5", "max_completion_length is 4.5, not a whole number"),
     ("max_completion_length: true", "max_completion_length is True, not a number"),
     ("max_completion_length: [8]", "max_completion_length is [8], not a number"),
@@ -452,10 +459,14 @@ TRL_BAD = [  # (YAML text, the fragment after '--from-trl-config FILE: ' or in t
     ("epsilon: '0.1x'", "epsilon is '0.1x', not a number"),
     ("fp16: maybe", "fp16 is 'maybe', not a boolean"),
     ("vllm_importance_sampling_clip_max: {a: 1}", "vllm_importance_sampling_clip_max is {'a': 1}, not a number"),
+    ("max_completion_length: 1000000000000", "max_completion_length must be a whole number >= 1 and <= 16777216"),
 ]
 VERL_BAD = [
-    ("data: {max_response_length: -5}", "data.max_response_length must be a whole number >= 1, got -5"),
+    ("data: {max_response_length: -5}", "data.max_response_length must be a whole number >= 1 and <= "
+     "16777216, got -5"),
     ("data: {max_response_length: 2.5}", "data.max_response_length is 2.5, not a whole number"),
+    ("data: {max_response_length: 100000000000}", "data.max_response_length must be a whole number >= 1 and <= "
+     "16777216"),
     ("actor_rollout_ref: {rollout: {temperature: 0}}", "actor_rollout_ref.rollout.temperature must be a finite "
      "number > 0, got 0.0"),
     ("actor_rollout_ref: {rollout: {top_p: 1.5}}", "actor_rollout_ref.rollout.top_p must be a finite number > 0 and "
@@ -753,3 +764,14 @@ def test_a_damaged_snapshot_is_one_line_for_trace_run(tmp_path, capsys):
     save_file({k: v.long() for k, v in weights.items()}, str(path))
     line = bad_cli(["trace", "--run", str(out)], capsys, after_progress=True)
     assert "is torch.int64, not the fp32 weights train writes" in line, line
+
+
+def test_a_model_larger_than_memory_is_refused_before_it_is_built(tmp_path, capsys, tiny):
+    """A model directory whose config.json says num_hidden_layers: 10**9 had the process killed while transformers
+    built the layers; the size its config describes is checked against the machine's memory first."""
+    tiny.model.save_pretrained(tmp_path / "m")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    line = bad_cli(["diagnose", "--model", str(tmp_path / "m"), "--n", "2"], capsys)
+    assert "config.json describes at least" in line and "more than this machine's" in line, line

@@ -9,7 +9,7 @@ from .devices import resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS
 from .engines.vllm_memory import check_share
-from .errors import ConfigError, check_field_types, check_number, check_seed
+from .errors import LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
 from .interventions import engine_quants
 from .knobs import KnobSettings
@@ -153,9 +153,10 @@ class DiagnoseConfig:
         if self.answer_in not in ANSWER_FRAMEWORKS:
             raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "
                               "own flags")
-        for flag, value in (("--n", self.n), ("--max-tokens", self.max_tokens), ("--batch-size", self.batch_size)):
+        for flag, value in (("--n", self.n), ("--batch-size", self.batch_size)):
             check_number(flag, value, 1, integer=True)
-        check_number("--knob-length", self.knob_length, 0, integer=True)
+        check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True)
+        check_number("--knob-length", self.knob_length, 0, LENGTH_LIMIT, integer=True)
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
             check_number("--drift", self.drift, 1, integer=True)
         check_number("--max-model-len", self.max_model_len, 0, integer=True)

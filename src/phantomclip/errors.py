@@ -90,3 +90,14 @@ def ascii_digits(text: str) -> bool:
     also takes '²' and other digits int() refuses (a ValueError traceback in --device cuda:², --fail-if x.²>0, a
     snapshot named step-².safetensors)."""
     return text.isascii() and text.isdigit()
+
+
+LENGTH_LIMIT = 2**24
+"""the most tokens a completion length may be (--max-tokens, --knob-length, a config's max_completion_length or
+max_response_length): 16,777,216, past any released model's context, and the knob advice's float64 lag vector of
+that length is 134 MB; a larger value was an allocator traceback after the whole measurement."""
+STEPS_LIMIT = 100_000
+"""the most steps a run may have: every step's prompts are drawn before the first step (about 30 µs a step on this
+project's 2-core CPU), so 10**12 steps printed nothing for minutes; 100,000 is 3 s of that and days of training."""
+SEEDS_LIMIT = 1_000
+"""the most seeds an experiment may run per arm (10**8 built its run list for minutes before the first run)."""

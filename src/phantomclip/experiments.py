@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
-from .errors import SEED_LIMIT
+from .errors import SEED_LIMIT, SEEDS_LIMIT, check_number
 from .files import atomic_write_bytes, check_output_dir, remove_owned, write_json
 from .interventions import TrainConfigError
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
@@ -98,8 +98,7 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
     """The matrix of `experiment` with seeds base.seed .. base.seed + seeds − 1; `only` keeps some arms."""
     if experiment not in EXPERIMENTS:
         raise TrainConfigError(f"unknown experiment {experiment!r}: use one of {', '.join(EXPERIMENTS)}")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise TrainConfigError(f"--seeds must be a whole number >= 1, got {seeds!r}")
+    check_number("--seeds", seeds, 1, SEEDS_LIMIT, integer=True, error=TrainConfigError)
     if base.seed + seeds > SEED_LIMIT:
         most = SEED_LIMIT - base.seed  # the most seeds that start at --seed and stay in range
         lower = f"lower --seeds to {most} or less" + (" or --seed" if seeds <= SEED_LIMIT else "")

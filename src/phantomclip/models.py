@@ -273,6 +273,8 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
         looks_local = path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1
         if looks_local and not path.exists():
             raise ModelError(f"model path {spec} does not exist: give a model directory, a hub id, or {BUNDLED_NAME}")
+        if path.exists():
+            check_model_size(path, spec)
         try:
             model, tok = _load_dense(path if path.exists() else spec)
         except Exception as e:  # unreachable hub ids, broken config.json, unsupported architectures end here
@@ -287,6 +289,33 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
     if loaded.tokenizer.pad_token_id is None:
         loaded.tokenizer.pad_token = loaded.tokenizer.eos_token
     return loaded
+
+
+def check_model_size(path: Path, spec: str) -> None:
+    """Refuse, before anything is built, a model directory whose config.json describes more fp32 weights than this
+    machine has memory (num_hidden_layers: 10**9 had the process killed while transformers built the layers). The
+    estimate counts the embedding (twice, untied) and per layer attention (4 h²) and the MLP (3 h · intermediate,
+    times the experts of an MoE): a lower bound of what the model holds, so a model that fits is never refused."""
+    import json
+
+    from .files import InputError, read_input
+
+    try:
+        config = json.loads(read_input(path / "config.json"))
+    except (InputError, ValueError, RecursionError) as e:
+        raise ModelError(f"cannot load model {spec!r} (config.json: {getattr(e, 'reason', None) or e})") from None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    sizes = [config.get(k, 0) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")]
+    experts = config.get("num_local_experts", config.get("num_experts", 1))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*sizes, experts)):
+        return  # transformers' own checks say what is wrong with such a config
+    hidden, layers, inter, vocab = sizes
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter * max(1, experts))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the machine's physical memory
+    if 4 * params > memory:
+        raise ModelError(f"{spec}: its config.json describes at least {params:.3g} parameters ({4 * params / 1e9:,.0f} "
+                         f"GB in fp32), more than this machine's {memory / 1e9:,.0f} GB of memory: check "
+                         "num_hidden_layers, hidden_size and intermediate_size there")
 
 
 def check_vocab(loaded: LoadedModel) -> None:

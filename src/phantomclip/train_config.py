@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .devices import resolve_device
 from .engines import ENGINE_KINDS, cannot_run
 from .engines.vllm_memory import check_share
-from .errors import check_field_types, check_number, check_seed
+from .errors import LENGTH_LIMIT, STEPS_LIMIT, check_field_types, check_number, check_seed
 from .interventions import TrainConfigError, resolve_plan
 from .loss import AGGREGATIONS, KNOBS, check_knobs
 from .recipes import RECIPES, get_recipe
@@ -114,8 +114,9 @@ class TrainConfig:
         every command), before anything loads."""
         check_field_types(self, TrainConfigError)
         # a GRPO group needs 2 completions of a prompt to compare (a group of one has no advantage)
-        whole = [("--steps", self.steps, 1), ("--prompts-per-step", self.prompts_per_step, 1),
-                 ("--group-size", self.group_size, 2), ("--max-tokens", self.max_tokens, 1),
+        check_number("--steps", self.steps, 1, STEPS_LIMIT, integer=True, error=TrainConfigError)
+        check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True, error=TrainConfigError)
+        whole = [("--prompts-per-step", self.prompts_per_step, 1), ("--group-size", self.group_size, 2),
                  ("--staleness", self.staleness, 0), ("--checkpoint-every", self.checkpoint_every, 1),
                  ("--stop-after-converged", self.stop_after_converged, 0),
                  ("--samples-per-step", self.samples_per_step, 0), ("--token-log-steps", self.token_log_steps, 0),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import LENGTH_LIMIT, ConfigError
 from ..loss import clip_range
 from ..recipes import RECIPES
 from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
@@ -145,7 +145,8 @@ def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
     """max_completion_length -> max_tokens (the CLI lets an explicit --max-tokens win and sends the length to the
     knob advice's --knob-length too)."""
     if cfg.get("max_completion_length") is not None:
-        settings["max_tokens"] = number(FLAG, "max_completion_length", cfg["max_completion_length"], int, low=1)
+        settings["max_tokens"] = number(FLAG, "max_completion_length", cfg["max_completion_length"], int, low=1,
+                                        high=LENGTH_LIMIT)
 
 
 def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:

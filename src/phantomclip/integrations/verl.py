@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import LENGTH_LIMIT, ConfigError
 from ..recipes import RECIPES
 from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
 
@@ -183,7 +183,7 @@ def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
     if value is None:
         notes.append("data.max_response_length not set: the knob advice is judged at --max-tokens")
         return
-    settings["max_tokens"] = _number("data.max_response_length", value, int, low=1)
+    settings["max_tokens"] = _number("data.max_response_length", value, int, low=1, high=LENGTH_LIMIT)
 
 
 CORRECTION = "algorithm.rollout_correction"

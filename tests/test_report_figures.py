@@ -2,6 +2,7 @@
 axes, log axes labelled inside the data's range, legends that count what they draw, small data that no axis hides,
 titles that match the number of seeds, one note per empty section."""
 
+import copy
 import math
 
 import pytest
@@ -44,3 +45,32 @@ def test_depth_figures_draw_every_site_on_a_category_axis(demo):
     assert growth["layout"]["xaxis"]["type"] == "category" and sites[0] == "embed" and sites[-2:] == ["norm", "logits"]
     assert all(t["x"] == sites for t in growth["data"])
     assert len(growth["layout"]["yaxis"]["tickvals"]) >= 3
+
+
+def test_token_legend_counts_zero_advantage_apart_and_points_to_a_clip(demo):
+    """The demo's logged tokens (run none/seed-0, steps 1-5): 1024 of 1192 have advantage exactly 0 (steps 1, 3, 4,
+    5: groups whose rewards were all equal), 168 carry a gradient, none was clipped. The legend says so, and the
+    title names the first step whose metrics record a clip (step 7 of that run). Give a second run clipped tokens and
+    the figure draws that run instead."""
+    from phantomclip.report.figures import fig_alpha_beta_tokens
+
+    fig = fig_alpha_beta_tokens(demo)
+    names = [t["name"] for t in fig["data"]]
+    assert "advantage 0: no gradient to lose (1024)" in names and "gradient flows (168)" in names
+    run = next(r for r in demo.runs if r.get("tokens"))
+    zeros = sum(a == 0 for t in run["tokens"] for a in t["advantage"])
+    assert zeros == 1024 and sum(len(t["advantage"]) for t in run["tokens"]) == 1192
+    first = next(m for m in run["metrics"] if m["clip/rate"] > 0)
+    assert first["step"] == 7
+    assert "no token of these steps was clipped" in fig["title"]
+    assert "The first clip in this run's metrics is at step 7" in fig["title"] and "--token-log-steps 7" in fig["title"]
+
+    altered = copy.deepcopy(demo)
+    other = next(r for r in altered.runs if r["config"]["intervention"] == "force-r1")
+    other["tokens"] = copy.deepcopy(run["tokens"])
+    row = other["tokens"][1]  # step 2 of the copy: its first token clipped, with an α inside the trust region
+    row["clipped"][0], row["alpha"][0], row["advantage"][0] = True, 0.0, 1.0
+    fig = fig_alpha_beta_tokens(altered)
+    assert fig["title"].startswith(f"Run '{other['name']}'")
+    assert "phantom-clipped (1)" in [t["name"] for t in fig["data"]]
+    assert "no token of these steps was clipped" not in fig["title"]

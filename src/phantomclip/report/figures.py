@@ -137,6 +137,13 @@ def _trust_region_edges(xs: list[float], eps: tuple[float, float]) -> list[dict]
     return shapes
 
 
+ZERO_ADVANTAGE = "advantage 0: no gradient to lose"
+"""tokens whose group's rewards were all equal: their loss term is zero on either branch, clipped or not, so they
+are drawn apart from the tokens whose gradient flows (issue 40: 1024 of the demo's 1192 'gradient flows' were these)."""
+TOKEN_COLOURS = {"gradient flows": "#999999", "phantom-clipped": "#D55E00", "clipped (α alone too)": "#0072B2",
+                 ZERO_ADVANTAGE: "#DDDDDD"}
+
+
 def _token_groups(run: dict) -> dict[str, tuple[list, list]]:
     """α and β of every logged token of `run`, grouped by what the clip did to it."""
     import torch
@@ -144,37 +151,61 @@ def _token_groups(run: dict) -> dict[str, tuple[list, list]]:
     from ..metrics import phantom_clip_mask
 
     eps_low, eps_high = _epsilons(run)
-    groups: dict[str, tuple[list, list]] = {"gradient flows": ([], []), "phantom-clipped": ([], []),
-                                            "clipped (α alone too)": ([], [])}
+    groups: dict[str, tuple[list, list]] = {k: ([], []) for k in TOKEN_COLOURS}
     for t in run["tokens"]:
         alpha_clips = phantom_clip_mask(torch.tensor(t["alpha"], dtype=torch.float64),
                                         torch.tensor(t["advantage"], dtype=torch.float64), eps_low, eps_high).tolist()
-        for a, b, c, ac in zip(t["alpha"], t["beta"], t["clipped"], alpha_clips):
-            key = "gradient flows" if not c else ("clipped (α alone too)" if ac else "phantom-clipped")
+        for a, b, adv, c, ac in zip(t["alpha"], t["beta"], t["advantage"], t["clipped"], alpha_clips):
+            if c:
+                key = "clipped (α alone too)" if ac else "phantom-clipped"
+            else:
+                key = ZERO_ADVANTAGE if adv == 0 else "gradient flows"
             groups[key][0].append(a)
             groups[key][1].append(b)
     return groups
 
 
+def _clipped(groups: dict) -> int:
+    return len(groups["phantom-clipped"][0]) + len(groups["clipped (α alone too)"][0])
+
+
+def _first_clipping_step(runs: list[dict]) -> tuple[dict, dict] | None:
+    """(run, its metrics row) of the earliest step at which any of `runs` logged a clipped token."""
+    found = [(m["step"], i, m) for i, r in enumerate(runs) for m in r["metrics"] if (m.get("clip/rate") or 0) > 0]
+    if not found:
+        return None
+    _, i, m = min(found, key=lambda f: f[:2])
+    return runs[i], m
+
+
 def fig_alpha_beta_tokens(data) -> dict | None:
-    """Per token of the first logged steps of one run (the baseline when there is one): α against β, by outcome."""
+    """Per token of the first logged steps of one run: α against β, by outcome. The run is the first (the baseline
+    first) whose logged tokens hold a clipped one; when none does, the baseline, and the title says at which step
+    a run's metrics first record a clip and how to log its tokens."""
     runs = [r for r in data.runs if r.get("tokens")]
     if not runs:
         return None
-    run = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])
-    colours = {"gradient flows": "#999999", "phantom-clipped": "#D55E00", "clipped (α alone too)": "#0072B2"}
-    groups = _token_groups(run)
+    runs.sort(key=lambda r: r["config"].get("intervention") != "none")  # the baseline first; stable otherwise
+    grouped = [(r, _token_groups(r)) for r in runs]
+    run, groups = next(((r, g) for r, g in grouped if _clipped(g)), grouped[0])
     traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys,
-               "marker": {"size": 5, "opacity": 0.6, "color": colours[k]}}
-              for k, (xs, ys) in groups.items()]
+               "marker": {"size": 5, "opacity": 0.6, "color": TOKEN_COLOURS[k]}}
+              for k, (xs, ys) in groups.items() if xs or k != ZERO_ADVANTAGE]
     layout = plot_layout("α (nats)", "β (nats)", showlegend=True)
     layout["shapes"] = _trust_region_edges([a for xs, _ in groups.values() for a in xs], _epsilons(run))
-    clipped = len(groups["phantom-clipped"][0]) + len(groups["clipped (α alone too)"][0])
-    title = (f"Run '{run['name']}', first {len(run['tokens'])} logged steps: α against β per token. Dashed: "
+    steps = [t["step"] for t in run["tokens"]]
+    title = (f"Run '{run['name']}', logged steps {min(steps)}–{max(steps)}: α against β per token. Dashed: "
              "α + β at the trust region's edges; dotted: α alone at them")
-    if not clipped:
-        title += "; no token of these steps was clipped (a clip needs a ratio past an edge and an advantage that "
-        title += "pushes further)"
+    if not _clipped(groups):
+        title += ("; no token of these steps was clipped" + (f" in any of the {len(runs)} runs that logged tokens"
+                                                             if len(runs) > 1 else ""))
+        first = _first_clipping_step([run]) or _first_clipping_step([r for r in data.runs if r["metrics"]])
+        if first:
+            r, m = first
+            where = "this run's metrics" if r is run else f"the metrics of '{r['name']}'"
+            title += (f". The first clip in {where} is at step {m['step']} "
+                      f"({100 * m['clip/rate']:.1f}% of tokens, {100 * (m.get('clip/phantom_rate') or 0):.1f}% "
+                      f"phantom): log that far with train --token-log-steps {m['step']}")
     return {"data": traces, "layout": layout, "source": ("runs", [run]), "title": title}
 
 

@@ -71,8 +71,10 @@ def test_missing_data_names_the_command():
     text = render(ReportData())
     assert "phantomclip diagnose --json diagnose.json" in text
     assert "phantomclip experiment sanity --out runs/sanity" in text
-    # all data figures but 'spacing'; sanity table; the "Your framework" panel; the growth table
-    assert text.count('class="missing"') == len(FIGURES) - 1 + 3
+    # one note per section without data: 3, 4, 5, 6 (their figures and the growth table), 7 (the sanity table),
+    # 8 (the "Your framework" panel); section 6's five pieces share one command and one note
+    assert text.count('class="missing"') == 6
+    assert "No data for the 5 figures of this section yet" in text
     assert 'id="summary"' not in text and "Data: computed when the page was built" in text  # no data: no summary
     assert "phantomclip trace --run runs/r --json growth.json" in text
     for w in WIDGETS:

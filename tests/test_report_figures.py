@@ -3,6 +3,7 @@ axes, log axes labelled inside the data's range, legends that count what they dr
 titles that match the number of seeds, one note per empty section."""
 
 import copy
+import html
 import math
 
 import pytest
@@ -74,3 +75,32 @@ def test_token_legend_counts_zero_advantage_apart_and_points_to_a_clip(demo):
     assert fig["title"].startswith(f"Run '{other['name']}'")
     assert "phantom-clipped (1)" in [t["name"] for t in fig["data"]]
     assert "no token of these steps was clipped" not in fig["title"]
+
+
+def test_a_one_seed_six_step_run_reads_as_well_as_the_demo(tmp_path):
+    """The page from one run of 6 steps (the demo's none/seed-0 cut to 6 steps, no experiment, no trace --run): the
+    α-β axes hold all 6 points (a 1-99 percentile range hid 2), titles and prose speak of one run and no band,
+    nothing points to an absent table, and section 6 has one note, not five."""
+    from phantomclip.report import render
+    from phantomclip.report.page import FIGURES
+
+    run = tmp_path / "run"
+    src = demo_sources()[0] / "sanity" / "none" / "seed-0"
+    run.mkdir()
+    (run / "config.json").write_text((src / "config.json").read_text())
+    (run / "metrics.jsonl").write_text("".join((src / "metrics.jsonl").read_text().splitlines(True)[:6]))
+    data = collect([run])
+    assert len(data.runs) == 1 and len(data.runs[0]["metrics"]) == 6
+    fig = FIGURES["alpha_beta_steps"][0](data)
+    (xs,), (ys,) = [t["x"] for t in fig["data"]], [t["y"] for t in fig["data"]]
+    (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
+    assert len(xs) == 6 and all(x0 <= x <= x1 for x in xs) and all(y0 <= y <= y1 for y in ys)
+    assert "outside these axes" not in fig["title"] and "marker: the seed" not in fig["title"]
+    for name in ("training", "phantom_steps", "beta_steps"):
+        title = FIGURES[name][0](data)["title"]
+        assert "(one run; no band: a band needs two seeds" in title and "mean over seeds" not in title, title
+    text = html.unescape(render(data))
+    assert "This page has one run: each line is that run" in text and "same 3 seeds" not in text
+    assert "section 7" not in text.split("7. Interventions")[0]  # the pointer to an absent table is gone
+    section6 = text.split("6. The gap along training")[1].split("7. Interventions")[0]
+    assert section6.count('class="missing"') == 1 and "No data for the 5 figures of this section" in section6

@@ -38,14 +38,11 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
     "beta_split": (diagnose_figures.fig_beta_split, "phantomclip diagnose --engine vllm --json diagnose-vllm.json"),
     "alpha_beta_tokens": (diagnose_figures.fig_alpha_beta_tokens, "phantomclip train --out runs/baseline"),
     "alpha_beta_steps": (fig_alpha_beta_steps, "phantomclip train --out runs/baseline"),
-    "training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step (line: mean over "
-                                    "seeds; band: the seeds' min–max; a run that stopped after converging keeps its "
-                                    "last length)", "tokens", carry=True), SANITY),
-    "phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step (line: mean over "
-                                         "seeds; band: the seeds' min–max; open marker: fewer seeds)", "% of tokens"),
+    "training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step", "tokens",
+                                    carry=True), SANITY),
+    "phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step", "% of tokens"),
                       SANITY),
-    "beta_steps": (lambda d: per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step (line: mean over seeds; band: "
-                                      "the seeds' min–max; open marker: fewer seeds)", "mean |β| (nats)"), SANITY),
+    "beta_steps": (lambda d: per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step", "mean |β| (nats)"), SANITY),
     "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
     "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
     "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
@@ -114,8 +111,35 @@ def _compact(x):
 
 
 def _missing(command: str) -> str:
-    return (f'<p class="missing">No data for this figure yet. Run <code>{html_text(command)}</code> and pass its '
-            'output to <code>phantomclip report --from</code>.</p>')
+    return (f'<p class="missing" data-command="{html_text(command)}">No data for this figure yet. Run '
+            f'<code>{html_text(command)}</code> and pass its output to <code>phantomclip report --from</code>.</p>')
+
+
+MISSING = re.compile(r'<p class="missing" data-command="([^"]*)">.*?</p>', re.S)
+
+
+def _one_note_per_section(body: str) -> str:
+    """Where a section (from one <h2> to the next) has several figures without data, one note in place of the
+    first, counting the figures and naming each command once; the others are dropped (issue 40: section 6 showed
+    the same box five times). The commands are ours (FIGURES, SANITY), already escaped in the attribute."""
+    parts = re.split(r"(?=<h2>)", body)
+    for i, part in enumerate(parts):
+        commands = MISSING.findall(part)
+        if len(commands) < 2:
+            continue
+        counts = {c: commands.count(c) for c in dict.fromkeys(commands)}
+        runs = " and ".join(f"<code>{c}</code>" + (f" ({n} figure{'s' if n > 1 else ''})" if len(counts) > 1 else "")
+                            for c, n in counts.items())
+        note = (f'<p class="missing" data-command="{"; ".join(counts)}">No data for the {len(commands)} figures of '
+                f"this section yet. Run {runs} and pass the output to <code>phantomclip report --from</code>.</p>")
+        first = [True]
+
+        def keep_first(_m, first=first) -> str:
+            out, first[0] = (note if first[0] else ""), False
+            return out
+
+        parts[i] = MISSING.sub(keep_first, part)
+    return "".join(parts)
 
 
 def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
@@ -165,6 +189,7 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
         name = marker[len("<!-- text: ") : -len(" -->")]
         text = TEXTS[name](data) if name in TEXTS else f"(unknown text {name} in article.md)"
         body = body.replace(marker, html_text(text), 1)
+    body = _one_note_per_section(body)
     template = Environment(autoescape=False).from_string(_text("template.html.j2"))
     return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
                            plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),

@@ -139,6 +139,35 @@ def gap_along_runs(data) -> str:
     return text
 
 
-TEXTS: dict[str, Callable] = {"alpha_beta_steps": alpha_beta_steps, "rare_tokens": rare_tokens,
-                              "gap_along_runs": gap_along_runs}
+def closed_loop_seeds(data) -> str:
+    """Section 5: what a line and a band are for the seeds there are, and how many arms start hidden."""
+    from .training_panel import _seed, _shown, arm_runs
+
+    arms = arm_runs(data, "completion/length_mean")
+    if not arms:
+        return ""
+    seeds = {arm: frozenset(_seed(r, i) for i, r in enumerate(runs)) for arm, runs in arms.items()}
+    most = max(len(s) for s in seeds.values())
+    if most == 1 and len(arms) == 1:
+        text = ("This page has one run: each line is that run, step by step, with no band (a band needs two seeds) "
+                "and nothing yet to tell its noise from its trend.")
+    elif most == 1:
+        text = (f"Each of the {len(arms)} arms has one seed here: each line is that run, with no band (a band needs "
+                "two seeds), so a gap between two lines may be one seed's luck.")
+    else:
+        same = len(set(seeds.values())) == 1
+        text = ((f"Every arm runs under the same {most} seeds" if same else
+                 f"The arms run under {min(len(s) for s in seeds.values())} to {most} seeds each") +
+                "; each line is the mean over seeds, and its band spans the lowest to the highest seed at that step "
+                "(with a few seeds a 95% interval is wider than the data and can cross zero, which none of these "
+                "quantities can).")
+    hidden = sum(_shown(arm, len(arms)) is not True for arm in arms)
+    if len(arms) > 1:
+        text += " Click the legend to show or hide an arm" + (f" ({hidden} of {len(arms)} start hidden)."
+                                                               if hidden else ".")
+    return text
+
+
+TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
+                              "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs}
 """marker name -> the sentence it becomes ("" when its data is missing)."""

@@ -26,16 +26,21 @@ def arm_runs(data, key: str) -> dict[str, list[dict]]:
 
 
 def step_values(runs: list[list[dict]], key: str, carry: bool) -> list[list[float]]:
-    """Per step (1 .. the longest run), the runs' values of `key`; with `carry`, a run that stopped early (it
-    converged) holds its last value, as experiments.length_curve does, so the mean does not jump when it stops."""
-    steps = max(len(rows) for rows in runs)
+    """Per step (1 .. the last step any run logged), the runs' values of `key`, each row placed by its own "step"
+    (not by its place in the file: a row is where its step is); with `carry`, a run that stopped early (it
+    converged) holds its last step's value, as experiments.length_curve does, so the mean does not jump when it
+    stops."""
+    steps = max((r["step"] for rows in runs for r in rows), default=0)
     values: list[list[float]] = [[] for _ in range(steps)]
     for rows in runs:
-        for i in range(steps):
-            if i < len(rows) and rows[i].get(key) is not None:
-                values[i].append(rows[i][key])
-            elif carry and rows and i >= len(rows) and rows[-1].get(key) is not None:
-                values[i].append(rows[-1][key])
+        by_step = {r["step"]: r for r in rows}
+        last = by_step.get(max(by_step, default=0), {})
+        for s in range(1, steps + 1):
+            row = by_step.get(s)
+            if row is not None and row.get(key) is not None:
+                values[s - 1].append(row[key])
+            elif carry and last and s > last["step"] and last.get(key) is not None:
+                values[s - 1].append(last[key])
     return values
 
 
@@ -43,12 +48,31 @@ def _shown(arm: str, n_arms: int) -> bool | str:
     return True if arm in SHOWN_ARMS or n_arms <= len(SHOWN_ARMS) else "legendonly"
 
 
-def per_step(data, key: str, title: str, ylabel: str, carry: bool = False) -> dict | None:
+def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
+    """The title of a per-step figure, saying what its lines and bands are for the seeds actually there: with one
+    seed per arm there is no mean and no band, and with one run no arm to compare."""
+    most = max(len(runs) for runs in arms.values())
+    fewest = min(len(runs) for runs in arms.values())
+    if most == 1:
+        how = "one run" if len(arms) == 1 else "one seed per arm: each line is that run"
+        how += "; no band: a band needs two seeds"
+    else:
+        how = "line: mean over seeds; band: the seeds' min–max"
+        how += "; open marker: fewer seeds" if not carry else ""
+        if fewest == 1:
+            how += "; an arm of one seed has no band"
+    if carry:
+        how += "; a run that stopped after converging keeps its last length"
+    return f"{what} ({how})"
+
+
+def per_step(data, key: str, what: str, ylabel: str, carry: bool = False) -> dict | None:
     """One line per arm: the mean over its seeds at each step, in the band of their min-max; band and line share a
-    legend entry, so a click shows or hides both."""
+    legend entry, so a click shows or hides both. `what`: the title's subject; per_step_title adds the rest."""
     arms = arm_runs(data, key)
     if not arms:
         return None
+    title = per_step_title(what, arms, carry)
     scale = 100 if key.startswith("clip/") else 1
     traces, used = [], []
     for arm, runs in arms.items():
@@ -64,10 +88,18 @@ def per_step(data, key: str, title: str, ylabel: str, carry: bool = False) -> di
     return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}
 
 
+ALL_POINTS_BELOW = 50
+"""with fewer points the axes hold every one: a 1-99 percentile range on 6 points hid 2 of them (issue 40), and a
+handful of points cannot squash each other out of sight."""
+
+
 def _robust_range(values: list[float]) -> list[float]:
-    """An axis range holding the middle 98% of `values` with a margin: one far point must not squash the rest."""
+    """An axis range holding the middle 98% of `values` with a margin: one far point must not squash the rest; with
+    fewer than ALL_POINTS_BELOW values, all of them."""
     xs = sorted(values)
     lo, hi = xs[int(0.01 * (len(xs) - 1))], xs[int(0.99 * (len(xs) - 1))]
+    if len(xs) < ALL_POINTS_BELOW:
+        lo, hi = xs[0], xs[-1]
     pad = 0.08 * (hi - lo or abs(hi) or 1e-3)
     return [lo - pad, hi + pad]
 
@@ -103,8 +135,11 @@ def fig_alpha_beta_steps(data) -> dict | None:
     x_range, y_range = _robust_range(xs), _robust_range(ys)
     outside = sum(not (x_range[0] <= x <= x_range[1] and y_range[0] <= y <= y_range[1]) for x, y in zip(xs, ys))
     seeds = sorted({_seed(r, i) for runs in arms.values() for i, r in enumerate(runs)})
-    title = ("Per step and run: mean α against mean β (colour: the arm; marker: the seed, "
-             + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}" for s in seeds) + ")")
+    if len(seeds) > 1:
+        title = ("Per step and run: mean α against mean β (colour: the arm; marker: the seed, "
+                 + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}" for s in seeds) + ")")
+    else:
+        title = f"Per step: mean α against mean β of {'each arm' if len(arms) > 1 else 'the run'} (seed {seeds[0]})"
     if outside:
         title += f"; {outside} of {len(xs)} points lie outside these axes (double-click the plot to show them)"
     layout = plot_layout("mean α (nats)", "mean β (nats)", xaxis={"range": x_range}, yaxis={"range": y_range})

@@ -95,3 +95,30 @@ def test_rare_token_and_growth_sentences_follow_the_data(demo):
     empty = copy.deepcopy(demo)
     empty.growths, empty.diagnose, empty.runs = [], [], []
     assert gap_along_runs(empty) == rare_tokens(empty) == alpha_beta_steps(empty) == ""
+
+
+def test_summary_intervals_carry_a_multiple_comparison_note(demo):
+    """The demo compares 11 arms with the baseline, each at 95% on its own: on average 11 * 0.05 = 0.55 exclude zero
+    by chance when nothing changes, at least one with probability 1 - 0.95^11 = 0.4312 (43%); 4 were detected."""
+    from phantomclip.report.summary import html_summary, multiple_comparisons_note
+
+    text = html_summary(demo.diagnose, demo.sanity)
+    assert ("no correction for the 11 comparisons: if no arm changed anything, on average 0.55 of them would still "
+            "exclude zero by chance (at least one with probability 43%), against 4 here") in text
+    assert multiple_comparisons_note(1, 1) == ""  # one comparison: the interval means what it says
+    assert "probability 10%" in multiple_comparisons_note(2, 0)  # 1 - 0.95^2 = 0.0975
+
+
+def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
+    """nats, mean |·|, the task names and the loss aggregations (issue 40's undefined four) are in the page's
+    glossary box, and so is every task and loss_type the demo runs name in their configuration."""
+    from phantomclip.report.glossary import terms
+
+    page = html.unescape(render(demo))
+    box = page.split('<details class="glossary" id="glossary">')[1].split("</details>")[0]
+    for term in ("<dt>nats</dt>", "<dt>mean |·|</dt>", "<dt>neglen (task)</dt>", "<dt>grpo, dapo, dr_grpo</dt>",
+                 "<dt>pp</dt>", "<dt>ulp</dt>"):
+        assert term in box, term
+    names = " ".join(terms())
+    for run in demo.runs:
+        assert f"{run['config']['task']} (task)" in names and run["config"]["loss_type"] in names

@@ -21,6 +21,7 @@ from ..files import atomic_write, json_safe
 from . import figures as diagnose_figures
 from . import growth_panel
 from .escape import html_text, script_json
+from .glossary import html_glossary
 from .interventions_table import html_sanity_table
 from .plots import PALETTE
 from .prose import TEXTS
@@ -159,6 +160,8 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
         return html_appendix(data, ctx["copied"], ctx["roots"])
     if name == "summary":
         return html_summary(data.diagnose, data.sanity)
+    if name == "glossary":
+        return html_glossary()
     if name == "sections_compared":
         return html_sections_compared(data.diagnose, data.sanity)
     if name in FIGURES:

@@ -155,7 +155,21 @@ def _interventions_line(summary: dict) -> str | None:
         line += f"; {', '.join(hurt)} ended longer"
     if none:
         line += f"; no difference was detected for {', '.join(none)}"
-    return line + " (section 7)."
+    return line + " (section 7)." + multiple_comparisons_note(len(helped) + len(hurt) + len(none),
+                                                              len(helped) + len(hurt))
+
+
+def multiple_comparisons_note(m: int, detected: int) -> str:
+    """What m separate 95% intervals mean together. No correction is applied (the intervals are experiment's, each
+    at 95% on its own); the note says how many would exclude zero by chance alone if no arm changed anything:
+    m · 0.05 expected, at least one with probability 1 − 0.95^m (independent comparisons; they share the baseline's
+    seeds, so this is a guide, not an exact rate)."""
+    if m < 2:
+        return ""
+    return (f" Each interval is 95% on its own, with no correction for the {m} comparisons: if no arm changed "
+            f"anything, on average {0.05 * m:.2g} of them would still exclude zero by chance (at least one with "
+            f"probability {1 - 0.95 ** m:.0%}), against {detected} here; read one detected arm as a lead to rerun "
+            "with more seeds.")
 
 
 def html_summary(diagnose: list[dict], sanity: list[dict]) -> str:

@@ -1,0 +1,44 @@
+"""The page's glossary box: every unit, symbol and name the figures and tables use without defining them (issue 40:
+"nats", "neglen", "dapo", "mean |·|" were undefined on the page). The task names and their definitions come from
+tasks.TASKS, so a new task is defined here the day it exists. docs/metrics.md, section Glossary, holds the same
+terms for the documentation."""
+
+from __future__ import annotations
+
+from .escape import html_text
+
+TERMS: dict[str, str] = {
+    "nats": "the unit of a natural-log difference: β = 0.18 nats is a probability ratio of e^0.18 ≈ 1.2.",
+    "mean |·|": "the mean of the absolute values (mean |β|: the average size of β whatever its sign).",
+    "α": "the policy's real change in the ratio: the same forward at the current and at the rollout's weights.",
+    "β": "the trainer's log-probability of a token minus the engine's, at the same weights, minus α; β_precision and "
+         "β_kernel are its two exact parts (section 3).",
+    "ε, trust region": "PPO's clip range: the ratio r = e^(α+β) is clipped to [1 − ε, 1 + ε].",
+    "phantom-clipped": "a token whose gradient the clip zeroed although α alone would not have been clipped.",
+    "ulp": "unit in the last place: the spacing between a number and its neighbour in a format (section 1).",
+    "fp32, fp16, bf16": "32-bit float; 16-bit float with 11 significant bits; bfloat16, 16 bits with fp32's exponent "
+                        "range and 8 significant bits.",
+    "recipe": "how a forward runs from the fp32 master weights: fp32, bf16, fp16, bf16-autocast, fp32-head.",
+    "arm": "one intervention of an experiment (none: the baseline), run under each seed.",
+    "seed": "one run's random seed; an arm's seeds differ only in it.",
+    "pp": "percentage points: the difference of two percentages.",
+    "grpo, dapo, dr_grpo": "how the loss averages over tokens (the run's loss_type): per sequence then over sequences "
+                           "(GRPO); over every token of the batch (DAPO, Yu et al. 2025); a sum over a fixed length "
+                           "(Dr. GRPO, Liu et al. 2025).",
+}
+"""term -> its definition, as the page shows it."""
+
+
+def terms() -> dict[str, str]:
+    """TERMS and every task name (task: its description from tasks.TASKS)."""
+    from ..tasks import TASKS
+
+    return {**TERMS, **{f"{name} (task)": t.doc for name, t in TASKS.items()}}
+
+
+def html_glossary() -> str:
+    """A folded box of the terms, after the summary; each is a <dt> with an id, so a page can link to it."""
+    items = "".join(f"<dt>{html_text(term)}</dt><dd>{html_text(text)}</dd>" for term, text in terms().items())
+    return ('<details class="glossary" id="glossary"><summary>Glossary: the units, symbols and names on this page '
+            '(docs/metrics.md, section Glossary, has the full list)</summary>'
+            f"<dl>{items}</dl></details>")

@@ -252,6 +252,20 @@ class Recorder:
         return Routes(ids=ids, weights=weights, margin=margin, valid=valid)
 
 
+def flat_flips(a: Recorder, b: Recorder, n: int) -> torch.Tensor | None:
+    """[layers, n] bool: where two recorders' expert sets differ, call by call concatenated (forwards that ran the
+    same rows in the same chunks, each chunk whole rows: n = B · T row-major); None when their calls do not line up
+    as n positions."""
+    def stacked(rec: Recorder) -> torch.Tensor | None:
+        if not rec.calls or not rec.calls[0]:
+            return None
+        ids = torch.stack([torch.cat([r.ids for r in layer]) for layer in rec.calls])  # [layers, N, k]
+        return ids.sort(dim=-1).values.cpu() if ids.shape[1] == n else None
+
+    x, y = stacked(a), stacked(b)
+    return None if x is None or y is None or x.shape != y.shape else (x != y).any(dim=-1)
+
+
 def _on_grid(x: torch.Tensor, width: int, group: int) -> torch.Tensor:
     """A call's flat values [rows · width, ...] (row-major, as the router saw them) -> [rows · group, width, ...], each
     computed row standing for its group."""

@@ -108,3 +108,20 @@ def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.T
     if logp_engine is not None:
         out["shadow_minus_engine_mean"] = rate(total["alpha_sum"], total["alpha_tokens"])
     return out
+
+
+def route_flip_stats(flips: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float]:
+    """The route-flip figures of an MoE policy over every rank's real positions: `route_flip_rate` (share of
+    (position, MoE layer) pairs whose expert set differs between the trainer's forward and the shadow's) and
+    `route_any_flip_share` (share of positions with a flip in some layer). flips: [layers, B·T] bool or None (the
+    forwards' routes did not line up: this rank counts nothing); mask: [B, T] real positions. One all-reduce, on every
+    rank, whatever it holds."""
+    real = mask.reshape(-1).bool().cpu()  # [B·T]
+    sums = torch.zeros(4, dtype=torch.float64)
+    if flips is not None:
+        f = flips[:, real]  # [layers, N]
+        sums += torch.tensor([f.sum().item(), f.numel(), f.any(0).sum().item(), f.shape[1]], dtype=torch.float64)
+    sums = _all_reduce_sum(sums.to(mask.device)).cpu()
+    rate = lambda x, d: x / d if d > 0 else math.nan  # noqa: E731
+    return {"route_flip_rate": rate(sums[0].item(), sums[1].item()),
+            "route_any_flip_share": rate(sums[2].item(), sums[3].item())}

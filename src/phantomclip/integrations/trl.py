@@ -14,6 +14,7 @@ range. Several processes, sharded models (FSDP1, FSDP2, ZeRO-3) and LoRA: docs/t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from importlib.metadata import PackageNotFoundError, version
@@ -21,11 +22,12 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from torch import nn
 
+from .. import routing
 from ..errors import IntegrationError
 from ..loss import KNOBS, clip_range
 from ..numerics import parse_dtype
 from ..recipes import resolve_matmul
-from .ranks import precision_stats
+from .ranks import precision_stats, route_flip_stats
 from .weights import build_shadow, check_supported, sharded_root, sharding_of, sync_shadow
 
 __all__ = ["IntegrationError", "PrecisionMonitor", "precision_stats", "sync_vllm_by_reload", "with_shadow_ratio"]
@@ -207,6 +209,8 @@ class PrecisionMonitor(_Callback):
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.trainer = None
         self._shadow: _Shadow | None = None
+        self._policy: nn.Module | None = None
+        self._routes = None
 
     def attach(self, trainer) -> None:
         """Hook into `trainer` (done automatically at the start of training); refuses, in one line, what it cannot
@@ -227,10 +231,14 @@ class PrecisionMonitor(_Callback):
             self._eps = clip_range(self.epsilon, self.epsilon_high)
         original, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
         monitor = self
+        self._policy = _moe_policy(trainer)  # MoE: the loss forward's expert choices are recorded too
 
         def recording_logps(model, *args, **kwargs):
-            out = original_logps(model, *args, **kwargs)
-            if torch.is_grad_enabled():  # the loss's own forward: keep its log-probs, so β costs no second one
+            grad = torch.is_grad_enabled()
+            with routing.capture(monitor._policy) if grad and monitor._policy else contextlib.nullcontext() as rec:
+                out = original_logps(model, *args, **kwargs)
+            if grad:  # the loss's own forward: keep its log-probs (so β costs no second one), and its routes
+                monitor._routes = rec
                 monitor._logp = getattr(trainer, "_pc_logp_trainer", None)
                 monitor._logp = out[0].detach() if monitor._logp is None else monitor._logp
             return out
@@ -273,21 +281,38 @@ class PrecisionMonitor(_Callback):
         L = inputs["completion_ids"].size(1)
         from trl import GRPOTrainer  # the plain scorer, also under with_shadow_ratio
 
-        logp = self._logp  # [B, L], recorded from the loss's forward
+        logp, routes = self._logp, self._routes  # [B, L] and the routes, recorded from the loss's forward
+        capture = (lambda m: routing.capture(m)) if self._policy else (lambda m: contextlib.nullcontext())
         if _has_dropout(policy):  # β is precision, not dropout noise: score again with dropout off
             model.eval()
-            logp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, L)
+            with capture(self._policy) as routes:
+                logp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask,
+                                                                            L)
             model.train()
-        logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, self._shadow.model, input_ids, attention_mask, L)  # [B, L]
+        with capture(self._shadow.model) as shadow_routes:
+            logp_shadow, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, self._shadow.model, input_ids, attention_mask, L)  # [B, L]
         stats = precision_stats(logp, logp_shadow, _completion_mask(inputs), inputs["advantages"], *self._eps,
                                 logp_engine=inputs.get("sampling_per_token_logps"))
+        if self._policy:  # MoE: the trainer's expert choices against the engine-dtype shadow's (same kernels)
+            flips = routing.flat_flips(routes, shadow_routes, attention_mask.numel()) if routes else None
+            stats.update(route_flip_stats(flips, attention_mask))
         if not math.isnan(changed):
             stats["changed_share_at_sync"] = changed
         self.last = stats
         self.last_tensors = (logp, logp_shadow, _completion_mask(inputs), inputs["advantages"])  # for checks
         for key, value in stats.items():
             trainer._metrics["train"][f"precision/{key}"].append(value)
+
+
+def _moe_policy(trainer) -> nn.Module | None:
+    """The policy module whose routers the monitor hooks: the unwrapped model of an MoE family routing.py supports,
+    else None (a dense model; an MoE family without an adapter is measured without route figures)."""
+    policy = _unwrap(trainer)
+    try:
+        return policy if routing.routers(policy) else None
+    except routing.RoutingError:
+        return None
 
 
 def _is_reference_call(model: nn.Module) -> bool:

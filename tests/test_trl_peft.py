@@ -104,6 +104,50 @@ def test_kl_term_is_trls_own_under_shadow_ratio(tmp_path, use_peft, bias_correct
     assert_close_eps(kls["shadow"], kls["trl"], torch.float32, 10.0, factor=4.0, name="kl")
 
 
+def test_logged_kl_is_weighted_by_the_ratio_the_clip_sees(tmp_path):
+    """TRL's default use_bias_correction_kl logs (and trains on) the masked mean of k3(ref − logp) · exp(logp − old)
+    (trl 1.16 grpo_trainer.py, `_compute_loss`). With LoRA dropout and old log-probs scored at rollout (num_iterations
+    > 1), TRL's own ratio compares two dropout forwards with different masks; under with_shadow_ratio both sides are
+    the shadow's (dropout-free), so at a batch's first iteration the ratio is exactly 1 and the logged kl is the plain
+    mean of k3 (docs/trl.md, 'Which KL TRL logs'). Each logged value is held to its formula on the tensors: the same
+    float32 terms summed in another order (tokens terms of size <= max k3·ratio), or, under the fix, k3 of a
+    difference rounded three times at |logp| <= 10 (test_kl_term_is_trls_own_under_shadow_ratio's bound)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import use_adapter
+
+    kls, wants = {}, {}
+    for name, cls in (("trl", None), ("shadow", with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16"))):
+        trainer = _peft_trainer(tmp_path / name, cls=cls, lora_dropout=0.3)
+        assert trainer.args.use_bias_correction_kl  # TRL's default
+        trainer.beta = 0.04
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        inputs = rows(global_batch(), 0, B // 2, trainer)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            torch.manual_seed(10)  # the rollout's scoring, as TRL runs it with num_iterations > 1 (train mode)
+            inputs["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, L)
+            with use_adapter(trainer.model, None):  # TRL's PEFT reference: adapters off
+                ref, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, attention, L)
+            inputs["ref_per_token_logps"] = ref
+            torch.manual_seed(11)  # the loss's forward below draws the same dropout masks
+            logp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, attention, L)
+        torch.manual_seed(11)
+        trainer._compute_loss(trainer.model, inputs)
+        kls[name] = trainer._metrics["train"]["kl"][-1]
+        mask = inputs["completion_mask"].bool()
+        k3 = torch.exp(ref - logp) - (ref - logp) - 1  # [B/2, L]
+        ratio = torch.ones_like(logp) if cls else torch.exp(logp - inputs["old_per_token_logps"])
+        wants[name] = ((k3 * ratio)[mask].sum() / mask.sum()).item(), (k3 * ratio)[mask].abs().max().item(), mask.sum()
+    want, scale, tokens = wants["trl"]
+    assert_close_eps(kls["trl"], want, torch.float32, scale, terms=int(tokens), name="TRL's kl")
+    assert_close_eps(kls["shadow"], wants["shadow"][0], torch.float32, 10.0, factor=4.0, name="kl under the fix")
+    print(f"logged kl: TRL alone {kls['trl']:.4f}, under with_shadow_ratio {kls['shadow']:.4f}")
+    assert abs(kls["trl"] - kls["shadow"]) > 0.1 * kls["shadow"]  # dropout's ratio noise: not a rounding
+
+
 def test_monitor_measures_beta_with_dropout_off(tmp_path):
     """LoRA dropout 0.5 perturbs the loss's forward; β is measured against a dropout-free trainer forward, and the
     gap dropout would have added is reported here (printed with -s)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bad_cli
+from conftest import bad_cli, over
 from phantomclip.cli import main
 from phantomclip.files import atomic_write_bytes, output_target
 from phantomclip.prompts import PromptError, read_prompts
@@ -286,7 +286,7 @@ def test_no_output_goes_through_a_link_or_into_a_special_file_we_did_not_make(na
     if name in ("metrics.jsonl", "checkpoint.pt"):  # a run to resume, whose file is then moved and linked
         assert main(command) == 0
         (out / name).rename(victim)
-        command += ["--resume", "--steps", "2"]
+        command = over(command, "--resume", "--steps", "2")
     before = victim.read_bytes()
     out.mkdir(exist_ok=True)
     if name == "data":  # a report's data copy, linked by someone between two builds
@@ -380,7 +380,7 @@ def test_a_run_file_that_never_ends_is_one_line(name, command, kind, snapshot_ru
     run = tmp_path / "run"
     shutil.copytree(snapshot_run, run)
     _special(kind, run / name)
-    args = {"resume": [*OUT_COMMANDS["train"], "--out", str(run), "--resume", "--steps", "2"],
+    args = {"resume": over(OUT_COMMANDS["train"], "--out", str(run), "--resume", "--steps", "2"),
             "report": ["report", "--from", str(run), "--out", str(tmp_path / "r")],
             "trace": ["trace", "--run", str(run)]}[command]
     what = "is a FIFO (named pipe), not a regular file" if kind == "fifo" else "is a character device, not a regular"
@@ -424,3 +424,32 @@ def test_report_and_experiment_inputs_that_never_end(kind, tmp_path, capsys, dea
     _special(kind, exp / "experiment.json")
     line = bad_cli([*OUT_COMMANDS["experiment"], "--out", str(exp)], capsys)
     assert "experiment.json: is a " in line and "not a regular file" in line, line
+
+
+def test_a_full_disk_at_the_lock_and_an_unreadable_checkpoint_are_named(tmp_path, capsys, monkeypatch):
+    """A full disk met first at the lock file was 'cannot write or read stdout'; a checkpoint with no read permission
+    (chmod 000; root reads it anyway, so the refusal is simulated) was called damaged, with the advice to remove it."""
+    import errno
+
+    import torch
+
+    out = tmp_path / "run"
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    line = bad_cli([*OUT_COMMANDS["train"], "--out", str(out)], capsys)
+    assert f"cannot write {out / '.lock'} (No space left on device)" in line, line
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert main([*OUT_COMMANDS["train"], "--out", str(out)]) == 0
+    capsys.readouterr()
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(torch, "load", denied)
+    line = bad_cli(over(OUT_COMMANDS["train"], "--out", str(out), "--resume", "--steps", "2"), capsys)
+    assert "checkpoint.pt cannot be read (Permission denied): give yourself read access" in line, line
+    assert "damaged" not in line and "remove it" not in line

@@ -5,6 +5,7 @@ import collections
 import html
 import html.parser
 import json
+import os
 import re
 import shutil
 import warnings
@@ -241,3 +242,39 @@ def test_a_finished_or_unfinished_experiment_always_draws(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the torn last line's warning
         assert build([writing], tmp_path / "r-writing").exists()
+
+
+def test_a_report_inside_its_from_directory_does_not_read_its_own_copies(tmp_path, capsys):
+    """report --from DIR --out DIR/report, run twice: the second run read the first page's data copies as data
+    (01-data-00-...json); the report's own --out is not searched."""
+    _good(tmp_path)
+    for _ in range(2):
+        assert main(["report", "--from", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert sorted(p.name for p in (tmp_path / "report" / "data").iterdir()) == [f"00-{tmp_path.name}-good.json"]
+
+
+def test_serve_removes_its_temporary_directory_on_ctrl_c(tmp_path, capsys, monkeypatch):
+    import http.server
+    import tempfile
+
+    made = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real(dir=tmp_path, **kw)) or made[-1])
+
+    def ctrl_c(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(http.server.ThreadingHTTPServer, "serve_forever", ctrl_c)
+    assert main(["report", "--from", str(_good(tmp_path)), "--serve", "--port", "0"]) == 0
+    assert len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_the_training_panel_places_rows_by_their_step():
+    """Rows in another order than their steps (a file edited, concatenated) are drawn at their steps."""
+    from phantomclip.report.training_panel import step_values
+
+    rows = [{"step": s, "x": float(s)} for s in (1, 2, 3, 4)]
+    shuffled = [rows[2], rows[0], rows[3], rows[1]]
+    assert step_values([shuffled], "x", carry=False) == [[1.0], [2.0], [3.0], [4.0]]
+    # a run that stopped at step 2 carries its step-2 value, wherever that row sits in the file
+    assert step_values([[rows[1], rows[0]], rows], "x", carry=True) == [[1.0, 1.0], [2.0, 2.0], [2.0, 3.0], [2.0, 4.0]]

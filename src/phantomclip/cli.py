@@ -172,9 +172,10 @@ def _apply_config_file(args) -> None:
         from .diagnose import scored_recipes
 
         k = len(scored_recipes(config_from_args(DiagnoseConfig, args)))
+        shorter = (f"; --max-tokens {DiagnoseConfig.max_tokens} samples shorter, and the knob advice is still judged "
+                   f"at {args.max_tokens} tokens" if args.max_tokens > DiagnoseConfig.max_tokens else "")
         err.print(f"this run samples {args.n} completions of up to {args.max_tokens} tokens (the config's length) and "
-                  f"scores them under {k} recipes; --max-tokens 48 samples shorter, and the knob "
-                  f"advice is still judged at {args.max_tokens} tokens", markup=False)
+                  f"scores them under {k} recipes{shorter}", markup=False)
     if kept:
         err.print("kept the flags you gave over the config's values: "
                   + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
@@ -459,33 +460,46 @@ def _port(text: str) -> int:
 
 
 def _run_report(args) -> int:
-    import functools
-    import http.server
+    import shutil
     import tempfile
 
-    from .report import ReportError, build, demo_sources
+    from .report import build, demo_sources
 
     if not args.sources:  # as with --serve: the demo, said once, so nobody mistakes it for their own data
         print("no --from: drawing the bundled demo data (give --from PATH... for your own measurements)",
               file=sys.stderr)
     sources = args.sources or demo_sources()
-    out = args.out or (tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve else "report")
-    page = build(sources, out)
-    say(f"wrote {page}")
-    if args.serve:
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
-        try:
-            server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler)
-        except OSError as e:
-            raise ReportError(f"--port {args.port}: cannot serve there ({e.strerror or e}); pick another port, or 0 "
-                              "for a free one") from None
-        with server:
-            print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
-            try:
-                server.serve_forever()
-            except KeyboardInterrupt:
-                pass
+    ours = tempfile.mkdtemp(prefix="phantomclip-report-") if args.serve and not args.out else None
+    try:
+        page = build(sources, args.out or ours or "report")
+        say(f"wrote {page}")
+        if args.serve:
+            _serve(page, args.port)
+    finally:
+        if ours is not None:  # the temporary directory --serve made: gone with the server (Ctrl-C included)
+            shutil.rmtree(ours, ignore_errors=True)
     return 0
+
+
+def _serve(page, port: int) -> None:
+    """Serve `page`'s directory on 127.0.0.1:`port` until Ctrl-C."""
+    import functools
+    import http.server
+
+    from .report import ReportError
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(page.parent))
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    except OSError as e:
+        raise ReportError(f"--port {port}: cannot serve there ({e.strerror or e}); pick another port, or 0 "
+                          "for a free one") from None
+    with server:
+        print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
 
 
 def _show_as_line(prog: str, category: type[Warning], default):

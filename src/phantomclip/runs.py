@@ -214,8 +214,12 @@ class DirLock:
         except OSError as e:  # no flock on this filesystem (some network mounts), or interrupted
             self.release()
             raise RunError(f"cannot lock {self.path} ({e.strerror or e}): put the run on a local filesystem") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        try:  # a full disk fails here, first of all the run's writes: said as this file's, not as stdout's
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        except OSError as e:
+            self.release()
+            raise write_error(self.path, e) from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -358,6 +362,9 @@ class RunDir:
             with warnings.catch_warnings():  # torch's notes on a foreign pickle protocol: the refusal below says it
                 warnings.simplefilter("ignore")
                 ckpt = torch.load(self.checkpoint_path, weights_only=True)
+        except OSError as e:  # no permission to read it (chmod 000), an I/O error: not damage
+            raise RunError(f"{printable(str(self.checkpoint_path))} cannot be read ({e.strerror or e}): give yourself "
+                           "read access (chmod u+r) and resume again; nothing was rewritten") from None
         except Exception as e:  # UnpicklingError (a forbidden object), EOFError, RuntimeError (a truncated zip)...
             # torch's weights-only unpickler names a refused object a GLOBAL; anything else is damage
             why = "it holds objects other than tensors" if "GLOBAL" in str(e) else "it is damaged"

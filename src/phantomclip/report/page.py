@@ -224,7 +224,7 @@ def build(sources: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file: give a directory")
-    data = collect(sources)
+    data = collect(sources, skip=out)
     roots = [Path(s) if Path(s).is_dir() else Path(s).parent for s in sources]
     try:
         copied = _copy_data(data, out)

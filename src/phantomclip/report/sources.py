@@ -138,8 +138,10 @@ def _warn_skipped(src: Path, skipped: list[str]) -> None:
                   f"cannot use: {shown}", PhantomclipWarning, stacklevel=3)
 
 
-def collect(sources: list[str | Path]) -> ReportData:
-    """Classify every JSON file and run directory under `sources` (files or directories)."""
+def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
+    """Classify every JSON file and run directory under `sources` (files or directories); files found under `skip`
+    (the report's own --out, when it lies inside a --from directory) are not data: they are the last page's copies."""
+    skip = Path(skip).resolve() if skip is not None else None
     data = ReportData()
     seen: set[Path] = set()
     for src in map(Path, sources):
@@ -149,7 +151,7 @@ def collect(sources: list[str | Path]) -> ReportData:
         skipped: list[str] = []
         for found in [src] if named else sorted(src.rglob("*.json")):
             f = found.resolve()
-            if f in seen:
+            if f in seen or (skip is not None and not named and skip in f.parents):
                 continue
             seen.add(f)
             try:

@@ -43,9 +43,10 @@ def one_process(tmp_path_factory):
     return one_process_reference(tmp_path_factory)
 
 
-def test_zero3_figures_equal_one_process_with_and_without_offload(ranks, one_process):
+def test_zero_figures_equal_one_process_with_and_without_offload(ranks, one_process):
     """Each rank holds placeholders (ZeRO-3 partitions every parameter: 0 elements outside a gather) and logs the
-    figures of one process on the whole batch, with the parameters on the rank and offloaded to CPU memory."""
+    figures of one process on the whole batch, with the parameters on the rank and offloaded to CPU memory; under
+    ZeRO-2 the weights are whole on every rank (only gradients and optimizer states are partitioned)."""
     from phantomclip.integrations.trl import precision_stats
 
     logp, logp_shadow, mask, adv = one_process["tensors"]
@@ -56,6 +57,9 @@ def test_zero3_figures_equal_one_process_with_and_without_offload(ranks, one_pro
         for kind in ("zero3", "zero3_offload"):
             assert rank[f"{kind}_kind"] == "zero3" and rank[f"{kind}_placeholder_numel"] == 0
             assert_figures_equal(rank[f"{kind}_stats"], want, beta.max().item(), beta.numel(), f"rank {r} {kind}")
+        assert rank["zero2_kind"] == "none" and rank["zero2_placeholder_numel"] > 0
+        assert all(rank["zero2_shadow_equal"].values())
+        assert_figures_equal(rank["zero2_stats"], want, beta.max().item(), beta.numel(), f"rank {r} zero2")
 
 
 def test_zero3_shadow_is_the_gathered_weights_in_bf16(ranks):

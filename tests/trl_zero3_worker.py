@@ -5,8 +5,9 @@ accelerate needs `ACCELERATE_USE_DEEPSPEED=true` and a `PartialState(backend="gl
 `GRPOConfig(use_cpu=False, deepspeed=..., accelerator_config={"use_configured_state": True})` (with `use_cpu=True`
 accelerate sees one process). Each rank takes its half of tests/trl_ranks_worker.py's seeded global batch and writes
 to OUT/rank<r>.pt: the monitor's figures and with_shadow_ratio's loss and full gradients under ZeRO-3 (and the
-figures under ZeRO-3 with parameter offload to CPU), the shadow against the same model's unsharded shadow (plain and
-LoRA), and the log rows of a 2-step `trainer.train()` whose policy was built inside `zero.Init`.
+figures under ZeRO-3 with parameter offload to CPU and under ZeRO-2), the shadow against the same model's
+unsharded shadow (plain and LoRA), and the log rows of a 2-step `trainer.train()` whose policy was built inside
+`zero.Init`.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import torch
 from trl_ranks_worker import MODEL, B, global_batch, make_trainer, rows
 
 
-def zero_config(offload_param: str | None = None) -> dict:
-    """ZeRO-3 as a user writes it in `deepspeed_config_file`; batch sizes spelled out (the worker prepares the model
-    itself, without the Trainer's 'auto' fill). The Trainer's own AdamW is not one of DeepSpeed's optimizers."""
-    zero: dict = {"stage": 3}
+def zero_config(offload_param: str | None = None, stage: int = 3) -> dict:
+    """ZeRO-3 (or `stage`) as a user writes it in `deepspeed_config_file`; batch sizes spelled out (the worker
+    prepares the model itself, without the Trainer's 'auto' fill). The Trainer's AdamW is not one of DeepSpeed's."""
+    zero: dict = {"stage": stage}
     if offload_param:
         zero["offload_param"] = {"device": offload_param}
     return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": B // 2, "gradient_accumulation_steps": 1,
             "zero_allow_untested_optimizer": True}
 
 
-def zero3_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, offload_param: str | None = None, **config):
+def zero3_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, offload_param: str | None = None,
+                  stage: int = 3, **config):
     """make_trainer under a ZeRO-3 config. The policy is built before the config exists, so its weights are those of
     one process (under an enabled ZeRO-3 config transformers builds it inside zero.Init and initialises it
     otherwise); a previous trainer's config and accelerator state are dropped first (transformers keeps a weak
@@ -41,7 +43,7 @@ def zero3_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, offload_
     unset_hf_deepspeed_config()
     AcceleratorState._reset_state()  # the process group (PartialState) is kept
     return make_trainer(out_dir, cls=cls, callbacks=callbacks, steps=steps, use_cpu=False,
-                        deepspeed=zero_config(offload_param), accelerator_config={"use_configured_state": True},
+                        deepspeed=zero_config(offload_param, stage), accelerator_config={"use_configured_state": True},
                         **config)
 
 
@@ -118,10 +120,10 @@ def main(out: str) -> None:
         nonlocal clock
         record["seconds"][name], clock = time.perf_counter() - clock, time.perf_counter()
 
-    # the monitor's figures on this rank's half: ZeRO-3, then ZeRO-3 with the parameters offloaded to CPU
-    for name, offload in (("zero3", None), ("zero3_offload", "cpu")):
+    # the monitor's figures on this rank's half: ZeRO-3, ZeRO-3 with the parameters offloaded to CPU, ZeRO-2
+    for name, stage, offload in (("zero3", 3, None), ("zero3_offload", 3, "cpu"), ("zero2", 2, None)):
         monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
-        trainer = zero3_trainer(f"{out}/{name}", offload_param=offload)
+        trainer = zero3_trainer(f"{out}/{name}", offload_param=offload, stage=stage)
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         lo, hi = rank * B // world, (rank + 1) * B // world
         unsharded = build_shadow(trainer.model, "bfloat16", "cpu")
@@ -136,7 +138,8 @@ def main(out: str) -> None:
         record[f"{name}_shadow_equal"] = {n: torch.equal(p, unsharded.get_parameter(n))
                                           for n, p in monitor._shadow.model.named_parameters()}
         record[f"{name}_released"] = sum(p.numel() for p in trainer.model.parameters())  # placeholders again
-        record[f"{name}_gathers"] = counted_gathers(trainer.model)
+        if stage == 3:
+            record[f"{name}_gathers"] = counted_gathers(trainer.model)
         del monitor, trainer, engine
         lap(name)
 

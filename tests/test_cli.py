@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -204,3 +205,15 @@ def test_resume_takes_the_runs_own_settings(tmp_path, capsys):
                          "a new run with another --out")
     assert "no config.json there" in bad_cli(["train", "--resume", str(tmp_path / "none")], capsys)
     assert "name two runs" in bad_cli(["train", "--resume", str(out), "--out", str(tmp_path / "b")], capsys)
+
+
+def test_a_configs_length_and_the_cost_are_said_before_the_work(tmp_path, capsys):
+    """A TRL config's max_completion_length is said with the run's size before sampling, with the flag that samples
+    shorter; after the first recipe is scored, one line gives the time spent and the time to go."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model_name_or_path: tiny-random:0\nmax_completion_length: 64\n")
+    assert main(["diagnose", "--from-trl-config", str(config), "--n", "2", "--trainer", "fp32"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("this run samples 2 completions of up to 64 tokens (the config's length) and scores them under 2 recipes; "
+            "--max-tokens 48 samples shorter, and the knob advice is still judged at 64 tokens") in err
+    assert re.search(r"cost: sampled \d+ tokens in \d+ s; scored recipe 1 of 2 in \d+ s, about \d+ s to go", err)

@@ -95,6 +95,8 @@ def main() -> None:
         "trainer_side_s": trainer_side, "monitor_s": hooks.monitor_seconds,
         "monitor_share_of_trainer_side": hooks.monitor_seconds / trainer_side,
         "monitor_share_of_wall": hooks.monitor_seconds / wall,
+        "monitor_parts_s": {**hooks.seconds, "of which building copies": hooks.shadows.build_seconds},
+        "monitor_share_without_building": (hooks.monitor_seconds - hooks.shadows.build_seconds) / trainer_side,
         "others_cpu_s_per_wall_s": (busy - own) / wall, "shadow_bytes": per, "shadows_kept": kept,
         "staleness_1_steps": sum(1 for h in trainer.state.log_history if h.get("precision/staleness_share_1") == 1.0),
     }

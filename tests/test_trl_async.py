@@ -233,6 +233,7 @@ def test_bad_input(tmp_path, monkeypatch):
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     import phantomclip.integrations.trl_async as integration
+    import phantomclip.integrations.trl_async_checks as checks
 
     with pytest.raises(IntegrationError, match="interval must be an integer >= 1"):
         AsyncPrecisionMonitor(interval=0)
@@ -242,7 +243,7 @@ def test_bad_input(tmp_path, monkeypatch):
         AsyncPrecisionMonitor(engine_dtype="fp8")
     trainer, _ = setup.make_trainer(str(tmp_path / "x"), steps=1)
     # shadows that do not fit: one line with the need and what is available
-    monkeypatch.setattr(integration, "available_memory", lambda device: 10_000)
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10_000)
     with pytest.raises(IntegrationError) as e:
         AsyncPrecisionMonitor().attach(trainer)
     kept, per = integration.shadow_memory(trainer, "bfloat16")

@@ -34,111 +34,22 @@ from torch import nn
 
 from ..errors import IntegrationError
 from ..loss import KNOBS, clip_range
-from ..numerics import parse_dtype
-from ..recipes import resolve_matmul
 from .trl import check_trl_version
+from .trl_async_checks import (
+    check_async_internals,
+    check_engine_args,
+    check_shadow_memory,
+    check_trainer_state,
+    shadow_memory,
+)
 from .trl_async_stats import MEANS, async_figures, async_precision_stats
 from .weights import build_shadow, check_supported, sharded_root, sync_shadow
 
+VERSION_KEY = "pc_sample_version"
+"""the batch field the integration adds: each row's samples' versions, in `segment_id` order."""
+
 __all__ = ["AsyncPrecisionMonitor", "IntegrationError", "async_precision_stats", "async_figures", "shadow_memory",
            "with_async_shadow_ratio"]
-
-TRAINER_METHODS = ("_sync_weight", "compute_loss", "get_train_dataloader")
-"""the trainer's methods the hooks wrap (trl 1.16 async_grpo_trainer.py); checked at attach."""
-TRAINER_ATTRIBUTES = ("epsilon_low", "epsilon_high", "temperature", "accelerator", "callback_handler")
-"""set before TRL's Trainer.__init__ ends (a callback's on_init_end sees them); checked at attach."""
-TRAINER_STATE = ("_metrics", "model_version", "rollout_queue")
-"""set at the end of AsyncGRPOTrainer.__init__: checked at attach after it, else when training starts."""
-MODULE_NAMES = ("StepIntervalCallback", "RolloutQueueDataset", "DataCollatorForRollout")
-PACKED_KEYS = ("attention_mask", "input_ids", "position_ids", "shift_labels", "token_index", "old_log_probs",
-               "advantages", "segment_id", "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k",
-               "tree_max_seqlens")
-"""the packed batch's fields TRL's compute_loss reads (packing.py `TreeRow.pack` and the collator)."""
-VERSION_KEY = "pc_sample_version"
-
-
-def _check_engine(engine_dtype, matmul, what: str) -> None:
-    """The engine dtype and matmul mode, checked with the CLI's rules when the object is built (one line)."""
-    if not isinstance(engine_dtype, str):
-        raise IntegrationError(f"{what}: engine_dtype must be a dtype name such as 'bfloat16', got {engine_dtype!r}")
-    try:
-        parse_dtype(engine_dtype)
-        resolve_matmul(matmul)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise IntegrationError(f"{what}: {e}") from None
-
-
-def _missing(trainer, name: str) -> IntegrationError:
-    return IntegrationError(f"{type(trainer).__name__} has no attribute {name!r}: this TRL's async trainer differs "
-                            "from trl 1.16's, which phantomclip.integrations.trl_async reads")
-
-
-def check_trainer_state(trainer) -> None:
-    for name in TRAINER_STATE:
-        if not hasattr(trainer, name):
-            raise _missing(trainer, name)
-
-
-def check_async_internals(trainer, built: bool = True) -> None:
-    """One IntegrationError line naming the first attribute of TRL's async trainer the hooks need and do not find
-    (a newer TRL whose internals differ), before anything is replaced. `built`: AsyncGRPOTrainer.__init__ has
-    returned (else its last attributes are checked when training starts)."""
-    check_trl_version()
-    from trl.experimental.async_grpo import async_grpo_trainer, packing
-
-    for name in TRAINER_METHODS:
-        if not callable(getattr(type(trainer), name, None)):
-            raise _missing(trainer, name)
-    for name in TRAINER_ATTRIBUTES:
-        if not hasattr(trainer, name):
-            raise _missing(trainer, name)
-    if built:
-        check_trainer_state(trainer)
-    for name in MODULE_NAMES:
-        if not hasattr(async_grpo_trainer, name):
-            raise IntegrationError(f"trl.experimental.async_grpo.async_grpo_trainer has no {name!r}: this TRL's async "
-                                   "trainer differs from trl 1.16's")
-    for name in ("max_staleness", "weight_sync_steps"):
-        if not hasattr(trainer.args, name):
-            raise IntegrationError(f"{type(trainer.args).__name__} has no attribute {name!r}: this TRL's async "
-                                   "trainer differs from trl 1.16's")
-    if not hasattr(packing.TreeRow, "pack"):
-        raise IntegrationError("trl.experimental.async_grpo.packing.TreeRow has no attribute 'pack'")
-
-
-def shadow_memory(trainer, engine_dtype: str) -> tuple[int, int]:
-    """(shadows kept, bytes per shadow): one whole copy of the policy's parameters in the engine's dtype per version
-    a trained sample may have (max_staleness + 1), plus one for the current weights when they move between syncs
-    (weight_sync_steps > 1)."""
-    model = sharded_root(trainer.model)
-    seen, count = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            count += getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 placeholders hold their full size apart
-    per = count * parse_dtype(engine_dtype).itemsize
-    kept = trainer.args.max_staleness + 1 + (1 if trainer.args.weight_sync_steps > 1 else 0)
-    return kept, per
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free on `device`: CUDA's free memory, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
-def check_shadow_memory(trainer, engine_dtype: str) -> None:
-    kept, per = shadow_memory(trainer, engine_dtype)
-    free = available_memory(trainer.accelerator.device)
-    if kept * per > free:
-        raise IntegrationError(
-            f"the async shadows need {kept * per / 2**30:.2f} GiB ({kept} copies of {per / 2**30:.2f} GiB in "
-            f"{engine_dtype}: max_staleness {trainer.args.max_staleness} + 1) but {free / 2**30:.2f} GiB is available "
-            f"on {trainer.accelerator.device}: lower max_staleness")
-
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -160,11 +71,14 @@ class _Shadows:
         self.current_step = -1
         self._add_head = lambda m: add_fused_lm_head(m, temperature=trainer.temperature)
         self.version = 0
+        self.build_seconds = 0.0
 
     def _new(self) -> nn.Module:
+        t0 = time.perf_counter()
         shadow = build_shadow(sharded_root(self.trainer.model), self.engine_dtype, self.trainer.accelerator.device,
                               self.matmul)
         self._add_head(shadow)
+        self.build_seconds += time.perf_counter() - t0  # once per kept copy, then recycled
         return shadow.eval()
 
     def snapshot(self, version: int) -> None:
@@ -228,6 +142,8 @@ class _Hooks:
         self.group_version: dict = {}
         self.last: _Record | None = None
         self.monitor_seconds = 0.0
+        self.seconds = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
+        """the monitor's clock by part (bench/bench_trl_async_monitor.py); `shadows.build_seconds` is in snapshot."""
         self._install()
 
     def _install(self) -> None:
@@ -267,6 +183,7 @@ class _Hooks:
         self._snapshot()
         if self.monitor is not None:  # the shadows' own cost: a copy of the weights sent, rounded, per sync
             self.monitor_seconds += time.perf_counter() - t0
+            self.seconds["snapshot"] += time.perf_counter() - t0
 
     def _snapshot(self) -> None:
         trainer = self.trainer
@@ -326,6 +243,8 @@ class _Hooks:
             self.monitor._record(self.last)
         if self.monitor is not None:
             self.monitor_seconds += shadow_seconds + (time.perf_counter() - t1)
+            self.seconds["forwards"] += shadow_seconds
+            self.seconds["figures"] += time.perf_counter() - t1
         return loss
 
 
@@ -420,7 +339,7 @@ class AsyncPrecisionMonitor(_Callback):
         check_trl_version()
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise IntegrationError(f"AsyncPrecisionMonitor interval must be an integer >= 1, got {interval!r}")
-        _check_engine(engine_dtype, matmul, "AsyncPrecisionMonitor")
+        check_engine_args(engine_dtype, matmul, "AsyncPrecisionMonitor")
         for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
             if value is not None:  # None: TRL's own trust region
                 KNOBS[name].check(f"AsyncPrecisionMonitor {name}", value, IntegrationError)
@@ -492,7 +411,7 @@ def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", m
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, AsyncGRPOTrainer)):
         name = getattr(trainer_cls, "__name__", trainer_cls)
         raise IntegrationError(f"with_async_shadow_ratio wraps AsyncGRPOTrainer or a subclass of it, not {name!r}")
-    _check_engine(engine_dtype, matmul, "with_async_shadow_ratio")
+    check_engine_args(engine_dtype, matmul, "with_async_shadow_ratio")
 
     class AsyncShadowRatio(trainer_cls):
         def __init__(self, *args, **kwargs):

@@ -38,8 +38,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
              "routing_depth", "diagnose_config", "diagnose_fp8"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
-    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags", "fp8_text",
-                 "routing_text"),
+    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags",
+                 "config_sources", "fp8_text", "routing_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
 SIDEWAYS_OK = {"leaf", "core", "surfaces"}

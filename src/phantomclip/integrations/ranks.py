@@ -65,11 +65,12 @@ def top_quantile(top: torch.Tensor, n: int, q: float) -> float:
 def precision_stats(logp: torch.Tensor, logp_shadow: torch.Tensor, mask: torch.Tensor,
                            advantages: torch.Tensor, eps_low: float, eps_high: float,
                            logp_engine: torch.Tensor | None = None) -> dict[str, float]:
-    """The monitor's figures over all ranks' tokens (keys of `integrations.trl.MONITOR_KEYS`, + shadow_minus_engine_mean with
-    engine log-probs). Per-token tensors are [B, T] (advantages [B], [B, 1] or [B, T]), B may be 0 on a rank.
+    """The monitor's figures over all ranks' tokens (keys of `integrations.trl.MONITOR_KEYS`, + shadow_minus_engine_mean
+    with engine log-probs). Per-token tensors are [B, T] (advantages [B], [B, 1] or [B, T]), B may be 0 on a rank.
 
     β = logp − logp_shadow. A token whose logp or logp_shadow is not finite is left out of every β figure and
-    counted in `nonfinite`; shadow_minus_engine_mean = mean(logp_shadow − logp_engine) (α + β_kernel, not α) over the tokens where both are finite.
+    counted in `nonfinite`; shadow_minus_engine_mean = mean(logp_shadow − logp_engine) (α + β_kernel, not α) over the
+    tokens where both are finite.
     A figure with no token left on any rank is NaN. Definitions: docs/metrics.md (the TRL monitor's block).
     """
     m = mask.bool()  # [B, T]

@@ -93,7 +93,7 @@ def test_changes_in_the_users_framework(framework, best, setting):
     r = _result(framework, keep=(0.3, 0.4), **{"bf16-autocast": _rec(0.015), best: _rec(0.0066)})
     got = changes(r, framework)
     # 15 tokens outside against 7 (0.66% of 1000, rounded): 8 discordant tokens, all one way: p = 2^-8 = 0.0039
-    assert got[0].setting == setting and got[0].effect == "0.66% outside (yours: 1.50%; sign test p = 0.004)"
+    assert got[0].setting == setting and got[0].effect == "0.66% outside vs yours 1.50% (p = 0.004)"
     eps = {"trl": "epsilon: 0.3, epsilon_high: 0.4",
            "verl": "actor_rollout_ref.actor.clip_ratio_low: 0.3, actor_rollout_ref.actor.clip_ratio_high: 0.4",
            "": "--epsilon 0.3 --epsilon-high 0.4"}[framework]

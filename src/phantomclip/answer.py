@@ -191,8 +191,9 @@ def changes(result: dict, framework: str = "") -> list[Change]:
         field = RECIPE_FIELDS.get(framework, {}).get(best, f"--trainer {best}" if not framework else None)
         if field is None:
             field = f"a {best} trainer (no {FRAMEWORK_NAMES[framework]} setting selects it)"
-        out.append(Change(field, f"{_pct(outside(recs[best]))} outside (yours: {_pct(outside(recs[mine]))}; "
-                                 f"sign test p = {gain['p']:.1g})"))
+        # p: the sign test's (recipe_gain), named in docs/diagnose.md; the line must fit 80 columns
+        out.append(Change(field, f"{_pct(outside(recs[best]))} outside vs yours {_pct(outside(recs[mine]))} "
+                                 f"(p = {gain['p']:.1g})"))
     for cause in CAUSES.values():  # the causes beyond precision this run measured (FP8 engines, expert routing)
         change = cause(result, framework)
         if change is not None:
@@ -282,8 +283,8 @@ def _trl_reasons(result: dict) -> list[str]:
     at = seq.get("at_length")
     share = at["sequences"] if at else seq["sequences"]
     length = f" of {result['knobs']['length']['target']}-token ones" if at else ""
-    return said + [f"TRL GRPOTrainer: clips on its own log-probs; its IS correction (sequence_mask, C = "
-                   f"{seq['setting']['cap']:g}) drops {_pct(share)} of sequences{length}"]
+    return said + ["TRL GRPOTrainer: clips on its own log-probs; β meets its IS correction,",
+                   f"  where sequence_mask (C = {seq['setting']['cap']:g}) drops {_pct(share)} of sequences{length}"]
 
 
 def answer_lines(ans: dict) -> list[str]:
@@ -295,5 +296,5 @@ def answer_lines(ans: dict) -> list[str]:
     lines += [f"  {r}" for r in ans["reasons"][1:]]
     if ans["changes"]:
         lines.append(f"  change ({FRAMEWORK_NAMES[ans['framework']]}), strongest first:")
-        lines += [f"    {ch['setting']}  ->  {ch['effect']}" for ch in ans["changes"]]
+        lines += [f"    {ch['setting']} -> {ch['effect']}" for ch in ans["changes"]]
     return lines

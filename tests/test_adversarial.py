@@ -630,8 +630,10 @@ def test_every_config_field_of_a_wrong_type_is_one_line(cls, monkeypatch):
 
 def test_seeds_past_the_range_say_which_flag_to_lower(capsys, monkeypatch):
     _no_model_work(monkeypatch)
-    line = bad_cli(["experiment", "sanity", "--seeds", str(10**20)], capsys)
-    assert line.endswith("past the largest seed 4294967295: lower --seeds to 4294967296 or less"), line
+    line = bad_cli(["experiment", "sanity", "--seeds", str(10**20)], capsys)  # errors.SEEDS_LIMIT comes first
+    assert line.endswith(f"--seeds must be a whole number >= 1 and <= 1000, got {10**20}"), line
+    line = bad_cli(["experiment", "sanity", "--seed", "4294967000", "--seeds", "1000"], capsys)
+    assert line.endswith("past the largest seed 4294967295: lower --seeds to 296 or less or --seed"), line
     line = bad_cli(["experiment", "sanity", "--seed", "4294967295", "--seeds", "2"], capsys)
     assert line.endswith("lower --seeds to 1 or less or --seed"), line
 

@@ -202,18 +202,20 @@ def test_linear_forward_is_the_emulated_gemm(tiny):
     got = lin(x)  # [2, 5, 64] bf16
     wq, sw = fp8.quant_tensor(lin.weight)
     xq, sx = fp8.quant_rows(x.reshape(-1, 128))
-    want = (sx * (sw * F.linear(xq.float(), wq.float()))).bfloat16().reshape(2, 5, 64)  # the scorer's kernel
+    want = (sx * (sw * fp8.product(xq, wq, lin._pc_fp8_packed))).bfloat16().reshape(2, 5, 64)  # its own kernel
+    plain = (sx * (sw * F.linear(xq.float(), wq.float()))).bfloat16().reshape(2, 5, 64)  # F.linear: another order
+    assert ((plain.float() - want.float()).abs() <= torch.finfo(torch.bfloat16).eps * want.float().abs()).all()
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["bf16+fp8-w8a8", "bf16+fp8-w8a8-channel", "bf16+fp8-w8a16", "bf16+fp8-w8a8+fp8-kv"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_engine_and_shadow_quantise_bit_for_bit(tiny, name, packed):
-    """The engine (LocalEngine: static decode; packed: its E4M3 images laid out for oneDNN) and the shadow
-    (apply_recipe, scoring) hold the same E4M3 weights and scales bit for bit, and quantise the same input to the same
-    E4M3 values. Their Linears' outputs are then equal bit for bit on the same kernel (unpacked), and with the
-    engine's packed layout differ only by fp32 summation order: at most K * 2^-24 * Σ|terms| before the bf16 rounding,
-    so at most one bf16 spacing of the output."""
+    """The engine (LocalEngine: static decode, its E4M3 images laid out for oneDNN like the scorer's) and the shadow
+    (apply_recipe, scoring) hold the same E4M3 weights and scales bit for bit, quantise the same input to the same
+    E4M3 values and multiply in the same order: their Linears' outputs are equal bit for bit. An engine told not to
+    pack (packed=False) multiplies with F.linear: another fp32 summation order, at most K * 2^-24 * Σ|terms| before the
+    bf16 rounding, so at most one bf16 spacing of an output."""
     recipe = get_recipe(name)
     engine = LocalEngine(tiny.model, recipe=recipe, packed=None if packed else False)
     if packed and not engine.packed:
@@ -226,9 +228,9 @@ def test_engine_and_shadow_quantise_bit_for_bit(tiny, name, packed):
             out_a, out_b = a(inp), b(inp)
             assert torch.equal(a._pc_fp8_w[0].view(torch.uint8), b._pc_fp8_w[0].view(torch.uint8)), n
             assert torch.equal(a._pc_fp8_w[1], b._pc_fp8_w[1]), n
-            if not packed:
+            if packed or not b._pc_fp8_pack:  # the same kernel on both sides
                 assert torch.equal(out_a, out_b), n
-            else:
+            else:  # the unpacked engine's F.linear against the scorer's oneDNN: fp32 summation order only
                 spacing = torch.finfo(torch.bfloat16).eps * out_b.float().abs()  # >= one bf16 ulp of each output
                 assert ((out_a.float() - out_b.float()).abs() <= spacing).all(), n
             checked += 1
@@ -268,6 +270,9 @@ def test_weight_only_on_exactly_representable_weights_changes_nothing(tiny, tiny
             mod.weight[0, 0] = 448.0  # every part of a merged layer reaches 448: its scale is 1
     plain = apply_recipe(master, get_recipe("bf16"), matmul="emulated")
     quant = apply_recipe(master, get_recipe("bf16+fp8-w8a16"), matmul="emulated")
+    for m in quant.modules():  # F.linear, as the emulated bf16 kernel: the same product, so the same sums
+        if fp8.is_fp8(m):
+            m._pc_fp8_pack = False
     ids = torch.tensor([p + [5, 6, 7] for p in tiny_prompts[:3] if len(p) == len(tiny_prompts[0])] or [[1, 2, 3, 4]])
     attn = torch.ones_like(ids)
     a = score(plain, get_recipe("bf16"), ids, attn).logp

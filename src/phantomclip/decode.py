@@ -138,9 +138,8 @@ def pack_linears(model: nn.Module) -> int:
         w = getattr(mod, "weight", None)
         if not (isinstance(mod, nn.Linear) and w is not None and w.device.type == "cpu"):
             continue
-        if is_fp8(mod) and can_pack(torch.float32):  # an FP8 engine's Linear lays its E4M3 image out itself (fp8.py)
-            mod._pc_fp8_pack, mod._pc_fp8_key = True, None
-            count += 1
+        if is_fp8(mod):  # an FP8 engine's Linear lays its E4M3 image out itself where it can (fp8.use_fp8)
+            count += int(mod._pc_fp8_pack)
             continue
         dtype = packed_dtype(mod)
         if dtype is not None:

@@ -193,6 +193,10 @@ class LocalEngine:
                              f"recipe (see decode.supports); leave static_decode unset")
         self.static_decode = supported if static_decode is None else static_decode
         no_autocast = self.recipe.autocast_dtype is None  # engine recipes have none: the packed op ignores autocast
+        if packed is False:  # FP8 Linears lay their E4M3 images out themselves (fp8.use_fp8): not in this engine
+            for m in self.model.modules():
+                if hasattr(m, "_pc_fp8_pack"):
+                    m._pc_fp8_pack = False
         self.packed = packed is not False and no_autocast and decode.pack_linears(self.model) > 0
         if packed and not self.packed:
             raise ValueError("no Linear of this engine can run on packed weights here (see decode.can_pack); leave "

@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--interval", type=int, default=1, help="the monitor's interval")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine: no spinning)")
     args = ap.parse_args()
     import tempfile
@@ -72,7 +73,7 @@ def main() -> None:
     neglen = lambda p, c, ids: [-float(len(i)) for i in ids]  # noqa: E731
     worker = LocalRolloutWorker(engine, lm.tokenizer, bundled_prompts(), neglen,
                                 num_generations=8, max_tokens=args.max_tokens, groups_per_fill=2)
-    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=args.interval)
     with tempfile.TemporaryDirectory() as out:
         config = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
                                  max_completion_length=args.max_tokens, learning_rate=1e-4, max_steps=args.steps,
@@ -91,7 +92,8 @@ def main() -> None:
     hooks = trainer._pc_async
     kept, per = shadow_memory(trainer, "bfloat16")
     result = {
-        "cpu": cpu_kind(), "steps": args.steps, "max_tokens": args.max_tokens, "wall_s": wall,
+        "cpu": cpu_kind(), "steps": args.steps, "interval": args.interval, "max_tokens": args.max_tokens,
+        "wall_s": wall,
         "trainer_side_s": trainer_side, "monitor_s": hooks.monitor_seconds,
         "monitor_share_of_trainer_side": hooks.monitor_seconds / trainer_side,
         "monitor_share_of_wall": hooks.monitor_seconds / wall,

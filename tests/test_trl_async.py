@@ -110,6 +110,8 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
     shadows = watched._pc_async.shadows
     assert sorted(sent) == [1, 2, 3, 4] and rec.versions.unique().tolist() == [2] and rec.staleness.max() == 1
     assert sorted(shadows.versions) == [2, 3, 4]  # max_staleness + 1 kept, the oldest recycled
+    for name, p in shadows.versions[4].named_parameters():  # version 1's copy, refilled: the weights sent as 4
+        assert torch.equal(p, sent[4][name].to(torch.bfloat16)), name
     # keyed by version: the old log-probs are those of the weights TRL sent as version 2, rounded to bf16, on the
     # same packed row (a shadow built apart and filled from what was sent: bit for bit); version 3's differ
     for v, equal in ((2, True), (3, False)):

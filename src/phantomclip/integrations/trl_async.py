@@ -43,7 +43,7 @@ from .trl_async_checks import (
     shadow_memory,
 )
 from .trl_async_stats import MEANS, async_figures, async_precision_stats
-from .weights import build_shadow, check_supported, sharded_root, sync_shadow
+from .weights import build_shadow, check_supported, full_weights, sharded_root, sync_shadow
 
 VERSION_KEY = "pc_sample_version"
 """the batch field the integration adds: each row's samples' versions, in `segment_id` order."""
@@ -86,11 +86,22 @@ class _Shadows:
         reuse = None
         if len(self.versions) >= self.keep:
             reuse = self.versions.pop(min(self.versions))
-        shadow = reuse if reuse is not None else self._new()
-        sync_shadow(shadow, sharded_root(self.trainer.model), self.kind)
-        self.versions[version] = shadow
+        if reuse is None:  # a new copy: filled with sync_shadow's checks (every parameter known and filled)
+            reuse = self._new()
+            sync_shadow(reuse, sharded_root(self.trainer.model), self.kind)
+        else:
+            self._refill(reuse)
+        self.versions[version] = reuse
         self.version_step[version] = self.trainer.state.global_step
         self.version = version
+
+    @torch.no_grad()
+    def _refill(self, shadow: nn.Module) -> None:
+        """A checked copy filled again: each tensor rounded to nearest into the engine's dtype by copy_ (as
+        sync_shadow and vLLM's load do), without sync_shadow's count of changed values (a second pass)."""
+        params = dict(shadow.named_parameters())
+        for name, value in full_weights(sharded_root(self.trainer.model), self.kind):
+            params[name].copy_(value)
 
     def now(self) -> nn.Module:
         """The current weights in the engine's dtype: the latest version's copy if no optimizer step came since."""

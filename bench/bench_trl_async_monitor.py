@@ -10,8 +10,8 @@ Timed by the monitor's own clock (`_Hooks.monitor_seconds`: the shadow snapshot 
 the trainer side of an async step. Generation is left out of the denominator: in the real trainer the vLLM server
 samples in parallel, here the stand-in samples in this process. Also printed: the whole wall time, generation
 included, and the CPU seconds other processes used meanwhile (/proc/stat minus this process), since this machine
-is shared. 2 groups sampled per fill, one trained per step: staleness 0 and 1 alternate (one extra shadow forward on
-the stale steps).
+is shared. 2 groups sampled per fill, one trained per step: staleness at the loss 0, 1, 1, 2, 1, 2 (one extra shadow
+forward on every step after the first).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ TRL's async trainer samples from a vLLM server and syncs weights to it over NCCL
 server is phantomclip's bf16 LocalEngine in this process (integrations.trl_async_cpu: TRL's rollout-worker and
 weight-transfer interfaces, its tree attention on a CPU kernel); everything else is TRL's own: queue, staleness
 filter, planner, packing, compute_loss, weight versions. Each fill samples two groups of 8 at the engine's current
-weights, and each step trains one, so every other step trains samples one version old (staleness 1), and the
-monitor keys its shadows by that version. The fix (on unless --no-fix) makes TRL's clip decide on α alone.
+weights and each step trains one; as accelerate prefetches the next micro-batch before the step's sync, the
+staleness at the loss runs 0, 1, 1, 2, 1, 2, ... and the monitor keys its shadows by each sample's version. The
+fix (on unless --no-fix) makes TRL's clip decide on α alone.
 
 Why these defaults: see examples/trl_grpo.py (at a 64-token cap part of each group stops on its own, so the rewards
 differ; at lr 1e-4 the length falls within about 10 steps on this model).
@@ -34,6 +35,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 
 KEYS = {"length": "sample/trained_tokens_mean", "reward_std": "reward_std", "stale_1": "precision/staleness_share_1",
+        "stale_2": "precision/staleness_share_2",
         "beta_abs": "precision/beta_abs_mean", "beta_kernel": "precision/beta_kernel_abs_mean",
         "alpha_abs": "precision/alpha_abs_mean", "clip": "precision/clip_rate",
         "alpha_clip": "precision/alpha_clip_rate", "phantom": "precision/phantom_clip_rate",
@@ -77,7 +79,7 @@ def main() -> None:
             for h in trainer.state.log_history if "precision/beta_abs_mean" in h]
     for r in rows:
         print(f"step {r['step']:2d}: length {r['length']:5.1f}, reward std {r['reward_std']:5.2f}, staleness "
-              f"{'1' if r['stale_1'] else '0'}, mean |β| {r['beta_abs']:.4f} (kernel {r['beta_kernel']:.4f}), "
+              f"{r['stale_1'] + 2 * r['stale_2']:.2g}, mean |β| {r['beta_abs']:.4f} (kernel {r['beta_kernel']:.4f}), "
               f"|α| {r['alpha_abs']:.4f}, clip on α+β {100 * r['clip']:.2f}%, on α {100 * r['alpha_clip']:.2f}%, "
               f"phantom {100 * r['phantom']:.2f}%, TRL ratio {r['trl_ratio']:.4f}")
     changed = trainer.weight_transfer.changed_share[1:]  # per sync after the first: bf16 values that moved

@@ -97,8 +97,9 @@ class LocalRolloutWorker:
 
     Each fill samples `groups_per_fill` prompts x `num_generations` completions at the engine's weights and tags
     them with the version those weights are (`update_model_version`, called by TRL after each sync). With
-    `groups_per_fill` = 2 x the groups one optimizer step consumes, every other step trains on samples one version
-    old: staleness 0 and 1 alternate, deterministically.
+    `groups_per_fill` = 2 x the groups one optimizer step consumes, the staleness at the loss runs 0, 1, 1, 2, 1, 2,
+    ... deterministically (accelerate's dispatcher fetches the next micro-batch, and so triggers the next fill,
+    before the step's sync).
     """
 
     def __init__(self, engine: LocalEngine, tokenizer, prompts: list[str], reward: Callable, num_generations: int,

@@ -134,7 +134,7 @@ def product(x: torch.Tensor, wq: torch.Tensor, packed: torch.Tensor | None = Non
 
 
 @functools.cache
-def can_pack() -> bool:
+def onednn_linear() -> bool:
     """True where oneDNN's fp32 linear on a weight laid out once exists: an x86 CPU with PyTorch's mkldnn (the test
     `decode.can_pack(torch.float32)` makes)."""
     import platform
@@ -309,7 +309,7 @@ def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
         m._pc_fp8_spec = spec
         m._pc_fp8_key = None
         m._pc_fp8_prev = m.__dict__.get("forward")  # the kernel the recipe chose, for `unquantise`
-        m._pc_fp8_pack = can_pack()  # oneDNN on the laid-out image: 1.5x F.linear at 512 rows, 4-6x at 16
+        m._pc_fp8_pack = onednn_linear()  # oneDNN on the laid-out image: 1.5x F.linear at 512 rows, 4-6x at 16
         m.forward = types.MethodType(_fp8_forward, m)
     return len(linears)
 

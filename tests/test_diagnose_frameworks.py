@@ -109,13 +109,18 @@ def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
+def _said(capsys) -> list[str]:
+    """stderr's lines less the run's cost line (diagnose.cost_line) and blank lines: what the gates said."""
+    return [line for line in capsys.readouterr().err.strip().splitlines() if line and not line.startswith("cost:")]
+
+
 def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):
     """A key whose root exists but whose path does not is only known from the result: refused after it is written.
     Every top-level key of a real result is one the pre-run check knows (cli.DIAGNOSE_KEYS)."""
     out = tmp_path / "d.json"
     line = bad_cli(TINY + ["--framework", "verl", "--json", str(out),
                            "--fail-if", "fp32.frameworks.verl.training/rollout_probs_diff_mean>1",
-                           "--fail-if", "fp32.frameworks.nemo-rl.gen_kl_error>1e-3"], capsys)
+                           "--fail-if", "fp32.frameworks.nemo-rl.gen_kl_error>1e-3"], capsys, after_progress=True)
     assert line.startswith("phantomclip diagnose: error: --fail-if: no figure "
                            "'fp32.frameworks.nemo-rl.gen_kl_error' in the summary; its top-level keys: schema, config")
     assert line.endswith("; under recipes: fp32, bf16")
@@ -130,7 +135,7 @@ def test_failed_gate_exits_1_naming_key_value_and_bound(tmp_path, capsys):
     out = tmp_path / "d.json"
     code = main(TINY + ["--json", str(out), "--fail-if", "fp32.frameworks.nemo-rl.token_mult_prob_error > 1",
                         "--fail-if", "fp32.tokens<1", "--fail-if", "recipes.bf16.beta_abs_mean>100"])
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _said(capsys)
     d = json.loads(out.read_text())
     value = d["recipes"]["fp32"]["frameworks"]["nemo-rl"]["token_mult_prob_error"]
     assert code == 1 and value > 1
@@ -142,7 +147,7 @@ def test_gates_that_hold_exit_0(tmp_path, capsys):
     code = main(TINY + ["--framework", "nemo-rl", "--fail-if", "fp32.frameworks.nemo-rl.token_mult_prob_error>100",
                         "--fail-if", "fp32.outside_trust_region>=1.5"])
     assert code == 0
-    assert capsys.readouterr().err.strip().splitlines() == ["phantomclip diagnose: all 2 --fail-if gates hold"]
+    assert _said(capsys) == ["phantomclip diagnose: all 2 --fail-if gates hold"]
 
 
 def test_check_gates_nan_warns_and_holds(capsys):

@@ -143,10 +143,10 @@ def test_train_bad_inputs_exit_2(tmp_path, capsys):
                                                      "--out", str(tmp_path / "c")], capsys)
     assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")]) == 0
     capsys.readouterr()
-    assert "lr: 0.003 -> 0.001" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2",
+    assert "--lr 0.001: the run in" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2",
                                             "--out", str(tmp_path / "r"), "--resume"], capsys)
     assert "already holds a run" in bad_cli(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
-    assert "holds no run to resume" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
+    assert "no config.json there, so no run to continue" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
 
 
 def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):

@@ -119,7 +119,7 @@ def status(result: dict) -> tuple[str, list[str]]:
     """(status word, reasons): from the user's recipe's share of tokens outside the trust region at α = 0 against
     OK_SHARE and STALL_SHARE. Without a measured token: 'at risk' with the reason (never 'ok' for what was not
     measured)."""
-    unmapped = result["config"].get("unmapped")
+    unmapped = result.get("config", {}).get("unmapped")
     if unmapped:
         return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
                               f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
@@ -255,7 +255,7 @@ CAUSES = {"fp8": fp8_change, "routing": route_change}
 def answer(result: dict) -> dict:
     """The JSON's `answer` block: the contract measured, the status with its level and reasons, and the changes in
     the framework the settings came from (config.answer_in)."""
-    framework = result["config"].get("answer_in") or ""
+    framework = result.get("config", {}).get("answer_in") or ""
     word, reasons = status(result)
     if framework == "trl" and word != "not judged":
         reasons += _trl_reasons(result)

@@ -38,7 +38,7 @@ KEYS = {"length": "sample/trained_tokens_mean", "reward_std": "reward_std", "sta
         "stale_2": "precision/staleness_share_2",
         "beta_abs": "precision/beta_abs_mean", "beta_kernel": "precision/beta_kernel_abs_mean",
         "alpha_abs": "precision/alpha_abs_mean", "clip": "precision/clip_rate",
-        "alpha_clip": "precision/alpha_clip_rate", "phantom": "precision/phantom_clip_rate",
+        "alpha_clip": "precision/alpha_clip_rate", "phantom": "precision/phantom_rate",
         "trl_ratio": "ratio", "trl_clip": "clip_ratio/region_mean", "step_s": "perf/step_s"}
 """what each printed row shows, from TRL's log (precision/*: the monitor's; sample/trained_tokens_mean: TRL's)."""
 

@@ -225,7 +225,7 @@ def test_async_stats_on_constructed_tensors():
     assert s["beta_abs_mean"] == pytest.approx(0.65 / 4, abs=tol)
     # TRL's ratio log r = α + β: [0.25, −0.3, 0.3, 0.2]; fires with A: +0.25 (A > 0) yes, −0.3 (A < 0) yes,
     # 0.3 yes, 0.2 yes (> 0.182); on α alone: only 0.3 -> 4 clips, 1 real, 3 phantom
-    assert (s["clip_rate"], s["alpha_clip_rate"], s["phantom_clip_rate"]) == (1.0, 0.25, 0.75)
+    assert (s["clip_rate"], s["alpha_clip_rate"], s["phantom_rate"]) == (1.0, 0.25, 0.75)
     assert (s["staleness_share_0"], s["staleness_share_1"], s["staleness_share_2"]) == (0.5, 0.25, 0.25)
     # |β| sorted [0, 0.1, 0.25, 0.3]: position 0.99 × 3 = 2.97, 0.25 + 0.97 × 0.05 (torch.quantile's linear rule)
     assert s["beta_abs_p99"] == pytest.approx(0.25 + 0.97 * 0.05, abs=tol)

@@ -24,7 +24,7 @@ _SUMS = ("tokens", "alpha_sum", "alpha_abs_sum", "beta_sum", "beta_abs_sum", "be
 MEANS = {"alpha_mean": "alpha_sum", "alpha_abs_mean": "alpha_abs_sum", "beta_mean": "beta_sum",
          "beta_abs_mean": "beta_abs_sum", "beta_kernel_abs_mean": "beta_kernel_abs_sum",
          "beta_precision_abs_mean": "beta_precision_abs_sum", "clip_rate": "clip", "alpha_clip_rate": "alpha_clip",
-         "phantom_clip_rate": "phantom"}
+         "phantom_rate": "phantom"}
 """logged key -> its sum; each is that sum over the token count (definitions: docs/metrics.md)."""
 
 

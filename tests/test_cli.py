@@ -217,3 +217,15 @@ def test_a_configs_length_and_the_cost_are_said_before_the_work(tmp_path, capsys
     assert ("this run samples 2 completions of up to 64 tokens (the config's length) and scores them under 2 recipes; "
             "--max-tokens 48 samples shorter, and the knob advice is still judged at 64 tokens") in err
     assert re.search(r"cost: sampled \d+ tokens in \d+ s; scored recipe 1 of 2 in \d+ s, about \d+ s to go", err)
+
+
+def test_a_run_from_before_a_plan_key_was_added_resumes(tmp_path):
+    """The plan gained `routes` (expert routing replay); a run whose config.json lacks it reads it as its default
+    (train_config.ADDED_SINCE_SCHEMA_1, merged one level into the plan) and resumes."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny-random:0", "--group-size", "2", "--max-tokens", "4", "--steps", "1",
+                 "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["plan"]["routes"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 0

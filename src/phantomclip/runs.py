@@ -294,7 +294,11 @@ class RunDir:
         input file whose content hash changed is named first. `defaults`: values of config keys added since older
         runs were made; a key the run's config.json lacks counts as its default."""
         path = Path(path)
-        old = {**(defaults or {}), **read_json_object(path / "config.json", "run's config")}
+        saved = read_json_object(path / "config.json", "run's config")
+        old = {**(defaults or {}), **saved}
+        for key, value in (defaults or {}).items():  # a nested block (the plan) gains keys too: one level deep
+            if isinstance(value, dict) and isinstance(saved.get(key), dict):
+                old[key] = {**value, **saved[key]}
         old_inputs, new_inputs = old.get("inputs") or {}, config.get("inputs") or {}
         # an input the old run did not record (written before hashes were) cannot be checked; a file added or dropped
         # since shows as a changed flag (--prompts, --reward, --model) in the diff below

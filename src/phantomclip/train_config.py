@@ -15,7 +15,8 @@ from .recipes import RECIPES, get_recipe
 
 EXPERIMENT_LR = 3e-5
 ADDED_SINCE_SCHEMA_1 = {"icepop_low": 0.5, "icepop_high": 2.0, "inputs": {}, "keep_snapshots": 0, "engine": "local",
-                        "device": "auto", "vllm_memory_share": None, "engine_quant": ""}
+                        "device": "auto", "vllm_memory_share": None, "engine_quant": "",
+                        "plan": {"routes": "own"}}
 """config fields added after runs were first written: an older run resumes as if they had their defaults."""
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "correction_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}

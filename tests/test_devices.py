@@ -100,6 +100,12 @@ HOST_SIDE = {
     ("knobs.py", "*"): "knob advice: host figures",
     ("numerics.py", "*"): "scalar helpers",
     ("report/", "*"): "the report reads JSON on the host (every module of report/)",
+    ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
+    ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
+    ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
+    ("integrations/trl_async.py", "_snapshot"): "the weight version as a host number before it is broadcast",
+    ("integrations/trl_async.py", "__call__"): "the samples' versions added to the collated batch on the host, as "
+                                               "TRL's collator builds it (moved with the batch)",
 }
 """allocations without a device, each on the host by design; anything else on a job's path must name its device."""
 

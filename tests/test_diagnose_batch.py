@@ -100,7 +100,7 @@ def test_json_and_tables_hold_the_batch_part_and_the_knobs(tmp_path, capsys):
     assert len(lines) == len(KNOB_LABELS)
     for line in lines:
         assert " ".join(line.split()) in printed
-    assert lines[0].startswith("PPO clip ε 0.2/0.2: clips ") and "for 99% of tokens untouched" in lines[0]
+    assert lines[0].startswith("PPO clip ε 0.2/0.2: clips ") and "99% of tokens untouched" in lines[0]
 
 
 def test_keep_share_moves_the_advice_not_the_shares():
@@ -147,13 +147,14 @@ def test_batch_verdict_only_when_batch_layout_beats_precision():
 def test_knob_lines_mark_the_extrapolated_figures():
     """tests/test_knobs.py's extrapolation table: β = [[0, 0.2], [0.2, 0.2]] sampled at length 2, told at 4 tokens.
     clip: the three 0.2 are above log 1.2 (75% of tokens, both sequences; 1 − 0.25^4 = 99.61% of 4-token ones),
-    ε_high ≥ e^0.2 − 1 = 0.2214 printed rounded up; sequence_mask at C = e^0.7: S = [0.2, 0.4] drops nothing,
+    ε_high ≥ e^0.2 − 1 = 0.2214 printed rounded up, ε_low the current 0.2 (never narrower than now);
+    sequence_mask at C = e^0.7: S = [0.2, 0.4] drops nothing,
     P(S_4 > 0.7) = 22.66%, C ≥ 2.4848 printed as 2.49."""
     beta = torch.tensor([[0.0, 0.2], [0.2, 0.2]])
     knobs = knob_figures(beta, torch.ones(2, 2, dtype=torch.bool), KnobSettings(seq_mask_cap=math.exp(0.7)), 0.99, 4)
     lines = dict(zip(KNOB_LABELS, knob_lines(knobs)))
     assert lines["clip"] == ("PPO clip ε 0.2/0.2: clips 75.00% of tokens, 100.00% of sequences; 99.61% of 4-token ones "
-                             "(extrapolated) -> ε_low ≥ 0, ε_high ≥ 0.222 for 99% of tokens untouched")
+                             "(extrapolated) -> ε_low ≥ 0.2, ε_high ≥ 0.222 for 99% of tokens untouched")
     assert lines["sequence_mask"] == ("sequence_mask C = 2.01375: drops 0.00% of sequences (0.00% of tokens); 22.66% "
                                       "of 4-token ones (extrapolated) -> C ≥ 2.49 for 99% of 4-token sequences "
                                       "untouched (extrapolated)")

@@ -146,7 +146,8 @@ def test_train_bad_inputs_exit_2(tmp_path, capsys):
     assert "--lr 0.001: the run in" in bad_cli(["train", *TINY[:-2], "--lr", "1e-3", "--steps", "2",
                                             "--out", str(tmp_path / "r"), "--resume"], capsys)
     assert "already holds a run" in bad_cli(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "r")], capsys)
-    assert "no config.json there, so no run to continue" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"), "--resume"], capsys)
+    assert "no config.json there, so no run to continue" in bad_cli(["train", *TINY, "--out", str(tmp_path / "empty"),
+                                                                     "--resume"], capsys)
 
 
 def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):

@@ -196,7 +196,8 @@ def test_source_lines_name_file_engine_model_and_machine(demo_page):
     diag = collect(demo_sources()).diagnose
     local = next(d for d in diag if d["engine"]["kind"] == "local")
     cpu = local["cpu"]
-    expected = (f"demo/diagnose.json: local engine in {local['engine']['dtype']}, model {model_words(local['model']['name'])}, "
+    expected = (f"demo/diagnose.json: local engine in {local['engine']['dtype']}, model "
+                f"{model_words(local['model']['name'])}, "
                 f"{local['engine']['tokens']} tokens; CPU ({cpu['model']}; bf16 {cpu['kernels']['bf16']})")
     assert f"Data: {expected}." in lines
     assert any(line.startswith("Data: demo/sanity: 36 runs (12 arms), model smollm2-135m") for line in lines)

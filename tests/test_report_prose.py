@@ -110,7 +110,7 @@ def test_summary_intervals_carry_a_multiple_comparison_note(demo):
 
 
 def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
-    """nats, mean |·|, the task names and the loss aggregations (issue 40's undefined four) are in the page's
+    """nats, mean |·|, the task names and the loss aggregations (the four once undefined) are in the page's
     glossary box, and so is every task and loss_type the demo runs name in their configuration."""
     from phantomclip.report.glossary import terms
 

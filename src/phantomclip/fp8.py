@@ -285,7 +285,7 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         self._pc_fp8_packed = pack_weight(self._pc_fp8_w[0]) if packs else None
         self._pc_fp8_key = key
     wq, sw = self._pc_fp8_w
-    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype, self._pc_fp8_packed)
+    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype, packed=self._pc_fp8_packed)
 
 
 def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:

@@ -33,7 +33,7 @@ def _beta_arrays(diag: dict) -> dict[str, list[float]]:
     return {name: [b for b in arr["beta"] if b is not None] for name, arr in diag["tokens"]["per_recipe"].items()}
 
 
-def _bucket_of(p: float) -> int:
+def bucket_of(p: float) -> int:
     """metrics.prob_buckets' rule for one probability: edges[i] <= p < edges[i+1], p = 1 in the last bucket."""
     return min(sum(p >= e for e in PROB_EDGES[1:-1]), len(PROB_EDGES) - 2)
 
@@ -51,7 +51,7 @@ def fig_beta_by_prob(data) -> dict | None:
         for lp, b in zip(diag["tokens"]["logp_engine"], arr["beta"]):
             if lp is None or b is None:
                 continue
-            k = _bucket_of(math.exp(lp))
+            k = bucket_of(math.exp(lp))
             sums[k] += abs(b)
             counts[k] += 1
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels,
@@ -139,7 +139,7 @@ def _trust_region_edges(xs: list[float], eps: tuple[float, float]) -> list[dict]
 
 ZERO_ADVANTAGE = "advantage 0: no gradient to lose"
 """tokens whose group's rewards were all equal: their loss term is zero on either branch, clipped or not, so they
-are drawn apart from the tokens whose gradient flows (issue 40: 1024 of the demo's 1192 'gradient flows' were these)."""
+are drawn apart from the tokens whose gradient flows (1024 of the demo's 1192 'gradient flows' were these)."""
 TOKEN_COLOURS = {"gradient flows": "#999999", "phantom-clipped": "#D55E00", "clipped (α alone too)": "#0072B2",
                  ZERO_ADVANTAGE: "#DDDDDD"}
 

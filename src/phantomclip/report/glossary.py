@@ -1,5 +1,5 @@
-"""The page's glossary box: every unit, symbol and name the figures and tables use without defining them (issue 40:
-"nats", "neglen", "dapo", "mean |·|" were undefined on the page). The task names and their definitions come from
+"""The page's glossary box: every unit, symbol and name the figures and tables use without defining them
+("nats", "neglen", "dapo", "mean |·|" among them). The task names and their definitions come from
 tasks.TASKS, so a new task is defined here the day it exists. docs/metrics.md, section Glossary, holds the same
 terms for the documentation."""
 

@@ -121,7 +121,7 @@ MISSING = re.compile(r'<p class="missing" data-command="([^"]*)">.*?</p>', re.S)
 
 def _one_note_per_section(body: str) -> str:
     """Where a section (from one <h2> to the next) has several figures without data, one note in place of the
-    first, counting the figures and naming each command once; the others are dropped (issue 40: section 6 showed
+    first, counting the figures and naming each command once; the others are dropped (section 6 showed
     the same box five times). The commands are ours (FIGURES, SANITY), already escaped in the attribute."""
     parts = re.split(r"(?=<h2>)", body)
     for i, part in enumerate(parts):

@@ -53,7 +53,7 @@ def _power_text(v: float) -> str:
 def log_axis(values) -> dict:
     """A log axis labelled at least three times inside the data's range: whole decades when the data spans three
     or more, else 1, 2 and 5 of each decade, else every digit. Plotly's own decade-only labels leave a single label
-    on data that spans less than a decade (issue 40: the depth figure read '10⁻²' alone), so the dip of one layer
+    on data that spans less than a decade (the depth figure read '10⁻²' alone), so the dip of one layer
     could not be read. Zeros and negatives cannot sit on a log axis and are left out of the range."""
     pos = [v for v in values if isinstance(v, (int, float)) and v > 0 and math.isfinite(v)]
     if not pos:
@@ -76,7 +76,7 @@ def log_axis(values) -> dict:
 
 def category_axis(labels: list[str]) -> dict:
     """An axis of named places in the given order: labels such as '11' and 'logits' are names, and on an axis whose
-    type Plotly guesses from mostly numeric labels the others are dropped (issue 40: 'embed', 'norm', 'logits' and
+    type Plotly guesses from mostly numeric labels the others are dropped ('embed', 'norm', 'logits' and
     'logprobs' of the depth figure were not drawn)."""
     return {"type": "category", "categoryorder": "array", "categoryarray": list(labels)}
 

@@ -40,7 +40,7 @@ def _direction(r: float) -> str:
 def alpha_beta_steps(data) -> str:
     """Section 4: which way the per-step (mean α, mean β) points of fig_alpha_beta_steps go, against the slope −1
     that the shadow's shared rounding alone would give them."""
-    from .training_panel import SHOWN_ARMS, _shown, arm_runs
+    from .training_panel import SHOWN_ARMS, arm_runs, arm_shown
 
     arms = arm_runs(data, "mismatch/alpha_mean")
     shown, every = ([], []), ([], [])
@@ -50,7 +50,7 @@ def alpha_beta_steps(data) -> str:
                 a, b = m.get("mismatch/alpha_mean"), m.get("mismatch/beta_mean")
                 if a is None or b is None:
                     continue
-                for (xs, ys), keep in ((every, True), (shown, _shown(arm, len(arms)) is True)):
+                for (xs, ys), keep in ((every, True), (shown, arm_shown(arm, len(arms)) is True)):
                     if keep:
                         xs.append(a)
                         ys.append(b)
@@ -91,14 +91,14 @@ def rare_tokens(data) -> str:
     recipe of the last diagnose file (the data of fig_beta_by_prob)."""
     if not data.diagnose:
         return ""
-    from .figures import _bucket_of
+    from .figures import bucket_of
 
     diag = data.diagnose[-1]
     name, arr = next(iter(diag["tokens"]["per_recipe"].items()))
     sums, counts = [0.0] * (len(PROB_EDGES) - 1), [0] * (len(PROB_EDGES) - 1)
     for lp, b in zip(diag["tokens"]["logp_engine"], arr["beta"]):
         if lp is not None and b is not None:
-            k = _bucket_of(math.exp(lp))
+            k = bucket_of(math.exp(lp))
             sums[k] += abs(b)
             counts[k] += 1
     found = _bucket_ratio(list(PROB_EDGES), [s / c if c else None for s, c in zip(sums, counts)])
@@ -141,12 +141,12 @@ def gap_along_runs(data) -> str:
 
 def closed_loop_seeds(data) -> str:
     """Section 5: what a line and a band are for the seeds there are, and how many arms start hidden."""
-    from .training_panel import _seed, _shown, arm_runs
+    from .training_panel import arm_runs, arm_shown, run_seed
 
     arms = arm_runs(data, "completion/length_mean")
     if not arms:
         return ""
-    seeds = {arm: frozenset(_seed(r, i) for i, r in enumerate(runs)) for arm, runs in arms.items()}
+    seeds = {arm: frozenset(run_seed(r, i) for i, r in enumerate(runs)) for arm, runs in arms.items()}
     most = max(len(s) for s in seeds.values())
     if most == 1 and len(arms) == 1:
         text = ("This page has one run: each line is that run, step by step, with no band (a band needs two seeds) "
@@ -161,7 +161,7 @@ def closed_loop_seeds(data) -> str:
                 "; each line is the mean over seeds, and its band spans the lowest to the highest seed at that step "
                 "(with a few seeds a 95% interval is wider than the data and can cross zero, which none of these "
                 "quantities can).")
-    hidden = sum(_shown(arm, len(arms)) is not True for arm in arms)
+    hidden = sum(arm_shown(arm, len(arms)) is not True for arm in arms)
     if len(arms) > 1:
         text += " Click the legend to show or hide an arm" + (f" ({hidden} of {len(arms)} start hidden)."
                                                                if hidden else ".")

@@ -44,7 +44,7 @@ def step_values(runs: list[list[dict]], key: str, carry: bool) -> list[list[floa
     return values
 
 
-def _shown(arm: str, n_arms: int) -> bool | str:
+def arm_shown(arm: str, n_arms: int) -> bool | str:
     return True if arm in SHOWN_ARMS or n_arms <= len(SHOWN_ARMS) else "legendonly"
 
 
@@ -78,7 +78,7 @@ def per_step(data, key: str, what: str, ylabel: str, carry: bool = False) -> dic
     for arm, runs in arms.items():
         values = step_values([r["metrics"] for r in runs], key, carry)
         colour = arm_colour(arm, list(arms))
-        common = {"legendgroup": arm, "visible": _shown(arm, len(arms))}
+        common = {"legendgroup": arm, "visible": arm_shown(arm, len(arms))}
         traces += seed_band(values, scale, {"fillcolor": colour, **common})
         seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
         traces.append(mean_line(values, scale, len(runs), {"name": f"{arm} ({seeds})", "line": {"color": colour},
@@ -89,7 +89,7 @@ def per_step(data, key: str, what: str, ylabel: str, carry: bool = False) -> dic
 
 
 ALL_POINTS_BELOW = 50
-"""with fewer points the axes hold every one: a 1-99 percentile range on 6 points hid 2 of them (issue 40), and a
+"""with fewer points the axes hold every one: a 1-99 percentile range on 6 points hid 2 of them, and a
 handful of points cannot squash each other out of sight."""
 
 
@@ -104,7 +104,7 @@ def _robust_range(values: list[float]) -> list[float]:
     return [lo - pad, hi + pad]
 
 
-def _seed(run: dict, i: int) -> int:
+def run_seed(run: dict, i: int) -> int:
     """The run's seed from its configuration; its place among the arm's runs for a config without one."""
     seed = run["config"].get("seed")
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else i
@@ -118,14 +118,14 @@ def fig_alpha_beta_steps(data) -> dict | None:
         return None
     traces, xs, ys, used = [], [], [], []
     for arm, runs in arms.items():
-        points = [(m["mismatch/alpha_mean"], m["mismatch/beta_mean"], m["step"], _seed(r, i))
+        points = [(m["mismatch/alpha_mean"], m["mismatch/beta_mean"], m["step"], run_seed(r, i))
                   for i, r in enumerate(runs) for m in r["metrics"]
                   if m.get("mismatch/alpha_mean") is not None and m.get("mismatch/beta_mean") is not None]
         xs += [p[0] for p in points]
         ys += [p[1] for p in points]
         used += runs
         traces.append({"type": "scatter", "mode": "markers", "name": arm, "legendgroup": arm,
-                       "visible": _shown(arm, len(arms)), "x": [p[0] for p in points], "y": [p[1] for p in points],
+                       "visible": arm_shown(arm, len(arms)), "x": [p[0] for p in points], "y": [p[1] for p in points],
                        "marker": {"color": arm_colour(arm, list(arms)), "size": 7, "opacity": 0.7,
                                   "symbol": [seed_symbol(p[3]) for p in points]},
                        "text": [f"{arm}, seed {p[3]}, step {p[2]}" for p in points],
@@ -134,7 +134,7 @@ def fig_alpha_beta_steps(data) -> dict | None:
         return None
     x_range, y_range = _robust_range(xs), _robust_range(ys)
     outside = sum(not (x_range[0] <= x <= x_range[1] and y_range[0] <= y <= y_range[1]) for x, y in zip(xs, ys))
-    seeds = sorted({_seed(r, i) for runs in arms.values() for i, r in enumerate(runs)})
+    seeds = sorted({run_seed(r, i) for runs in arms.values() for i, r in enumerate(runs)})
     if len(seeds) > 1:
         title = ("Per step and run: mean α against mean β (colour: the arm; marker: the seed, "
                  + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}" for s in seeds) + ")")

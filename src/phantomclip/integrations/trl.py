@@ -48,7 +48,7 @@ def check_trl_version() -> str:
     return installed
 
 
-def _check_engine(engine_dtype, matmul, what: str) -> None:
+def check_engine_args(engine_dtype, matmul, what: str) -> None:
     """The engine dtype and matmul mode, checked with the CLI's rules when the object is built (one line)."""
     if not isinstance(engine_dtype, str):
         raise IntegrationError(f"{what}: engine_dtype must be a dtype name such as 'bfloat16', got {engine_dtype!r}")
@@ -201,7 +201,7 @@ class PrecisionMonitor(_Callback):
         check_trl_version()
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise IntegrationError(f"PrecisionMonitor interval must be an integer >= 1, got {interval!r}")
-        _check_engine(engine_dtype, matmul, "PrecisionMonitor")
+        check_engine_args(engine_dtype, matmul, "PrecisionMonitor")
         for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
             if value is not None:  # None: TRL's own trust region
                 KNOBS[name].check(f"PrecisionMonitor {name}", value, IntegrationError)
@@ -367,7 +367,7 @@ def with_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul:
     if getattr(trainer_cls, "_pc_shadow_ratio", False):  # wrapped twice, the shadow shifted its own log-probs
         raise IntegrationError(f"{trainer_cls.__name__} already clips on the shadow ratio: wrap the plain trainer "
                                "class once (with_shadow_ratio(GRPOTrainer))")
-    _check_engine(engine_dtype, matmul, "with_shadow_ratio")
+    check_engine_args(engine_dtype, matmul, "with_shadow_ratio")
 
     class ShadowRatio(trainer_cls):
         _pc_shadow_ratio = True  # read by with_shadow_ratio: a second wrap is refused

@@ -34,10 +34,9 @@ from torch import nn
 
 from ..errors import IntegrationError
 from ..loss import KNOBS, clip_range
-from .trl import check_trl_version
+from .trl import check_engine_args, check_trl_version
 from .trl_async_checks import (
     check_async_internals,
-    check_engine_args,
     check_shadow_memory,
     check_trainer_state,
     shadow_memory,

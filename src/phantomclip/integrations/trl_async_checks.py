@@ -7,7 +7,6 @@ import torch
 
 from ..errors import IntegrationError
 from ..numerics import parse_dtype
-from ..recipes import resolve_matmul
 from .trl import check_trl_version
 from .weights import sharded_root
 
@@ -18,17 +17,6 @@ TRAINER_ATTRIBUTES = ("epsilon_low", "epsilon_high", "temperature", "accelerator
 TRAINER_STATE = ("_metrics", "model_version", "rollout_queue")
 """set at the end of AsyncGRPOTrainer.__init__: checked at attach after it, else when training starts."""
 MODULE_NAMES = ("StepIntervalCallback", "RolloutQueueDataset", "DataCollatorForRollout")
-
-
-def check_engine_args(engine_dtype, matmul, what: str) -> None:
-    """The engine dtype and matmul mode, checked with the CLI's rules when the object is built (one line)."""
-    if not isinstance(engine_dtype, str):
-        raise IntegrationError(f"{what}: engine_dtype must be a dtype name such as 'bfloat16', got {engine_dtype!r}")
-    try:
-        parse_dtype(engine_dtype)
-        resolve_matmul(matmul)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise IntegrationError(f"{what}: {e}") from None
 
 
 def _missing(trainer, name: str) -> IntegrationError:

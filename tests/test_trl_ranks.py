@@ -9,15 +9,11 @@ of B/2 rows: TRL's gradient accumulation over the global batch), so every forwar
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_close_eps, eps
+from conftest import assert_close_eps, eps, run_ranks
 
 pytest.importorskip("trl")
 
@@ -29,12 +25,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           str(Path(__file__).parent / "trl_ranks_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks("trl_ranks_worker.py", out, WORLD, timeout=180)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,10 @@ is held to the same tolerance as under DDP. The shadow is built outside ZeRO-3's
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import assert_close_eps
+from conftest import assert_close_eps, run_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -30,12 +25,7 @@ from test_trl_ranks import WORLD, assert_figures_equal, one_process_reference  #
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           str(Path(__file__).parent / "trl_zero3_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks("trl_zero3_worker.py", out, WORLD, timeout=400)
 
 
 @pytest.fixture(scope="module")

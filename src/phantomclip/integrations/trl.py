@@ -59,6 +59,17 @@ def check_engine_args(engine_dtype, matmul, what: str) -> None:
         raise IntegrationError(f"{what}: {e}") from None
 
 
+def check_monitor_args(what: str, engine_dtype, matmul, interval, epsilon, epsilon_high) -> None:
+    """A monitor's arguments (GRPOTrainer's and the async trainer's), each refused in one line when it is built: the
+    engine's, an interval of at least 1, and ε within loss.KNOBS' range (None: TRL's own trust region)."""
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise IntegrationError(f"{what} interval must be an integer >= 1, got {interval!r}")
+    check_engine_args(engine_dtype, matmul, what)
+    for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
+        if value is not None:
+            KNOBS[name].check(f"{what} {name}", value, IntegrationError)
+
+
 def _unwrap(trainer) -> nn.Module:
     return trainer.accelerator.unwrap_model(trainer.model)
 
@@ -199,12 +210,7 @@ class PrecisionMonitor(_Callback):
     def __init__(self, engine_dtype: str = "bfloat16", epsilon: float | None = None, epsilon_high: float | None = None,
                  interval: int = 1, matmul: str = "auto"):
         check_trl_version()
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise IntegrationError(f"PrecisionMonitor interval must be an integer >= 1, got {interval!r}")
-        check_engine_args(engine_dtype, matmul, "PrecisionMonitor")
-        for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
-            if value is not None:  # None: TRL's own trust region
-                KNOBS[name].check(f"PrecisionMonitor {name}", value, IntegrationError)
+        check_monitor_args("PrecisionMonitor", engine_dtype, matmul, interval, epsilon, epsilon_high)
         self.engine_dtype, self.interval, self.matmul = engine_dtype, interval, matmul
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.trainer = None

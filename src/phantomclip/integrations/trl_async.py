@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import IntegrationError
-from ..loss import KNOBS, clip_range
-from .trl import check_engine_args, check_trl_version
+from ..loss import clip_range
+from .trl import check_engine_args, check_monitor_args, check_trl_version
 from .trl_async_checks import (
     check_async_internals,
     check_shadow_memory,
@@ -347,12 +347,7 @@ class AsyncPrecisionMonitor(_Callback):
     def __init__(self, engine_dtype: str = "bfloat16", epsilon: float | None = None, epsilon_high: float | None = None,
                  interval: int = 1, matmul: str = "auto"):
         check_trl_version()
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise IntegrationError(f"AsyncPrecisionMonitor interval must be an integer >= 1, got {interval!r}")
-        check_engine_args(engine_dtype, matmul, "AsyncPrecisionMonitor")
-        for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
-            if value is not None:  # None: TRL's own trust region
-                KNOBS[name].check(f"AsyncPrecisionMonitor {name}", value, IntegrationError)
+        check_monitor_args("AsyncPrecisionMonitor", engine_dtype, matmul, interval, epsilon, epsilon_high)
         self.engine_dtype, self.matmul, self.interval = engine_dtype, matmul, interval
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.trainer = None

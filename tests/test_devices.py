@@ -100,6 +100,7 @@ HOST_SIDE = {
     ("knobs.py", "*"): "knob advice: host figures",
     ("numerics.py", "*"): "scalar helpers",
     ("report/", "*"): "the report reads JSON on the host (every module of report/)",
+    ("answer.py", "*"): "the answer reads a result dict (the JSON's per-token arrays) on the host",
     ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
     ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",

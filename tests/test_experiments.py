@@ -5,7 +5,9 @@ import pytest
 
 from conftest import bad_cli
 from phantomclip.cli import _split_run_names, main
+from phantomclip.errors import ConfigError
 from phantomclip.experiments import (
+    EXPERIMENTS,
     SANITY_INTERVENTIONS,
     build_matrix,
     run_experiment,
@@ -94,7 +96,16 @@ def test_intervals_and_verdict_on_a_made_up_3_seed_table():
 
 
 def test_split_run_names():
-    assert _split_run_names("none,shadow-ratio,none,epsilon=0.1") == ["none", "shadow-ratio", "none,epsilon=0.1"]
+    """Run names hold commas (the epsilon sweep's 'none,epsilon=0.1', the FP8 arms' 'fp8,tis'): each is read whole,
+    a bare name beside it stays apart, an unknown name passes through for build_matrix to refuse."""
+    epsilon = list(EXPERIMENTS["epsilon"](TrainConfig()))
+    assert _split_run_names("none,shadow-ratio,none,epsilon=0.1", epsilon) == [
+        "none", "shadow-ratio", "none,epsilon=0.1"]
+    fp8 = list(EXPERIMENTS["fp8"](TrainConfig()))
+    assert _split_run_names("fp8,tis,fp8, none ,fp8,force-r1", fp8) == ["fp8,tis", "fp8", "none", "fp8,force-r1"]
+    assert _split_run_names("fp8,bogus", fp8) == ["fp8", "bogus"]
+    with pytest.raises(ConfigError, match="--only is empty"):
+        _split_run_names(" , ", fp8)
 
 
 def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsys, monkeypatch):

@@ -237,13 +237,14 @@ def _whole_number(text: str) -> int:
 def _run_experiment(args) -> int:
     from rich.console import Console
 
-    from .experiments import build_matrix, run_experiment
+    from .experiments import EXPERIMENTS, build_matrix, run_experiment
     from .job_text import render_experiment
     from .trainer import TrainConfig
 
     cfg = config_from_args(TrainConfig, args)
     cfg.validate()
-    only = _split_run_names(args.only) if args.only is not None else None
+    known = list(EXPERIMENTS[args.experiment](cfg))
+    only = _split_run_names(args.only, known) if args.only is not None else None
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
     render_experiment(summary, Console())
@@ -251,17 +252,20 @@ def _run_experiment(args) -> int:
     return 0
 
 
-def _split_run_names(text: str) -> list[str]:
-    """'none,shadow-ratio,none,epsilon=0.1' -> ['none', 'shadow-ratio', 'none,epsilon=0.1'] (run names hold commas).
-    An empty list is refused: an empty shell variable must not turn into "every arm"."""
+def _split_run_names(text: str, known: list[str]) -> list[str]:
+    """'none,shadow-ratio,fp8,tis' -> ['none', 'shadow-ratio', 'fp8,tis'] where 'fp8,tis' is a run of `known` (run
+    names hold commas): at each place the longest run of parts that names a known arm is taken, else one part (an
+    unknown name is refused by build_matrix). An empty list is refused: an empty shell variable must not turn into
+    "every arm"."""
     from .errors import ConfigError
 
+    parts = [p.strip() for p in text.split(",") if p.strip()]  # ',,' or an empty --only names nothing
     names: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if part.startswith("epsilon=") and names:
-            names[-1] += "," + part
-        elif part:  # ',,' or an empty --only names nothing
-            names.append(part)
+    i = 0
+    while i < len(parts):
+        width = next((w for w in range(len(parts) - i, 1, -1) if ",".join(parts[i:i + w]) in known), 1)
+        names.append(",".join(parts[i:i + width]))
+        i += width
     if not names:
         raise ConfigError("--only is empty: name the arms to run, or drop --only to run them all")
     return names

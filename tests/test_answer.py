@@ -138,7 +138,7 @@ def test_one_rule_on_the_demo(demo):
     assert ranking(demo)[0] == "fp32" and ans["contract"]["trainer"] == "fp32"
     assert eps == {"epsilon_low": 0.2, "epsilon_high": 0.21, "keep_share": 0.99}
     said = verdict(demo)
-    assert said.startswith("Fewest tokens outside [1-0.2, 1+0.2] against the bf16 engine: fp32 (0.79%")
+    assert said.startswith("Fewest tokens outside [0.8, 1.2] against the bf16 engine: fp32 (0.79%")
     assert "With your fp32 trainer, 0.79% of tokens" in said and "ε_low 0.2, ε_high 0.21 keep 99%" in said
     clip_line = knob_lines(demo["knobs"])[0]
     assert clip_line.endswith("-> ε_low ≥ 0.2, ε_high ≥ 0.21 for 99% of tokens untouched"), clip_line

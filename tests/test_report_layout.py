@@ -111,17 +111,59 @@ LAYOUT_JS = """() => {
   const tables = [...document.querySelectorAll("body table")].map(t => ({
     id: t.closest("[id]") ? t.closest("[id]").id : "", width: t.getBoundingClientRect().width,
     scroll: t.scrollWidth, column: t.parentElement.clientWidth}));
-  return {found, checked, tables};
+  // every element of the page (an SVG counted as its outer box: Plotly clips what is inside it) inside the viewport,
+  // unless an ancestor is an explicit horizontal scroller (a <pre> of a configuration)
+  const vw = document.documentElement.clientWidth, wide = [];
+  const scroller = e => { for (let p = e.parentElement; p && p !== document.body; p = p.parentElement)
+    if (["auto", "scroll"].includes(getComputedStyle(p).overflowX)) return true; return false; };
+  for (const e of document.body.querySelectorAll("*")) {
+    if (e.ownerSVGElement || e.closest("#js-plotly-tester")) continue;  // the tester: Plotly's off-screen ruler
+    const r = e.getBoundingClientRect();
+    if (r.width > 0 && (r.left < -1 || r.right > vw + 1) && !scroller(e))
+      wide.push(`${e.tagName}#${e.id} ${r.left}-${r.right}`);
+  }
+  // per figure: its texts inside its box, its legend's entries inside the legend's (never scrolled out of sight),
+  // Plotly's toolbar over no entry, and a plot area a line can be read in
+  const figures = [];
+  for (const fig of document.querySelectorAll(".figure")) {
+    const f = box(fig), out = [];
+    const inside = (a, b) => a.l >= b.l - 1 && a.r <= b.r + 1 && a.t >= b.t - 1 && a.b <= b.b + 1;
+    for (const t of texts(fig, "text.xtitle, text.ytitle, g[class^=xtick] text, g.ytick text, g.legend text"))
+      if (!inside(t, f)) out.push(`text '${t.text}' outside the figure`);
+    const bg = fig.querySelector("g.legend rect.bg"), items = [...fig.querySelectorAll("g.legend g.traces")].map(box);
+    if (bg) for (const it of items) if (!inside(it, box(bg))) out.push("a legend entry scrolled out of sight");
+    if (bg && !inside(box(bg), f)) out.push("the legend outside the figure");
+    const bar = fig.querySelector(".modebar");
+    if (bar) for (const it of items) if (hit(it, box(bar))) out.push("the toolbar over a legend entry");
+    const plot = fig.querySelector("rect.nsewdrag");
+    figures.push({id: fig.id, out, plot: plot ? box(plot).b - box(plot).t : 0});
+  }
+  return {found, checked, tables, wide, figures};
 }"""
+
+def _table_row(page, table: str, first: str) -> list[str]:
+    """The cells' texts of the row of `table` whose first cell is `first` (by the DOM: on a phone the rows are
+    blocks, and the text a reader sees carries each column's name before the value)."""
+    rows = page.evaluate(f"() => [...document.querySelectorAll('{table} tr')].map(r => [...r.children]"
+                         ".map(c => c.textContent))")
+    return next(r for r in rows if r[0] == first)
+
+
+MIN_PLOT = 200
+"""px: the least plot-area height of a figure at either width (layout.js keeps 240 under a legend)."""
 
 
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
-def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page):
+@pytest.mark.parametrize("viewport", [(1280, 900), (390, 844)], ids=["laptop", "phone"])
+def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
+    """At a laptop's width and a phone's (390 px, an iPhone 12-15): no two texts over each other, nothing wider
+    than the viewport, no table wider than its column (on a phone the tables reflow into one block per row), every
+    legend whole inside its figure and clear of the toolbar."""
     sync_api = pytest.importorskip("playwright.sync_api")
     errors, requests = [], []
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("request", lambda r: requests.append(r.url))
@@ -136,12 +178,12 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page):
         # has nothing finite above its largest value; a typed value moves the slider
         page.fill("#nl-x", "70000")
         page.dispatch_event("#nl-x", "input")
-        fp16 = next(r for r in page.inner_text("#nl-table").splitlines() if r.startswith("fp16")).split("\t")
+        fp16 = _table_row(page, "#nl-table", "fp16")
         assert fp16[1:4] == ["+∞ (overflow)", "65504", "—"], fp16
         assert float(page.input_value("#nl-log")) == 4  # log10(70000) = 4.85, past the slider's end: held there
         page.fill("#nl-x", "0.1")
         page.dispatch_event("#nl-x", "input")
-        fp32 = next(r for r in page.inner_text("#nl-table").splitlines() if r.startswith("fp32")).split("\t")
+        fp32 = _table_row(page, "#nl-table", "fp32")
         assert fp32[1:4] == ["0.100000001", "0.0999999940", "0.100000009"], fp32
         assert float(page.input_value("#nl-log")) == pytest.approx(math.log10(0.1), abs=0.01)
         browser.close()
@@ -151,6 +193,10 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page):
     assert len(layout["tables"]) >= 4
     for t in layout["tables"]:
         assert t["width"] <= t["column"] + 1 and t["scroll"] <= t["column"] + 1, t
+    assert not layout["wide"], layout["wide"]
+    assert len(layout["figures"]) == len(FIGURES)
+    for f in layout["figures"]:
+        assert not f["out"] and f["plot"] >= MIN_PLOT, f
 
 
 def test_sections_that_disagree_say_so_with_their_numbers(demo_page):

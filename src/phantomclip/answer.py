@@ -129,7 +129,7 @@ def status(result: dict) -> tuple[str, list[str]]:
                               f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
     mine = result["recipes"][user_recipe(result)]
     share = outside(mine)
-    region = _region(result)
+    region = region_text(result)
     if mine["tokens"] == 0 or not math.isfinite(share):
         return "at risk", [f"no finite log-prob was measured for the {user_recipe(result)} trainer: nothing says "
                            "the run is safe (see the verdict below)"]
@@ -139,7 +139,8 @@ def status(result: dict) -> tuple[str, list[str]]:
     return ("at risk" if share > OK_SHARE else "ok"), [f"{said} (ok ≤ {100 * OK_SHARE:g}%)"]
 
 
-def _region(result: dict) -> str:
+def region_text(result: dict) -> str:
+    """PPO's trust region of the run in numbers, '[0.8, 1.28]': the one way the answer and the verdict write it."""
     tr = result["trust_region"]
     return f"[{1 - tr['epsilon_low']:.4g}, {1 + tr['epsilon_high']:.4g}]"
 

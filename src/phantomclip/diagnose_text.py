@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .answer import answer, answer_lines, bound, epsilon_advice, ranking, user_recipe
+from .answer import answer, answer_lines, bound, epsilon_advice, ranking, region_text, user_recipe
 from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
@@ -43,7 +43,7 @@ def verdict(result: dict) -> str:
     (answer.ranking), what its figures mean for PPO clipping, and what to change (answer.epsilon_advice)."""
     recs = result["recipes"]
     eng = result["engine"]["dtype"]
-    region = f"[1-{result['config']['epsilon']:g}, 1+{result['config']['epsilon_high']:g}]"
+    region = region_text(result)
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
     engine_missing = result["engine"].get("nonfinite_logprobs", 0)
     if not usable:

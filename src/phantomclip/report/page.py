@@ -196,7 +196,8 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     template = Environment(autoescape=False).from_string(_text("template.html.j2"))
     return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
                            plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),
-                           figures=script_json(figures), widgets_js=_text("widgets.js"), palette=script_json(PALETTE))
+                           figures=script_json(figures), widgets_js=_text("widgets.js"),
+                           layout_js=_text("layout.js"), palette=script_json(PALETTE))
 
 
 def _safe_name(name: str) -> str:

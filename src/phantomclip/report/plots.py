@@ -87,7 +87,8 @@ def plot_layout(x: str, y: str, **kw) -> dict:
     xaxis = {"title": {"text": x}, "automargin": True, **kw.pop("xaxis", {})}
     yaxis = {"title": {"text": y}, "automargin": True, **kw.pop("yaxis", {})}
     return {"xaxis": xaxis, "yaxis": yaxis, "colorway": PALETTE, "margin": {"t": 10, "r": 20, "b": 50, "l": 60},
-            "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
+            "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom",
+                       "maxheight": 4000},  # px: never scrolls (layout.js grows the figure to keep the plot)
             "font": {"size": 14}, **kw}
 
 

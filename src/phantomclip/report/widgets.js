@@ -97,6 +97,7 @@ function numberLine() {
       rows += `<tr><td>${f}</td><td>${showIn(n.nearest, f)}</td><td>${showIn(n.lo, f)}</td><td>${showIn(n.hi, f)}</td><td>${isFinite(n.spacing) ? fmt(n.spacing) : "—"}</td><td>${err}</td></tr>`;
     }
     el.querySelector("#nl-table").innerHTML = rows;
+    labelCells(el.querySelector("#nl-table"));  // the phone layout's header per cell (layout.js)
   }
   // a typed value moves the slider too (clamped to its range), so the two never disagree
   x.addEventListener("input", () => {

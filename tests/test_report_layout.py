@@ -273,3 +273,99 @@ def test_hostile_names_run_no_script_in_chromium(tmp_path):
         pwned = page.evaluate("() => window.__pwned")
         browser.close()
     assert pwned is None and not errors, (pwned, errors)
+
+
+WIDGET_GRID_JS = """([grid, crossing]) => {
+  const el = id => document.getElementById(id);
+  // the widget redraws on any input event, reading every slider: set all, then one event
+  const set = (id, v, last) => {
+    el(id).value = String(v); if (last) el(id).dispatchEvent(new Event("input", {bubbles: true})); };
+  const grpo = grid.map(([A, alpha, beta, eps]) => {
+    set("g-A", A); set("g-alpha", alpha); set("g-beta", beta); set("g-eps", eps, true);
+    const v = el("g-verdict"), traces = el("g-plot").data, xs = traces[0].x;
+    return {given: [A, alpha, beta, eps], read: [+el("g-A").value, +el("g-alpha").value, +el("g-beta").value,
+            +el("g-eps").value], verdict: v.dataset.verdict, alpha: v.dataset.alpha, text: el("g-text").textContent,
+            dot: traces[2].x[0], lo: Math.min(...xs), hi: Math.max(...xs)};
+  });
+  const steps = crossing.map(([w, eta]) => {
+    set("cr-w", w); set("cr-eta", eta, true);
+    return {w: +el("cr-w-bf16").textContent, k: +el("cr-k").textContent, half: +el("cr-half").textContent,
+            wExact: toBf16(Math.pow(10, w)), eta: Math.pow(10, eta)};
+  });
+  return {grpo, steps};
+}"""
+
+
+def _grpo_rule(A: float, alpha: float, beta: float, eps: float) -> tuple[str, str]:
+    """The project's own rule for one token, as the widget must state it: (verdict, where α alone stands).
+    loss.clipped_surrogate says whether the gradient is zero; metrics.phantom_clip_mask whether the clip would fire
+    on α alone (a zeroed token it would not fire on is phantom-clipped); metrics.trust_region_split where α alone
+    stands. A = 0: no gradient on either branch, nothing to clip."""
+    import torch
+
+    from phantomclip.loss import clipped_surrogate
+    from phantomclip.metrics import phantom_clip_mask, trust_region_split
+
+    adv = torch.tensor([A], dtype=torch.float64)
+    out = clipped_surrogate(torch.tensor([[alpha + beta]], dtype=torch.float64), adv, eps, eps)
+    zero = bool(out.clipped_low.item() or out.clipped_high.item())
+    alpha_t = torch.tensor([alpha], dtype=torch.float64)
+    alpha_clips = bool(phantom_clip_mask(alpha_t, adv, eps, eps).item())
+    below, above = trust_region_split(alpha_t, eps, eps)
+    side = "below" if below.item() else "above" if above.item() else "inside"
+    verdict = "no-advantage" if A == 0 else "flows" if not zero else "real" if alpha_clips else "phantom"
+    return verdict, side
+
+
+def _bf16(x: float) -> float:
+    """x > 0 rounded once to bf16 (8 significant bits), ties to even: x / spacing is exact in a double, the spacing
+    being a power of two, and Python's round() is half-to-even. torch's float64 -> bf16 goes through fp32 and rounds
+    twice: 0.050048828125 + 0.00012207, below the half-way point, came back one value up."""
+    s = 2.0 ** (math.floor(math.log2(x)) - 7)
+    return round(x / s) * s
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_theory_widgets_say_what_the_projects_rules_say(demo_page):
+    """The GRPO widget over a grid of (A, α, β, ε): its verdict and where it says α alone stands equal the rule of
+    loss.py and metrics.py (_grpo_rule); its words follow the verdict (no 'inside the trust region' for an α
+    outside it, no 'Gradient flows' at A = 0); the token's dot lies on the drawn curves for every α + β the sliders
+    reach (±1). The bf16 step counter: k·η passes the half spacing it prints and (k − 1)·η does not, k steps of η move
+    the bf16 copy where k − 1 do not (w a bf16 value; _bf16 rounds w + k·η once, exactly)."""
+    import itertools
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    # slider values on the sliders' steps (A 0.05, α and β 0.005, ε 0.01), at neither edge of a trust region:
+    # α = -0.3 and 0.3 are outside ε = 0.2's [log 0.8, log 1.2] = [-0.223, 0.182]; α + β reaches ±1
+    grid = list(itertools.product((-1, 0, 1.5), (-0.5, -0.3, 0, 0.3), (-0.5, -0.25, 0.25, 0.5), (0.1, 0.2)))
+    # log10 |w|, log10 η; w = 1, η = 1e-8 is a tie: 2^-8 / 1e-8 = 390625 steps reach half a spacing exactly, and
+    # 1's last bit is even, so the copy moves one step later (a ceil() formula said 390625)
+    crossing = list(itertools.product((-3.5, -1.3, 0, 0.7), (-8, -5, -3.2)))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(demo_page.as_uri())
+        page.wait_for_function("document.getElementById('g-plot') && document.getElementById('g-plot').data")
+        got = page.evaluate(WIDGET_GRID_JS, [grid, crossing])
+        browser.close()
+    assert len(got["grpo"]) == 96
+    for row in got["grpo"]:
+        A, alpha, beta, eps = row["given"]
+        assert row["read"] == pytest.approx(row["given"], abs=1e-12), row  # the slider took the value
+        verdict, side = _grpo_rule(A, alpha, beta, eps)
+        assert (row["verdict"], row["alpha"]) == (verdict, side), row
+        if side != "inside":
+            assert "α alone is inside" not in row["text"], row
+        if verdict != "flows":
+            assert "Gradient flows" not in row["text"], row
+        assert ("phantom clipping" in row["text"]) == (verdict == "phantom"), row
+        assert row["lo"] <= row["dot"] <= row["hi"], row
+    assert {r["verdict"] for r in got["grpo"]} == {"no-advantage", "flows", "real", "phantom"}
+    assert any(r["verdict"] == "phantom" and r["alpha"] != "inside" for r in got["grpo"])  # α = -0.3, β = 0.5
+    for s in got["steps"]:
+        w, k, eta = s["wExact"], s["k"], s["eta"]
+        half = 2.0 ** (math.floor(math.log2(w)) - 8)  # half of bf16's spacing 2^(e - 7) at 2^e <= w < 2^(e + 1)
+        assert s["half"] == pytest.approx(half, rel=1e-3) and s["w"] == pytest.approx(w, rel=1e-3)  # 4 digits shown
+        assert k * eta >= half and (k - 1) * eta <= half, s  # the first step past half a spacing (a tie: even)
+        assert _bf16(w) == w and _bf16(w + k * eta) != w, s  # k steps move the copy ...
+        assert k == 1 or _bf16(w + (k - 1) * eta) == w, s  # ... and k - 1 do not

@@ -66,17 +66,44 @@ function showIn(v, fmt) {
   return v === 0 ? "0" : v.toPrecision(FORMATS[fmt][3]);
 }
 
-// Steps of size eta before a bf16 copy of w changes: half a spacing.
-function stepsToCross(w, eta) { return Math.ceil(spacing(w, 8, -126) / 2 / eta); }
+// Steps of size eta before the bf16 copy of a weight w (a bf16 value, w > 0) changes: it rounds to a new value at
+// the first step k whose total update k·η passes half a spacing, 2^(floor(log2 |w|) - 8), which lies in
+// (|w|/512, |w|/256]. At exactly half a spacing the tie goes to the even neighbour: away from w only when w's
+// last significand bit is odd.
+function halfSpacingBf16(w) { return spacing(w, 8, -126) / 2; }
+function stepsToCross(w, eta) {
+  const q = halfSpacingBf16(w) / eta, odd = (Math.abs(w) / spacing(w, 8, -126)) % 2 === 1;
+  return Number.isInteger(q) && odd ? q : Math.floor(q) + 1;
+}
 
-// One token of the clipped surrogate: which branch min() picks and whether the gradient is zero.
+// One token of the clipped surrogate (loss.clipped_surrogate's rule): which branch min() picks and whether the
+// gradient is zero; and, for a zeroed one, whether the clip would fire on α alone (metrics.phantom_clip_mask:
+// A > 0 and e^α > 1 + ε, or A < 0 and e^α < 1 − ε). Where α alone stands against the trust region is told apart:
+// α = −0.3 with A > 0 is below 1 − ε (outside) and still cannot fire the clip, which for A > 0 guards only the top.
 function grpoToken(A, alpha, beta, eps) {
   const r = Math.exp(alpha + beta), rClip = Math.min(Math.max(r, 1 - eps), 1 + eps);
   const unclipped = r * A, clipped = rClip * A;
   const zero = (A > 0 && r > 1 + eps) || (A < 0 && r < 1 - eps);
   const rAlpha = Math.exp(alpha);
   const alphaClips = (A > 0 && rAlpha > 1 + eps) || (A < 0 && rAlpha < 1 - eps);
-  return {r, loss: -Math.min(unclipped, clipped), unclipped, clipped, zero, phantom: zero && !alphaClips};
+  const alphaSide = rAlpha < 1 - eps ? "below" : rAlpha > 1 + eps ? "above" : "inside";
+  const verdict = A === 0 ? "no-advantage" : !zero ? "flows" : alphaClips ? "real" : "phantom";
+  return {r, loss: -Math.min(unclipped, clipped), unclipped, clipped, zero, phantom: zero && !alphaClips,
+          alphaSide, verdict};
+}
+
+// The sentence the GRPO widget prints for a token (grpoToken's record), with its verdict's words.
+function grpoSentence(t, A) {
+  const branch = t.unclipped === t.clipped ? "both branches are equal (r inside the trust region, or A = 0)"
+                                           : `min() picks the ${t.unclipped < t.clipped ? "unclipped" : "clipped"} branch`;
+  const alone = t.alphaSide === "inside" ? "α alone is inside the trust region"
+    : `α alone is ${t.alphaSide} it, where the clip does not act for A ${A > 0 ? "> 0" : "< 0"}`;
+  const words = {
+    "no-advantage": ["verdict-ok", "No gradient either way: A = 0, so both branches are 0 and there is nothing to clip."],
+    "flows": ["verdict-ok", "Gradient flows."],
+    "phantom": ["verdict-zero", `Gradient zeroed: phantom clipping (the clip would not fire on α alone: ${alone}).`],
+    "real": ["verdict-zero", "Gradient zeroed (the policy really moved: the clip fires on α alone)."]}[t.verdict];
+  return `${branch}. <span class="${words[0]}" id="g-verdict" data-verdict="${t.verdict}" data-alpha="${t.alphaSide}">${words[1]}</span>`;
 }
 
 function slider(id, label, min, max, step, value) {
@@ -113,10 +140,12 @@ function crossing() {
   const el = document.getElementById("crossing"); if (!el) return;
   el.innerHTML = slider("cr-w", "log10 |w|", -4, 1, 0.01, -1.3) + slider("cr-eta", "log10 update η", -9, -2, 0.01, -5) + `<p id="cr-text"></p>`;
   function update() {
-    const w = Math.pow(10, +el.querySelector("#cr-w").value), eta = Math.pow(10, +el.querySelector("#cr-eta").value);
+    const w = toBf16(Math.pow(10, +el.querySelector("#cr-w").value)), eta = Math.pow(10, +el.querySelector("#cr-eta").value);
     el.querySelector("#cr-w-out").textContent = w.toExponential(2); el.querySelector("#cr-eta-out").textContent = eta.toExponential(2);
-    const k = stepsToCross(w, eta);
-    el.querySelector("#cr-text").innerHTML = `A weight of ${w.toExponential(2)} updated by ${eta.toExponential(2)} per step changes in bf16 after <b id="cr-k">${k}</b> step${k === 1 ? "" : "s"} (|w|/(256 η) ≈ ${(w / 256 / eta).toFixed(1)}).`;
+    const half = halfSpacingBf16(w), k = stepsToCross(w, eta);
+    el.querySelector("#cr-text").innerHTML = `A weight stored as <span id="cr-w-bf16">${w.toPrecision(4)}</span> in bf16, updated by ${eta.toExponential(2)} per step, ` +
+      `changes in bf16 after <b id="cr-k">${k}</b> step${k === 1 ? "" : "s"}: the first k at which k·η passes half its bf16 spacing, ` +
+      `<span id="cr-half">${half.toExponential(3)}</span> (between |w|/512 and |w|/256; half/η = ${(half / eta).toPrecision(4)}).`;
   }
   el.addEventListener("input", update); update();
 }
@@ -132,11 +161,10 @@ function grpoWidget() {
     for (const id of ["g-A", "g-alpha", "g-beta", "g-eps"]) el.querySelector(`#${id}-out`).textContent = el.querySelector(`#${id}`).value;
     const t = grpoToken(A, alpha, beta, eps);
     el.querySelector("#g-text").innerHTML = `r = e<sup>α+β</sup> = ${t.r.toFixed(3)}; r·A = ${t.unclipped.toFixed(3)}, clip(r)·A = ${t.clipped.toFixed(3)}; ` +
-      `min() picks the ${t.unclipped <= t.clipped ? "unclipped" : "clipped"} branch. ` +
-      (t.zero ? `<span class="verdict-zero" id="g-verdict">Gradient zeroed${t.phantom ? ": phantom clipping (α alone is inside the trust region)" : " (the policy really moved)"}.</span>`
-              : `<span class="verdict-ok" id="g-verdict">Gradient flows.</span>`);
-    const xs = [], un = [], cl = [];
-    for (let lr = -0.6; lr <= 0.6001; lr += 0.01) { const r = Math.exp(lr); xs.push(lr); un.push(r * A); cl.push(Math.min(Math.max(r, 1 - eps), 1 + eps) * A); }
+      grpoSentence(t, A);
+    // the curves span ±0.6 or past the token, whichever is wider, so its dot always sits on them (α + β reaches ±1)
+    const half = Math.max(0.6, Math.ceil((Math.abs(alpha + beta) + 0.05) * 20) / 20), xs = [], un = [], cl = [];
+    for (let i = 0; i <= 200; i++) { const lr = -half + i * half / 100, r = Math.exp(lr); xs.push(lr); un.push(r * A); cl.push(Math.min(Math.max(r, 1 - eps), 1 + eps) * A); }
     Plotly.react("g-plot", [
       {x: xs, y: un, name: "r·A", mode: "lines", line: {color: PALETTE[0]}},
       {x: xs, y: cl, name: "clip(r)·A", mode: "lines", line: {color: PALETTE[1], dash: "dash"}},

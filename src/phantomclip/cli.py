@@ -105,6 +105,10 @@ def _check_gate_roots(gates, cfg) -> None:
 
     roots = (*DIAGNOSE_KEYS, *cfg.trainer)
     for g in gates:
+        if g.key.split(".")[0] == "routing" and cfg.engine != "local":
+            from .routing import no_engine_routes
+
+            raise GateError(no_engine_routes(cfg.engine, f"--fail-if {g.key}"))
         if g.key.split(".")[0] not in roots:
             raise GateError(f"--fail-if {g.key}: no figure starts with {g.key.split('.')[0]!r}; a key starts with a "
                             f"recipe of --trainer ({', '.join(cfg.trainer)}) or one of {', '.join(DIAGNOSE_KEYS)}")

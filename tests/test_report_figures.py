@@ -104,3 +104,74 @@ def test_a_one_seed_six_step_run_reads_as_well_as_the_demo(tmp_path):
     assert "section 7" not in text.split("7. Interventions")[0]  # the pointer to an absent table is gone
     section6 = text.split("6. The gap along training")[1].split("7. Interventions")[0]
     assert section6.count('class="missing"') == 1 and "No data for the 5 figures of this section" in section6
+
+
+def test_one_seeds_spike_does_not_set_the_beta_axis(demo):
+    """The demo's |β| per step: 1060 seed values, 99th percentile 0.2788 (the value at index int(0.99 · 1059) =
+    1048 of the sorted list), largest 1.205 (no-clip, step 27), over twice it: the axis stops at 1.5 × 0.2788 =
+    0.418, and the 5 no-clip values above it (steps 18, 20, 24, 26, 27) are marked on the top edge and counted in the
+    title. Without the no-clip runs nothing is cut."""
+    from phantomclip.report.page import FIGURES
+    from phantomclip.report.training_panel import step_values
+
+    runs = {}
+    for r in demo.runs:
+        runs.setdefault(r["config"]["intervention"], []).append(r["metrics"])
+    values = [(v, arm, i + 1) for arm, rows in runs.items()
+              for i, vs in enumerate(step_values(rows, "mismatch/beta_abs_mean", False)) for v in vs]
+    xs = sorted(v for v, _, _ in values)
+    assert len(xs) == 1060 and xs[-1] == pytest.approx(1.205, abs=5e-4) and xs[1048] == pytest.approx(0.2788, abs=5e-4)
+    fig = FIGURES["beta_steps"][0](demo)
+    top = fig["layout"]["yaxis"]["range"][1]
+    assert top == pytest.approx(1.5 * xs[1048], rel=1e-12)
+    above = sorted((step, arm) for v, arm, step in values if v > top)
+    assert above == [(18, "no-clip"), (20, "no-clip"), (24, "no-clip"), (26, "no-clip"), (27, "no-clip")]
+    marks = [t for t in fig["data"] if t.get("marker", {}).get("symbol") == "triangle-up"]
+    assert [(x, t["legendgroup"]) for t in marks for x in t["x"]] == above and all(y == top for t in marks
+                                                                                  for y in t["y"])
+    assert "the axis stops at 0.418" in fig["title"] and "5 seed values above it" in fig["title"]
+    assert "(the largest 1.2, no-clip at step 27)" in fig["title"]
+    calm = copy.copy(demo)
+    calm.runs = [r for r in demo.runs if r["config"]["intervention"] != "no-clip"]
+    fig = FIGURES["beta_steps"][0](calm)
+    assert "range" not in fig["layout"]["yaxis"] and "axis stops" not in fig["title"]
+
+
+def test_bands_of_two_arms_on_opening_and_a_button_for_the_rest(demo):
+    """Five arms are shown when the page opens; their five translucent bands overlapped into one area. The baseline
+    and the next shown arm keep a visible band, the other bands are drawn transparent (so the legend still toggles
+    line and band together), and the page puts the button that shows them under the figure."""
+    from phantomclip.report.page import FIGURES, render
+
+    for name in ("training", "phantom_steps", "beta_steps"):
+        fig = FIGURES[name][0](demo)
+        bands = [t for t in fig["data"] if t.get("fill") == "toself"]
+        drawn = {t["legendgroup"] for t in bands if t["opacity"] > 0}
+        assert drawn == {"none", "force-r1"} and fig["band_toggle"], name
+        assert "drawn for none and force-r1 (the button below shows every arm's)" in fig["title"]
+    assert render(demo).count('class="band-toggle"') == 3
+
+
+def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):
+    """'Share outside vs ε': a share of 0 is a gap (Plotly drew it as a vertical line to the axis's edge), and the
+    title says from which ε each recipe has none outside. The per-step α-β scatter: axes at Tukey's far-out fences
+    (3 IQR past the quartiles), every point counted; the middle 80% of the points now spans a third of each axis,
+    where a 1-99 percentile range left it 13% x 10%."""
+    from phantomclip.report.page import FIGURES
+
+    fig = FIGURES["outside_vs_eps"][0](demo)
+    for t in fig["data"]:
+        assert all(y is None or y > 0 for y in t["y"])
+        if None in t["y"]:
+            first = t["x"][t["y"].index(None)]
+            assert all(y is None for y in t["y"][t["y"].index(None):])  # the share only falls as ε grows
+            assert f"{first:.2f} for {t['name']}" in fig["title"]
+    fig = FIGURES["alpha_beta_steps"][0](demo)
+    xs = [x for t in fig["data"] for x in t["x"]]
+    ys = [y for t in fig["data"] for y in t["y"]]
+    (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
+    outside = sum(not (x0 <= x <= x1 and y0 <= y <= y1) for x, y in zip(xs, ys))
+    assert f"{outside} of {len(xs)} points lie outside them" in fig["title"] and 0 < outside < 0.1 * len(xs)
+    for vs, (lo, hi) in ((sorted(xs), (x0, x1)), (sorted(ys), (y0, y1))):
+        middle = vs[int(0.9 * (len(vs) - 1))] - vs[int(0.1 * (len(vs) - 1))]
+        assert middle / (hi - lo) > 0.3, middle / (hi - lo)

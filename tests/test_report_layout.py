@@ -186,6 +186,13 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         fp32 = _table_row(page, "#nl-table", "fp32")
         assert fp32[1:4] == ["0.100000001", "0.0999999940", "0.100000009"], fp32
         assert float(page.input_value("#nl-log")) == pytest.approx(math.log10(0.1), abs=0.01)
+        # the band button: every arm's band drawn, then back to the two drawn on opening
+        bands = "() => document.getElementById('fig-training').data.filter(t => t.fill === 'toself')"
+        opened = page.evaluate(bands + ".map(t => t.opacity)")
+        page.click("button.band-toggle[data-figure=training]")
+        assert set(page.evaluate(bands + ".map(t => t.opacity)")) == {max(opened)} and 0 in opened
+        page.click("button.band-toggle[data-figure=training]")
+        assert page.evaluate(bands + ".map(t => t.opacity)") == opened
         browser.close()
     assert not errors, errors
     assert requests == [demo_page.as_uri()], requests  # offline: the page is the only request

@@ -88,10 +88,18 @@ def fig_outside_vs_eps(data) -> dict | None:
     for i, (name, betas) in enumerate(_beta_arrays(data.diagnose[-1]).items()):
         n = max(len(betas), 1)
         ys = [sum(1 for b in betas if b < math.log1p(-e) or b > math.log1p(e)) / n * 100 for e in eps_grid]
-        traces.append({"type": "scatter", "mode": "lines", "name": name, "x": eps_grid, "y": ys,
+        # a share of 0 has no place on a log axis: Plotly drew it as a vertical line down to the edge
+        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": eps_grid,
+                       "y": [y if y > 0 else None for y in ys], "marker": {"size": 4},
                        "line": {"color": PALETTE[i]}})
-    return {"data": traces, "layout": plot_layout("ε", "% of tokens", yaxis=LOG_AXIS),
-            "title": "Share of tokens whose β alone leaves [1 − ε, 1 + ε]", "source": ("diagnose", data.diagnose[-1:])}
+    zeros = [(t["name"], t["x"][t["y"].index(None)]) for t in traces if None in t["y"]]
+    title = "Share of tokens whose β alone leaves [1 − ε, 1 + ε]"
+    if zeros:
+        title += ("; a share of 0 is not drawn on this log axis: no token is outside from ε = "
+                  + ", ".join(f"{e:.2f} for {name}" for name, e in zeros))
+    return {"data": traces, "layout": plot_layout("ε", "% of tokens", yaxis=log_axis([y for t in traces
+                                                                                       for y in t["y"]])),
+            "title": title, "source": ("diagnose", data.diagnose[-1:])}
 
 
 def fig_beta_split(data) -> dict | None:

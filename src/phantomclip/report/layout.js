@@ -86,3 +86,17 @@ function labelCells(table) {
   for (const r of rows) if (r !== head && r.children.length === names.length)
     [...r.children].forEach((c, i) => c.setAttribute("data-label", names[i]));
 }
+
+// The button under a per-step figure: every arm's seed band, or only those drawn when the page opened (the
+// baseline and one more: five translucent bands overlap into one muddy area). Bands are hidden by opacity, not
+// visibility, so the legend still shows and hides each arm's line and band together.
+function bandToggle(button) {
+  const gd = document.getElementById("fig-" + button.dataset.figure);
+  const all = button.getAttribute("aria-pressed") !== "true";
+  const bands = gd.data.map((t, i) => t.fill === "toself" ? i : -1).filter(i => i >= 0);
+  if (!gd._bandOpacity) gd._bandOpacity = bands.map(i => gd.data[i].opacity);  // as drawn when the page opened
+  const full = Math.max(...gd._bandOpacity);  // the bands drawn at opening have the band's opacity (plots.seed_band)
+  Plotly.restyle(gd, {opacity: bands.map((i, k) => all ? full : gd._bandOpacity[k])}, bands);
+  button.setAttribute("aria-pressed", String(all));
+  button.textContent = all ? "Show fewer bands" : "Show every arm's band";
+}

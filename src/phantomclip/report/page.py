@@ -94,9 +94,11 @@ def _no_absolute_paths(x, roots: list[Path]):
 def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str:
     kind, docs = fig.pop("source")
     title = fig.pop("title")
+    toggle = ('<button type="button" class="band-toggle" aria-pressed="false" onclick="bandToggle(this)" '
+              f'data-figure="{name}">Show every arm\'s band</button>' if fig.pop("band_toggle", False) else "")
     figures[name] = _compact(json_safe(fig))  # NaN/inf -> null: browsers' JSON has neither
     return (f'<figure class="chart"><div class="fig-title">{html_text(title)}</div>'
-            f'<div class="figure" id="fig-{name}"></div>'
+            f'<div class="figure" id="fig-{name}"></div>{toggle}'
             f'<figcaption class="source">{html_text(source_line(kind, docs, roots))}</figcaption></figure>')
 
 

@@ -43,7 +43,10 @@ SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 def _power_text(v: float) -> str:
-    """0.002 -> '2·10⁻³', 0.01 -> '10⁻²', 1 -> '1': the tick label of a log axis."""
+    """0.002 -> '2·10⁻³', 0.01 -> '10⁻²', 1 -> '1', 50 -> '50': the tick label of a log axis (1 to 999 as they
+    are: '5·10¹' for 50 read as a puzzle)."""
+    if 1 <= v < 1000:
+        return f"{v:g}"
     exp = math.floor(math.log10(v) + 1e-9)
     mant = f"{v / 10**exp:.2g}"
     power = "1" if exp == 0 else "10" + str(exp).translate(SUPERSCRIPT)

@@ -10,6 +10,9 @@ the count in its hover, and where no seed logged a step the line has a gap: noth
 
 from __future__ import annotations
 
+import math
+
+from .escape import html_text
 from .plots import arm_colour, mean_line, plot_layout, seed_band, seed_symbol
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
@@ -48,6 +51,20 @@ def arm_shown(arm: str, n_arms: int) -> bool | str:
     return True if arm in SHOWN_ARMS or n_arms <= len(SHOWN_ARMS) else "legendonly"
 
 
+BAND_ARMS = 2
+"""bands drawn when the page opens: with more arms shown, translucent bands of five arms overlap into one muddy
+area; the first BAND_ARMS shown arms (the baseline first) keep theirs and the button under the figure shows every
+arm's (layout.js bandToggle)."""
+
+
+def band_arms(arms: dict[str, list[dict]]) -> list[str]:
+    """The arms whose band is drawn when the page opens: the baseline first, then the others shown, BAND_ARMS in all;
+    every arm when no more than BAND_ARMS are shown."""
+    shown = [a for a in arms if arm_shown(a, len(arms)) is True]
+    shown.sort(key=lambda a: a != "none")  # stable: the baseline first
+    return shown[:BAND_ARMS]
+
+
 def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
     """The title of a per-step figure, saying what its lines and bands are for the seeds actually there: with one
     seed per arm there is no mean and no band, and with one run no arm to compare."""
@@ -57,7 +74,10 @@ def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
         how = "one run" if len(arms) == 1 else "one seed per arm: each line is that run"
         how += "; no band: a band needs two seeds"
     else:
-        how = "line: mean over seeds; band: the seeds' min–max"
+        banded = band_arms(arms)
+        shown = sum(arm_shown(a, len(arms)) is True for a in arms)
+        how = "line: mean over seeds; band: the seeds' min–max" + (
+            f", drawn for {' and '.join(banded)} (the button below shows every arm's)" if shown > len(banded) else "")
         how += "; open marker: fewer seeds" if not carry else ""
         if fewest == 1:
             how += "; an arm of one seed has no band"
@@ -74,18 +94,58 @@ def per_step(data, key: str, what: str, ylabel: str, carry: bool = False) -> dic
         return None
     title = per_step_title(what, arms, carry)
     scale = 100 if key.startswith("clip/") else 1
-    traces, used = [], []
+    traces, used, banded = [], [], band_arms(arms)
+    per_arm = {arm: step_values([r["metrics"] for r in runs], key, carry) for arm, runs in arms.items()}
+    top = axis_cut([scale * v for values in per_arm.values() for vs in values for v in vs])
+    above: list[tuple[float, str, int]] = []
     for arm, runs in arms.items():
-        values = step_values([r["metrics"] for r in runs], key, carry)
+        values = per_arm[arm]
         colour = arm_colour(arm, list(arms))
         common = {"legendgroup": arm, "visible": arm_shown(arm, len(arms))}
-        traces += seed_band(values, scale, {"fillcolor": colour, **common})
+        traces += seed_band(values, scale, {"fillcolor": colour, **common,
+                                            **({} if arm in banded else {"opacity": 0})})
         seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
         traces.append(mean_line(values, scale, len(runs), {"name": f"{arm} ({seeds})", "line": {"color": colour},
                                                            **common}))
+        if top is not None:
+            over = [(i + 1, [scale * v for v in vs if scale * v > top]) for i, vs in enumerate(values)]
+            over = [(step, vs) for step, vs in over if vs]
+            above += [(v, arm, step) for step, vs in over for v in vs]
+            if over:  # ▲ on the top edge where a seed's value is above the cut, its values in the hover
+                traces.append({"type": "scatter", "mode": "markers", "x": [o[0] for o in over],
+                               "y": [top] * len(over), "cliponaxis": False, "showlegend": False,
+                               "marker": {"symbol": "triangle-up", "size": 10, "color": colour},
+                               "text": [", ".join(f"{v:.3g}" for v in vs) for _, vs in over],
+                               "hovertemplate": f"{html_text(arm)}, step %{{x}}: above the axis, %{{text}}"
+                                                "<extra></extra>",
+                               **common})
         used += runs
-    layout = plot_layout("step", ylabel, yaxis={"rangemode": "tozero"})
-    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}
+    yaxis = {"rangemode": "tozero"}
+    if above:
+        yaxis = {"range": [0, top], "autorange": False}
+        v, arm, step = max(above)
+        title += (f"; the axis stops at {top:.3g}, {CUT_RULE}: {len(above)} seed value{'s' if len(above) > 1 else ''}"
+                  f" above it, marked ▲ on the top edge (the largest {v:.3g}, {arm} at step {step})")
+    layout = plot_layout("step", ylabel, yaxis=yaxis)
+    toggle = any(t.get("opacity") == 0 for t in traces if t.get("fill") == "toself")
+    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used), "band_toggle": toggle}
+
+
+CUT_FACTOR = 2.0
+"""the axis of a per-step figure is cut when its largest value is more than CUT_FACTOR times the 99th percentile
+of all values drawn: then one seed's spike (no-clip's 1.2 nats at step 27 in the demo, against 0.28 for the 99th
+percentile) would squeeze every other arm into the bottom of the plot."""
+CUT_RULE = f"1.5 × the 99th percentile of the seeds' values, since the largest is over {CUT_FACTOR:g} times that"
+
+
+def axis_cut(values: list[float]) -> float | None:
+    """The top of a per-step figure's axis, or None when the values need no cut: 1.5 × their 99th percentile where
+    the largest is more than CUT_FACTOR times it; never under ALL_POINTS_BELOW values (a few points all show)."""
+    xs = sorted(v for v in values if math.isfinite(v))
+    if len(xs) < ALL_POINTS_BELOW:
+        return None
+    p99 = xs[int(0.99 * (len(xs) - 1))]
+    return 1.5 * p99 if p99 > 0 and xs[-1] > CUT_FACTOR * p99 else None
 
 
 ALL_POINTS_BELOW = 50
@@ -93,11 +153,19 @@ ALL_POINTS_BELOW = 50
 handful of points cannot squash each other out of sight."""
 
 
+FENCE = 3.0
+"""the α-β scatter's axes reach FENCE interquartile ranges past the quartiles (Tukey's 'far out' fences): the
+middle 98% of the demo's points filled the axes so loosely that the middle 80% took 13% x 10% of them."""
+
+
 def _robust_range(values: list[float]) -> list[float]:
-    """An axis range holding the middle 98% of `values` with a margin: one far point must not squash the rest; with
-    fewer than ALL_POINTS_BELOW values, all of them."""
+    """An axis range fitted to the bulk of `values`: from the lowest value at or above Q1 − FENCE·IQR to the highest
+    at or below Q3 + FENCE·IQR, with a margin, so a few far points do not squash the rest; with fewer than
+    ALL_POINTS_BELOW values, all of them."""
     xs = sorted(values)
-    lo, hi = xs[int(0.01 * (len(xs) - 1))], xs[int(0.99 * (len(xs) - 1))]
+    q1, q3 = xs[int(0.25 * (len(xs) - 1))], xs[int(0.75 * (len(xs) - 1))]
+    inside = [x for x in xs if q1 - FENCE * (q3 - q1) <= x <= q3 + FENCE * (q3 - q1)]
+    lo, hi = inside[0], inside[-1]
     if len(xs) < ALL_POINTS_BELOW:
         lo, hi = xs[0], xs[-1]
     pad = 0.08 * (hi - lo or abs(hi) or 1e-3)
@@ -112,7 +180,7 @@ def run_seed(run: dict, i: int) -> int:
 
 def fig_alpha_beta_steps(data) -> dict | None:
     """Per step: each run's mean α against its mean β; colour is the arm, the marker the seed. The axes hold the
-    middle 98% of the points; the title counts those outside (zoom out to see them)."""
+    points inside Tukey's far-out fences (_robust_range); the title states the rule and counts those outside."""
     arms = arm_runs(data, "mismatch/alpha_mean")
     if not arms:
         return None
@@ -141,6 +209,7 @@ def fig_alpha_beta_steps(data) -> dict | None:
     else:
         title = f"Per step: mean α against mean β of {'each arm' if len(arms) > 1 else 'the run'} (seed {seeds[0]})"
     if outside:
-        title += f"; {outside} of {len(xs)} points lie outside these axes (double-click the plot to show them)"
+        title += (f"; the axes reach {FENCE:g} interquartile ranges past the quartiles: {outside} of {len(xs)} points "
+                  "lie outside them (double-click the plot to show them)")
     layout = plot_layout("mean α (nats)", "mean β (nats)", xaxis={"range": x_range}, yaxis={"range": y_range})
     return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}

@@ -36,3 +36,41 @@ def test_r3_on_a_dense_model_is_one_line(tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err
     assert "--intervention r3 needs a mixture-of-experts model; LlamaForCausalLM is dense" in lines[-1]
+
+
+def _two_forward_step(step_fn, batch, ctx):
+    """The route figures as first built: both forwards (own routes, the engine's replayed) run no-grad before the
+    step, the loss forward apart (a third forward of the batch). The reference routed_step must equal."""
+    from phantomclip import routing_train
+
+    cfg, P = ctx.cfg, batch.rollout.prompt_width
+    figures = routing_train.step_route_figures(ctx.policy, batch.packed, batch.routes, P, cfg.group_size,
+                                               cfg.temperature, (ctx.plan.eps_low, ctx.plan.eps_high))
+    with routing_train.replaying([ctx.policy.layout, ctx.shadow, ctx.plain_shadow], batch.routes, P, cfg.group_size,
+                                 ctx.plan.routes == "engine"):
+        out = step_fn(batch, ctx)
+    out.row.update(figures)
+    return out
+
+
+@pytest.mark.parametrize("intervention", ["none", "r3"])
+def test_figures_from_the_loss_forward_equal_two_extra_forwards(tmp_path, monkeypatch, intervention):
+    """routed_step takes one of the split's two forwards from the loss's own (its log-probs with grad are those of
+    the no-grad forward bit for bit, and so are its routes): every logged figure but the clocks, and every token
+    record (tokens, α, β parts), equal the reference's exactly, over 2 steps (the second at weights the first
+    changed)."""
+    import json
+
+    from phantomclip import trainer
+
+    def run(name):
+        train(TrainConfig(**MOE, steps=2, intervention=intervention), out=tmp_path / name)
+        read = lambda f: [json.loads(line) for line in (tmp_path / name / f).read_text().splitlines()]  # noqa: E731
+        rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read("metrics.jsonl")]
+        return rows, read("tokens.jsonl"), read("samples.jsonl")
+
+    new = run("one-extra")
+    monkeypatch.setattr(trainer, "routed_step", _two_forward_step)
+    old = run("two-extra")
+    assert len(new[0]) == 2 and "route/beta_route_abs_mean" in new[0][0]
+    assert new == old  # NaN-free here: json writes NaN as NaN, which != NaN, so a NaN would fail this loudly

@@ -3,17 +3,20 @@ samples, and each step of an MoE run logs the routing part of β; with `--interv
 every trainer-side forward of the step (the loss's, the shadow's, and the producer's θ_old forwards) chooses the
 engine's experts.
 
-Per step, at the current weights θ_t and in the trainer's recipe, two no-grad forwards of the packed batch: one with
-the trainer's own routes (captured, for the flip rate) and one with the engine's replayed. Their difference is
-β_route, exact per token (routing.route_split): what replay removes. The cost is two forwards of the batch per step
-(`time/route_s`); the loss forward itself is unchanged (its own routes, or the engine's under r3).
+Per step, at the current weights θ_t and in the trainer's recipe, the split needs two forwards of the packed batch:
+one with the trainer's own routes (captured, for the flip rate) and one with the engine's replayed. Their difference
+is β_route, exact per token (routing.route_split): what replay removes. The loss's own forward is one of the two (its
+own routes, or the engine's under r3), at θ_t before the update, on the same batch in the same shapes; its log-probs
+are those of the same forward without grad bit for bit (the same kernels: tested), so each step runs only the other
+one more (`time/route_s`), no-grad, before the loss (the weights then are θ_t too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,8 +33,8 @@ def capture_plan(engine, master: nn.Module, replay: bool) -> bool:
     if replay:
         routing.require_moe(master, "--intervention r3")
         if not isinstance(engine, LocalEngine):
-            raise routing.RoutingError("--intervention r3 needs the engine's expert routes, which only the local "
-                                       "engine returns here: use --engine local")
+            raise routing.RoutingError(routing.no_engine_routes(engine.describe().get("kind", "engine"),
+                                                                "--intervention r3"))
         return True
     try:
         return isinstance(engine, LocalEngine) and bool(routing.routers(master))
@@ -55,34 +58,87 @@ def replaying(models: list[nn.Module | None], routes: routing.Routes | None, P: 
 def routed_step(step_fn: Callable, batch, ctx):
     """`step_fn(batch, ctx)` (the trainer's step) with the routing figures of the batch added to its row, and under
     r3 with the engine's routes replayed in the step's forwards. A batch without routes (dense model, vLLM) runs the
-    step unchanged."""
+    step unchanged.
+
+    `step_fn` scores the batch once with `ctx.policy.logprobs(batch.packed, P, group, grad=True, temperature)` before
+    it updates the weights (the loss forward, `trainer._train_step`); the figures take that forward's log-probs (and
+    its routes without r3) and run only the other forward here."""
     routes = batch.routes
     if routes is None:
         return step_fn(batch, ctx)
-    cfg, P = ctx.cfg, batch.rollout.prompt_width
+    cfg, P, packed = ctx.cfg, batch.rollout.prompt_width, batch.packed
+    replay_on = ctx.plan.routes == "engine"
+    args = (P, cfg.group_size, cfg.temperature)
     t0 = time.perf_counter()
-    figures = step_route_figures(ctx.policy, batch.packed, routes, P=P, group=cfg.group_size,
-                                 temperature=cfg.temperature, eps=(ctx.plan.eps_low, ctx.plan.eps_high))
-    figures["time/route_s"] = time.perf_counter() - t0
-    with replaying([ctx.policy.layout, ctx.shadow, ctx.plain_shadow], routes, P, cfg.group_size,
-                   ctx.plan.routes == "engine"):
+    # the forward the loss does not run: own routes (captured) under r3, else the engine's replayed
+    other = _forward(ctx.policy, packed, routes, *args, replay=not replay_on)
+    seconds = time.perf_counter() - t0
+    with _loss_forward(ctx.policy, packed, *args, capture=not replay_on) as loss, \
+            replaying([ctx.policy.layout, ctx.shadow, ctx.plain_shadow], routes, P, cfg.group_size, replay_on):
         out = step_fn(batch, ctx)
+    if loss.logp is None:
+        raise RuntimeError("the step did not score its batch with ctx.policy.logprobs: routed_step has no loss "
+                           "forward to take the route figures from")
+    t0 = time.perf_counter()
+    own, replayed = (other, loss) if replay_on else (loss, other)
+    figures = route_row(own.logp, own.routes, replayed.logp, packed, routes, P, cfg.group_size,
+                        (ctx.plan.eps_low, ctx.plan.eps_high))
+    figures["time/route_s"] = seconds + time.perf_counter() - t0
     out.row.update(figures)
     return out
 
 
+@dataclass
+class _Scored:
+    logp: torch.Tensor | None = None  # [B, L] completion log-probs, detached
+    routes: routing.Recorder | None = None  # the forward's own routes, where captured
+
+
 @torch.no_grad()
-def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.Routes, P: int, group: int,
-                       temperature: float, eps: tuple[float, float]) -> dict:
-    """The step's route keys (docs/metrics.md, `route/*`): the trainer's own routes at θ_t against the engine's, and
-    β_route = logp(own routes) − logp(engine's routes) at the sampled tokens, both forwards in the trainer's recipe;
-    log r = β_route + the rest, exactly per token."""
+def _forward(policy, packed: dict[str, torch.Tensor], routes: routing.Routes, P: int, group: int,
+             temperature: float, replay: bool) -> _Scored:
+    """One no-grad forward of the batch in the trainer's recipe: with the engine's `routes` replayed, or with its own
+    routes captured."""
+    # the step logs no router margins (route_row): capture skips them
+    hooks = (replaying([policy.layout], routes, P, group, True) if replay
+             else routing.capture(policy.layout, margins=False))
+    with hooks as rec:
+        logp = policy.logprobs(packed, P, group, grad=False, temperature=temperature)  # [B, L]
+    return _Scored(logp, None if replay else rec)
+
+
+@contextlib.contextmanager
+def _loss_forward(policy, packed: dict[str, torch.Tensor], P: int, group: int, temperature: float,
+                  capture: bool) -> Iterator[_Scored]:
+    """Inside the block, `policy`'s forward with grad over `packed` (the loss's) keeps its log-probs, detached, and
+    with `capture` its own routes, in the yielded record; other calls pass through. The instance's `logprobs` is
+    wrapped for the block and restored after it."""
+    seen = _Scored()
+    original, key = policy.logprobs, (P, group, temperature)
+
+    def logprobs(batch, prompt_width, group_size, grad=True, temperature=1.0):  # TrainerForward.logprobs' signature
+        mine = grad and batch is packed and (prompt_width, group_size, temperature) == key
+        with routing.capture(policy.layout, margins=False) if mine and capture else contextlib.nullcontext() as rec:
+            logp = original(batch, prompt_width, group_size, grad=grad, temperature=temperature)
+        if mine:
+            seen.logp, seen.routes = logp.detach(), rec
+        return logp
+
+    policy.logprobs = logprobs
+    try:
+        yield seen
+    finally:
+        del policy.logprobs  # the class's method again
+
+
+def route_row(own: torch.Tensor, own_routes: routing.Recorder, replayed: torch.Tensor,
+              packed: dict[str, torch.Tensor], routes: routing.Routes, P: int, group: int,
+              eps: tuple[float, float]) -> dict:
+    """The step's route keys (docs/metrics.md, `route/*`) from the trainer's two forwards at θ_t: `own` [B, L] with
+    its routes `own_routes` (recorded on the grouped layout) against the engine's `routes`, and β_route = own −
+    `replayed` [B, L] (the engine's routes) at the sampled tokens; log r = β_route + the rest, exactly per token."""
     B, T = packed["input_ids"].shape
-    with routing.capture(policy.layout) as rec:
-        own = policy.logprobs(packed, P, group, grad=False, temperature=temperature)  # [B, L]
-    with replaying([policy.layout], routes, P, group, True):
-        replayed = policy.logprobs(packed, P, group, grad=False, temperature=temperature)  # [B, L]
-    mine = rec.routes(routing.grouped_layout(P, T, group), B, T)
+    mine = own_routes.routes(routing.grouped_layout(P, T, group), B, T)
     stats = routing.route_stats(mine, routes, packed["attention_mask"].bool().cpu())
     mask = packed["completion_mask"][:, P:].bool()  # [B, L]
     split = routing.route_split(own, replayed, packed["logp_engine"][:, P:])  # float64 [B, L] each
@@ -97,3 +153,11 @@ def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.
         "route/log_ratio_rest_abs_mean": mean_or_nan(split["beta_rest"][ok].abs()),
         "route/touched_share": mean_or_nan((split["beta_route"][ok] != 0).double()),
     }
+
+
+def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.Routes, P: int, group: int,
+                       temperature: float, eps: tuple[float, float]) -> dict:
+    """`route_row` with both forwards run here, no-grad (the figures of a batch outside a training step)."""
+    own = _forward(policy, packed, routes, P, group, temperature, replay=False)
+    replayed = _forward(policy, packed, routes, P, group, temperature, replay=True)
+    return route_row(own.logp, own.routes, replayed.logp, packed, routes, P, group, eps)

@@ -74,3 +74,46 @@ def test_figures_from_the_loss_forward_equal_two_extra_forwards(tmp_path, monkey
     old = run("two-extra")
     assert len(new[0]) == 2 and "route/beta_route_abs_mean" in new[0][0]
     assert new == old  # NaN-free here: json writes NaN as NaN, which != NaN, so a NaN would fail this loudly
+
+
+@pytest.fixture(scope="module")
+def moe_batch():
+    """tiny-moe:0, and a packed batch of 2 groups of 2 rows (6 tokens) sampled by the bf16 local engine with its
+    routes."""
+    import torch
+
+    from phantomclip import routing
+    from phantomclip.engine import LocalEngine, SamplingParams
+    from phantomclip.models import load_model
+    from phantomclip.prompts import bundled_prompts, encode_prompts
+
+    lm = load_model("tiny-moe:0")
+    prompts = [p for p in encode_prompts(lm.tokenizer, bundled_prompts()[:2]) for _ in range(2)]
+    rollout, routes = routing.generate_with_routes(LocalEngine(lm.model, torch.bfloat16), prompts,
+                                                   SamplingParams(max_tokens=6, seed=0))
+    return lm, rollout.pack(lm.tokenizer.pad_token_id), rollout.prompt_width, routes
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16"])
+def test_the_loss_forward_gives_the_no_grad_forwards_log_probs_and_routes(moe_batch, recipe):
+    """What routed_step relies on, per trainer recipe: the forward with grad (recorded by _loss_forward) and the
+    no-grad forward (_forward) of the same batch give the same log-probs and the same expert choices, bit for bit
+    (the same kernels on the same shapes; autograd only records). Also under replay of the engine's routes."""
+    import torch
+
+    from phantomclip import routing_train
+    from phantomclip.recipes import get_recipe
+    from phantomclip.scoring import TrainerForward
+
+    lm, packed, P, routes = moe_batch
+    policy = TrainerForward(lm.model, get_recipe(recipe), "auto")
+    for replay in (False, True):
+        other = routing_train._forward(policy, packed, routes, P, 2, 1.0, replay=replay)
+        with routing_train._loss_forward(policy, packed, P, 2, 1.0, capture=not replay) as loss, \
+                routing_train.replaying([policy.layout], routes, P, 2, replay):
+            logp = policy.logprobs(packed, P, 2, temperature=1.0)  # [B, L], with grad, as the loss
+        assert logp.requires_grad and "logprobs" not in vars(policy)  # the wrapper is gone after the block
+        assert torch.equal(loss.logp, other.logp), (recipe, replay)
+        if not replay:  # both recorded 2 router calls (prompts, completions) in each of the 2 layers
+            calls = [(a.ids, b.ids) for la, lb in zip(loss.routes.calls, other.routes.calls) for a, b in zip(la, lb)]
+            assert len(calls) == 4 and all(torch.equal(a, b) for a, b in calls), recipe

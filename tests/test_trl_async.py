@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import assert_close_eps, eps
 
@@ -281,3 +282,60 @@ def test_weights_that_move_between_syncs(tmp_path):
     assert rows[0]["precision/alpha_abs_mean"] == 0.0 and rows[1]["precision/alpha_abs_mean"] > 0
     shadows = trainer._pc_async.shadows
     assert shadows.current is not None and sorted(shadows.versions) == [1, 2]
+
+
+@pytest.mark.parametrize("sync_steps", [1, 2])
+def test_shadow_path_equals_the_reference_path(tmp_path, sync_steps):
+    """The monitor's shadows (filled in place by copy_, recycled, scored under inference_mode) give per token the same
+    α and β, bit for bit, as the plain path they replaced: a new bf16 copy per forward, each weight cast by .to()
+    then copied (weights.sync_shadow), scored under no_grad. On every measured step, at staleness 0 and 1
+    (`sync_steps` 1), and with weights one optimizer step past the last sync (`sync_steps` 2: today's shadow is a
+    separate copy)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from phantomclip.integrations.weights import build_shadow, sync_shadow
+
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    trainer, _ = setup.make_trainer(str(tmp_path / "r"), callbacks=[monitor], steps=3, weight_sync_steps=sync_steps)
+    sent, checked = {}, []
+    send = trainer.weight_transfer.send_weights
+
+    def keep_and_send(it):  # what TRL streams as version model_version + 1
+        sent[trainer.model_version + 1] = {n: t.clone() for n, t in it}
+        send(iter(sent[trainer.model_version + 1].items()))
+
+    def reference(weights: dict | None) -> nn.Module:
+        shadow = build_shadow(trainer.model, "bfloat16", "cpu")
+        if weights is None:  # today's weights, as the replaced path read them
+            sync_shadow(shadow, trainer.model)
+        else:
+            with torch.no_grad():
+                for name, p in shadow.named_parameters():
+                    p.copy_(weights[name].to(p.dtype))
+        add_fused_lm_head(shadow, temperature=trainer.temperature)
+        return shadow.eval()
+
+    record = monitor._record
+
+    def check_then_record(rec):  # inside the loss, before the optimizer step: the model holds θ_t
+        with torch.no_grad():
+            now = reference(None)(**rec.row, fused_lm_head=True).log_probs.float().flatten()[rec.token_index]
+            old = torch.empty_like(now)
+            for v in rec.versions.unique().tolist():
+                at = rec.versions == v
+                full = reference(sent[v])(**rec.row, fused_lm_head=True).log_probs.float().flatten()
+                old[at] = full[rec.token_index][at]
+        alpha, alpha_ref = rec.logp_shadow - rec.logp_shadow_old, now - old  # [M]
+        beta, beta_ref = rec.logp - rec.logp_engine - alpha, rec.logp - rec.logp_engine - alpha_ref  # [M]
+        checked.append((torch.equal(rec.logp_shadow, now), torch.equal(rec.logp_shadow_old, old),
+                        torch.equal(alpha, alpha_ref), torch.equal(beta, beta_ref), int(rec.staleness.max())))
+        record(rec)
+
+    trainer.weight_transfer.send_weights = keep_and_send
+    monitor._record = check_then_record
+    trainer.train()
+    assert [c[:4] for c in checked] == [(True,) * 4] * 3, checked
+    stale = [c[4] for c in checked]
+    assert stale == ([0, 1, 1] if sync_steps == 1 else [0, 0, 1]), stale
+    if sync_steps == 2:
+        assert trainer._pc_async.shadows.current is not None

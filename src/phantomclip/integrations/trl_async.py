@@ -42,7 +42,7 @@ from .trl_async_checks import (
     shadow_memory,
 )
 from .trl_async_stats import MEANS, async_figures, async_precision_stats
-from .weights import build_shadow, check_supported, full_weights, sharded_root, sync_shadow
+from .weights import build_shadow, check_supported, full_weights, sharded_root
 
 VERSION_KEY = "pc_sample_version"
 """the batch field the integration adds: each row's samples' versions, in `segment_id` order."""
@@ -82,25 +82,33 @@ class _Shadows:
 
     def snapshot(self, version: int) -> None:
         """The weights just sent as `version` (every rank, in step: a sharded model's gather is a collective)."""
-        reuse = None
-        if len(self.versions) >= self.keep:
-            reuse = self.versions.pop(min(self.versions))
-        if reuse is None:  # a new copy: filled with sync_shadow's checks (every parameter known and filled)
-            reuse = self._new()
-            sync_shadow(reuse, sharded_root(self.trainer.model), self.kind)
-        else:
-            self._refill(reuse)
+        reuse = self.versions.pop(min(self.versions)) if len(self.versions) >= self.keep else self._new()
+        self._fill(reuse)
         self.versions[version] = reuse
         self.version_step[version] = self.trainer.state.global_step
         self.version = version
 
     @torch.no_grad()
-    def _refill(self, shadow: nn.Module) -> None:
-        """A checked copy filled again: each tensor rounded to nearest into the engine's dtype by copy_ (as
-        sync_shadow and vLLM's load do), without sync_shadow's count of changed values (a second pass)."""
+    def _fill(self, shadow: nn.Module) -> None:
+        """The trainer's full weights copied into `shadow`, each tensor rounded to nearest into the engine's dtype by
+        copy_ (as vLLM's load does), every parameter known and filled (sync_shadow's checks), in place: no buffer
+        allocated past the copy's own. sync_shadow's count of changed values is left out: it was a second pass over
+        every weight (`(p != new).sum()`) that cost 6 s of the 9 s a sync took on the bundled model (cProfile, 2-core
+        EPYC under load), and no figure reads it."""
         params = dict(shadow.named_parameters())
+        filled = set()
         for name, value in full_weights(sharded_root(self.trainer.model), self.kind):
-            params[name].copy_(value)
+            p = params.get(name)
+            if p is None:
+                raise IntegrationError(f"the shadow has no parameter {name!r} (a module the engine's model lacks): "
+                                       "the async monitor supports models whose trained parameters are the base "
+                                       "model's")
+            p.copy_(value)
+            filled.add(name)
+        if len(filled) != len(params):
+            missing = sorted(set(params) - filled)
+            raise IntegrationError(f"the trainer's model has no parameter for {missing[0]!r} of the shadow "
+                                   f"({len(missing)} missing): its weights cannot be mirrored")
 
     def now(self) -> nn.Module:
         """The current weights in the engine's dtype: the latest version's copy if no optimizer step came since."""
@@ -110,7 +118,7 @@ class _Shadows:
         if self.current is None:
             self.current = self._new()
         if self.current_step != step:
-            sync_shadow(self.current, sharded_root(self.trainer.model), self.kind)
+            self._fill(self.current)
             self.current_step = step
         return self.current
 
@@ -127,9 +135,11 @@ def _packed_forward(inputs: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return kwargs, inputs["token_index"][selected], selected
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _score(model: nn.Module, kwargs: dict) -> torch.Tensor:
-    """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label)."""
+    """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label). Under
+    inference_mode, not no_grad: the same kernels (bit for bit, tests/test_trl_async.py), without autograd's version
+    counters and view tracking on every intermediate; the result is only ever read, never differentiated."""
     return model(**kwargs, fused_lm_head=True).log_probs.float()
 
 

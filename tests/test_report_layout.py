@@ -78,7 +78,7 @@ def test_summary_states_the_datas_headline_numbers(demo_page):
     assert f"<b>{100 * base['phantom_share_of_clipped']['mean']:.0f}%</b> of the tokens the clip zeroed" in summary
     diag = data.diagnose[-1]
     first = next(iter(diag["recipes"].values()))
-    assert f"<b>{first['beta_abs_mean']:.3g} nats</b>" in summary
+    assert f'<b>{first["beta_abs_mean"]:.3g} <a href="#glossary-nats">nats</a></b>' in summary
     assert f"<b>{100 * first['outside_trust_region']:.1f}%</b>" in summary
     shorter = [a["run"] for a in data.sanity[0]["arms"] if a.get("vs_baseline", {}).get("final_length", {})
                .get("high", 0) < 0]
@@ -193,6 +193,14 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         assert set(page.evaluate(bands + ".map(t => t.opacity)")) == {max(opened)} and 0 in opened
         page.click("button.band-toggle[data-figure=training]")
         assert page.evaluate(bands + ".map(t => t.opacity)") == opened
+        # the glossary link of the introduction opens the folded box; so does the summary's link to a term
+        assert not page.evaluate("document.getElementById('glossary').open")
+        page.click("a[href='#glossary']")
+        page.wait_for_function("document.getElementById('glossary').open")
+        page.evaluate("document.getElementById('glossary').open = false")
+        page.click("#summary a[href='#glossary-nats']")
+        page.wait_for_function("document.getElementById('glossary').open")
+        assert page.evaluate("document.getElementById('glossary-nats').textContent") == "nats"
         browser.close()
     assert not errors, errors
     assert requests == [demo_page.as_uri()], requests  # offline: the page is the only request
@@ -376,3 +384,25 @@ def test_theory_widgets_say_what_the_projects_rules_say(demo_page):
         assert k * eta >= half and (k - 1) * eta <= half, s  # the first step past half a spacing (a tie: even)
         assert _bf16(w) == w and _bf16(w + k * eta) != w, s  # k steps move the copy ...
         assert k == 1 or _bf16(w + (k - 1) * eta) == w, s  # ... and k - 1 do not
+
+
+def test_copies_keep_arm_names_and_the_missing_machine_is_said_once(demo_page):
+    """The page's copies of a run's files name its arm and seed ('autocast-seed-0-metrics.jsonl'; it was
+    '11-seed-0-metrics.jsonl'), every arm of the demo's 12 once per seed; the demo's trace and trace --run files,
+    written before those files recorded their machine, are named once as lacking it, where five source lines said
+    'machine not recorded'; every glossary term has its own id."""
+    from phantomclip.report.glossary import term_id, terms
+
+    names = sorted(p.name for p in (demo_page.parent / "data").iterdir())
+    metrics = [n for n in names if n.endswith("-metrics.jsonl")]
+    arms = {r["config"]["intervention"] for r in collect(demo_sources()).runs}
+    assert len(arms) == 12 and len(metrics) == 36
+    for arm in arms:
+        assert sum(re.fullmatch(rf"\d\d-{re.escape(arm)}-seed-\d-metrics\.jsonl", n) is not None
+                   for n in metrics) == 3, arm
+    text = html.unescape(demo_page.read_text(encoding="utf-8"))
+    assert text.count("machine not recorded") == 1
+    assert ("machine not recorded (by demo/trace.json and 6 files in demo/growth/, written before phantomclip kept "
+            "that record: trace and trace --run files written now keep it)") in text
+    ids = [term_id(t) for t in terms()]
+    assert len(set(ids)) == len(ids) and all(f'<dt id="{i}">' in text for i in ids)

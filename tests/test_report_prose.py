@@ -112,13 +112,12 @@ def test_summary_intervals_carry_a_multiple_comparison_note(demo):
 def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
     """nats, mean |·|, the task names and the loss aggregations (the four once undefined) are in the page's
     glossary box, and so is every task and loss_type the demo runs name in their configuration."""
-    from phantomclip.report.glossary import terms
+    from phantomclip.report.glossary import term_id, terms
 
     page = html.unescape(render(demo))
     box = page.split('<details class="glossary" id="glossary">')[1].split("</details>")[0]
-    for term in ("<dt>nats</dt>", "<dt>mean |·|</dt>", "<dt>neglen (task)</dt>", "<dt>grpo, dapo, dr_grpo</dt>",
-                 "<dt>pp</dt>", "<dt>ulp</dt>"):
-        assert term in box, term
+    for term in ("nats", "mean |·|", "neglen (task)", "grpo, dapo, dr_grpo", "pp", "ulp"):
+        assert f'<dt id="{term_id(term)}">{term}</dt>' in box, term
     names = " ".join(terms())
     for run in demo.runs:
         assert f"{run['config']['task']} (task)" in names and run["config"]["loss_type"] in names

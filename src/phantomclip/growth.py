@@ -29,7 +29,7 @@ from .engine import LocalEngine, Rollout, SamplingParams
 from .errors import PhantomclipError, PhantomclipWarning
 from .files import JSON_ERRORS, InputError, check_input, json_reason, printable, read_input
 from .metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
-from .recipes import RECIPES, Recipe, apply_recipe, get_recipe
+from .recipes import RECIPES, Recipe, apply_recipe, cpu_description, get_recipe
 from .run_checks import check_snapshot
 from .runs import RunDir, read_json_object
 from .scoring import LOGIT_STATS, score
@@ -249,4 +249,5 @@ def run_growth(path: str | Path, matmul: str = "auto", device: torch.device | st
                 row[name]["depth"] = t["depth"]
         rows.append(row)
     return {"run": str(run.path), "model": run.config["model"], "reference_step": reference_step,
-            "prob_edges": list(PROB_EDGES), "device": describe_device(device), "snapshots": rows}
+            "prob_edges": list(PROB_EDGES), "device": describe_device(device),
+            "cpu": cpu_description(matmul), "snapshots": rows}  # the machine, as diagnose records it

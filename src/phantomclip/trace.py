@@ -33,6 +33,7 @@ from .recipes import (
     MODULE_ROLES,
     Recipe,
     apply_recipe,
+    cpu_description,
     get_recipe,
     lm_head,
     resolve_matmul,
@@ -405,6 +406,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     result = {
         "schema": SCHEMA_VERSION, "config": asdict(cfg), "recipe": recipe.name, "against": reference.name,
         "tokens": int(depth.beta.numel()), "device": describe_device(next(master.parameters()).device),
+        "cpu": cpu_description(cfg.matmul),  # the machine, as diagnose records it: the error depends on the kernel
         "sites": site_rows(st, depth),
         "beta": _beta_summary(depth.beta, cfg.epsilon),
         "first_order": first_order_link(depth),

@@ -5,6 +5,8 @@ terms for the documentation."""
 
 from __future__ import annotations
 
+import re
+
 from .escape import html_text
 
 TERMS: dict[str, str] = {
@@ -36,9 +38,18 @@ def terms() -> dict[str, str]:
     return {**TERMS, **{f"{name} (task)": t.doc for name, t in TASKS.items()}}
 
 
+def term_id(term: str) -> str:
+    """The id of a term's <dt>: 'glossary-' and its ASCII letters, digits and dashes ('mean |·|' -> 'glossary-mean',
+    'neglen (task)' -> 'glossary-neglen-task'); a term of none of them ('α') by its code point ('glossary-u3b1')."""
+    slug = "-".join(re.findall(r"[a-z0-9_]+", term.lower())) or "u" + "-".join(f"{ord(c):x}" for c in term.strip())
+    return f"glossary-{slug}"
+
+
 def html_glossary() -> str:
-    """A folded box of the terms, after the summary; each is a <dt> with an id, so a page can link to it."""
-    items = "".join(f"<dt>{html_text(term)}</dt><dd>{html_text(text)}</dd>" for term, text in terms().items())
+    """A folded box of the terms, after the summary; each is a <dt> with an id (term_id), so a page can link to it,
+    and a link to the box or a term opens the box (layout.js openLinked)."""
+    items = "".join(f'<dt id="{term_id(term)}">{html_text(term)}</dt><dd>{html_text(text)}</dd>'
+                    for term, text in terms().items())
     return ('<details class="glossary" id="glossary"><summary>Glossary: the units, symbols and names on this page '
             '(docs/metrics.md, section Glossary, has the full list)</summary>'
             f"<dl>{items}</dl></details>")

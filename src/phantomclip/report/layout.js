@@ -100,3 +100,12 @@ function bandToggle(button) {
   button.setAttribute("aria-pressed", String(all));
   button.textContent = all ? "Show fewer bands" : "Show every arm's band";
 }
+
+// A link to the folded glossary, or to a term in it, opens the box (a closed <details> hides its target) and scrolls
+// to the target.
+function openLinked() {
+  const target = location.hash && document.getElementById(decodeURIComponent(location.hash.slice(1)));
+  const box = target && target.closest("details");
+  if (box && !box.open) { box.open = true; target.scrollIntoView(); }
+}
+window.addEventListener("hashchange", openLinked);

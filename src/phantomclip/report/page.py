@@ -26,7 +26,7 @@ from .interventions_table import html_sanity_table
 from .plots import PALETTE
 from .prose import TEXTS
 from .sources import ReportData, ReportError, collect
-from .summary import html_sections_compared, html_summary, short_path, source_line
+from .summary import html_sections_compared, html_summary, machine, short_path, source_line
 from .training_panel import fig_alpha_beta_steps, per_step
 
 SANITY = "phantomclip experiment sanity --out runs/sanity"
@@ -145,6 +145,28 @@ def _one_note_per_section(body: str) -> str:
     return "".join(parts)
 
 
+UNRECORDED = "; machine not recorded."
+
+
+def _machine_once(body: str, data: ReportData, roots: list[Path]) -> str:
+    """Where files lack the record of their machine (trace and trace --run files written before they kept one), the
+    first source line saying so names those files and says new ones record it; the later lines drop the words (the
+    demo's five figures of traces and growths repeated 'machine not recorded')."""
+    if UNRECORDED not in body:
+        return body
+    docs = [d for d in [*data.diagnose, *data.traces, *data.growths] if machine(d) == "machine not recorded"]
+    folders: dict[str, list[str]] = {}
+    for d in docs:
+        f = short_path(d["_path"], roots)
+        folders.setdefault(str(Path(f).parent), []).append(f)
+    named = " and ".join(f"{len(fs)} files in {folder}/" if len(fs) > 3 else ", ".join(fs)
+                         for folder, fs in folders.items())
+    note = (f"; machine not recorded (by {html_text(named) or 'these files'}, written before phantomclip kept that "
+            "record: trace and trace --run files written now keep it).")
+    first, *rest = body.split(UNRECORDED)
+    return first + note + ".".join(rest)
+
+
 def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
     """The HTML that replaces the marker of `name`."""
     from .framework_panel import html_framework_panel
@@ -195,6 +217,7 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
         text = TEXTS[name](data) if name in TEXTS else f"(unknown text {name} in article.md)"
         body = body.replace(marker, html_text(text), 1)
     body = _one_note_per_section(body)
+    body = _machine_once(body, data, ctx["roots"])
     template = Environment(autoescape=False).from_string(_text("template.html.j2"))
     return template.render(body=body, plotly_js=_text("plotly-cartesian.min.js"),
                            plotly_licence=_text("plotly-LICENSE.md").replace("*/", "* /"),
@@ -211,7 +234,10 @@ def _safe_name(name: str) -> str:
 def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     copied: dict[Path, str] = {}
     for i, f in enumerate(data.files()):
-        rel = f"data/{i:02d}-{_safe_name(f.parent.name)}-{f.name}"
+        # a run of an experiment lives in OUT/<arm>/seed-<s>/: its arm is part of the name ('11-seed-0-metrics.jsonl'
+        # said which seed but not of which arm)
+        folder = f.parent.name if not f.parent.name.startswith("seed-") else f"{f.parent.parent.name}-{f.parent.name}"
+        rel = f"data/{i:02d}-{_safe_name(folder)}-{f.name}"
         (out / "data").mkdir(parents=True, exist_ok=True)
         atomic_write(out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp), owned=True)  # never through a link
         copied[f] = rel

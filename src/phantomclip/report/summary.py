@@ -113,7 +113,7 @@ def _diagnose_line(doc: dict) -> str:
     e = doc["engine"]
     line = (f"Before any training step, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
             f"{html_text(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
-            f"<b>{stats['beta_abs_mean']:.3g} nats</b> per token")
+            f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token")
     if finite(outside):
         line += (f"; <b>{_pct(outside, 1)}</b> of the {html_text(e['tokens'])} sampled tokens already sit outside "
                  f"the trust region ε = {tr['epsilon_low']:g} on β alone")

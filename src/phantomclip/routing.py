@@ -385,12 +385,24 @@ MARGIN_QUANTILES = (0.01, 0.1, 0.5)
 """quantiles of the router's top-k margin reported per layer."""
 
 
+def flips_at(own: Routes, ref: Routes, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([layers, N] bool flips, [B, T] bool positions): `flips` at the N positions of `where` [B, T] that both
+    routed."""
+    at = where.bool() & own.valid & ref.valid  # [B, T]
+    return flips(own, ref)[:, at], at
+
+
+def flip_shares(flip: torch.Tensor) -> tuple[float, float]:
+    """(share of (layer, position) choices that differ, share of positions that differ in some layer) of `flip`
+    [layers, N] bool; NaN without positions."""
+    return mean_or_nan(flip.double()), mean_or_nan(flip.any(0).double())
+
+
 def route_stats(own: Routes, ref: Routes, where: torch.Tensor) -> dict:
     """Per MoE layer and over all: how often `own` (the trainer's routes) chose another expert set than `ref` (the
     engine's) at the positions `where` [B, T] bool that both routed, and the trainer's top-k margins there (keys in
     docs/metrics.md, `routing`)."""
-    at = where.bool() & own.valid & ref.valid  # [B, T]
-    flip = flips(own, ref)[:, at]  # [layers, N]
+    flip, at = flips_at(own, ref, where)  # [layers, N], [B, T]
     margin = own.margin[:, at]  # [layers, N]
     per_layer = []
     for layer in range(own.layers):
@@ -401,10 +413,11 @@ def route_stats(own: Routes, ref: Routes, where: torch.Tensor) -> dict:
         per_layer.append(row)
     first = flip.double().argmax(0) if flip.numel() else flip.new_zeros(0)  # [N] first flipped layer (0 if none)
     any_flip = flip.any(0)  # [N]
+    flip_rate, any_flip_share = flip_shares(flip)
     return {
         "positions": int(at.sum()),
-        "flip_rate": mean_or_nan(flip.double()),
-        "any_flip_share": mean_or_nan(any_flip.double()),
+        "flip_rate": flip_rate,
+        "any_flip_share": any_flip_share,
         "first_flip_layer_mean": mean_or_nan(first[any_flip].double()),
         "layers": per_layer,
     }

@@ -139,14 +139,15 @@ def route_row(own: torch.Tensor, own_routes: routing.Recorder, replayed: torch.T
     `replayed` [B, L] (the engine's routes) at the sampled tokens; log r = β_route + the rest, exactly per token."""
     B, T = packed["input_ids"].shape
     mine = own_routes.routes(routing.grouped_layout(P, T, group), B, T)
-    stats = routing.route_stats(mine, routes, packed["attention_mask"].bool().cpu())
+    flip, _ = routing.flips_at(mine, routes, packed["attention_mask"].bool().cpu())  # [layers, N]
+    flip_rate, any_flip_share = routing.flip_shares(flip)  # (route_stats' per-layer table: not logged per step)
     mask = packed["completion_mask"][:, P:].bool()  # [B, L]
     split = routing.route_split(own, replayed, packed["logp_engine"][:, P:])  # float64 [B, L] each
     ok = mask & split["beta"].isfinite()  # [B, L]
     below, above = trust_region_split(split["beta_route"][ok], *eps)
     return {
-        "route/flip_rate": stats["flip_rate"],
-        "route/any_flip_share": stats["any_flip_share"],
+        "route/flip_rate": flip_rate,
+        "route/any_flip_share": any_flip_share,
         "route/beta_route_abs_mean": mean_or_nan(split["beta_route"][ok].abs()),
         "route/beta_route_outside_trust_region": mean_or_nan((below | above).double()),
         # logp(engine's routes, θ_t) − logp_engine(θ_old): β_rest plus the policy's change α at staleness > 0

@@ -175,3 +175,28 @@ def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):
     for vs, (lo, hi) in ((sorted(xs), (x0, x1)), (sorted(ys), (y0, y1))):
         middle = vs[int(0.9 * (len(vs) - 1))] - vs[int(0.1 * (len(vs) - 1))]
         assert middle / (hi - lo) > 0.3, middle / (hi - lo)
+
+
+def test_the_answer_of_diagnose_leads_the_page_when_the_result_has_one(demo):
+    """A diagnose result with its `answer` block (answer.answer of the demo result: 'at risk', 0.79% outside, two
+    changes in phantomclip's own flags) puts that answer above the summary, in the terminal's words
+    (answer.answer_lines); the demo files, written before the block existed, draw no answer box."""
+    from phantomclip.answer import answer, answer_lines
+    from phantomclip.report.page import render
+
+    assert 'id="answer"' not in render(demo)
+    given = copy.copy(demo)
+    result = copy.deepcopy(demo.diagnose[-1])
+    result["answer"] = answer(result)
+    result["answer"]["changes"].append({"setting": "<b>x</b>", "effect": "a & b"})  # data, escaped as text
+    given.diagnose = [*demo.diagnose[:-1], result]
+    text = render(given)
+    box = text.split('<section class="answer" id="answer">')[1].split("</section>")[0]
+    assert text.index('id="answer"') < text.index('id="summary"')
+    lines = answer_lines(result["answer"])  # the terminal's lines: 'answer: AT RISK: <reason>', ...
+    assert lines[0].startswith("answer: AT RISK: ") and "AT RISK" in box
+    assert html.escape(lines[0].split("AT RISK: ")[1], quote=False) in box
+    for ch in result["answer"]["changes"]:
+        assert f"<td><code>{html.escape(ch['setting'])}</code></td><td>{html.escape(ch['effect'])}</td>" in box
+    assert "What to change (phantomclip flags), strongest first" in box and "<b>x</b>" not in box
+    assert "ε 0.2/0.2" in box and "fp32 trainer against a bf16 local engine" in box

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..files import atomic_write, json_safe
 from . import figures as diagnose_figures
 from . import growth_panel
+from .answer_panel import html_answer
 from .escape import html_text, script_json
 from .glossary import html_glossary
 from .interventions_table import html_sanity_table
@@ -184,6 +185,8 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
         return html_appendix(data, ctx["copied"], ctx["roots"])
     if name == "summary":
         return html_summary(data.diagnose, data.sanity)
+    if name == "answer":
+        return html_answer(data.diagnose, ctx["roots"])
     if name == "glossary":
         return html_glossary()
     if name == "sections_compared":

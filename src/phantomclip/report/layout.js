@@ -1,5 +1,6 @@
-// The page's layout rules that need the browser's measurements: the toolbar above the legend, legends that never
-// scroll inside their figure, tick labels that never overlap, and tables that reflow on a phone.
+// The page's layout rules that need the browser's measurements: the toolbar clear of the legend, legends that never
+// scroll inside their figure, tick labels that never overlap, tables that reflow on a phone, the seed-band button
+// and links into the folded glossary. fitFigure runs once, when a figure is first drawn at the window's width.
 
 // Plotly's toolbar (the modebar: zoom, pan, download) shows on hover at the figure's top right. Across the top it
 // covered legend entries at every width (the legend sits above the plot area, where Plotly's margin push puts it

@@ -155,7 +155,7 @@ def parts(rounds: int) -> None:
     base = statistics.median(times["forward"])
     for name, ts in times.items():
         print(f"{name}: median {1e3 * statistics.median(ts):.2f} ms ({statistics.median(ts) / base:.3f}x a forward)")
-    print(f"gathering the routes into the figures (Recorder.routes, route_stats, route_split): median "
+    print(f"gathering the routes into the step figures (routing_train.route_row): median "
           f"{1e3 * statistics.median(gather):.2f} ms; {_load()}")
 
 

@@ -139,7 +139,7 @@ def parts(rounds: int) -> None:
     def gathered():
         own = policy.logprobs(packed, P, 8, grad=False)  # (not timed apart: the figures need some log-probs)
         t0 = time.perf_counter()
-        routing_train.route_row(own, rec_holder["rec"], own, packed, routes, P, 8, (0.2, 0.2))
+        routing_train.route_row(own, rec_holder["rec"], own, packed, routes, P=P, group=8, eps=(0.2, 0.2))
         return time.perf_counter() - t0
 
     ways = {"forward": plain, "with capture": captured, "with replay": replayed}

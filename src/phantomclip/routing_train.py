@@ -81,8 +81,8 @@ def routed_step(step_fn: Callable, batch, ctx):
                            "forward to take the route figures from")
     t0 = time.perf_counter()
     own, replayed = (other, loss) if replay_on else (loss, other)
-    figures = route_row(own.logp, own.routes, replayed.logp, packed, routes, P, cfg.group_size,
-                        (ctx.plan.eps_low, ctx.plan.eps_high))
+    figures = route_row(own.logp, own.routes, replayed.logp, packed, routes, P=P, group=cfg.group_size,
+                        eps=(ctx.plan.eps_low, ctx.plan.eps_high))
     figures["time/route_s"] = seconds + time.perf_counter() - t0
     out.row.update(figures)
     return out
@@ -161,4 +161,4 @@ def step_route_figures(policy, packed: dict[str, torch.Tensor], routes: routing.
     """`route_row` with both forwards run here, no-grad (the figures of a batch outside a training step)."""
     own = _forward(policy, packed, routes, P, group, temperature, replay=False)
     replayed = _forward(policy, packed, routes, P, group, temperature, replay=True)
-    return route_row(own.logp, own.routes, replayed.logp, packed, routes, P, group, eps)
+    return route_row(own.logp, own.routes, replayed.logp, packed, routes, P=P, group=group, eps=eps)

@@ -154,11 +154,12 @@ MIN_PLOT = 200
 
 
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
-@pytest.mark.parametrize("viewport", [(1280, 900), (390, 844)], ids=["laptop", "phone"])
+@pytest.mark.parametrize("viewport", [(1280, 900, 390, 844), (390, 844)], ids=["laptop-then-narrowed", "phone"])
 def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
-    """At a laptop's width and a phone's (390 px, an iPhone 12-15): no two texts over each other, nothing wider
-    than the viewport, no table wider than its column (on a phone the tables reflow into one block per row), every
-    legend whole inside its figure and clear of the toolbar."""
+    """At a laptop's width and a phone's (390 px, an iPhone 12-15), and on a window drawn wide then narrowed to the
+    phone's width (a phone opened sideways and turned upright: the figures are fitted again): no two texts over
+    each other, nothing wider than the viewport, no table wider than its column (on a phone the tables reflow into
+    one block per row), every legend whole inside its figure and clear of the toolbar."""
     sync_api = pytest.importorskip("playwright.sync_api")
     errors, requests = [], []
     with sync_api.sync_playwright() as p:
@@ -168,9 +169,9 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("request", lambda r: requests.append(r.url))
         page.goto(demo_page.as_uri())
-        page.wait_for_function(f"document.querySelectorAll('.figure .main-svg').length >= {len(FIGURES)}")
-        page.wait_for_timeout(500)  # responsive relayout after the first draw
-        layout = page.evaluate(LAYOUT_JS)
+        page.wait_for_function("document.body.dataset.fitted === 'first-draw'")  # every figure drawn and fitted
+        page.wait_for_timeout(300)  # Plotly's responsive relayout after the first draw
+        layouts = [page.evaluate(LAYOUT_JS)]
         sources = page.locator("figure.chart figcaption.source")
         assert sources.count() == page.locator(".figure").count() == len(FIGURES)
         assert all(t.startswith("Data: ") for t in sources.all_inner_texts())
@@ -201,17 +202,22 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         page.click("#summary a[href='#glossary-nats']")
         page.wait_for_function("document.getElementById('glossary').open")
         assert page.evaluate("document.getElementById('glossary-nats').textContent") == "nats"
+        if len(viewport) == 4:  # narrowed: layout.js fits every figure again 200 ms after the last resize event
+            page.set_viewport_size({"width": viewport[2], "height": viewport[3]})
+            page.wait_for_function("document.body.dataset.fitted === 'after-resize'")
+            layouts.append(page.evaluate(LAYOUT_JS))
         browser.close()
     assert not errors, errors
     assert requests == [demo_page.as_uri()], requests  # offline: the page is the only request
-    assert layout["checked"] > 1000 and not layout["found"], "\n".join(layout["found"])
-    assert len(layout["tables"]) >= 4
-    for t in layout["tables"]:
-        assert t["width"] <= t["column"] + 1 and t["scroll"] <= t["column"] + 1, t
-    assert not layout["wide"], layout["wide"]
-    assert len(layout["figures"]) == len(FIGURES)
-    for f in layout["figures"]:
-        assert not f["out"] and f["plot"] >= MIN_PLOT, f
+    for layout in layouts:
+        assert layout["checked"] > 1000 and not layout["found"], "\n".join(layout["found"])
+        assert len(layout["tables"]) >= 4
+        for t in layout["tables"]:
+            assert t["width"] <= t["column"] + 1 and t["scroll"] <= t["column"] + 1, t
+        assert not layout["wide"], layout["wide"]
+        assert len(layout["figures"]) == len(FIGURES)
+        for f in layout["figures"]:
+            assert not f["out"] and f["plot"] >= MIN_PLOT, f
 
 
 def test_sections_that_disagree_say_so_with_their_numbers(demo_page):

@@ -1,6 +1,6 @@
 // The page's layout rules that need the browser's measurements: the toolbar clear of the legend, legends that never
 // scroll inside their figure, tick labels that never overlap, tables that reflow on a phone, the seed-band button
-// and links into the folded glossary. fitFigure runs once, when a figure is first drawn at the window's width.
+// and links into the folded glossary. fitFigure runs when a figure is first drawn and again after the window changes width (a phone turned upright).
 
 // Plotly's toolbar (the modebar: zoom, pan, download) shows on hover at the figure's top right. Across the top it
 // covered legend entries at every width (the legend sits above the plot area, where Plotly's margin push puts it
@@ -47,7 +47,7 @@ function wrapped(text, long, room) {
 async function fitFigure(gd) {
   if (anyOverlap(textBoxes(gd, "g.xtick text"))) await Plotly.relayout(gd, {"xaxis.tickangle": -90});
   if (anyOverlap(textBoxes(gd, "g.xtick2 text"))) {
-    const multi = gd.data.map(t => Array.isArray(t.x) && Array.isArray(t.x[0]));
+    const multi = gd.data.map(t => Array.isArray(t.x) && Array.isArray(t.x[0]) && !String(t.x[0]).includes("<br>"));
     if (multi.some(Boolean))
       await Plotly.restyle(gd, {x: gd.data.map(t => Array.isArray(t.x[0]) ? brokenLabels(t.x) : t.x)});
   }
@@ -58,7 +58,7 @@ async function fitFigure(gd) {
                  yaxis: 2 * Math.min((p.top + p.bottom) / 2 - fig.top, fig.bottom - (p.top + p.bottom) / 2)};
   for (const [axis, sel] of [["xaxis", "text.xtitle"], ["yaxis", "text.ytitle"]]) {
     const title = gd.querySelector(sel), room = rooms[axis] - 8;
-    if (!title) continue;
+    if (!title || String(((gd.layout[axis] || {}).title || {}).text).includes("<br>")) continue;  // wrapped once
     const r = title.getBoundingClientRect(), long = Math.max(r.width, r.height);
     if (long > room) await Plotly.relayout(gd, {[axis + ".title.text"]: wrapped(title.textContent, long, room)});
   }
@@ -110,3 +110,24 @@ function openLinked() {
   if (box && !box.open) { box.open = true; target.scrollIntoView(); }
 }
 window.addEventListener("hashchange", openLinked);
+
+// After the window changes width (Plotly's own resize has redrawn each figure at the new width), fit each figure
+// again: labels that fitted a landscape phone may overlap upright.
+let refitTimer = null, lastWidth = window.innerWidth;
+window.addEventListener("resize", () => {
+  if (window.innerWidth === lastWidth) return;
+  lastWidth = window.innerWidth;
+  clearTimeout(refitTimer);
+  delete document.body.dataset.fitted;
+  refitTimer = setTimeout(async () => {
+    const narrow = window.innerWidth < 640;  // the template's NARROW, at the new width: the phone's smaller text
+    for (const gd of document.querySelectorAll(".figure.js-plotly-plot")) {
+      const base = FIGURES[gd.id.slice("fig-".length)].layout;
+      await Plotly.relayout(gd, {"font.size": narrow ? 11 : base.font.size,
+                                 "legend.font.size": narrow ? 10 : (base.legend.font || {}).size});
+      await Plotly.Plots.resize(gd);
+      await fitFigure(gd);
+    }
+    document.body.dataset.fitted = "after-resize";  // every figure fitted again (the browser test waits for it)
+  }, 200);
+});

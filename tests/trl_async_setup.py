@@ -14,13 +14,15 @@ G = 4
 """completions per prompt (one group)."""
 
 
-def neglen(prompts, completions, ids):
-    return [-float(len(c)) for c in ids]
+def neglen(prompts, completions, completion_ids, **kwargs):
+    """minus the completion's length: TRL's reward signature (its worker passes these by name, with the dataset's
+    other columns)."""
+    return [-float(len(c)) for c in completion_ids]
 
 
-def spread(prompts, completions, ids):
+def spread(prompts, completions, completion_ids, **kwargs):
     """A reward that differs within a group whatever the lengths (the tiny model often fills max_tokens)."""
-    return [float(sum(c) % 7) for c in ids]
+    return [float(sum(c) % 7) for c in completion_ids]
 
 
 def model_dir(root: str) -> str:

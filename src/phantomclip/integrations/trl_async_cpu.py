@@ -17,6 +17,8 @@ tree packing, collator, `compute_loss`, metrics and version counter.
   version the engine's weights came from, group-normalised advantages as TRL's `_score_group` computes them.
 - `LocalWeightTransfer`: `send_weights` casts TRL's streamed (name, fp32 tensor) pairs into that engine, as vLLM's
   load rounds them to its dtype.
+- `DiskWeightTransfer`: for a real vLLM(-cpu) server with TRL's real rollout worker: the NCCL stream replaced by a
+  safetensors file the server reloads in place (vLLM's `/collective_rpc` -> `reload_weights(weights_path=...)`).
 """
 
 from __future__ import annotations
@@ -166,3 +168,54 @@ class LocalWeightTransfer:
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.changed_share.append(self.engine.load_weights(dict(iterator)))
+
+
+class DiskWeightTransfer:
+    """TRL's `WeightTransferProtocol` into a running vLLM server without NCCL (a CPU server cannot join an NCCL
+    group): `send_weights` writes TRL's streamed (name, tensor) pairs, under the checkpoint names TRL's NCCL path
+    sends, to `directory`/model.safetensors (atomically: temp then rename), then asks the server to reload them in
+    place through its dev endpoint `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
+    directory}}` (vllm 0.32 `v1/worker/gpu_worker.py` `reload_weights` -> `model_loader/reload/inplace.py`: the
+    checkpoint-format load, each tensor rounded to the server's dtype as the NCCL receive does). `pause`/`resume`
+    are TRL's own (`/pause?mode=keep`, `/resume`). The server needs VLLM_SERVER_DEV_MODE=1, as TRL's does."""
+
+    def __init__(self, server_url: str, directory: str, timeout: float = 600.0):
+        self.server_url, self.directory, self.timeout = server_url.rstrip("/"), directory, timeout
+        self.seconds: list[float] = []
+
+    def _post(self, path: str, **kwargs) -> None:
+        import requests
+
+        response = requests.post(f"{self.server_url}{path}", timeout=self.timeout, **kwargs)
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM server {self.server_url}{path}: {response.status_code} {response.text[:200]} "
+                               "(start it with VLLM_SERVER_DEV_MODE=1)")
+
+    def init_weight_transfer(self) -> None:
+        from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+        VLLMClient(self.server_url, self.timeout).wait_for_server_ready()
+
+    def pause(self) -> None:
+        self._post("/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def destroy(self) -> None: ...
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        import os
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from ..files import atomic_write
+
+        t0 = time.perf_counter()
+        # each tensor its own contiguous copy: safetensors refuses tensors sharing storage (tied weights, views)
+        tensors = {name: value.detach().to("cpu").contiguous().clone() for name, value in iterator}
+        os.makedirs(self.directory, exist_ok=True)
+        atomic_write(Path(self.directory) / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+        self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": self.directory}})
+        self.seconds.append(time.perf_counter() - t0)

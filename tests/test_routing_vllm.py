@@ -59,3 +59,22 @@ def test_diagnose_with_vllm_on_an_moe_says_so_in_one_line(monkeypatch, capsys, m
         err = capsys.readouterr().err
         assert code == 2 and "engine stub" in err and "Traceback" not in err, err
         assert sum(line.strip() == "no route figures: " + VLLM_LINE for line in err.splitlines()) == want, err
+
+
+def test_train_with_vllm_on_an_moe_notes_the_missing_route_figures():
+    """train without r3 samples with vLLM as with any model and logs no route/*; the note says why, once (printed
+    at the start of the run); none for a dense model or the local engine."""
+    import torch
+
+    from phantomclip.engine import LocalEngine
+    from phantomclip.models import load_model
+    from phantomclip.routing_train import engine_routes_note
+
+    class VllmStub:
+        def describe(self):
+            return {"kind": "vllm"}
+
+    moe, dense = load_model("tiny-moe:0").model, load_model("tiny-random:0").model
+    assert engine_routes_note(VllmStub(), moe) == "no route figures: " + VLLM_LINE
+    assert engine_routes_note(VllmStub(), dense) is None
+    assert engine_routes_note(LocalEngine(moe, torch.bfloat16), moe) is None

@@ -42,6 +42,14 @@ def capture_plan(engine, master: nn.Module, replay: bool) -> bool:
         return False
 
 
+def engine_routes_note(engine, master: nn.Module) -> str | None:
+    """The one line an MoE run prints when its engine returns no routes (vLLM): its steps log no `route/*`. None for
+    a dense model or the local engine."""
+    if isinstance(engine, LocalEngine) or not routing.is_moe(master):
+        return None
+    return routing.no_engine_routes(engine.describe().get("kind", "engine"))
+
+
 def replaying(models: list[nn.Module | None], routes: routing.Routes | None, P: int, group: int,
               on: bool) -> contextlib.ExitStack:
     """A context in which each of `models` (None skipped) replays `routes` on the grouped forward of a packed batch

@@ -53,7 +53,7 @@ from .producer import (
     start_producer,
 )
 from .recipes import Recipe, apply_recipe, get_recipe, without_quant
-from .routing_train import routed_step
+from .routing_train import engine_routes_note, routed_step
 from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
 from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig
@@ -155,6 +155,9 @@ def train(
         with stop_requested, progress_bar(console, transient=False, info=True) as progress:
             bar = progress.add_task("train", total=cfg.steps, completed=start, info="")
             _keep_weights(setup, start, progress, missing_only=True)  # step 0, or the first one of a resume
+            note = engine_routes_note(setup.engine, setup.master)  # an MoE sampled by vLLM: no route/* (one line)
+            if note and hasattr(progress, "console"):
+                progress.console.print(note, markup=False, soft_wrap=True)
             device = next(setup.master.parameters()).device
             for k in range(start, cfg.steps):
                 t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import torch
 
 from conftest import bad_cli
 from phantomclip.cli import main
+from phantomclip.recipes import cpu_description
 from phantomclip.scoring import LOGIT_STATS
 
 RUN = ["train", "--model", "tiny-random:30", "--steps", "4", "--group-size", "4", "--max-tokens", "8", "--lr", "3e-3",
@@ -63,6 +64,7 @@ def test_explicit_cpu_gives_the_default_figures(run_dir, tmp_path, capsys):
         results[device] = json.loads(out.read_text())
     capsys.readouterr()
     assert results["auto"] == results["cpu"] and results["cpu"]["device"]["device"] == "cpu"
+    assert results["cpu"]["cpu"] == cpu_description("auto")  # the machine, as diagnose records it
 
 
 def test_bad_runs_are_one_line(run_dir, tmp_path, capsys):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from conftest import assert_close_eps, bad_cli, eps, logit_bound, report
+from phantomclip.recipes import cpu_description
 from phantomclip.trace import (
     TraceConfig,
     TraceError,
@@ -60,6 +61,7 @@ def test_first_order_identity_in_float64():
 
 def test_bf16_trace_finds_the_gap_and_the_weights_compute_split_adds_up():
     r = run_trace(TraceConfig(**TINY, recipe="bf16", what_if=False))
+    assert r["cpu"] == cpu_description(TraceConfig().matmul)  # the machine recorded as diagnose records it
     rel = {s["site"]: s["rel_error"] for s in r["sites"]}
     # bf16 rounding of the embedding rows: to nearest, so each value moves by at most half an ulp, <= eps_bf16 / 2
     # relative, and so does the RMS (uniform rounding errors give about 2^-9)

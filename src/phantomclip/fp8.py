@@ -77,6 +77,12 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def _to_e4m3_(t: torch.Tensor) -> torch.Tensor:
+    """`to_e4m3` saturating in place: for a temporary the quantiser just made (one fp32 buffer fewer per call, the
+    same values)."""
+    return t.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
 def quant_tensor(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor quantisation: (q E4M3 like x, scale [] fp32) with scale = amax / 448 and q = sat(x * (1 /
     scale)). `amax`: the amax to use (a merged layer's, over all its parts). An all-zero tensor has scale 0; vLLM's
@@ -86,7 +92,7 @@ def quant_tensor(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[tor
     amax = x32.abs().amax() if amax is None else amax.float()
     scale = amax / E4M3_MAX  # [] fp32
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return to_e4m3(x32 * inv), scale
+    return _to_e4m3_(x32 * inv), scale
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +100,7 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     1 / (448 * 512)) and q = sat(x / scale). Per channel, a weight [N, K] is quantised row by row the same way."""
     x32 = x.float()
     scale = (x32.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_min(MIN_SCALING_FACTOR)  # [..., 1]
-    return to_e4m3(x32 / scale), scale
+    return _to_e4m3_(x32 / scale), scale
 
 
 def quant_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +109,7 @@ def quant_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, tor
     x32 = x.float()
     g = x32.unflatten(-1, (-1, group))  # [..., K/group, group]
     scale = g.abs().amax(-1, keepdim=True).clamp_min(GROUP_EPS) / E4M3_MAX  # [..., K/group, 1]
-    return to_e4m3(g / scale).flatten(-2), scale.squeeze(-1)
+    return _to_e4m3_(g / scale).flatten(-2), scale.squeeze(-1)
 
 
 def quant_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,14 +118,14 @@ def quant_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, tor
     N, K = w.shape
     v = w.float().reshape(N // block, block, K // block, block)  # [Nb, block, Kb, block]
     amax = v.abs().amax(dim=(1, 3), keepdim=True).clamp_min(BLOCK_AMAX_FLOOR)  # [Nb, 1, Kb, 1]
-    q = to_e4m3(v * (E4M3_MAX / amax)).reshape(N, K)
+    q = _to_e4m3_(v * (E4M3_MAX / amax)).reshape(N, K)
     return q, (amax / E4M3_MAX).reshape(N // block, K // block)
 
 
 def dequant_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """A key or value through the FP8 KV cache: stored as sat(x / scale) in E4M3, read back as e4m3 * scale, in x's
     dtype. With scale 1.0 (vLLM's default) this is elementwise and idempotent, so a cache read twice is the same."""
-    return (to_e4m3(x.float() / scale).float() * scale).to(x.dtype)
+    return (_to_e4m3_(x.float() / scale).float() * scale).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ GEMMs
@@ -151,7 +157,8 @@ def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
                    packed: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, N] = sx * (sw * (xq @ wq^T)): E4M3 xq [M, K] and wq [N, K] multiplied exactly with fp32 accumulation,
     then the CUTLASS epilogue's two scalings in its order. sx [M, 1] or [], sw [1, N] or []."""
-    return sx * (sw * product(xq, wq, packed))  # [M, N]
+    # in place on the product's fresh fp32 buffer: sw * acc, then sx * that (each product rounded once, as before)
+    return product(xq, wq, packed).mul_(sw).mul_(sx)  # [M, N]
 
 
 def block_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -264,9 +271,9 @@ def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.T
         xq, sx = quant_groups(x2)  # [M, K], [M, K/128]
         out = block_product(xq, sx, wq, sw)
     else:  # weight-only: the activations as they are (bf16 values are exact in fp32)
-        out = product(x2, wq, packed) * sw  # [M, N]
+        out = product(x2, wq, packed).mul_(sw)  # [M, N]
     if bias is not None:
-        out = out + bias.float()
+        out = out.add_(bias.float())
     return out.to(out_dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
@@ -277,8 +284,13 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     key = tuple((m.weight.data_ptr(), m.weight._version) for m in group)
     if getattr(self, "_pc_fp8_key", None) != key:
         spec = self._pc_fp8_spec
-        amax = (torch.stack([m.weight.detach().float().abs().amax() for m in group]).amax()
-                if spec.weight == "tensor" else None)
+        amax = None
+        if spec.weight == "tensor":  # the group's amax, once per weight version for all its members
+            shared = self._pc_fp8_amax
+            if shared.get("key") != key:
+                shared["key"] = key
+                shared["amax"] = torch.stack([m.weight.detach().float().abs().amax() for m in group]).amax()
+            amax = shared["amax"]
         self._pc_fp8_w = quantise_weight(self.weight.detach(), spec, amax)
         # the image laid out once for oneDNN on a CPU (`use_fp8`; the engine and the scorer alike)
         packs = getattr(self, "_pc_fp8_pack", False) and spec.weight != "block" and self.weight.device.type == "cpu"
@@ -301,11 +313,13 @@ def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
         by_parent.setdefault(parent, {})[leaf] = m
     import types
 
+    amax_caches: dict[tuple, dict] = {}
     for name, m in linears.items():
         parent, _, leaf = name.rpartition(".")
         siblings = by_parent[parent]
         fused = next((f for f in FUSED if leaf in f and all(p in siblings for p in f)), (leaf,))
         m._pc_fp8_group = [siblings[p] for p in fused]
+        m._pc_fp8_amax = amax_caches.setdefault((parent, fused), {})  # one per merged group: its amax, computed once
         m._pc_fp8_spec = spec
         m._pc_fp8_key = None
         m._pc_fp8_prev = m.__dict__.get("forward")  # the kernel the recipe chose, for `unquantise`

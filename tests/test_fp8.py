@@ -208,6 +208,32 @@ def test_linear_forward_is_the_emulated_gemm(tiny):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+def test_a_merged_group_quantises_its_input_once(tiny, monkeypatch):
+    """q/k/v and gate/up read one input: it is quantised once per group (4 quantisations a layer: q/k/v, o, gate/up,
+    down), each member's output bit for bit its own fp8_linear on that input, and an input changed in place between
+    two members is quantised again, not taken stale."""
+    model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a8"))
+    calls = []
+    real = fp8.token_quant
+    monkeypatch.setattr(fp8, "token_quant", lambda x: calls.append(1) or real(x))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == 4 * len(model.model.layers)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 64).bfloat16()
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        alone = fp8.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias, torch.bfloat16, packed=m._pc_fp8_packed)
+        assert torch.equal(m(x), alone)
+    calls.clear()
+    attn.q_proj(x)
+    x.mul_(2)  # changed in place: k_proj must not take q_proj's quantisation of the old values
+    out = attn.k_proj(x)
+    m = attn.k_proj
+    assert len(calls) == 2 and torch.equal(out, fp8.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias,
+                                                               torch.bfloat16, packed=m._pc_fp8_packed))
+
+
 @pytest.mark.parametrize("name", ["bf16+fp8-w8a8", "bf16+fp8-w8a8-channel", "bf16+fp8-w8a16", "bf16+fp8-w8a8+fp8-kv"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_engine_and_shadow_quantise_bit_for_bit(tiny, name, packed):

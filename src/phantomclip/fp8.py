@@ -260,12 +260,14 @@ def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype, packed: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype, packed: torch.Tensor | None = None,
+               tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The FP8 engine's Linear on x [..., K] with the quantised weight (wq, sw): [..., N] in `out_dtype`. `packed`:
-    wq laid out for oneDNN (`pack_weight`), for the per-tensor, per-channel and weight-only products."""
+    wq laid out for oneDNN (`pack_weight`), for the per-tensor, per-channel and weight-only products. `tokens`:
+    `token_quant(x)` where the caller has it already (a merged sibling on the same input)."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if spec.activation == "token":
-        xq, sx = quant_rows(x2)  # [M, K] E4M3, [M, 1]
+        xq, sx = tokens if tokens is not None else token_quant(x)  # [M, K] fp32 E4M3 values, [M, 1]
         out = scaled_product(xq, sx, wq, sw, packed)  # [M, N] fp32
     elif spec.activation == "group":
         xq, sx = quant_groups(x2)  # [M, K], [M, K/128]
@@ -275,6 +277,32 @@ def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.T
     if bias is not None:
         out = out.add_(bias.float())
     return out.to(out_dtype).reshape(*x.shape[:-1], wq.shape[0])
+
+
+def token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantisation of x [..., K] as the GEMM reads it: (the E4M3 values in fp32 [M, K], scale [M, 1])."""
+    xq, sx = quant_rows(x.reshape(-1, x.shape[-1]))
+    return xq.float(), sx
+
+
+def _shared_tokens(self: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`token_quant(x)` shared by a merged group (q/k/v, gate/up) that reads one input: the first member to see x
+    quantises it and leaves it for the others, each of which takes it once, for the same tensor at the same version
+    (so an input changed in place, or another input, is quantised again). vLLM quantises a merged layer's input once
+    too. None where nothing is shared (a Linear alone, or an inference-mode tensor, which has no version)."""
+    group = self._pc_fp8_group
+    if len(group) < 2 or x.is_inference():
+        return None
+    shared = self._pc_fp8_amax
+    held = shared.get("tokens")
+    if held is not None and held[0] is x and held[1] == x._version and any(m is self for m in held[2]):
+        held[2].remove(self)
+        if not held[2]:
+            del shared["tokens"]
+        return held[3]
+    tokens = token_quant(x)
+    shared["tokens"] = (x, x._version, [m for m in group if m is not self], tokens)
+    return tokens
 
 
 def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +325,9 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         self._pc_fp8_packed = pack_weight(self._pc_fp8_w[0]) if packs else None
         self._pc_fp8_key = key
     wq, sw = self._pc_fp8_w
-    return fp8_linear(x, self._pc_fp8_spec, wq, sw, self.bias, self.weight.dtype, packed=self._pc_fp8_packed)
+    spec = self._pc_fp8_spec
+    tokens = _shared_tokens(self, x) if spec.activation == "token" else None
+    return fp8_linear(x, spec, wq, sw, self.bias, self.weight.dtype, packed=self._pc_fp8_packed, tokens=tokens)
 
 
 def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
@@ -319,7 +349,7 @@ def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
         siblings = by_parent[parent]
         fused = next((f for f in FUSED if leaf in f and all(p in siblings for p in f)), (leaf,))
         m._pc_fp8_group = [siblings[p] for p in fused]
-        m._pc_fp8_amax = amax_caches.setdefault((parent, fused), {})  # one per merged group: its amax, computed once
+        m._pc_fp8_amax = amax_caches.setdefault((parent, fused), {})  # one per merged group: its amax and input
         m._pc_fp8_spec = spec
         m._pc_fp8_key = None
         m._pc_fp8_prev = m.__dict__.get("forward")  # the kernel the recipe chose, for `unquantise`

@@ -11,7 +11,10 @@ the trainer side of an async step. Generation is left out of the denominator: in
 samples in parallel, here the stand-in samples in this process. Also printed: the whole wall time, generation
 included, and the CPU seconds other processes used meanwhile (/proc/stat minus this process), since this machine
 is shared. 2 groups sampled per fill, one trained per step: staleness at the loss 0, 1, 1, 2, 1, 2 (one extra shadow
-forward on every step after the first).
+forward on every step after the first). Per step too: the monitor's seconds in each step (its clock read at each
+step's end, after TRL's sync) over that step's trainer side, and the median of those shares (over all steps, and
+after the first, whose share carries the initial sync and the first shadow copy's allocation). On a shared machine
+run the arms interleaved (A B B A) at the same niceness and compare medians.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import copy
 import json
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -74,6 +78,14 @@ def main() -> None:
     worker = LocalRolloutWorker(engine, lm.tokenizer, bundled_prompts(), neglen,
                                 num_generations=8, max_tokens=args.max_tokens, groups_per_fill=2)
     monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=args.interval)
+    from transformers import TrainerCallback
+
+    per_step: list[float] = []  # the monitor's seconds up to each step's end (its sync included: TRL's sync
+    # callback was added before this one)
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.append(trainer._pc_async.monitor_seconds)
     with tempfile.TemporaryDirectory() as out:
         config = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
                                  max_completion_length=args.max_tokens, learning_rate=1e-4, max_steps=args.steps,
@@ -82,7 +94,7 @@ def main() -> None:
         trainer = AsyncGRPOTrainer(model=lm.path, args=config, reward_funcs=[], processing_class=lm.tokenizer,
                                    train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}),
                                    rollout_worker=worker, weight_transfer=LocalWeightTransfer(engine),
-                                   callbacks=[monitor])
+                                   callbacks=[monitor, StepClock()])
         busy0, own0, t0 = busy_seconds(), own_seconds(), time.perf_counter()
         trainer.train()
         wall, busy, own = time.perf_counter() - t0, busy_seconds() - busy0, own_seconds() - own0
@@ -90,6 +102,9 @@ def main() -> None:
     trainer_side = sum(h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0)
                        for h in rows)
     hooks = trainer._pc_async
+    sides = [h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0) for h in rows]
+    mon = [b - a for a, b in zip([0.0, *per_step], per_step)]  # the monitor's seconds in each step
+    shares = [m / t for m, t in zip(mon, sides)]
     kept, per = shadow_memory(trainer, "bfloat16")
     result = {
         "cpu": cpu_kind(), "steps": args.steps, "interval": args.interval, "max_tokens": args.max_tokens,
@@ -99,6 +114,10 @@ def main() -> None:
         "monitor_share_of_wall": hooks.monitor_seconds / wall,
         "monitor_parts_s": {**hooks.seconds, "of which building copies": hooks.shadows.build_seconds},
         "monitor_share_without_building": (hooks.monitor_seconds - hooks.shadows.build_seconds) / trainer_side,
+        "per_step_monitor_s": mon, "per_step_trainer_side_s": sides, "per_step_share": shares,
+        "median_step_share": statistics.median(shares),
+        "median_step_share_after_first": statistics.median(shares[1:]) if len(shares) > 1 else None,
+        "loadavg": os.getloadavg(), "phantomclip": __import__("phantomclip").__file__,
         "others_cpu_s_per_wall_s": (busy - own) / wall, "shadow_bytes": per, "shadows_kept": kept,
         "staleness_1_steps": sum(1 for h in trainer.state.log_history if h.get("precision/staleness_share_1") == 1.0),
     }

@@ -119,7 +119,7 @@ def _weights_match(model, weights) -> dict:
         parent, _, leaf = name.rpartition(".")
         w = torch.cat([mods[f"{parent}.{p}"].weight for p in parts.get(leaf, (leaf,))]).to(torch.bfloat16)
         q, s = quantise_weight(w, spec)  # [N, K], [1, N]
-        vq = wq.T if wq.shape != q.shape else wq  # vLLM keeps it [K, N] for torch._scaled_mm
+        vq = wq.T  # vLLM keeps every E4M3 weight as [K, N] (torch._scaled_mm's layout), square ones too
         same_q += bool(torch.equal(vq.view(torch.uint8), q.view(torch.uint8)))
         same_s += bool(torch.equal(ws.reshape(-1), s.reshape(-1)))
     return {"layers": len(weights), "weights_equal": same_q, "scales_equal": same_s}

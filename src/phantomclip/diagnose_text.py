@@ -43,7 +43,6 @@ def verdict(result: dict) -> str:
     (answer.ranking), what its figures mean for PPO clipping, and what to change (answer.epsilon_advice)."""
     recs = result["recipes"]
     eng = result["engine"]["dtype"]
-    region = region_text(result)
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
     engine_missing = result["engine"].get("nonfinite_logprobs", 0)
     if not usable:
@@ -57,6 +56,7 @@ def verdict(result: dict) -> str:
     def overflow(k: str) -> int:  # the recipe's own non-finite log-probs, not the tokens the engine left without one
         return recs[k]["nonfinite"] - engine_missing
 
+    region = region_text(result)
     best, mine = ranking(result)[0], user_recipe(result)
     b = usable[best]
     parts = [

@@ -143,30 +143,59 @@ def next_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_all, logp_kept) [B, V]: fp32 log-softmax of logits [B, V] at `temperature`, and the same renormalised
     over the tokens truncation keeps (-inf elsewhere). The one computation sampling and re-scoring share."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    x = logits.float()  # [B, V]: a fresh copy unless the logits are fp32 already (then the caller's tensor)
+    if temperature != 1.0:  # x / 1 == x exactly, so temperature 1 skips the pass; in place on our own copy only
+        x = x / temperature if logits.dtype == torch.float32 else x.div_(temperature)
+    logp_all = torch.log_softmax(x, dim=-1)  # [B, V]
     return logp_all, truncate_logprobs(logp_all, top_k, top_p, min_p)
 
 
 def sample_next_token(
     logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-    min_p: float = 0.0,
+    min_p: float = 0.0, workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [B, V] (any dtype; upcast to fp32).
 
     Returns (token [B] long, logp [B] over the full vocabulary at this temperature,
     logp_processed [B] renormalised over the kept set: logp - log S where S is the kept probability mass).
+    `workspace`: an fp64 tensor of the logits' shape and device to build the CDF in (its contents are overwritten and
+    do not matter); a decode loop passes the same one every step, so that the [B, V] fp64 buffer is not allocated
+    and page-faulted in anew each time (at 64 x 49,152 that was half of the sampler's CPU time). Without one, a
+    fresh buffer is used. The tokens and log-probs do not depend on it (tested bit for bit against the first version).
     """
     logp_all, logp_kept = next_token_logprobs(logits, temperature, top_k, top_p, min_p)  # [B, V] each
     # Inverse-CDF sampling with one uniform per row. (torch.multinomial draws an exponential per vocabulary
     # entry: ~20 ms per step for 16 x 49,152 on a CPU core, a third of a decode step.) The CDF is built in fp64
     # so that tail tokens of 1e-9 probability keep their own step instead of vanishing in fp32 rounding.
-    probs = logp_kept.double().exp()  # [B, V]
-    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    # One fp64 buffer, three in-place passes (cast, exp, cumsum): the same kernels on the same contiguous [B, V]
+    # layout as out-of-place ones, hence the same bits (exp's vectorised and scalar-tail lanes fall on the same
+    # elements; a buffer of another shape, e.g. only some columns, could round some of them otherwise).
+    cdf = _fp64_buffer(logp_kept, workspace).copy_(logp_kept).exp_()  # [B, V]: probabilities
+    cdf = torch.cumsum(cdf, dim=-1, out=cdf)  # [B, V]: running sums, in place (each read before it is written)
+    total = cdf[:, -1:]  # [B, 1]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device) * total
     token = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [B]
-    last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [B]
-    token = torch.minimum(token, last_nonzero)  # u rounding up to the total must not pick a zero-mass token
+    # searchsorted returns the first i with cdf[i] > u. When u < total that i has mass: cdf[i] > u >= cdf[i - 1]
+    # (or i = 0 and cdf[0] > u >= 0), and fl(a + p) > a only when p > 0. Only u rounding up to the total (r close to
+    # 1) or a non-finite row leaves no such i (token = V): then the last token with mass is taken, as the first
+    # version did for every row (`_last_with_mass`); that rare case alone pays for the extra pass.
+    if bool((token == cdf.shape[-1]).any()) or not bool(torch.isfinite(total).all()):
+        token = torch.minimum(token, _last_with_mass(logp_kept))
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1), logp_kept.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _fp64_buffer(like: torch.Tensor, workspace: torch.Tensor | None) -> torch.Tensor:
+    """`workspace` when it is a contiguous fp64 tensor of `like`'s shape and device, else a new one."""
+    ok = (workspace is not None and workspace.dtype == torch.float64 and workspace.shape == like.shape
+          and workspace.device == like.device and workspace.is_contiguous())
+    return workspace if ok else torch.empty(like.shape, dtype=torch.float64, device=like.device)
+
+
+def _last_with_mass(logp_kept: torch.Tensor) -> torch.Tensor:
+    """[B]: per row the last index whose fp64 probability exp(logp) is > 0 (V - 1 for a row with none), computed
+    on the whole [B, V] tensor exactly as the first version of the sampler did for every row."""
+    probs = logp_kept.double().exp()  # [B, V]
+    return probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [B]
 
 
 class LocalEngine:
@@ -295,13 +324,16 @@ class _Sampler:
         self.params, self.steps, self.device = params, params.max_tokens, device
         self.gen = torch.Generator(device=device).manual_seed(params.seed)  # a stream per device: CUDA draws differ
         self.stop = torch.tensor(params.stop_token_ids or [-1], device=device)
+        self.workspace: torch.Tensor | None = None  # sample_next_token's fp64 CDF buffer
 
     def done_at_start(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, dtype=torch.bool, device=self.device)
 
     def pick(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
-        return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p)
+        if self.workspace is None or self.workspace.shape != logits.shape:  # [B, V] fp64, reused every step
+            self.workspace = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+        return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p, self.workspace)
 
     def ends(self, step: int, tok: torch.Tensor) -> torch.Tensor:
         return torch.isin(tok, self.stop)

@@ -26,6 +26,16 @@ def test_train_r3_with_vllm_is_refused_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused by the config, before a run directory or an engine
 
 
+def test_an_experiment_asks_the_same_refusal():
+    """`experiment` leaves an arm out by `engine_refuses`, the function train's config check raises: r3 with vLLM is
+    refused there too, and r3 with the local engine (which returns routes) is not."""
+    from phantomclip.train_config import TrainConfig, engine_refuses
+
+    assert engine_refuses(TrainConfig(model="tiny-moe:0", engine="vllm", intervention="r3")) == (
+        "--intervention r3: " + VLLM_LINE)
+    assert engine_refuses(TrainConfig(model="tiny-moe:0", engine="local", intervention="r3")) is None
+
+
 def _vllm_installed(monkeypatch):
     """As where vLLM imports (diagnose's config checks it before the gates)."""
     import phantomclip.engines.vllm

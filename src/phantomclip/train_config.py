@@ -143,15 +143,17 @@ class TrainConfig:
             if not ok:
                 raise TrainConfigError(message)
         resolve_device(self.device)  # a device this machine lacks: one line before anything loads
-        if self.engine != "local" and resolve_plan(self).routes == "engine":  # r3: before vLLM's minutes of start-up
-            from .routing import no_engine_routes
-
-            raise TrainConfigError(no_engine_routes(self.engine, "--intervention r3"))
-        refused = engine_refuses(self)
+        refused = engine_refuses(self)  # before vLLM's minutes of start-up
         if refused:
             raise TrainConfigError(refused)
 
 
 def engine_refuses(cfg: TrainConfig) -> str | None:
-    """Why cfg's engine cannot sample in its plan's engine recipe, or None (`engines.cannot_run`)."""
-    return cannot_run(cfg.engine, get_recipe(resolve_plan(cfg).engine_recipe))
+    """Why cfg's engine cannot run its plan, or None: the plan's engine recipe (`engines.cannot_run`), or r3's routes,
+    which only the local engine returns (`routing.no_engine_routes`). The one place `train` and `experiment` ask."""
+    plan = resolve_plan(cfg)
+    if cfg.engine != "local" and plan.routes == "engine":
+        from .routing import no_engine_routes
+
+        return no_engine_routes(cfg.engine, "--intervention r3")
+    return cannot_run(cfg.engine, get_recipe(plan.engine_recipe))

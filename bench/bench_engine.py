@@ -37,7 +37,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from phantomclip.engine import LocalEngine, SamplingParams, sample_next_token
+from phantomclip.engine import LocalEngine, SamplingParams, _Sampler
 from phantomclip.models import load_model
 from phantomclip.recipes import kernel_name
 
@@ -128,7 +128,8 @@ def timed(fns: dict, repeats: int) -> dict[str, tuple[list[float], list[float]]]
 def step_parts(engine: LocalEngine, batch: list[list[int]], repeats: int = 7) -> dict[str, tuple[list, list]]:
     """The parts of one decode step at len(batch) rows with ~56 cached tokens, each (wall ms, CPU ms) per call:
     reading every weight once, every nn.Linear's matmul alone through F.linear, unpacked (fp32, as emulated bf16
-    runs them), one `sample_next_token` call, and, timed alternately so they share the machine's noise, the whole
+    runs them), one sampler call as the decode loop makes it (`engine._Sampler.pick`, with its reused buffer), and,
+    timed alternately so they share the machine's noise, the whole
     model forward with a DynamicCache (the engine's `static_decode=False` step) and one static-decoder step (what
     LocalEngine runs), both on the engine's own Linears."""
     from transformers import DynamicCache
@@ -157,11 +158,11 @@ def step_parts(engine: LocalEngine, batch: list[list[int]], repeats: int = 7) ->
 
     weights = [m.weight.float() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {k: torch.randn(n, k) for k in {w.shape[1] for w in weights}}
-    logits, g = static_step().float(), torch.Generator().manual_seed(0)
+    logits, sampler = static_step().float(), _Sampler(SamplingParams(seed=0), "cpu")
     parts = timed({"HF model forward": hf_step, "static decoder step": static_step}, repeats)
     parts.update(timed({"read weights": lambda: [w.sum() for w in weights],
                         "matmuls alone": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                        "sampler": lambda: sample_next_token(logits, g)}, repeats))
+                        "sampler": lambda: sampler.pick(0, logits)}, repeats))
     return parts
 
 

@@ -68,6 +68,61 @@ def test_cpu_tree_attention_equals_the_plain_forward(tmp_path):
     assert_close_eps(got, want, torch.float32, want.abs() + 4, terms=320, factor=4.0, name="packed vs plain")
 
 
+def test_shadow_head_on_labelled_rows_equals_trls_full_row_head():
+    """The shadow forward scores only the labelled positions (in blocks of HEAD_ROWS_CPU on a CPU) and gives, bit for
+    bit, what TRL's fused forward of the whole packed row gives on a CPU, where TRL scores every position: at the
+    bundled model's widths (hidden 576, 9/3 heads, MLP 1536, a tied 49152-token head: TRL's head in two vocabulary
+    chunks) with 2 random layers (depth does not change the head's products), a row of a 38-token prompt and 8
+    completions of 5-32 tokens, some sharing a prefix. Exact, not within a tolerance: each row's bf16 logits are
+    those of its own dot products whatever the other rows of the product, and TRL's log-softmax fold is per row.
+    Measured so before relying on it, on the bundled model's real weights and a row like this one (2-core EPYC,
+    avx512_bf16): oneDNN's brgemm, its fallback under ONEDNN_MAX_CPU_ISA=AVX2 and ATen's gemm with mkldnn off each
+    gave equal log-probs at 1-301 rows, at 1 and 2 threads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
+    from trl.trainer.utils import add_fused_lm_head
+
+    from phantomclip.integrations.trl_async import HEAD_ROWS_CPU, _packed_forward, _score
+    from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
+    from phantomclip.integrations.weights import build_shadow, sync_shadow
+
+    register_tree_attention()
+    use_cpu_stand_ins()
+    torch.manual_seed(0)
+    vocab = 49152
+    config = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    master = LlamaForCausalLM(config).eval()
+    shadow = build_shadow(master, "bfloat16", "cpu")
+    sync_shadow(shadow, master)
+    shadow.set_attn_implementation(TREE_ATTENTION)
+    add_fused_lm_head(shadow)
+    shadow.eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (38,), generator=g).tolist()
+    row, previous = TreeRow(), []
+    for i in range(8):
+        n = int(torch.randint(5, 33, (1,), generator=g))
+        completion = torch.randint(0, vocab, (n,), generator=g).tolist()
+        if i % 3 == 1:  # shares its first 3 tokens with the previous completion: a branch inside the completions
+            completion = previous[:3] + completion[3:]
+        previous = completion
+        row.add({"input_ids": torch.tensor(prompt + completion), "completion_mask": torch.tensor([0] * 38 + [1] * n),
+                 "group_id": 0, "old_log_probs": torch.zeros(38 + n), "advantage": 1.0})
+    inputs = {k: v.unsqueeze(0) for k, v in row.pack().items()}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    kwargs, token_index, _ = _packed_forward(inputs)
+    labelled = int((kwargs["shift_labels"] != -100).sum())
+    n_rows = kwargs["input_ids"].shape[1]
+    # several head calls, the last one partial; unlabelled positions left out; the head in two vocabulary chunks
+    assert labelled > HEAD_ROWS_CPU and labelled % HEAD_ROWS_CPU != 0 and n_rows > labelled and vocab > 32768
+    with torch.no_grad():
+        full = shadow(**kwargs, fused_lm_head=True).log_probs.float()  # [1, N] TRL's head on every position
+    got = _score(shadow, kwargs)  # [1, N]
+    assert torch.equal(got, full)
+    assert torch.equal(got.flatten()[token_index], full.flatten()[token_index]) and token_index.numel() > labelled
+
+
 def test_monitor_on_the_real_async_trainer(tmp_path):
     """3 steps, one group a step, two groups sampled per fill: staleness at the loss 0, 1, 1 (the group sampled with
     the step's weights, then the fill's second group a version late; the next fill happens while the previous
@@ -262,6 +317,9 @@ def test_bad_input(tmp_path, monkeypatch):
     with pytest.raises(IntegrationError, match="has no attribute 'model_version'"):
         AsyncPrecisionMonitor().attach(trainer)
     assert "_pc_async" not in trainer.__dict__
+    # a fused head without what the shadow forward reads off it (a newer TRL): one line naming it
+    with pytest.raises(IntegrationError, match="fused head has no 'backbone_attr'"):
+        integration._fused_head(nn.Linear(2, 2))
     # a GRPOTrainer is not an async trainer; one monitor per trainer
     with pytest.raises(IntegrationError, match="not dict"):
         AsyncPrecisionMonitor().attach({})

@@ -135,12 +135,60 @@ def _packed_forward(inputs: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return kwargs, inputs["token_index"][selected], selected
 
 
+HEAD_ROWS_CPU = 64
+"""labelled positions per call of TRL's log-prob head in a shadow forward on a CPU. Each call turns a [rows, 32768]
+bf16 logit tile into fp32 temporaries of rows x 128 KiB; at 64 rows they stay under glibc's largest mmap threshold
+(32 MiB) and are reused, at 256 rows every one is a fresh mapping faulted in page by page. The bundled model's head
+over 256 rows, one thread's CPU time, 2-core EPYC (avx512_bf16) under load: 233 ms in one call (49k page faults),
+169 at 128 rows, 148 at 64 (none), 168 at 48, 179 at 32 (more calls re-read the 56 MB head); the log-probs bit for
+bit the same at every size (each row's logits and log-softmax are its own: tests/test_trl_async.py)."""
+
+HEAD_CLOSURE = ("backbone_attr", "temperature", "final_logit_softcapping", "logit_scale")
+"""what `_score` reads off the fused head TRL's add_fused_lm_head installs (trl 1.16 trainer/utils.py
+`_fused_forward`'s closure): the same backbone, temperature, softcap and logit scale as its own head call."""
+
+
+def _fused_head(model: nn.Module) -> dict:
+    """The arguments TRL's fused head on `model` passes its chunked log-prob function, from its closure."""
+    fn = getattr(model.forward, "__func__", None)
+    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), getattr(fn, "__closure__", None) or ()))
+    missing = [name for name in HEAD_CLOSURE if name not in cells]
+    if missing:
+        raise IntegrationError(f"the shadow's fused head has no {missing[0]!r}: this TRL's add_fused_lm_head differs "
+                               "from trl 1.16's, which phantomclip.integrations.trl_async reads")
+    return {name: cells[name].cell_contents for name in HEAD_CLOSURE}
+
+
 @torch.inference_mode()
 def _score(model: nn.Module, kwargs: dict) -> torch.Tensor:
-    """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label). Under
-    inference_mode, not no_grad: the same kernels (bit for bit, tests/test_trl_async.py), without autograd's version
-    counters and view tracking on every intermediate; the result is only ever read, never differentiated."""
-    return model(**kwargs, fused_lm_head=True).log_probs.float()
+    """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label), scoring only
+    the labelled positions: what TRL's own head does on a Triton device (trainer/utils.py `_fused_forward`, `compact`:
+    hidden_states[mask]); on a CPU TRL's head scores all N positions, prompt and completion ends included, and was
+    41% of a bf16 shadow forward of the bundled model. The body runs on the whole row as in TRL's forward; its
+    labelled rows then go through TRL's own chunked log-prob function with TRL's arguments (`_fused_head`), in
+    blocks of HEAD_ROWS_CPU rows on a CPU. The same log-probs bit for bit as TRL's fused forward of the row
+    (tests/test_trl_async.py: tiny model, and the bundled model's 49152-token head in two vocabulary chunks): a row's
+    bf16 logits do not depend on the other rows of its product (oneDNN's brgemm, its AVX2 fallback and ATen's gemm
+    measured so at 1-301 rows), and the fold into a log-softmax is per row. Under inference_mode, not no_grad: the
+    same kernels, without autograd's version counters and view tracking; the result is only ever read."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    head = _fused_head(model)
+    body = {key: value for key, value in kwargs.items() if key != "shift_labels"}
+    hidden = getattr(model, head["backbone_attr"])(**body, use_cache=False).last_hidden_state  # [1, N, H]
+    labels = kwargs["shift_labels"]  # [1, N]
+    rows = (labels[0] != -100).nonzero().squeeze(1)  # [L] the labelled positions, in order
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)  # [1, N]
+    lm_head = model.get_output_embeddings()
+    picked = hidden[0, rows]  # [L, H]
+    step = HEAD_ROWS_CPU if picked.device.type == "cpu" else max(rows.numel(), 1)
+    for i in range(0, rows.numel(), step):
+        logp = ChunkedLogProbFunction.apply(
+            picked[i:i + step], lm_head.weight, lm_head.bias, labels[0, rows[i:i + step]], head["temperature"],
+            _CHUNKED_LOGPROB_CHUNK_SIZE, head["final_logit_softcapping"], head["logit_scale"], ("log_probs",))[0]
+        out[0, rows[i:i + step]] = logp.float()  # [≤ step]
+    return out
 
 
 class _Record:
@@ -162,6 +210,8 @@ class _Hooks:
         self.group_version: dict = {}
         self.last: _Record | None = None
         self.monitor_seconds = 0.0
+        self.monitor_cpu_seconds = 0.0
+        """the same span in this thread's CPU time (what other processes on a shared machine do not inflate)."""
         self.seconds = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
         """the monitor's clock by part (bench/bench_trl_async_monitor.py); `shadows.build_seconds` is in snapshot."""
         self._install()
@@ -199,10 +249,11 @@ class _Hooks:
         trainer.compute_loss = compute_loss
 
     def _after_sync(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._snapshot()
         if self.monitor is not None:  # the shadows' own cost: a copy of the weights sent, rounded, per sync
             self.monitor_seconds += time.perf_counter() - t0
+            self.monitor_cpu_seconds += time.thread_time() - c0
             self.seconds["snapshot"] += time.perf_counter() - t0
 
     def _snapshot(self) -> None:
@@ -226,7 +277,7 @@ class _Hooks:
         if VERSION_KEY not in inputs:
             raise IntegrationError("the batch carries no sample versions: attach the monitor (or build the trainer "
                                    "with with_async_shadow_ratio) before trainer.train()")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         shadows = self.shadows
         kwargs, token_index, selected = _packed_forward(inputs)
         versions = inputs[VERSION_KEY][0][inputs["segment_id"][selected]]  # [M] each token's sample version
@@ -244,7 +295,7 @@ class _Hooks:
                 continue
             full = full_now if model_v is now else _score(model_v, kwargs)
             logp_shadow_old[at] = full.flatten()[token_index][at]
-        shadow_seconds = time.perf_counter() - t0
+        shadow_seconds, shadow_cpu = time.perf_counter() - t0, time.thread_time() - c0
         logp_engine = inputs["old_log_probs"][selected].float()  # [M] the server's log-probs at θ_v
         call = _ModelCall(model, full_now if self.fix else None)
         if self.fix:  # the clip sees α: old log-probs from the version's shadow, current ones from today's shadow
@@ -253,7 +304,7 @@ class _Hooks:
             old[selected] = logp_shadow_old.to(old.dtype)
             inputs["old_log_probs"] = old
         loss = original(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         logp = call.log_probs.detach().flatten()[token_index].float()  # [M] the loss's own forward
         self.last = _Record(logp=logp, logp_engine=logp_engine, logp_shadow=logp_shadow,
                             logp_shadow_old=logp_shadow_old, advantages=inputs["advantages"][selected].float(),
@@ -263,6 +314,7 @@ class _Hooks:
             self.monitor._record(self.last)
         if self.monitor is not None:
             self.monitor_seconds += shadow_seconds + (time.perf_counter() - t1)
+            self.monitor_cpu_seconds += shadow_cpu + (time.thread_time() - c1)
             self.seconds["forwards"] += shadow_seconds
             self.seconds["figures"] += time.perf_counter() - t1
         return loss

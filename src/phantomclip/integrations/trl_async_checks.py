@@ -55,6 +55,13 @@ def check_async_internals(trainer, built: bool = True) -> None:
                                    "trainer differs from trl 1.16's")
     if not hasattr(packing.TreeRow, "pack"):
         raise IntegrationError("trl.experimental.async_grpo.packing.TreeRow has no attribute 'pack'")
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils
+
+    for module, name in ((utils, "_CHUNKED_LOGPROB_CHUNK_SIZE"), (chunked_logprob, "ChunkedLogProbFunction")):
+        if not hasattr(module, name):  # the shadow forwards' head (trl_async._score)
+            raise IntegrationError(f"{module.__name__} has no {name!r}: this TRL's log-prob head differs from trl "
+                                   "1.16's")
 
 
 def shadow_memory(trainer, engine_dtype: str) -> tuple[int, int]:

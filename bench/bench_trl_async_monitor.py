@@ -15,6 +15,12 @@ forward on every step after the first). Per step too: the monitor's seconds in e
 step's end, after TRL's sync) over that step's trainer side, and the median of those shares (over all steps, and
 after the first, whose share carries the initial sync and the first shadow copy's allocation). On a shared machine
 run the arms interleaved (A B B A) at the same niceness and compare medians.
+
+The same shares in CPU time of the training thread (`time.thread_time`), which other processes on a shared machine
+do not inflate as they do the wall clock (cache and memory-bandwidth contention remain): the monitor's own CPU clock
+(`_Hooks.monitor_cpu_seconds`) against the CPU time of TRL's `training_step` (its fwd_bwd span), its optimizer
+step and its `_sync_weight` (the monitor's snapshot runs after it, outside). Exact at `--threads 1`, where every
+product runs on that thread; at more threads the pool's CPU time is not counted.
 """
 
 from __future__ import annotations
@@ -50,6 +56,21 @@ def own_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def cpu_wrap(cls, name: str, sink: dict, key: str | None = None) -> None:
+    """Count the CPU time of this thread spent in `cls.name` into sink[key or name] (bench only: the class is
+    patched before the trainer is built, so TRL's callbacks and the monitor's hooks bind the counted method)."""
+    original = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        c0 = time.thread_time()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            sink[key or name] += time.thread_time() - c0
+
+    setattr(cls, name, counted)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
@@ -80,12 +101,22 @@ def main() -> None:
     monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=args.interval)
     from transformers import TrainerCallback
 
-    per_step: list[float] = []  # the monitor's seconds up to each step's end (its sync included: TRL's sync
-    # callback was added before this one)
+    cpu = {"training_step": 0.0, "optimizer": 0.0, "sync": 0.0}  # the trainer side's CPU seconds, TRL's parts
+    cpu_wrap(AsyncGRPOTrainer, "training_step", cpu)
+    cpu_wrap(AsyncGRPOTrainer, "_sync_weight", cpu, "sync")
+    per_step: list[tuple[float, float, float]] = []  # (monitor s, monitor CPU s, trainer side CPU s) up to each
+    # step's end, that step's weight sync included (this callback is added after TRL's sync callback)
 
     class StepClock(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.c0 = time.thread_time()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            cpu["optimizer"] += time.thread_time() - self.c0
+
         def on_step_end(self, args, state, control, **kwargs):
-            per_step.append(trainer._pc_async.monitor_seconds)
+            hooks = trainer._pc_async
+            per_step.append((hooks.monitor_seconds, hooks.monitor_cpu_seconds, sum(cpu.values())))
     with tempfile.TemporaryDirectory() as out:
         config = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
                                  max_completion_length=args.max_tokens, learning_rate=1e-4, max_steps=args.steps,
@@ -94,7 +125,8 @@ def main() -> None:
         trainer = AsyncGRPOTrainer(model=lm.path, args=config, reward_funcs=[], processing_class=lm.tokenizer,
                                    train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}),
                                    rollout_worker=worker, weight_transfer=LocalWeightTransfer(engine),
-                                   callbacks=[monitor, StepClock()])
+                                   callbacks=[monitor])
+        trainer.add_callback(StepClock())  # after TRL's own callbacks: its step-end sync comes first
         busy0, own0, t0 = busy_seconds(), own_seconds(), time.perf_counter()
         trainer.train()
         wall, busy, own = time.perf_counter() - t0, busy_seconds() - busy0, own_seconds() - own0
@@ -103,8 +135,11 @@ def main() -> None:
                        for h in rows)
     hooks = trainer._pc_async
     sides = [h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0) for h in rows]
-    mon = [b - a for a, b in zip([0.0, *per_step], per_step)]  # the monitor's seconds in each step
+    mon = [b[0] - a[0] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]  # the monitor's seconds per step
     shares = [m / t for m, t in zip(mon, sides)]
+    mon_cpu = [b[1] - a[1] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]
+    side_cpu = [b[2] - a[2] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]  # the first: initial sync too
+    cpu_shares = [m / t for m, t in zip(mon_cpu, side_cpu)]
     kept, per = shadow_memory(trainer, "bfloat16")
     result = {
         "cpu": cpu_kind(), "steps": args.steps, "interval": args.interval, "max_tokens": args.max_tokens,
@@ -117,6 +152,9 @@ def main() -> None:
         "per_step_monitor_s": mon, "per_step_trainer_side_s": sides, "per_step_share": shares,
         "median_step_share": statistics.median(shares),
         "median_step_share_after_first": statistics.median(shares[1:]) if len(shares) > 1 else None,
+        "monitor_cpu_s": hooks.monitor_cpu_seconds, "trainer_side_cpu_s": dict(cpu),
+        "cpu_share": hooks.monitor_cpu_seconds / sum(cpu.values()), "per_step_cpu_share": cpu_shares,
+        "median_step_cpu_share": statistics.median(cpu_shares),
         "loadavg": os.getloadavg(), "phantomclip": __import__("phantomclip").__file__,
         "others_cpu_s_per_wall_s": (busy - own) / wall, "shadow_bytes": per, "shadows_kept": kept,
         "staleness_1_steps": sum(1 for h in trainer.state.log_history if h.get("precision/staleness_share_1") == 1.0),

@@ -15,6 +15,11 @@ one warm-up call, median of 2. Recipes are timed in rounds, bf16 first then the 
 (ABBA), so machine noise hits all alike; the ratio is each recipe's median over bf16's.
 
     python bench/bench_fp8.py [--rounds 2] [--recipes bf16,bf16+fp8-w8a8]
+    python bench/bench_fp8.py --rows 64 --tokens 80 --scoring-only   # diagnose's own shape (below)
+
+`--rows 64 --tokens 80` is what a default `phantomclip diagnose` scores per recipe: its 64 prompts in one batch of 64
+(`DiagnoseConfig.batch_size`), each up to 48 completion tokens after a bundled prompt of about 30 tokens; diagnose
+lays the model out and scores that batch once, which is this bench's "cold" column.
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--rows", type=int, default=B, help="scored sequences (diagnose's default run: 64)")
+    ap.add_argument("--tokens", type=int, default=T, help="tokens per scored sequence (diagnose's default run: ~80)")
+    ap.add_argument("--scoring-only", action="store_true", help="skip the sampling timings")
     args = ap.parse_args()
     lm = load_model("smollm2-135m")
     master = lm.model
-    ids = torch.randint(100, 49000, (B, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 49000, (args.rows, args.tokens), generator=torch.Generator().manual_seed(0))
     attn = torch.ones_like(ids)
     prompts = encode_within(lm.tokenizer, bundled_prompts()[:PROMPTS], TOKENS, lm.context_length, "the model's context")
     recipes = tuple(args.recipes.split(","))
@@ -82,7 +90,7 @@ def main() -> None:
         for name in order:
             c, w = time_scoring(master, name, ids, attn)
             cold[name].append(c), warm[name].append(w)
-            sample[name].append(time_sampling(master, name, prompts))
+            sample[name].append(float("nan") if args.scoring_only else time_sampling(master, name, prompts))
             print(f"round {r + 1} {name}: CPU s: scoring cold {c:.2f}, warm {w:.2f}; sampling {sample[name][-1]:.2f}",
                   flush=True)
     med = {k: {n: statistics.median(v[n]) for n in recipes} for k, v in

@@ -83,24 +83,32 @@ def _to_e4m3_(t: torch.Tensor) -> torch.Tensor:
     return t.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def amax_of(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| in fp32, over all of x or along `dim` (kept): taken in x's own dtype, where abs and max are exact, so
+    a bf16 x is read once at 2 bytes a value instead of widened to an fp32 copy first."""
+    a = x.abs()
+    return (a.amax() if dim is None else a.amax(dim, keepdim=True)).float()
+
+
 def quant_tensor(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor quantisation: (q E4M3 like x, scale [] fp32) with scale = amax / 448 and q = sat(x * (1 /
     scale)). `amax`: the amax to use (a merged layer's, over all its parts). An all-zero tensor has scale 0; vLLM's
     kernel then computes 0 * inf = NaN, which its clamp turns into 448, and 448 * 0 dequantises to 0: here q = 0
     directly, the same dequantised zeros."""
-    x32 = x.float()
-    amax = x32.abs().amax() if amax is None else amax.float()
+    amax = amax_of(x) if amax is None else amax.float()
     scale = amax / E4M3_MAX  # [] fp32
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return _to_e4m3_(x32 * inv), scale
+    # inv as [1], not []: a 0-dim fp32 tensor would not promote a bf16 x (torch treats it like a Python scalar), so
+    # the product would be rounded to bf16; as [1] x is widened to fp32 inside the multiply, the values of
+    # x.float() * inv without the separate fp32 copy of x
+    return _to_e4m3_(x * inv.reshape(1)), scale
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token (per-row) quantisation of x [..., K]: (q, scale [..., 1]) with scale = max(amax_row / 448,
     1 / (448 * 512)) and q = sat(x / scale). Per channel, a weight [N, K] is quantised row by row the same way."""
-    x32 = x.float()
-    scale = (x32.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_min(MIN_SCALING_FACTOR)  # [..., 1]
-    return _to_e4m3_(x32 / scale), scale
+    scale = (amax_of(x, -1) / E4M3_MAX).clamp_min(MIN_SCALING_FACTOR)  # [..., 1] fp32
+    return _to_e4m3_(x / scale), scale  # a bf16 x is widened to fp32 inside the division (scale is [..., 1] fp32)
 
 
 def quant_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +325,7 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             shared = self._pc_fp8_amax
             if shared.get("key") != key:
                 shared["key"] = key
-                shared["amax"] = torch.stack([m.weight.detach().float().abs().amax() for m in group]).amax()
+                shared["amax"] = torch.stack([amax_of(m.weight.detach()) for m in group]).amax()
             amax = shared["amax"]
         self._pc_fp8_w = quantise_weight(self.weight.detach(), spec, amax)
         # the image laid out once for oneDNN on a CPU (`use_fp8`; the engine and the scorer alike)

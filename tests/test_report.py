@@ -13,13 +13,14 @@ from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build,
 
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
             "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop",
-            "6. The gap along training", "7. Interventions", "8. Your framework", "9. Appendix"]
+            "6. The gap along training", "7. Interventions", "8. FP8 rollouts", "9. Your framework", "10. Appendix"]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """A diagnose JSON, a trace JSON, a sanity experiment of two arms x two seeds and a `trace --run` of a run with
-    snapshots, all from the tiny model."""
+    """A diagnose JSON, a trace JSON, a sanity experiment of two arms x two seeds, an FP8 experiment of its first
+    two arms (the bf16 and the FP8 engine) x one seed (the one-seed page: differences without intervals) and a
+    `trace --run` of a run with snapshots, all from the tiny model."""
     d = tmp_path_factory.mktemp("src")
     assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10",
                  "--json", str(d / "diagnose.json")]) == 0
@@ -28,6 +29,8 @@ def sources(tmp_path_factory):
     assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2",
                  "--lr", "3e-3", "--steps", "3", "--seeds", "2", "--out", str(d / "sanity"),
                  "--only", "none,force-r1"]) == 0
+    assert main(["experiment", "fp8", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2",
+                 "--lr", "3e-3", "--steps", "3", "--seeds", "1", "--out", str(d / "fp8"), "--only", "none,fp8"]) == 0
     run = tmp_path_factory.mktemp("snap") / "run"  # outside `d`: only its trace --run JSON is a source
     assert main(["train", "--model", "tiny-random:30", "--steps", "2", "--group-size", "4", "--max-tokens", "8",
                  "--lr", "3e-3", "--keep-snapshots", "1", "--out", str(run)]) == 0
@@ -40,6 +43,11 @@ def test_collect_classifies_every_source(sources):
     assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1 and len(data.growths) == 1
     assert sorted(r["name"] for r in data.runs) == ["force-r1/seed-0", "force-r1/seed-1", "none/seed-0", "none/seed-1"]
     assert all(len(r["metrics"]) == 3 for r in data.runs)
+    # the FP8 experiment's summary is its own kind and its runs stay out of the closed loop's (its 'none' is the
+    # bf16 engine of another experiment), each named by its arm there: the FP8 engine's intervention is 'none' too
+    assert len(data.fp8) == 1 and data.fp8[0]["experiment"] == "fp8" and data.sanity[0]["experiment"] == "sanity"
+    assert [(r["name"], r["arm"]) for r in data.fp8_runs] == [("none/seed-0", "none"), ("fp8/seed-0", "fp8")]
+    assert {r["config"]["intervention"] for r in data.fp8_runs} == {"none"}
 
 
 def test_page_has_every_section_and_figure_offline(sources, tmp_path):
@@ -52,6 +60,8 @@ def test_page_has_every_section_and_figure_offline(sources, tmp_path):
     figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\nconst PALETTE", text, re.S).group(1))
     assert set(figures) == set(FIGURES)  # every data figure drawn: no section is missing data
     assert 'class="missing"' not in text
+    assert "Each arm has one seed here: the table gives each difference from the bf16 engine (none) without an " \
+           "interval" in html.unescape(text)  # the FP8 experiment's one seed: no interval, no direction said
     data_files = sorted(p.name for p in (tmp_path / "report" / "data").iterdir())
     assert any(n.endswith("diagnose.json") for n in data_files) and any(n.endswith("metrics.jsonl") for n in data_files)
     # the histogram holds every token's β of the first recipe: the figure is drawn from the data, not a sketch
@@ -72,8 +82,11 @@ def test_missing_data_names_the_command():
     assert "phantomclip diagnose --json diagnose.json" in text
     assert "phantomclip experiment sanity --out runs/sanity" in text
     # one note per section without data: 3, 4, 5, 6 (their figures and the growth table), 7 (the sanity table),
-    # 8 (the "Your framework" panel); section 6's five pieces share one command and one note
-    assert text.count('class="missing"') == 6
+    # 8 (the FP8 table and figures), 9 (the "Your framework" panel); section 6's five pieces share one command and
+    # one note, and so do section 8's three
+    assert text.count('class="missing"') == 7
+    assert "No data for the 3 figures of this section yet. Run <code>phantomclip experiment fp8 --seeds 3 --out " \
+           "runs/fp8</code>" in text
     assert "No data for the 5 figures of this section yet" in text
     assert 'id="summary"' not in text and "Data: computed when the page was built" in text  # no data: no summary
     assert "phantomclip trace --run runs/r --json growth.json" in text
@@ -152,7 +165,7 @@ def test_page_in_a_real_browser(sources, tmp_path):
         empty.write_text(render(ReportData()))
         page.goto(empty.as_uri())
         notes = page.locator(".missing")
-        assert (notes.count() == 6  # one note per section without data, as in test_missing_data_names_the_command
+        assert (notes.count() == 7  # one note per section without data, as in test_missing_data_names_the_command
                 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text())
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())

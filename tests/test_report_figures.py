@@ -149,7 +149,7 @@ def test_bands_of_two_arms_on_opening_and_a_button_for_the_rest(demo):
         drawn = {t["legendgroup"] for t in bands if t["opacity"] > 0}
         assert drawn == {"none", "force-r1"} and fig["band_toggle"], name
         assert "drawn for none and force-r1 (the button below shows every arm's)" in fig["title"]
-    assert render(demo).count('class="band-toggle"') == 3
+    assert render(demo).count('class="band-toggle"') == 3 + 2  # section 5's three, section 8's two (FP8 rollouts)
 
 
 def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):

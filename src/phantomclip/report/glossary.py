@@ -21,6 +21,11 @@ TERMS: dict[str, str] = {
     "fp32, fp16, bf16": "32-bit float; 16-bit float with 11 significant bits; bfloat16, 16 bits with fp32's exponent "
                         "range and 8 significant bits.",
     "recipe": "how a forward runs from the fp32 master weights: fp32, bf16, fp16, bf16-autocast, fp32-head.",
+    "FP8, E4M3": "8-bit float with 4 exponent and 3 mantissa bits (largest 448); an FP8 engine (fp8-w8a8, vLLM's "
+                 "quantization='fp8') stores each Linear's weight in it with one scale per tensor and each token's "
+                 "activations with one scale per token (section 8).",
+    "tis, mis, icepop": "corrections that reweigh or mask tokens by the ratio π/μ of trainer to engine: truncated "
+                        "(TIS), masked per sequence (MIS), masked outside [0.5, 2] (IcePop).",
     "arm": "one intervention of an experiment (none: the baseline), run under each seed.",
     "seed": "one run's random seed; an arm's seeds differ only in it.",
     "pp": "percentage points: the difference of two percentages.",

@@ -1,4 +1,6 @@
-"""The article's interventions table, from an `experiment sanity` summary.
+"""The article's tables of an experiment's arms against its baseline: the interventions table (section 7, from an
+`experiment sanity` summary) and the FP8 table (section 8, from an `experiment fp8` summary), one implementation
+(`html_arms_table`) with each experiment's words for what an arm changes.
 
 It fits the text column: a few narrow columns of numbers per arm, then a full-width row under it with what the
 intervention changes and the verdict against the baseline. One unit per quantity: lengths in tokens, rates in % of
@@ -88,22 +90,53 @@ def _cells(summary: dict, a: dict, arms: list[str]) -> list[str]:
             beta]
 
 
-def html_sanity_table(data) -> str | None:
-    """The experiment's arms, each with its numbers on one row and its mechanism and verdict on a full-width row."""
+def intervention_words(arm: str) -> str:
+    """What an arm of `experiment sanity` (or epsilon) changes: its intervention's line in interventions.py."""
     from ..interventions import INTERVENTIONS
 
-    if not data.sanity:
-        return None
-    summary = data.sanity[-1]
+    doc = INTERVENTIONS.get(arm.split(",")[0].split("=")[0])
+    return doc.doc if doc else "the baseline run"
+
+
+def fp8_words(arm: str) -> str:
+    """What an arm of `experiment fp8` changes ('none', 'fp8', 'fp8,tis'): the engine's FP8 recipe (fp8.py's line)
+    and the correction's line in interventions.py."""
+    from ..experiments import FP8_QUANT
+    from ..fp8 import LINEAR_QUANTS
+    from ..interventions import INTERVENTIONS
+
+    engine, _, correction = arm.partition(",")
+    if engine != "fp8":
+        return "the bf16 engine, nothing corrected (the baseline)"
+    if not correction:
+        return f"the engine samples in FP8 ({FP8_QUANT}: {LINEAR_QUANTS[FP8_QUANT].doc}), nothing corrected"
+    doc = INTERVENTIONS.get(correction)
+    return f"the FP8 engine, with {doc.doc if doc else correction}"
+
+
+def html_sanity_table(data) -> str | None:
+    """The sanity experiment's arms (section 7); None without one."""
+    return html_arms_table(data.sanity[-1], intervention_words) if data.sanity else None
+
+
+def html_fp8_table(data) -> str | None:
+    """The FP8 experiment's arms against the bf16 engine (section 8); None without one."""
+    return html_arms_table(data.fp8[-1], fp8_words, "fp8-table") if data.fp8 else None
+
+
+def html_arms_table(summary: dict, words, table_id: str | None = None) -> str:
+    """The experiment's arms, each with its numbers on one row and what it changes (`words(arm)`) and its verdict on
+    a full-width row, and the note on brackets and intervals under the table."""
     baseline = summary.get("baseline", "none")
     arms = [a["run"] for a in summary["arms"]]
-    head = "<table class=\"arms\"><thead><tr>" + "".join(f"<th>{html_text(h)}</th>" for h in COLUMNS)
+    ident = f' id="{table_id}"' if table_id else ""
+    head = f'<table class="arms"{ident}><thead><tr>' + "".join(f"<th>{html_text(h)}</th>" for h in COLUMNS)
     body = "</tr></thead>"
+    compared = sum(bool(a.get("vs_baseline")) for a in summary["arms"])
     for a in summary["arms"]:
-        doc = INTERVENTIONS.get(a["run"].split(",")[0].split("=")[0])
         body += ("<tbody><tr>" + "".join(f"<td>{c}</td>" for c in _cells(summary, a, arms)) + "</tr>"
                  f'<tr class="sub"><td colspan="{len(COLUMNS)}"><b>What it changes:</b> '
-                 f"{html_text(doc.doc if doc else 'the baseline run')}. <b>Against the baseline:</b> "
+                 f"{html_text(words(a['run']))}. <b>Against the baseline:</b> "
                  f"{html_text(arm_verdict(a, baseline))}.</td></tr></tbody>")
     note = ("<p class=\"note\">Lengths, rates and |β| cannot be negative: each is the mean over seeds with the seeds' "
             "lowest and highest value in brackets (a min–max, not an interval, so no bound leaves the quantity's "
@@ -111,5 +144,7 @@ def html_sanity_table(data) -> str | None:
             "Differences against the baseline can be negative: each is the mean of the per-seed differences with its "
             f"paired {html_text(summary.get('interval', '95% Student t interval'))}; pp = percentage points. An "
             "interval that includes zero means no difference was detected at this number of seeds, not that there is "
-            "none.</p>")
+            f"none. Each interval holds for its own comparison with the baseline: {compared} arm"
+            f"{'s are' if compared != 1 else ' is'} compared here, and no correction for the number of comparisons "
+            "is applied.</p>")
     return head + body + "</table>" + note

@@ -23,14 +23,15 @@ from . import growth_panel
 from .answer_panel import html_answer
 from .escape import html_text, script_json
 from .glossary import html_glossary
-from .interventions_table import html_sanity_table
+from .interventions_table import html_fp8_table, html_sanity_table
 from .plots import PALETTE
 from .prose import TEXTS
 from .sources import ReportData, ReportError, collect
 from .summary import html_sections_compared, html_summary, machine, short_path, source_line
-from .training_panel import fig_alpha_beta_steps, per_step
+from .training_panel import FP8_SHOWN_ARMS, fig_alpha_beta_steps, per_step
 
 SANITY = "phantomclip experiment sanity --out runs/sanity"
+FP8 = "phantomclip experiment fp8 --seeds 3 --out runs/fp8"
 FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
     "spacing": (diagnose_figures.fig_spacing, ""),
     "beta_by_prob": (diagnose_figures.fig_beta_by_prob, "phantomclip diagnose --json diagnose.json"),
@@ -45,6 +46,10 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
     "phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step", "% of tokens"),
                       SANITY),
     "beta_steps": (lambda d: per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step", "mean |β| (nats)"), SANITY),
+    "fp8_training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step, bf16 and FP8 "
+                                        "engines", "tokens", carry=True, runs=d.fp8_runs, shown=FP8_SHOWN_ARMS), FP8),
+    "fp8_phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step, bf16 and FP8 "
+                                             "engines", "% of tokens", runs=d.fp8_runs, shown=FP8_SHOWN_ARMS), FP8),
     "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
     "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
     "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
@@ -60,7 +65,10 @@ def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) 
     """Every data file: its copy under data/ (or its path relative to --from), its configuration and versions."""
     items = [("diagnose", d["_path"], d.get("config", {}), d.get("versions", {})) for d in data.diagnose]
     items += [(f"run {r['name']}", r["_path"], r["config"], r["config"].get("versions", {})) for r in data.runs]
-    items += [("experiment sanity", s["_path"], s.get("base_config", {}), {}) for s in data.sanity]
+    items += [(f"run {r['name']} (experiment fp8)", r["_path"], r["config"], r["config"].get("versions", {}))
+              for r in data.fp8_runs]
+    items += [(f"experiment {s.get('experiment', 'sanity')}", s["_path"], s.get("base_config", {}), {})
+              for s in data.sanity + data.fp8]
     items += [("trace", t["_path"], t.get("config", {}), {}) for t in data.traces]
     items += [("trace --run", g["_path"], {"run": growth_panel.run_name(g), "model": g["model"]}, {})
               for g in data.growths]
@@ -175,6 +183,7 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
     if name in WIDGETS:
         return f'<div class="widget" id="{name}"></div>'
     tables = {"sanity_table": (lambda: html_sanity_table(data), SANITY),
+              "fp8_table": (lambda: html_fp8_table(data), FP8),
               "growth_table": (lambda: growth_panel.html_growth_table(data.growths), growth_panel.COMMAND),
               "your_framework": (lambda: html_framework_panel(data.diagnose),
                                  "phantomclip diagnose --json diagnose.json")}
@@ -212,10 +221,10 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     # every piece of data in the blocks below went through escape.html_text or escape.script_json.
     body = MarkdownIt("commonmark", {"html": True}).render(_text("article.md"))
     figures: dict[str, dict] = {}
-    for marker in re.findall(r"<!-- figure: [a-z_]+ -->", body):
+    for marker in re.findall(r"<!-- figure: [a-z0-9_]+ -->", body):
         name = marker[len("<!-- figure: ") : -len(" -->")]
         body = body.replace(marker, _block(name, data, figures, ctx), 1)
-    for marker in re.findall(r"<!-- text: [a-z_]+ -->", body):  # sentences computed from the data (prose.py)
+    for marker in re.findall(r"<!-- text: [a-z0-9_]+ -->", body):  # sentences computed from the data (prose.py)
         name = marker[len("<!-- text: ") : -len(" -->")]
         text = TEXTS[name](data) if name in TEXTS else f"(unknown text {name} in article.md)"
         body = body.replace(marker, html_text(text), 1)
@@ -236,10 +245,12 @@ def _safe_name(name: str) -> str:
 
 def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     copied: dict[Path, str] = {}
+    fp8_runs = {Path(r["_path"]) for r in data.fp8_runs}
     for i, f in enumerate(data.files()):
         # a run of an experiment lives in OUT/<arm>/seed-<s>/: its arm is part of the name ('11-seed-0-metrics.jsonl'
-        # said which seed but not of which arm)
+        # said which seed but not of which arm); an FP8 experiment's runs say so too (its 'none' is not sanity's)
         folder = f.parent.name if not f.parent.name.startswith("seed-") else f"{f.parent.parent.name}-{f.parent.name}"
+        folder = f"fp8-experiment-{folder}" if f.parent in fp8_runs else folder
         rel = f"data/{i:02d}-{_safe_name(folder)}-{f.name}"
         (out / "data").mkdir(parents=True, exist_ok=True)
         atomic_write(out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp), owned=True)  # never through a link

@@ -23,10 +23,18 @@ SEED_SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "star", "cros
 """seeds are told apart by marker, never by colour (colour is the arm)."""
 
 
+FP8_COLOUR = "#AA4499"
+"""the FP8 engine's arm ('fp8', `experiment fp8`); an FP8 arm with a correction ('fp8,tis') takes the correction's
+colour: inside the FP8 section no two arms share one, and TIS is the same colour in both experiments' figures."""
+
+
 def arm_colour(arm: str, arms: list[str]) -> str:
     """The arm's fixed colour; an unknown arm takes the next spare colour by its place among `arms`."""
     if arm in ARM_COLOURS:
         return ARM_COLOURS[arm]
+    engine, _, correction = arm.partition(",")
+    if engine.startswith("fp8") and (not correction or correction in ARM_COLOURS):
+        return ARM_COLOURS[correction] if correction else FP8_COLOUR
     unknown = [a for a in arms if a not in ARM_COLOURS]
     return SPARE_COLOURS[unknown.index(arm) % len(SPARE_COLOURS)]
 

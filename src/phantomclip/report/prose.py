@@ -168,6 +168,76 @@ def closed_loop_seeds(data) -> str:
     return text
 
 
+def _interval(d: dict, scale: float, digits: int, unit: str) -> str:
+    """'−15.1 [−24.1, −6.0] tokens': a paired difference as the FP8 table shows it (its digits and scale)."""
+    return (f"{scale * d['mean']:+.{digits}f} [{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]"
+            f" {unit}")
+
+
+FP8_COMPARED = (("final_length", 1, 1, "tokens", "Against the bf16 engine ({baseline}) in final length",
+                 ("ended shorter", "ended longer")),
+                ("phantom_rate", 100, 2, "pp", "In phantom-clip rate",
+                 ("were below the bf16 engine's", "were above it")))
+"""the differences the FP8 sentence reads: summary key, scale and digits (the table's), unit, the clause's opening,
+and the words for an interval below zero and above it."""
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def fp8_result(data) -> str:
+    """Section 8: what the FP8 arms did against the bf16 engine, in the words the table's intervals allow: an arm is
+    said to end shorter (or to have fewer phantom clips) only where its paired interval lies below zero
+    (experiments.detected, the table's verdict rule); where the interval includes zero, 'no detectable difference';
+    with one seed, no interval and no direction. The intervals' terms are said: paired by seed over N seeds, 95% per
+    comparison, no correction for the number of comparisons (summary.multiple_comparisons_note)."""
+    from ..experiments import detected
+    from .interventions_table import finite
+    from .summary import multiple_comparisons_note
+
+    if not data.fp8:
+        return ""
+    summary = data.fp8[-1]
+    baseline = summary.get("baseline", "none")
+    arms = [a for a in summary["arms"] if a.get("vs_baseline")]
+    seeds = sorted({d["n"] for a in arms for d in a["vs_baseline"].values() if isinstance(d.get("n"), int)})
+    if not seeds:
+        return ""
+    if seeds[-1] < 2:
+        return (f"Each arm has one seed here: the table gives each difference from the bf16 engine ({baseline}) "
+                "without an interval, and one seed cannot tell an arm's effect from that seed's luck.")
+    parts, found, compared = [], 0, 0
+    base = next((a for a in summary["arms"] if a["run"] == baseline), None)
+    fp8 = next((a for a in arms if a["run"] == "fp8"), None)
+    if fp8 is not None and base is not None:
+        b0, b1 = base["beta_abs_mean_start"].get("mean"), fp8["beta_abs_mean_start"].get("mean")
+        if finite(b0, b1) and b0 > 0:
+            parts.append(f"The FP8 engine starts with a mean |β| of {b1:.3f} against the bf16 engine's {b0:.3f} "
+                         f"({b1 / b0:.1f} times; means over seeds)")
+    for key, scale, digits, unit, opening, (below, above) in FP8_COMPARED:
+        lower, higher, same = [], [], []
+        for a in arms:
+            d = a["vs_baseline"].get(key)
+            if not d or not finite(d.get("mean"), d.get("low"), d.get("high")):
+                continue
+            compared += 1
+            if detected({key: d}):
+                found += 1
+                (lower if d["high"] < 0 else higher).append(f"{a['run']} ({_interval(d, scale, digits, unit)})")
+            else:
+                same.append(a["run"])
+        said = ([f"{_and(lower)} {below}"] if lower else []) + ([f"{_and(higher)} {above}"] if higher else [])
+        said += [f"{_and(same)} showed no detectable difference"] if same else []
+        if said:
+            parts.append(opening.format(baseline=baseline) + ", " + "; ".join(said))
+    if not compared:
+        return ""
+    seeds_words = f"{seeds[0]} seeds" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]} seeds"
+    return (". ".join(parts) + f". Each difference is paired by seed over {seeds_words}."
+            + multiple_comparisons_note(compared, found))
+
+
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
-                              "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs}
+                              "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result}
 """marker name -> the sentence it becomes ("" when its data is missing)."""

@@ -1,6 +1,12 @@
 """What `phantomclip report` reads: every diagnose JSON, trace JSON, `trace --run` JSON, experiment summary and run
 directory under the paths it is given, classified by the keys at their top level.
 
+An `experiment fp8` summary has the shape of every experiment's summary and is told apart by its "experiment" key:
+it is its own kind (`fp8`), drawn in its own section against its own baseline (the bf16 engine), not in the
+interventions table, whose arms change the trainer's side against a bf16 engine. A run directory inside an
+experiment's output (OUT/<arm>/seed-N, beside OUT/experiment.json) belongs to that experiment: the runs of an FP8
+experiment go to `fp8_runs`, so the closed loop's figures (section 5) never mix an FP8 arm into their "none" or "tis".
+
 The rule for files that cannot be used: one named on the command line is an error naming it (one line, exit 2);
 one found by searching a directory is skipped, and a single warning names the skipped files. A file that is one of
 ours but damaged (a key missing, a key of the wrong type, a newer schema) is an error wherever it was found: the page
@@ -36,26 +42,35 @@ class ReportData:
     traces: list[dict] = field(default_factory=list)
     growths: list[dict] = field(default_factory=list)
     """`trace --run` results: β along a training run, per snapshot."""
+    fp8: list[dict] = field(default_factory=list)
+    """`experiment fp8` summaries: the FP8 engine's arms against the bf16 engine."""
+    fp8_runs: list[dict] = field(default_factory=list)
+    """the runs of an FP8 experiment (or of an FP8 engine), each with its "arm" ('fp8,tis'): kept out of `runs`."""
 
     def files(self) -> list[Path]:
-        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.traces + self.growths]
-        for r in self.runs:
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.fp8 + self.traces + self.growths]
+        for r in self.runs + self.fp8_runs:
             out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
         return out
 
     def empty(self) -> bool:
-        return not (self.diagnose or self.runs or self.sanity or self.traces or self.growths)
+        return not (self.diagnose or self.runs or self.sanity or self.traces or self.growths or self.fp8
+                    or self.fp8_runs)
 
 
 DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
-              "traces": {"sites": list, "first_order": dict}, "growths": {"snapshots": list, "prob_edges": list}}
+              "traces": {"sites": list, "first_order": dict}, "growths": {"snapshots": list, "prob_edges": list},
+              "fp8": {"runs": list, "arms": list}}
 """what each kind of JSON file holds at its top level (the keys that tell the kinds apart, with their types)."""
 MARKS = {"diagnose": ("trust_region", "knobs"), "sanity": ("verdict", "baseline"), "traces": ("hook_overhead",),
          "growths": ("reference_step",)}
 """keys only that kind writes besides its shape's: a file with one of them but not all its shape's keys is that kind,
 damaged (an experiment's own experiment.json has "arms" too, and is not a damaged summary)."""
 KIND_WORDS = {"diagnose": "a diagnose JSON", "sanity": "an experiment summary", "traces": "a trace JSON",
-              "growths": "a trace --run JSON"}
+              "growths": "a trace --run JSON", "fp8": "an experiment fp8 summary"}
+OWN_KIND = {"fp8": "fp8"}
+"""an experiment summary's "experiment" -> the kind it is filed as; every other experiment (sanity, epsilon) is a
+'sanity' summary, drawn in the interventions table."""
 
 
 class Unusable(Exception):
@@ -79,11 +94,11 @@ def read_json(path: Path) -> dict:
 
 
 def kind_of(path: Path, doc: dict) -> str | None:
-    """'diagnose', 'sanity', 'traces' or 'growths' by the keys `doc` has; None when it is none of them. A file with
-    a kind's mark but not all of its keys is damaged: ReportError naming the first key missing."""
+    """'diagnose', 'sanity', 'fp8', 'traces' or 'growths' by the keys `doc` has; None when it is none of them. A file
+    with a kind's mark but not all of its keys is damaged: ReportError naming the first key missing."""
     full = [k for k, shape in DOC_SHAPES.items() if all(key in doc for key in shape)]
     if full:
-        return full[0]
+        return OWN_KIND.get(doc.get("experiment"), "sanity") if full[0] == "sanity" else full[0]
     partial = next((k for k, marks in MARKS.items() if any(key in doc for key in marks)), None)
     if partial is None:
         return None
@@ -115,10 +130,11 @@ def _add(data: ReportData, f: Path, doc: dict) -> bool:
     if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
         _check_schema(f, doc, None)
         name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
-        data.runs.append({"_path": str(f.parent), "name": name, "config": doc,
-                          "metrics": check_metrics_rows(f.parent / "metrics.jsonl",
-                                                        read_jsonl(f.parent / "metrics.jsonl")),
-                          "tokens": read_jsonl(f.parent / "tokens.jsonl")})
+        experiment, arm = experiment_arm(f.parent, doc)
+        run = {"_path": str(f.parent), "name": name, "config": doc, "arm": arm, "experiment": experiment,
+               "metrics": check_metrics_rows(f.parent / "metrics.jsonl", read_jsonl(f.parent / "metrics.jsonl")),
+               "tokens": read_jsonl(f.parent / "tokens.jsonl")}
+        (data.fp8_runs if experiment == "fp8" else data.runs).append(run)
         return True
     if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):
         return True  # an experiment's plan: its summary.json beside it holds what the page draws
@@ -130,6 +146,41 @@ def _add(data: ReportData, f: Path, doc: dict) -> bool:
     doc["_path"] = str(f)
     getattr(data, kind).append(doc)
     return True
+
+
+def experiment_arm(run: Path, config: dict) -> tuple[str | None, str]:
+    """(the experiment the run directory belongs to, its arm's name there). An experiment writes its runs to
+    OUT/<arm>/seed-N (experiments.run_dir: ',' as '+', '=' as '-') beside OUT/experiment.json, whose "arms" name them;
+    a run outside one is 'fp8' when its engine quantised (config "engine_quant", the FP8 arms' only difference from
+    the bf16 engine's: their intervention alone would call the FP8 engine 'none'), else nobody's, its arm the
+    intervention."""
+    from ..experiments import run_dir
+
+    intervention = str(config.get("intervention", run.name))
+    quant = config.get("engine_quant") or ""
+    fallback = (("fp8" if quant else None),
+                (quant if intervention == "none" else f"{quant},{intervention}") if quant else intervention)
+    if not run.name.startswith("seed-"):
+        return fallback
+    try:
+        manifest = read_json(run.parent.parent / "experiment.json")
+    except Unusable:
+        return fallback
+    arms, experiment = manifest.get("arms"), manifest.get("experiment")
+    if not isinstance(arms, list) or not isinstance(experiment, str):
+        return fallback
+    here = run.parent.parent
+    arm = next((a for a in arms if isinstance(a, str) and run_dir(here, a, 0).parent == run.parent), None)
+    return (experiment, arm) if arm is not None else fallback
+
+
+def fp8_arm_order(run: dict) -> int:
+    """The place of the run's arm in `experiment fp8`'s order (the bf16 engine, the FP8 engine, then each correction
+    as experiments.FP8_CORRECTIONS lists them; an arm it does not list last): legends and tables read alike."""
+    from ..experiments import FP8_CORRECTIONS
+
+    order = ["none", "fp8", *(f"fp8,{c}" for c in FP8_CORRECTIONS)]
+    return order.index(run["arm"]) if run["arm"] in order else len(order)
 
 
 def _warn_skipped(src: Path, skipped: list[str]) -> None:
@@ -165,6 +216,7 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
                 skipped.append(f"{found.relative_to(src)} {why}")
         if skipped:
             _warn_skipped(src, skipped)
+    data.fp8_runs.sort(key=fp8_arm_order)  # stable: the seeds of an arm stay in the order found
     if data.empty():
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "

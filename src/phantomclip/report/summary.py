@@ -51,8 +51,9 @@ def _diagnose_source(doc: dict, roots: list[Path]) -> str:
 
 
 def _runs_source(runs: list[dict], roots: list[Path]) -> str:
-    arms = sorted({r["config"].get("intervention", r["name"]) for r in runs})
-    cfg = next((r for r in runs if r["config"].get("intervention") == "none"), runs[0])["config"]
+    arms = sorted({r.get("arm") or r["config"].get("intervention", r["name"]) for r in runs})
+    quants = sorted({str(r["config"]["engine_quant"]) for r in runs if r["config"].get("engine_quant")})
+    cfg = next((r for r in runs if (r.get("arm") or r["config"].get("intervention")) == "none"), runs[0])["config"]
     if len(runs) == 1:
         where = [short_path(runs[0]["_path"], roots)]
     else:  # OUT/<arm>/seed-<s>: name the experiment directories, not every run
@@ -61,7 +62,8 @@ def _runs_source(runs: list[dict], roots: list[Path]) -> str:
     return (f"{', '.join(where)}: {len(runs)} run{'s' if len(runs) > 1 else ''} ({len(arms)} arm"
             f"{'s' if len(arms) > 1 else ''}), model {model_words(cfg.get('model', '?'))}, "
             f"{cfg.get('trainer', '?')} trainer "
-            f"against a {cfg.get('engine_dtype', '?')} engine{' in the baseline' if len(arms) > 1 else ''}, task "
+            f"against a {cfg.get('engine_dtype', '?')} engine{' in the baseline' if len(arms) > 1 else ''}"
+            f"{' (the FP8 arms: ' + ', '.join(quants) + ')' if quants else ''}, task "
             f"{cfg.get('task', '?')}; {machine(cfg)}")
 
 

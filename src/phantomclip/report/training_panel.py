@@ -17,14 +17,18 @@ from .plots import arm_colour, mean_line, plot_layout, seed_band, seed_symbol
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
 """arms drawn when the page opens; the others start hidden (click the legend to show them)."""
+FP8_SHOWN_ARMS = ("none", "fp8", "fp8,tis", "fp8,shadow-ratio", "fp8,force-r1")
+"""the FP8 section's: the bf16 engine, the FP8 engine, one reweighting correction and the two that take β out of
+the clip (MIS and IcePop start hidden)."""
 
 
-def arm_runs(data, key: str) -> dict[str, list[dict]]:
-    """Runs that log `key`, grouped by arm (their intervention), in the order they were found."""
+def arm_runs(data, key: str, runs: list[dict] | None = None) -> dict[str, list[dict]]:
+    """Runs that log `key` (`runs`, or the closed loop's `data.runs`), grouped by arm (the experiment's arm name,
+    else the intervention), in the order they were found."""
     arms: dict[str, list[dict]] = {}
-    for r in data.runs:
+    for r in data.runs if runs is None else runs:
         if r["metrics"] and key in r["metrics"][0]:
-            arms.setdefault(r["config"].get("intervention", r["name"]), []).append(r)
+            arms.setdefault(r.get("arm") or r["config"].get("intervention", r["name"]), []).append(r)
     return arms
 
 
@@ -47,8 +51,8 @@ def step_values(runs: list[list[dict]], key: str, carry: bool) -> list[list[floa
     return values
 
 
-def arm_shown(arm: str, n_arms: int) -> bool | str:
-    return True if arm in SHOWN_ARMS or n_arms <= len(SHOWN_ARMS) else "legendonly"
+def arm_shown(arm: str, n_arms: int, shown: tuple[str, ...] = SHOWN_ARMS) -> bool | str:
+    return True if arm in shown or n_arms <= len(shown) else "legendonly"
 
 
 BAND_ARMS = 2
@@ -57,15 +61,16 @@ area; the first BAND_ARMS shown arms (the baseline first) keep theirs and the bu
 arm's (layout.js bandToggle)."""
 
 
-def band_arms(arms: dict[str, list[dict]]) -> list[str]:
+def band_arms(arms: dict[str, list[dict]], shown_arms: tuple[str, ...] = SHOWN_ARMS) -> list[str]:
     """The arms whose band is drawn when the page opens: the baseline first, then the others shown, BAND_ARMS in all;
     every arm when no more than BAND_ARMS are shown."""
-    shown = [a for a in arms if arm_shown(a, len(arms)) is True]
+    shown = [a for a in arms if arm_shown(a, len(arms), shown_arms) is True]
     shown.sort(key=lambda a: a != "none")  # stable: the baseline first
     return shown[:BAND_ARMS]
 
 
-def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
+def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool,
+                   shown_arms: tuple[str, ...] = SHOWN_ARMS) -> str:
     """The title of a per-step figure, saying what its lines and bands are for the seeds actually there: with one
     seed per arm there is no mean and no band, and with one run no arm to compare."""
     most = max(len(runs) for runs in arms.values())
@@ -74,8 +79,8 @@ def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
         how = "one run" if len(arms) == 1 else "one seed per arm: each line is that run"
         how += "; no band: a band needs two seeds"
     else:
-        banded = band_arms(arms)
-        shown = sum(arm_shown(a, len(arms)) is True for a in arms)
+        banded = band_arms(arms, shown_arms)
+        shown = sum(arm_shown(a, len(arms), shown_arms) is True for a in arms)
         how = "line: mean over seeds; band: the seeds' min–max" + (
             f", drawn for {' and '.join(banded)} (the button below shows every arm's)" if shown > len(banded) else "")
         how += "; open marker: fewer seeds" if not carry else ""
@@ -86,22 +91,25 @@ def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool) -> str:
     return f"{what} ({how})"
 
 
-def per_step(data, key: str, what: str, ylabel: str, carry: bool = False) -> dict | None:
+def per_step(data, key: str, what: str, ylabel: str, carry: bool = False, runs: list[dict] | None = None,
+             shown: tuple[str, ...] = SHOWN_ARMS) -> dict | None:
     """One line per arm: the mean over its seeds at each step, in the band of their min-max; band and line share a
-    legend entry, so a click shows or hides both. `what`: the title's subject; per_step_title adds the rest."""
-    arms = arm_runs(data, key)
+    legend entry, so a click shows or hides both. `what`: the title's subject; per_step_title adds the rest. `runs`
+    (the closed loop's `data.runs` by default) and `shown` (the arms drawn on opening) let the FP8 section draw
+    its own experiment's runs."""
+    arms = arm_runs(data, key, runs)
     if not arms:
         return None
-    title = per_step_title(what, arms, carry)
+    title = per_step_title(what, arms, carry, shown)
     scale = 100 if key.startswith("clip/") else 1
-    traces, used, banded = [], [], band_arms(arms)
+    traces, used, banded = [], [], band_arms(arms, shown)
     per_arm = {arm: step_values([r["metrics"] for r in runs], key, carry) for arm, runs in arms.items()}
     top = axis_cut([scale * v for values in per_arm.values() for vs in values for v in vs])
     above: list[tuple[float, str, int]] = []
     for arm, runs in arms.items():
         values = per_arm[arm]
         colour = arm_colour(arm, list(arms))
-        common = {"legendgroup": arm, "visible": arm_shown(arm, len(arms))}
+        common = {"legendgroup": arm, "visible": arm_shown(arm, len(arms), shown)}
         traces += seed_band(values, scale, {"fillcolor": colour, **common,
                                             **({} if arm in banded else {"opacity": 0})})
         seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")

@@ -404,13 +404,14 @@ def test_copies_keep_arm_names_and_the_missing_machine_is_said_once(demo_page):
     data = collect(demo_sources())
     arms = {r["config"]["intervention"] for r in data.runs}
     assert len(arms) == 12 and len(metrics) == 36 + 21  # the sanity experiment's 12 arms and the FP8 one's 7, x 3
+    assert names == [n for _, n in sorted((int(n.split("-")[0]), n) for n in names)]  # 125 copies: '099' < '100'
     for arm in arms:
-        assert sum(re.fullmatch(rf"\d\d-{re.escape(arm)}-seed-\d-metrics\.jsonl", n) is not None
+        assert sum(re.fullmatch(rf"\d\d\d-{re.escape(arm)}-seed-\d-metrics\.jsonl", n) is not None
                    for n in metrics) == 3, arm
     # the FP8 experiment's copies say whose they are: its 'none' is the bf16 engine of another experiment
     for arm in {r["arm"] for r in data.fp8_runs}:
         folder = arm.replace(",", "_")  # experiments.run_dir's '+', made safe for a link by page._safe_name
-        assert sum(re.fullmatch(rf"\d{{2,3}}-fp8-experiment-{re.escape(folder)}-seed-\d-metrics\.jsonl", n) is not None
+        assert sum(re.fullmatch(rf"\d\d\d-fp8-experiment-{re.escape(folder)}-seed-\d-metrics\.jsonl", n) is not None
                    for n in metrics) == 3, arm
     text = html.unescape(demo_page.read_text(encoding="utf-8"))
     assert text.count("machine not recorded") == 1

@@ -246,12 +246,14 @@ def _safe_name(name: str) -> str:
 def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     copied: dict[Path, str] = {}
     fp8_runs = {Path(r["_path"]) for r in data.fp8_runs}
-    for i, f in enumerate(data.files()):
+    files = data.files()
+    width = max(2, len(str(len(files) - 1)))  # '099' before '100': the copies list in the order they were found
+    for i, f in enumerate(files):
         # a run of an experiment lives in OUT/<arm>/seed-<s>/: its arm is part of the name ('11-seed-0-metrics.jsonl'
         # said which seed but not of which arm); an FP8 experiment's runs say so too (its 'none' is not sanity's)
         folder = f.parent.name if not f.parent.name.startswith("seed-") else f"{f.parent.parent.name}-{f.parent.name}"
         folder = f"fp8-experiment-{folder}" if f.parent in fp8_runs else folder
-        rel = f"data/{i:02d}-{_safe_name(folder)}-{f.name}"
+        rel = f"data/{i:0{width}d}-{_safe_name(folder)}-{f.name}"
         (out / "data").mkdir(parents=True, exist_ok=True)
         atomic_write(out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp), owned=True)  # never through a link
         copied[f] = rel

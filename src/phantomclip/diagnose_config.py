@@ -146,7 +146,8 @@ class DiagnoseConfig:
             recipe = self.engine_recipe()
         except RecipeError as e:
             raise ConfigError(f"--engine-quant: {e}") from None
-        refusal = cannot_run(self.engine, recipe) if recipe.quant else None  # vLLM's FP8: fp8_vllm.vllm_refusal
+        # vLLM's FP8: fp8_vllm.vllm_refusal; --drift loads the weights again into the running engine
+        refusal = cannot_run(self.engine, recipe, weight_sync=bool(self.drift)) if recipe.quant else None
         if refusal:
             raise ConfigError(f"--engine-quant {self.engine_quant}: {refusal}")
         check_knobs(self, KNOB_FIELDS)

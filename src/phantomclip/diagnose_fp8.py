@@ -36,10 +36,12 @@ def plain_engine_reads(cfg: DiagnoseConfig, master, matmul: str, rollouts: list[
 
 
 def fp8_figures(cfg: DiagnoseConfig, trainer_logp: dict[str, torch.Tensor], *, engine: torch.Tensor,
-                shadow: torch.Tensor, plain_shadow: torch.Tensor, plain_engine: torch.Tensor, shadow_name: str,
+                shadow: torch.Tensor, plain_shadow: torch.Tensor, plain_engine: torch.Tensor | None, shadow_name: str,
                 mask: torch.Tensor, stats: Callable[[torch.Tensor, torch.Tensor], dict]) -> dict:
     """The 'fp8' figures. trainer_logp: each --trainer recipe's log-probs [n, T]; engine, shadow: the FP8 engine's and
-    the FP8 shadow's; plain_shadow, plain_engine: the same without the quantisers; `stats(a, b)`: diagnose's split
+    the FP8 shadow's; plain_shadow, plain_engine: the same without the quantisers (plain_engine None where the engine
+    cannot read given tokens through its decode path, vLLM: the figures against it are then None; β's split
+    β_precision + β_quant + β_kernel needs only the shadows); `stats(a, b)`: diagnose's split
     figures of a − b over the run's tokens. `trust_region.pushed_out` counts the first recipe's tokens outside the
     trust region that β − β_quant would have kept inside: what the quantisation costs, token by token."""
     first = cfg.trainer[0]
@@ -52,15 +54,17 @@ def fp8_figures(cfg: DiagnoseConfig, trainer_logp: dict[str, torch.Tensor], *, e
     return {
         "engine_recipe": shadow_name, "plain_recipe": without_quant(cfg.engine_recipe()).name,
         "beta_quant": stats(plain_shadow, shadow),
-        "engines": stats(plain_engine, engine),
-        "kernel_plain": stats(plain_shadow, plain_engine),
-        "recipes_plain_engine": {name: stats(logp, plain_engine) for name, logp in trainer_logp.items()},
+        "engines": None if plain_engine is None else stats(plain_engine, engine),
+        "kernel_plain": None if plain_engine is None else stats(plain_shadow, plain_engine),
+        "recipes_plain_engine": (None if plain_engine is None else
+                                 {name: stats(logp, plain_engine) for name, logp in trainer_logp.items()}),
         "trust_region": {
             "recipe": first, "outside": mean_or_nan(outside.double()),
             "outside_without_quant": mean_or_nan(outside_without.double()),
             "pushed_out": mean_or_nan((outside & ~outside_without).double()),
             "pulled_in": mean_or_nan((outside_without & ~outside).double()),
         },
-        "knobs_plain_engine": knob_figures(trainer_logp[first] - plain_engine, mask, cfg.knob_settings(),
-                                           cfg.keep_share, cfg.knob_length or cfg.max_tokens),
+        "knobs_plain_engine": (None if plain_engine is None else knob_figures(
+            trainer_logp[first] - plain_engine, mask, cfg.knob_settings(), cfg.keep_share,
+            cfg.knob_length or cfg.max_tokens)),
     }

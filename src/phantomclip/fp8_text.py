@@ -20,21 +20,29 @@ def fp8_lines(result: dict) -> list[str]:
         return []
     fp8, plain = f["engine_recipe"], f["plain_recipe"]
     q, e, tr = f["beta_quant"], f["engines"], f["trust_region"]
+    quant_line = (f"  β_quant = {plain} shadow − {fp8} shadow (the quantisers alone, same weights and kernels): mean "
+                  f"{_num(q['beta_mean'])}, mean |·| {_num(q['beta_abs_mean'])}, p99 |·| {_num(q['beta_abs_p99'])}, "
+                  f"outside {_pct(q['outside_trust_region'])}")
+    if e is None:  # an engine that cannot read given tokens (vLLM): the shadows' split only
+        return [f"FP8 engine {fp8} on {q['tokens']} tokens (every figure: JSON fp8; the {plain} engine's own reading "
+                "of these samples is not measured with this engine: --engine local measures it):", quant_line,
+                _pushed_line(tr)]
     lines = [
         f"FP8 engine {fp8} beside the {plain} engine on the same {q['tokens']} tokens (every figure: JSON fp8):",
         f"  the engines' own gap, {plain} − {fp8} engine: mean {_num(e['beta_mean'])}, mean |·| "
         f"{_num(e['beta_abs_mean'])}, p99 |·| {_num(e['beta_abs_p99'])}, outside the trust region "
         f"{_pct(e['outside_trust_region'])}",
-        f"  β_quant = {plain} shadow − {fp8} shadow (the quantisers alone, same weights and kernels): mean "
-        f"{_num(q['beta_mean'])}, mean |·| {_num(q['beta_abs_mean'])}, p99 |·| {_num(q['beta_abs_p99'])}, "
-        f"outside {_pct(q['outside_trust_region'])}",
+        quant_line,
         f"  {'trainer':<14}{'mean |β| vs FP8':>17}{'vs ' + plain:>12}{'outside vs FP8':>16}{'vs ' + plain:>12}",
     ]
     for name, vs_plain in f["recipes_plain_engine"].items():
         vs_fp8 = result["recipes"].get(name, {})
         lines.append(f"  {name:<14}{_num(vs_fp8.get('beta_abs_mean')):>17}{_num(vs_plain['beta_abs_mean']):>12}"
                      f"{_pct(vs_fp8.get('outside_trust_region')):>16}{_pct(vs_plain['outside_trust_region']):>12}")
-    lines.append(f"  the quantisers push {_pct(tr['pushed_out'])} of the {tr['recipe']} trainer's tokens outside the "
-                 f"trust region ({_pct(tr['outside'])} outside with β_quant, {_pct(tr['outside_without_quant'])} "
-                 f"without it; {_pct(tr['pulled_in'])} pulled in)")
-    return lines
+    return [*lines, _pushed_line(tr)]
+
+
+def _pushed_line(tr: dict) -> str:
+    return (f"  the quantisers push {_pct(tr['pushed_out'])} of the {tr['recipe']} trainer's tokens outside the "
+            f"trust region ({_pct(tr['outside'])} outside with β_quant, {_pct(tr['outside_without_quant'])} "
+            f"without it; {_pct(tr['pulled_in'])} pulled in)")

@@ -104,21 +104,30 @@ def cannot_serve(quant: str, build: VllmBuild) -> str | None:
     return None
 
 
-def vllm_refusal(recipe: str, quant: tuple[str, ...], build: VllmBuild | None) -> str | None:
-    """The one line `--engine vllm` gives for the FP8 engine recipe `recipe` (quantisers `quant`), None for a recipe
-    without quantisers. Every FP8 recipe is refused today: one the build cannot serve names the build and the reason;
-    one it can is refused because phantomclip does not yet read vLLM's FP8 samples with a plain vLLM engine, which the
-    β_quant split needs (the emulation on --engine local gives it)."""
+def engine_args(quant: tuple[str, ...]) -> dict[str, str]:
+    """The vLLM engine arguments for the quantisers `quant` (VLLM_ARGS merged; a quantiser with none adds nothing)."""
+    return {k: v for q in quant for k, v in (VLLM_ARGS[q] or {}).items()}
+
+
+def vllm_refusal(recipe: str, quant: tuple[str, ...], build: VllmBuild | None,
+                 weight_sync: bool = False) -> str | None:
+    """The one line `--engine vllm` gives for the FP8 engine recipe `recipe` (quantisers `quant`), None where it runs
+    (a recipe without quantisers, or one the build serves). A build that cannot serve a quantiser is named with the
+    reason. `weight_sync`: the job loads new weights into the running engine (train, diagnose --drift), which a
+    vLLM that quantised its weights while loading cannot take (its Linears then hold E4M3 parameters that a reload of
+    bf16 checkpoint tensors does not requantise), so such a job is refused even where the build serves the recipe."""
     if not quant:
         return None
     if build is None:
-        return (f"engine recipe {recipe}: vLLM is not installed here, and --engine vllm does not run FP8 recipes yet: "
-                "run it with --engine local (emulated)")
+        return (f"engine recipe {recipe}: vLLM is not installed here: install it, or run it with --engine local "
+                "(emulated)")
     for q in quant:
         why = cannot_serve(q, build)
         if why:
             return (f"engine recipe {recipe}: {build.name} cannot serve {q}: {why}; run it with --engine local "
                     "(emulated)")
-    args = ", ".join(f"{k}={v!r}" for q in quant for k, v in (VLLM_ARGS[q] or {}).items())
-    return (f"engine recipe {recipe}: {build.name} runs it ({args}), but --engine vllm cannot split its β_quant yet "
-            "(the plain vLLM engine's reading of its samples is not wired): run it with --engine local (emulated)")
+    if weight_sync:
+        args = ", ".join(f"{k}={v!r}" for k, v in engine_args(quant).items())
+        return (f"engine recipe {recipe}: {build.name} runs it ({args}), but phantomclip does not load new weights "
+                "into an FP8 vLLM engine (train, diagnose --drift): run it with --engine local (emulated)")
+    return None

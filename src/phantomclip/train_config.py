@@ -156,4 +156,4 @@ def engine_refuses(cfg: TrainConfig) -> str | None:
         from .routing import no_engine_routes
 
         return no_engine_routes(cfg.engine, "--intervention r3")
-    return cannot_run(cfg.engine, get_recipe(plan.engine_recipe))
+    return cannot_run(cfg.engine, get_recipe(plan.engine_recipe), weight_sync=True)  # training syncs weights

@@ -24,24 +24,26 @@ def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str 
         return LocalEngine(lm.model, recipe=recipe, matmul=matmul)
     from .vllm import VLLMEngine, VLLMError
 
-    unsupported = cannot_run(kind, recipe)
+    unsupported = cannot_run(kind, recipe, weight_sync)
     if unsupported:
         raise VLLMError(unsupported)
+    from ..fp8_vllm import engine_args
     from .vllm_memory import vllm_share
 
     share = vllm_share(lm.model, recipe.weight_dtype, max_model_len or lm.context_length,
                        beside or BesideVllm(batch_tokens=0, training=False))
     return VLLMEngine.for_model(lm, recipe.weight_dtype, logprobs_mode, max_model_len, seed, weight_sync=weight_sync,
-                                gpu_memory_utilization=share)
+                                gpu_memory_utilization=share, **engine_args(recipe.quant))
 
 
-def cannot_run(kind: str, recipe: Recipe) -> str | None:
+def cannot_run(kind: str, recipe: Recipe, weight_sync: bool = False) -> str | None:
     """Why an engine of `kind` cannot compute in `recipe` (None when it can): vLLM runs one dtype throughout, so a
-    recipe that keeps modules in fp32 over a lower-precision body (fp32-head) exists only in the local engine."""
+    recipe that keeps modules in fp32 over a lower-precision body (fp32-head) exists only in the local engine; an FP8
+    recipe runs where the installed vLLM serves it, and not in a job that loads new weights (`weight_sync`)."""
     if kind == "vllm" and recipe.quant:  # what this vLLM build does with the recipe (found by running it: fp8_vllm)
         from ..fp8_vllm import installed_build, vllm_refusal
 
-        return vllm_refusal(recipe.name, recipe.quant, installed_build())
+        return vllm_refusal(recipe.name, recipe.quant, installed_build(), weight_sync)
     if kind == "vllm" and recipe != engine_recipe(recipe.weight_dtype):
         return (f"the engine recipe {recipe.name!r} keeps modules in fp32 over a lower-precision body, which vLLM "
                 "cannot (it runs one dtype): run it with --engine local")

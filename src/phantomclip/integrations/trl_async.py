@@ -139,9 +139,11 @@ HEAD_ROWS_CPU = 64
 """labelled positions per call of TRL's log-prob head in a shadow forward on a CPU. Each call turns a [rows, 32768]
 bf16 logit tile into fp32 temporaries of rows x 128 KiB; at 64 rows they stay under glibc's largest mmap threshold
 (32 MiB) and are reused, at 256 rows every one is a fresh mapping faulted in page by page. The bundled model's head
-over 256 rows, one thread's CPU time, 2-core EPYC (avx512_bf16) under load: 233 ms in one call (49k page faults),
-169 at 128 rows, 148 at 64 (none), 168 at 48, 179 at 32 (more calls re-read the 56 MB head); the log-probs bit for
-bit the same at every size (each row's logits and log-softmax are its own: tests/test_trl_async.py)."""
+over 256 rows in a fresh process, one thread's CPU time, 2-core EPYC (avx512_bf16) under load: 233 ms in one call
+(49k page faults), 169 at 128 rows, 148 at 64 (none), 168 at 48, 179 at 32 (more calls re-read the 56 MB head); in
+the bench's process after 3 training steps a row's head took 145 ms over all 270 positions (8.6k faults), 123 ms
+over its 219 labelled ones (none), beside a 546 ms body (bench/RESULTS.md §9). The log-probs are bit for bit the
+same at every size (each row's logits and log-softmax are its own: tests/test_trl_async.py)."""
 
 HEAD_CLOSURE = ("backbone_attr", "temperature", "final_logit_softcapping", "logit_scale")
 """what `_score` reads off the fused head TRL's add_fused_lm_head installs (trl 1.16 trainer/utils.py
@@ -163,14 +165,15 @@ def _fused_head(model: nn.Module) -> dict:
 def _score(model: nn.Module, kwargs: dict) -> torch.Tensor:
     """[1, N] log-probs of the row's labels from `model`'s fused head (0 where a position has no label), scoring only
     the labelled positions: what TRL's own head does on a Triton device (trainer/utils.py `_fused_forward`, `compact`:
-    hidden_states[mask]); on a CPU TRL's head scores all N positions, prompt and completion ends included, and was
-    41% of a bf16 shadow forward of the bundled model. The body runs on the whole row as in TRL's forward; its
-    labelled rows then go through TRL's own chunked log-prob function with TRL's arguments (`_fused_head`), in
-    blocks of HEAD_ROWS_CPU rows on a CPU. The same log-probs bit for bit as TRL's fused forward of the row
-    (tests/test_trl_async.py: tiny model, and the bundled model's 49152-token head in two vocabulary chunks): a row's
-    bf16 logits do not depend on the other rows of its product (oneDNN's brgemm, its AVX2 fallback and ATen's gemm
-    measured so at 1-301 rows), and the fold into a log-softmax is per row. Under inference_mode, not no_grad: the
-    same kernels, without autograd's version counters and view tracking; the result is only ever read."""
+    hidden_states[mask]); on a CPU TRL's head scores all N positions, prompt and completion ends included (21% of a
+    bf16 shadow forward of the bundled model in the bench's process, HEAD_ROWS_CPU). The body runs on the whole row
+    as in TRL's forward; its labelled rows then go through TRL's own chunked log-prob function with TRL's arguments
+    (`_fused_head`), in blocks of HEAD_ROWS_CPU rows on a CPU. The same log-probs bit for bit as TRL's fused forward
+    of the row (tests/test_trl_async.py: the tiny model, and the bundled model's widths with its 49152-token head in
+    two vocabulary chunks): a row's bf16 logits do not depend on the other rows of its product (oneDNN's brgemm, its
+    AVX2 fallback and ATen's gemm measured so at 1-301 rows), and the fold into a log-softmax is per row. Under
+    inference_mode, not no_grad: the same kernels, without autograd's version counters and view tracking; the result
+    is only ever read."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 

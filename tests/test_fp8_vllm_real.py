@@ -137,3 +137,29 @@ def test_vllm_does_what_fp8_vllm_says(quant, bf16, tmp_path):
           f"{ratio:.2f}); correlation {torch.corrcoef(torch.stack([q_vllm, q_emu]))[0, 1]:.2f}; bf16 kernel gap "
           f"{(vllm_bf16 - emu_bf16).abs().mean():.4f}")
     assert 1 / 1.5 < ratio < 1.5
+
+
+def test_diagnose_samples_with_vllm_fp8_and_splits_beta(tmp_path):
+    """`diagnose --engine vllm --engine-quant fp8-w8a8-channel` on the bundled model with the real build: vLLM samples
+    in FP8 (its start arguments in the result), β = β_precision + β_quant + β_kernel per token from the shadows, and
+    the plain engine's figures are absent (vLLM has no forced decode to read the samples with). In a child process,
+    as every start above (vLLM keeps per-process state)."""
+    why = cannot_serve("fp8-w8a8-channel", installed_build())
+    if why:
+        pytest.skip(f"this build cannot serve fp8-w8a8-channel: {why}")
+    out = tmp_path / "d.json"
+    argv = ["diagnose", "--engine", "vllm", "--engine-quant", "fp8-w8a8-channel", "--n", "4", "--max-tokens", "8",
+            "--trainer", "fp32", "--no-batch-invariance", "--max-model-len", "256", "--json", str(out)]
+    run_cli = "import sys; from phantomclip import cli; sys.exit(cli.main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", run_cli, *argv], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["engine"]["kind"] == "vllm" and d["engine"]["quantization"] == "fp8_per_channel"
+    fp8, tok = d["fp8"], d["tokens"]
+    assert fp8["engines"] is None and fp8["beta_quant"]["beta_abs_mean"] > 0
+    per = tok["per_recipe"]["fp32"]
+    for b, p, q, k in zip(per["beta"], per["beta_precision"], tok["beta_quant"], tok["beta_kernel"]):
+        # the JSON's 6 decimals (<= 5e-7 each, four values) and fp32 differences (2^-24 of their sizes)
+        assert abs(b - (p + q + k)) <= 2e-6 + 2**-24 * (abs(b) + abs(p) + abs(q) + abs(k)), (b, p, q, k)
+    print(f"vLLM fp8-w8a8-channel: mean |β| {d['recipes']['fp32']['beta_abs_mean']:.4f}, mean |β_quant| "
+          f"{fp8['beta_quant']['beta_abs_mean']:.4f}, mean |β_kernel| {d['shadow']['kernel']['beta_abs_mean']:.4f}")

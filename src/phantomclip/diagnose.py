@@ -249,9 +249,8 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
     logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
     nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
-    # the plain engine's reading of an FP8 engine's samples: the local engine's teacher-forced decode; vLLM has no
-    # forced decode, so with --engine vllm the engines' own gap is not measured (β's three-way split needs only the
-    # shadows: diagnose_fp8.fp8_figures)
+    # an FP8 engine's samples read by the plain engine: the local engine's forced decode; vLLM has none, so the
+    # engines' own gap goes unmeasured there (β's split needs only the shadows: diagnose_fp8.fp8_figures)
     reads_plain = cfg.engine_recipe().quant and cfg.engine == "local"
     plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(
              cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if reads_plain else None)

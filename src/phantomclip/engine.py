@@ -333,7 +333,7 @@ class _Sampler:
         p = self.params
         if self.workspace is None or self.workspace.shape != logits.shape:  # [B, V] fp64, reused every step
             self.workspace = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
-        return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p, self.workspace)
+        return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p, workspace=self.workspace)
 
     def ends(self, step: int, tok: torch.Tensor) -> torch.Tensor:
         return torch.isin(tok, self.stop)

@@ -168,18 +168,21 @@ def closed_loop_seeds(data) -> str:
     return text
 
 
-def _interval(d: dict, scale: float, digits: int, unit: str) -> str:
-    """'−15.1 [−24.1, −6.0] tokens': a paired difference as the FP8 table shows it (its digits and scale)."""
+def _interval(d: dict, key: str, digits: int) -> str:
+    """'−15.1 [−24.1, −6.0] tokens': a paired difference as the FP8 table shows it (its digits; the scale and unit of
+    interventions_table.UNITS)."""
+    from .interventions_table import UNITS
+
+    scale, unit = UNITS[key]
     return (f"{scale * d['mean']:+.{digits}f} [{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]"
             f" {unit}")
 
 
-FP8_COMPARED = (("final_length", 1, 1, "tokens", "Against the bf16 engine ({baseline}) in final length",
+FP8_COMPARED = (("final_length", 1, "Against the bf16 engine ({baseline}) in final length",
                  ("ended shorter", "ended longer")),
-                ("phantom_rate", 100, 2, "pp", "In phantom-clip rate",
-                 ("were below the bf16 engine's", "were above it")))
-"""the differences the FP8 sentence reads: summary key, scale and digits (the table's), unit, the clause's opening,
-and the words for an interval below zero and above it."""
+                ("phantom_rate", 2, "In phantom-clip rate", ("were below the bf16 engine's", "were above it")))
+"""the differences the FP8 sentence reads: summary key, digits (the table's), the clause's opening, and the words for
+an interval below zero and above it."""
 
 
 def _and(items: list[str]) -> str:
@@ -215,7 +218,7 @@ def fp8_result(data) -> str:
         if finite(b0, b1) and b0 > 0:
             parts.append(f"The FP8 engine starts with a mean |β| of {b1:.3f} against the bf16 engine's {b0:.3f} "
                          f"({b1 / b0:.1f} times; means over seeds)")
-    for key, scale, digits, unit, opening, (below, above) in FP8_COMPARED:
+    for key, digits, opening, (below, above) in FP8_COMPARED:
         lower, higher, same = [], [], []
         for a in arms:
             d = a["vs_baseline"].get(key)
@@ -224,7 +227,7 @@ def fp8_result(data) -> str:
             compared += 1
             if detected({key: d}):
                 found += 1
-                (lower if d["high"] < 0 else higher).append(f"{a['run']} ({_interval(d, scale, digits, unit)})")
+                (lower if d["high"] < 0 else higher).append(f"{a['run']} ({_interval(d, key, digits)})")
             else:
                 same.append(a["run"])
         said = ([f"{_and(lower)} {below}"] if lower else []) + ([f"{_and(higher)} {above}"] if higher else [])

@@ -176,10 +176,11 @@ def experiment_arm(run: Path, config: dict) -> tuple[str | None, str]:
 
 def fp8_arm_order(run: dict) -> int:
     """The place of the run's arm in `experiment fp8`'s order (the bf16 engine, the FP8 engine, then each correction
-    as experiments.FP8_CORRECTIONS lists them; an arm it does not list last): legends and tables read alike."""
-    from ..experiments import FP8_CORRECTIONS
+    as experiments.fp8_arms builds them; an arm it does not build last): legends and tables read alike."""
+    from ..experiments import fp8_arms
+    from ..train_config import TrainConfig
 
-    order = ["none", "fp8", *(f"fp8,{c}" for c in FP8_CORRECTIONS)]
+    order = list(fp8_arms(TrainConfig()))
     return order.index(run["arm"]) if run["arm"] in order else len(order)
 
 

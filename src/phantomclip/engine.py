@@ -331,8 +331,7 @@ class _Sampler:
 
     def pick(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
-        if self.workspace is None or self.workspace.shape != logits.shape:  # [B, V] fp64, reused every step
-            self.workspace = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+        self.workspace = _fp64_buffer(logits, self.workspace)  # [B, V] fp64, reused every step
         return sample_next_token(logits, self.gen, p.temperature, p.top_k, p.top_p, p.min_p, workspace=self.workspace)
 
     def ends(self, step: int, tok: torch.Tensor) -> torch.Tensor:

@@ -258,3 +258,21 @@ def test_a_bf16_layout_that_rounds_otherwise_is_not_used(monkeypatch):
     assert decode.pack_linears(torch.nn.Linear(96, 48).to(torch.bfloat16)) == 1  # probed here: identical
     assert decode._BF16_IDENTICAL[(48, 96, True)] is True
     assert decode.pack_linears(torch.nn.Linear(96, 80)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_in_four_ops_equals_transformers_bit_for_bit(dtype):
+    """decode.rotate computes rotate_half(x)*sin as roll(x)*signed_sin: equal to transformers' own RoPE bit for bit
+    (negation is exact and rounding is symmetric in sign), over q and k side by side as over each alone."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 9, 5, 64, generator=g).to(dtype)  # [B, Hq, T, D]
+    k = torch.randn(3, 3, 5, 64, generator=g).to(dtype)  # [B, Hkv, T, D]
+    angles = torch.randn(3, 5, 64, generator=g) * 40  # [B, T, D]: many turns, signs of sin and cos both ways
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes cos/sin at dim 1
+    cos1, sin1 = cos[:, None], decode.signed_sin(sin[:, None])  # [B, 1, T, D]
+    assert torch.equal(decode.rotate(q, cos1, sin1), q_ref) and torch.equal(decode.rotate(k, cos1, sin1), k_ref)
+    both = decode.rotate(torch.cat([q, k], 1), cos1, sin1)  # [B, Hq + Hkv, T, D]
+    assert torch.equal(both[:, :9], q_ref) and torch.equal(both[:, 9:], k_ref)

@@ -75,21 +75,33 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_low_precision_cpu(torch.bfloat16))
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: x itself when it is already (as `Tensor.to` returns it, but without its call: 16 such no-op
+    calls a layer were 4% of a bf16 decode step at one row on the 2-core EPYC)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   compute: torch.dtype) -> torch.Tensor:
+    """oneDNN's product of x [..., K] with a weight laid out once (`packed`, in `compute`), as a Linear whose weight
+    is in `dtype` computes it: input cast to `dtype` then to `compute`, output cast back to `dtype`."""
+    out = torch.ops.mkldnn._linear_pointwise(cast(cast(x, dtype), compute), packed, bias, "none", [], "")
+    return cast(out, dtype)
+
+
 def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through oneDNN with the weight laid out once, in `_pc_packed_dtype` (the weight's own dtype,
     or fp32 for the emulated kernel: the same round(x) @ image(w) with fp32 accumulation and one rounding of the
     output as `recipes.is_emulated`'s forward). Re-laid out when the weight was modified in place (a weight sync bumps
     its version) or replaced."""
-    compute = self._pc_packed_dtype
-    key = (self.weight.data_ptr(), self.weight._version)
+    compute, weight, bias = self._pc_packed_dtype, self.weight, self.bias
+    key = (weight.data_ptr(), weight._version)
     if getattr(self, "_pc_packed_key", None) != key:
         # the batch-size hint only tunes the layout; products at any number of rows are correct (tested)
-        self._pc_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(compute), 16)
+        self._pc_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), 16)
         self._pc_packed_key = key
-    bias = None if self.bias is None else self.bias.to(compute)  # read live: a sync may change the bias alone
-    out = torch.ops.mkldnn._linear_pointwise(x.to(self.weight.dtype).to(compute), self._pc_packed, bias, "none", [],
-                                             "")
-    return out.to(self.weight.dtype)
+    bias = None if bias is None else cast(bias, compute)  # read live: a sync may change the bias alone
+    return packed_product(x, self._pc_packed, bias, weight.dtype, compute)
 
 
 PROBE_ROWS = (1, 16, 96, 320)
@@ -230,21 +242,22 @@ class FusedLinears:
             owner.__dict__["_pc_fused"] = fused  # a plain attribute: not a submodule, not in the state dict
         return fused
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, first: int = 1) -> list[torch.Tensor]:
         """x [..., K] -> each Linear's output [..., N_i] (views of one [..., sum N_i] product), as its
         `_packed_linear_forward` computes it: input cast to the weight's dtype then to the compute dtype, output
-        cast back to the weight's dtype."""
-        key = tuple((m.weight.data_ptr(), m.weight._version) for m in self.linears)
+        cast back to the weight's dtype. `first` > 1 returns the first `first` outputs as one view (e.g. q and k side
+        by side, for one RoPE over both)."""
+        weights = [m.weight for m in self.linears]
+        key = [(w.data_ptr(), w._version) for w in weights]
         if key != self._key:
-            weight = torch.cat([m.weight.detach().to(self.compute) for m in self.linears])  # [sum N_i, K]
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([w.detach().to(self.compute) for w in weights]), 16)  # of [sum N_i, K]
             self._key = key
-        dtype = self.linears[0].weight.dtype
         bias = None
         if self.linears[0].bias is not None:  # read live, as the parts do
             bias = torch.cat([m.bias.detach().to(self.compute) for m in self.linears])  # [sum N_i]
-        out = torch.ops.mkldnn._linear_pointwise(x.to(dtype).to(self.compute), self._packed, bias, "none", [], "")
-        return list(out.to(dtype).split(self.sizes, dim=-1))
+        out = packed_product(x, self._packed, bias, weights[0].dtype, self.compute)  # [..., sum N_i]
+        return list(out.split([sum(self.sizes[:first]), *self.sizes[first:]], dim=-1))
 
 
 MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")
@@ -259,11 +272,19 @@ def fused_mlp(mlp: nn.Module) -> FusedLinears | None:
     return FusedLinears.of(mlp, ("gate_proj", "up_proj")) if plain else None
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [B, heads, T, D] with cos/sin [B, 1, T, D]: x*cos + rotate_half(x)*sin, the same operations in the
-    same dtype as transformers' `apply_rotary_pos_emb` (models/llama/modeling_llama.py), so the same values."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: the factor `rotate` multiplies the rolled x by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, heads, T, D] with cos and `signed_sin(sin)` [B, 1, T, D]: x*cos + rotate_half(x)*sin as
+    transformers' `apply_rotary_pos_emb` computes it (models/llama/modeling_llama.py), the same values in 4 ops
+    instead of 7. rotate_half(x)*sin = cat(-x2, x1)*cat(s1, s2), and cat(x2, x1)*cat(-s1, s2) is equal bit for bit:
+    negation is exact and a product's rounding does not depend on the operands' signs (also in bf16, which multiplies
+    in fp32 and rounds once); cat(x2, x1) is x rolled by D/2, and the negated sine is built once per step."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class StaticDecoder:
@@ -280,12 +301,15 @@ class StaticDecoder:
         attn = self.layers[0].self_attn
         cfg = model.config
         kv_heads, self.head_dim = cfg.num_key_value_heads, attn.head_dim
-        self.groups = cfg.num_attention_heads // kv_heads  # query heads per key/value head (GQA)
+        self.q_heads = cfg.num_attention_heads
+        self.qk_norm = hasattr(attn, "q_norm")  # qwen3: RMSNorm over each head's D before RoPE
+        self.groups = self.q_heads // kv_heads  # query heads per key/value head (GQA)
         dtype = attn.k_proj.weight.dtype  # what the k/v projections produce (the recipe's weight dtype)
         shape = (len(self.layers), batch, kv_heads, max_len, self.head_dim)
         device = attn.k_proj.weight.device
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, max_len, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_at, self.v_at = self.k.unbind(0), self.v.unbind(0)  # per layer [B, Hkv, max_len, D] views: one op less
         self.filled = 0  # slots written so far
         self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8.use_fp8_kv): store E4M3 values
         # per layer, q/k/v and gate/up as one packed product each where that is bit-identical (else None: the parts)
@@ -307,7 +331,7 @@ class StaticDecoder:
             keep = (keep & causal) | (slot[:, None] == seen[None, :])  # [B, 1, T, end]
         h = self.body.get_input_embeddings()(ids)  # [B, T, H]
         cos, sin = self.body.rotary_emb(h, positions)  # [B, T, D] each, in h's dtype (the model's own RoPE)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [B, 1, T, D]: shared by every layer
         self._mask = None
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos=cos, sin=sin, keep=keep,
@@ -318,21 +342,27 @@ class StaticDecoder:
 
     def _attention(self, i: int, attn: nn.Module, x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor,
                    keep: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Self-attention of layer i on normed x [B, T, H], writing this step's keys and values into the cache."""
+        """Self-attention of layer i on normed x [B, T, H], writing this step's keys and values into the cache;
+        `sin` is `signed_sin` of the model's sine."""
         B, T, _ = x.shape
-        fused = self.qkv[i]
-        q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))  # [B, T, N]
-        q = q.view(B, T, -1, self.head_dim)  # [B, T, Hq, D]
-        k = k.view(B, T, -1, self.head_dim)  # [B, T, Hkv, D]
-        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head's D before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        fused, D = self.qkv[i], self.head_dim
+        if fused is not None and not self.qk_norm:
+            # q and k side by side in the fused product's output: one RoPE over both (it acts per head alike)
+            qk, v = fused(x, first=2)  # [B, T, (Hq + Hkv) * D], [B, T, Hkv * D]
+            qk = rotate(qk.view(B, T, -1, D).transpose(1, 2), cos, sin)  # [B, Hq + Hkv, T, D]
+            q, k = qk[:, : self.q_heads], qk[:, self.q_heads:]  # [B, Hq, T, D], [B, Hkv, T, D]
+        else:
+            q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+            q, k = q.view(B, T, -1, D), k.view(B, T, -1, D)  # [B, T, Hq, D], [B, T, Hkv, D]
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+        v = v.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         if self.fp8_kv:  # vLLM writes E4M3 into its cache and attends over what it reads back, this step's too
             k, v = dequant_kv(k), dequant_kv(v)
-        self.k[i, :, :, start:end] = k
-        self.v[i, :, :, start:end] = v
-        keys, values = self.k[i, :, :, :end], self.v[i, :, :, :end]  # [B, Hkv, end, D], views
+        self.k_at[i].narrow(2, start, T).copy_(k)
+        self.v_at[i].narrow(2, start, T).copy_(v)
+        keys, values = self.k_at[i].narrow(2, 0, end), self.v_at[i].narrow(2, 0, end)  # [B, Hkv, end, D], views
         if self._mask is None or self._mask.dtype != q.dtype:
             # SDPA turns a boolean mask into this additive one (0 kept, -inf masked, in the queries' dtype) at every
             # call (convert_boolean_attn_mask, aten/src/ATen/native/transformers/attention.cpp); built once per step

@@ -117,6 +117,52 @@ def test_the_sentence_follows_the_intervals(demo):
     assert text.startswith("Each arm has one seed here") and "shorter" not in text
 
 
+def _fp8_line(text: str) -> str:
+    return next((li for li in text.split("<li>") if li.startswith("The FP8 arms ran")), "")
+
+
+def test_the_summary_line_follows_the_intervals(demo):
+    """'In short' has one FP8 line, by the rule of section 8's sentence (fp8_verdicts): with every arm's final-length
+    difference negated (mean -> -mean, [low, high] -> [-high, -low]) icepop, shadow ratio and force r = 1 end longer
+    instead of shorter, and the rest still show none; with tis's interval moved below zero one more is detected
+    (13 -> 14 of the 23 comparisons); with one seed, or with no FP8 summary, there is no FP8 line."""
+    from phantomclip.report.summary import html_summary
+
+    line = _fp8_line(html_summary(demo.diagnose, demo.sanity, demo.fp8))
+    assert ("in final length, <b>fp8,icepop (-6.0 tokens), fp8,shadow-ratio (-15.1 tokens) and fp8,force-r1 (-19.1 "
+            "tokens)</b> ended shorter; fp8, fp8,tis and fp8,mis showed no detectable difference.") in line
+    assert "<b>fp8 (+7.07 pp), fp8,tis (+6.38 pp), fp8,mis (+7.09 pp) and fp8,icepop (+7.60 pp)</b> were above" in line
+    assert "against 13 here" in line and "ended longer" not in line
+
+    flipped = copy.deepcopy(demo.fp8)
+    for a in flipped[0]["arms"]:
+        d = a.get("vs_baseline", {}).get("final_length")
+        if d:
+            d.update({"mean": -d["mean"], "low": -d["high"], "high": -d["low"]})
+    line = _fp8_line(html_summary(demo.diagnose, demo.sanity, flipped))
+    assert ("in final length, <b>fp8,icepop (+6.0 tokens), fp8,shadow-ratio (+15.1 tokens) and fp8,force-r1 (+19.1 "
+            "tokens)</b> ended longer; fp8, fp8,tis and fp8,mis showed no detectable difference.") in line
+    assert "ended shorter" not in line and "against 13 here" in line
+
+    moved = copy.deepcopy(demo.fp8)
+    _arm(moved[0], "fp8,tis")["vs_baseline"]["final_length"].update({"mean": -5.0, "low": -9.0, "high": -1.0})
+    line = _fp8_line(html_summary(demo.diagnose, demo.sanity, moved))
+    assert "<b>fp8,tis (-5.0 tokens), fp8,icepop (-6.0 tokens)," in line and "fp8 and fp8,mis showed no" in line
+    assert "against 14 here" in line
+
+    one = copy.deepcopy(demo.fp8)
+    for a in one[0]["arms"]:
+        for d in a.get("vs_baseline", {}).values():
+            d.update({"n": 1, "low": None, "high": None})
+    for fp8 in (one, []):
+        text = html_summary(demo.diagnose, demo.sanity, fp8)
+        assert not _fp8_line(text) and text.count("<li>") == 3
+        assert "no correction for the 11 comparisons: if no arm" in text  # the note counts section 7's alone
+    alone = html_summary([], [], demo.fp8)  # FP8 data only: one line, its note counting its own 12 comparisons
+    assert alone.count("<li>") == 1 and "no correction for the 12 comparisons: if no arm" in alone
+    assert "against 9 here" in alone
+
+
 def test_the_per_step_figures_draw_the_fp8_runs(demo):
     """The length figure's line of the bf16 engine at step 10 is the mean of its 3 seeds' lengths there (the
     seeds' metrics.jsonl, read here directly); each arm keeps one colour, the correction's own where it has one,
@@ -148,6 +194,8 @@ def test_without_an_fp8_experiment_the_section_names_the_command(demo):
     assert "No data for the 3 figures of this section yet. Run <code>phantomclip experiment fp8 --seeds 3 --out " \
            "runs/fp8</code>" in section
     assert 'id="fp8-table"' not in text and 'class="arms"' in text.split("7. Interventions")[1]
+    summary = text.split('id="summary">')[1].split("</section>")[0]
+    assert summary.count("<li>") == 3 and "FP8" not in summary and "section 8" not in summary
     assert fp8_result(ReportData()) == ""
 
 

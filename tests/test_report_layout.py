@@ -72,7 +72,7 @@ def test_bands_stay_in_range_and_never_bridge_a_gap(demo_page):
 def test_summary_states_the_datas_headline_numbers(demo_page):
     text = demo_page.read_text(encoding="utf-8")
     summary = re.search(r'<section class="summary" id="summary">(.*?)</section>', text, re.S).group(1)
-    assert summary.count("<li>") == 3
+    assert summary.count("<li>") == 4  # gap, training, interventions, FP8
     data = collect(demo_sources())
     base = next(a for a in data.sanity[0]["arms"] if a["run"] == "none")
     assert f"<b>{100 * base['phantom_share_of_clipped']['mean']:.0f}%</b> of the tokens the clip zeroed" in summary
@@ -83,6 +83,59 @@ def test_summary_states_the_datas_headline_numbers(demo_page):
     shorter = [a["run"] for a in data.sanity[0]["arms"] if a.get("vs_baseline", {}).get("final_length", {})
                .get("high", 0) < 0]
     assert all(arm in summary for arm in shorter) and "force-r1" in shorter
+    _fp8_line_is_the_runs(summary.split("<li>")[-1])
+
+
+T_975_DF2 = 4.302652729911275
+"""Student t's 0.975 quantile at 2 degrees of freedom (3 seeds): the value of statistics tables."""
+
+
+def _fp8_line_is_the_runs(line: str) -> None:
+    """The summary's FP8 line against its numbers recomputed from the demo's FP8 run files, not from the summary the
+    line was built from: per seed, final length = mean completion/length_mean over the last 5 logged steps and
+    phantom-clip rate = Σ clip/phantom_rate·mismatch/tokens / Σ mismatch/tokens (experiments.summarize_run); each
+    arm minus the bf16 engine ('none') seed by seed, then mean ± t_{0.975,2}·s/√3; an arm is named as shorter
+    (below) when the whole interval is below zero, longer (above) when above, else 'showed no detectable
+    difference'."""
+    root = demo_sources()[0] / "fp8"
+    arms = json.loads((root / "experiment.json").read_text())["arms"]
+
+    def per_seed(arm: str) -> dict[int, tuple[float, float]]:
+        out = {}
+        for seed_dir in sorted((root / arm.replace(",", "+")).glob("seed-*")):
+            rows = [json.loads(r) for r in (seed_dir / "metrics.jsonl").read_text().splitlines()]
+            final = sum(r["completion/length_mean"] for r in rows[-5:]) / len(rows[-5:])
+            tokens = sum(r["mismatch/tokens"] for r in rows)
+            phantom = sum(r["clip/phantom_rate"] * r["mismatch/tokens"] for r in rows) / tokens
+            out[int(seed_dir.name.split("-")[1])] = (final, phantom)
+        return out
+
+    base = per_seed("none")
+    assert len(base) == 3 and line.startswith("The FP8 arms ran 3 seeds each; every difference here is paired by "
+                                              "seed, with its 95% interval per comparison. ")
+    expected = {key: {"below": [], "above": [], "same": []} for key in ("final_length", "phantom_rate")}
+    for arm in arms[1:]:
+        runs = per_seed(arm)
+        for i, (key, digits, scale, unit) in enumerate((("final_length", 1, 1, "tokens"),
+                                                        ("phantom_rate", 2, 100, "pp"))):
+            diffs = [runs[s][i] - base[s][i] for s in sorted(base)]
+            mean = sum(diffs) / 3
+            half = T_975_DF2 * math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2) / math.sqrt(3)
+            side = "below" if mean + half < 0 else "above" if mean - half > 0 else "same"
+            expected[key][side].append(arm if side == "same" else (arm, f"{scale * mean:+.{digits}f} {unit}"))
+    said = {}
+    clauses = line.split(" (section 8).")[0].split("Against the bf16 engine (none) in final length, ")[1]
+    for key, clause in zip(expected, clauses.split(". In phantom-clip rate, ")):
+        said[key] = {"below": [], "above": [], "same": []}
+        for part in clause.split("; "):
+            if part.endswith(" showed no detectable difference"):
+                said[key]["same"] = part.split(" showed")[0].replace(" and ", ", ").split(", ")
+            else:
+                side = "below" if part.endswith(("ended shorter", "were below the bf16 engine's")) else "above"
+                said[key][side] = re.findall(r"([^ ,<>]+(?:,[^ ,<>]+)*) \(([^)]*)\)", part)
+    assert said == expected
+    assert [len(expected[k][s]) for k in expected for s in ("below", "above")] == [3, 0, 2, 4]  # 9 detected
+    assert "against 13 here" in line and "(11 in section 7, 12 in section 8)" in line  # 4 in section 7, 9 here
 
 
 LAYOUT_JS = """() => {

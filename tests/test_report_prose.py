@@ -107,6 +107,15 @@ def test_summary_intervals_carry_a_multiple_comparison_note(demo):
             "exclude zero by chance (at least one with probability 43%), against 4 here") in text
     assert multiple_comparisons_note(1, 1) == ""  # one comparison: the interval means what it says
     assert "probability 10%" in multiple_comparisons_note(2, 0)  # 1 - 0.95^2 = 0.0975
+    # with the FP8 line the one note counts both lines: 11 + 12 (6 FP8 arms x final length and phantom-clip rate)
+    # = 23 comparisons; 23 * 0.05 = 1.15 (1.2 at two significant digits); 1 - 0.95^23 = 1 - 0.3074 = 0.6926 (69%);
+    # 4 detected in section 7 and 9 in section 8 (3 shorter; 2 below and 4 above in phantom-clip rate)
+    both = html_summary(demo.diagnose, demo.sanity, demo.fp8)
+    assert ("no correction for the 23 comparisons (11 in section 7, 12 in section 8): if no arm changed anything, on "
+            "average 1.2 of them would still exclude zero by chance (at least one with probability 69%), against 13 "
+            "here") in both
+    assert both.count("Each interval is 95% on its own") == 1 and both.count("<li>") == 4
+    assert both.split("<li>")[-1].startswith("The FP8 arms ran")  # the note closes the last line with intervals
 
 
 def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):

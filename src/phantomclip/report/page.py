@@ -193,7 +193,7 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
     if name == "appendix":
         return html_appendix(data, ctx["copied"], ctx["roots"])
     if name == "summary":
-        return html_summary(data.diagnose, data.sanity)
+        return html_summary(data.diagnose, data.sanity, data.fp8)
     if name == "answer":
         return html_answer(data.diagnose, ctx["roots"])
     if name == "glossary":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..metrics import PROB_EDGES
 
@@ -185,40 +186,46 @@ FP8_COMPARED = (("final_length", 1, "Against the bf16 engine ({baseline}) in fin
 an interval below zero and above it."""
 
 
-def _and(items: list[str]) -> str:
+def and_join(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c': a list in a sentence (arm names may hold commas: 'fp8,tis')."""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def fp8_result(data) -> str:
-    """Section 8: what the FP8 arms did against the bf16 engine, in the words the table's intervals allow: an arm is
-    said to end shorter (or to have fewer phantom clips) only where its paired interval lies below zero
-    (experiments.detected, the table's verdict rule); where the interval includes zero, 'no detectable difference';
-    with one seed, no interval and no direction. The intervals' terms are said: paired by seed over N seeds, 95% per
-    comparison, no correction for the number of comparisons (summary.multiple_comparisons_note)."""
+@dataclass(frozen=True)
+class Fp8Verdicts:
+    """What the FP8 arms' paired intervals allow, read once by the one rule (experiments.detected) for the two
+    places that say it: section 8's sentence (fp8_result) and the summary's FP8 line (summary.html_summary)."""
+
+    baseline: str
+    """the experiment's baseline arm: the bf16 engine, nothing corrected ('none')"""
+    seeds: tuple[int, ...]
+    """the seed counts n of the arms' paired differences, smallest first (one value when every arm has the same)"""
+    by_key: tuple[tuple[list[tuple[str, dict]], list[tuple[str, dict]], list[str]], ...]
+    """per FP8_COMPARED row: (arms whose interval lies below zero, with their difference; arms whose interval lies
+    above zero, with theirs; arms whose interval includes zero), each in the summary's order of arms"""
+    compared: int
+    """how many (arm, quantity) intervals were read: the count of comparisons"""
+    found: int
+    """how many of them exclude zero"""
+
+    def seeds_words(self) -> str:
+        """'3 seeds' or '2 to 3 seeds'."""
+        return f"{self.seeds[0]} seeds" if len(self.seeds) == 1 else f"{self.seeds[0]} to {self.seeds[-1]} seeds"
+
+
+def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
+    """The verdicts of an `experiment fp8` summary's arms on FP8_COMPARED's quantities; None when no arm has a
+    paired difference (no seed counted). An interval counts only when its mean and bounds are finite (one seed: no
+    interval, nothing compared)."""
     from ..experiments import detected
     from .interventions_table import finite
-    from .summary import multiple_comparisons_note
 
-    if not data.fp8:
-        return ""
-    summary = data.fp8[-1]
-    baseline = summary.get("baseline", "none")
     arms = [a for a in summary["arms"] if a.get("vs_baseline")]
     seeds = sorted({d["n"] for a in arms for d in a["vs_baseline"].values() if isinstance(d.get("n"), int)})
     if not seeds:
-        return ""
-    if seeds[-1] < 2:
-        return (f"Each arm has one seed here: the table gives each difference from the bf16 engine ({baseline}) "
-                "without an interval, and one seed cannot tell an arm's effect from that seed's luck.")
-    parts, found, compared = [], 0, 0
-    base = next((a for a in summary["arms"] if a["run"] == baseline), None)
-    fp8 = next((a for a in arms if a["run"] == "fp8"), None)
-    if fp8 is not None and base is not None:
-        b0, b1 = base["beta_abs_mean_start"].get("mean"), fp8["beta_abs_mean_start"].get("mean")
-        if finite(b0, b1) and b0 > 0:
-            parts.append(f"The FP8 engine starts with a mean |β| of {b1:.3f} against the bf16 engine's {b0:.3f} "
-                         f"({b1 / b0:.1f} times; means over seeds)")
-    for key, digits, opening, (below, above) in FP8_COMPARED:
+        return None
+    by_key, compared, found = [], 0, 0
+    for key, *_ in FP8_COMPARED:
         lower, higher, same = [], [], []
         for a in arms:
             d = a["vs_baseline"].get(key)
@@ -227,18 +234,51 @@ def fp8_result(data) -> str:
             compared += 1
             if detected({key: d}):
                 found += 1
-                (lower if d["high"] < 0 else higher).append(f"{a['run']} ({_interval(d, key, digits)})")
+                (lower if d["high"] < 0 else higher).append((a["run"], d))
             else:
                 same.append(a["run"])
-        said = ([f"{_and(lower)} {below}"] if lower else []) + ([f"{_and(higher)} {above}"] if higher else [])
-        said += [f"{_and(same)} showed no detectable difference"] if same else []
+        by_key.append((lower, higher, same))
+    return Fp8Verdicts(summary.get("baseline", "none"), tuple(seeds), tuple(by_key), compared, found)
+
+
+def fp8_result(data) -> str:
+    """Section 8: what the FP8 arms did against the bf16 engine, in the words the table's intervals allow: an arm is
+    said to end shorter (or to have fewer phantom clips) only where its paired interval lies below zero
+    (experiments.detected, the table's verdict rule, read by fp8_verdicts); where the interval includes zero, 'no
+    detectable difference'; with one seed, no interval and no direction. The intervals' terms are said: paired by
+    seed over N seeds, 95% per comparison, no correction for the number of comparisons
+    (summary.multiple_comparisons_note)."""
+    from .interventions_table import finite
+    from .summary import multiple_comparisons_note
+
+    if not data.fp8:
+        return ""
+    summary = data.fp8[-1]
+    verdicts = fp8_verdicts(summary)
+    if verdicts is None:
+        return ""
+    baseline = verdicts.baseline
+    if verdicts.seeds[-1] < 2:
+        return (f"Each arm has one seed here: the table gives each difference from the bf16 engine ({baseline}) "
+                "without an interval, and one seed cannot tell an arm's effect from that seed's luck.")
+    parts = []
+    base = next((a for a in summary["arms"] if a["run"] == baseline), None)
+    fp8 = next((a for a in summary["arms"] if a["run"] == "fp8" and a.get("vs_baseline")), None)
+    if fp8 is not None and base is not None:
+        b0, b1 = base["beta_abs_mean_start"].get("mean"), fp8["beta_abs_mean_start"].get("mean")
+        if finite(b0, b1) and b0 > 0:
+            parts.append(f"The FP8 engine starts with a mean |β| of {b1:.3f} against the bf16 engine's {b0:.3f} "
+                         f"({b1 / b0:.1f} times; means over seeds)")
+    for (key, digits, opening, (below, above)), (lower, higher, same) in zip(FP8_COMPARED, verdicts.by_key):
+        said = [f"{and_join([f'{run} ({_interval(d, key, digits)})' for run, d in group])} {words}"
+                for group, words in ((lower, below), (higher, above)) if group]
+        said += [f"{and_join(same)} showed no detectable difference"] if same else []
         if said:
             parts.append(opening.format(baseline=baseline) + ", " + "; ".join(said))
-    if not compared:
+    if not verdicts.compared:
         return ""
-    seeds_words = f"{seeds[0]} seeds" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]} seeds"
-    return (". ".join(parts) + f". Each difference is paired by seed over {seeds_words}."
-            + multiple_comparisons_note(compared, found))
+    return (". ".join(parts) + f". Each difference is paired by seed over {verdicts.seeds_words()}."
+            + multiple_comparisons_note(verdicts.compared, verdicts.found))
 
 
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,

@@ -1,5 +1,5 @@
 """The page's words that come from the data rather than from article.md: the source line under every figure (which
-file, which engine, which model, which machine) and the three-line summary at the top.
+file, which engine, which model, which machine) and the summary at the top ("In short", up to four lines).
 
 Every number here is read from the files at build time: with other data the summary says other things, and a line
 whose data is missing is left out rather than filled with the demo's numbers. Paths are shown relative to the
@@ -133,7 +133,8 @@ def _training_line(summary: dict) -> str | None:
             "tokens (section 5).")
 
 
-def _interventions_line(summary: dict) -> str | None:
+def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
+    """(the interventions' line, its comparisons, how many exclude zero); None when no arm has an interval."""
     from ..experiments import detected
 
     helped, hurt, none = [], [], []
@@ -157,30 +158,63 @@ def _interventions_line(summary: dict) -> str | None:
         line += f"; {', '.join(hurt)} ended longer"
     if none:
         line += f"; no difference was detected for {', '.join(none)}"
-    return line + " (section 7)." + multiple_comparisons_note(len(helped) + len(hurt) + len(none),
-                                                              len(helped) + len(hurt))
+    return line + " (section 7).", len(helped) + len(hurt) + len(none), len(helped) + len(hurt)
 
 
-def multiple_comparisons_note(m: int, detected: int) -> str:
+def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
+    """(the FP8 experiment's line, its comparisons, how many exclude zero): each arm's verdict against the bf16
+    engine by prose.fp8_verdicts (section 8's rule and words, FP8_COMPARED), with its mean difference; None with
+    fewer than two seeds (no interval: nothing to say in a line) or nothing compared."""
+    from .interventions_table import UNITS
+    from .prose import FP8_COMPARED, and_join, fp8_verdicts
+
+    verdicts = fp8_verdicts(summary)
+    if verdicts is None or verdicts.seeds[-1] < 2 or not verdicts.compared:
+        return None
+    parts = []
+    for (key, digits, opening, (below, above)), (lower, higher, same) in zip(FP8_COMPARED, verdicts.by_key):
+        scale, unit = UNITS[key]
+        named = [[f"{html_text(run)} ({scale * d['mean']:+.{digits}f} {unit})" for run, d in group]
+                 for group in (lower, higher)]
+        said = [f"<b>{and_join(arms)}</b> {words}" for arms, words in zip(named, (below, above)) if arms]
+        said += [f"{and_join([html_text(run) for run in same])} showed no detectable difference"] if same else []
+        if said:
+            parts.append(html_text(opening.format(baseline=verdicts.baseline)) + ", " + "; ".join(said))
+    line = (f"The FP8 arms ran {verdicts.seeds_words()} each; every difference here is paired by seed, with its 95% "
+            "interval per comparison. " + ". ".join(parts) + " (section 8).")
+    return line, verdicts.compared, verdicts.found
+
+
+def multiple_comparisons_note(m: int, detected: int, where: str = "") -> str:
     """What m separate 95% intervals mean together. No correction is applied (the intervals are experiment's, each
     at 95% on its own); the note says how many would exclude zero by chance alone if no arm changed anything:
     m · 0.05 expected, at least one with probability 1 − 0.95^m (independent comparisons; they share the baseline's
-    seeds, so this is a guide, not an exact rate)."""
+    seeds, so this is a guide, not an exact rate). `where`: which lines the m comparisons come from, when more than
+    one ('(11 in section 7, 12 in section 8)')."""
     if m < 2:
         return ""
-    return (f" Each interval is 95% on its own, with no correction for the {m} comparisons: if no arm changed "
+    return (f" Each interval is 95% on its own, with no correction for the {m} comparisons{where}: if no arm changed "
             f"anything, on average {0.05 * m:.2g} of them would still exclude zero by chance (at least one with "
             f"probability {1 - 0.95 ** m:.0%}), against {detected} here; read one detected arm as a lead to rerun "
             "with more seeds.")
 
 
-def html_summary(diagnose: list[dict], sanity: list[dict]) -> str:
-    """Up to three lines: the gap before training, phantom clipping during training, what the interventions did."""
+def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = ()) -> str:
+    """Up to four lines: the gap before training, phantom clipping during training, what the interventions did,
+    what the FP8 arms did. The lines with intervals (sections 7 and 8) share one multiple-comparison note, after the
+    last of them, counting the comparisons of both."""
     lines = []
     if diagnose:
         lines.append(_diagnose_line(diagnose[-1]))
-    if sanity:
-        lines += [line for line in (_training_line(sanity[-1]), _interventions_line(sanity[-1])) if line]
+    if sanity and (training := _training_line(sanity[-1])):
+        lines.append(training)
+    compared = [(section, *found) for section, found in
+                ((7, sanity and _interventions_line(sanity[-1])), (8, fp8 and _fp8_line(fp8[-1]))) if found]
+    lines += [line for _, line, _, _ in compared]
+    if compared:
+        where = (" (" + ", ".join(f"{m} in section {section}" for section, _, m, _ in compared) + ")"
+                 if len(compared) > 1 else "")
+        lines[-1] += multiple_comparisons_note(sum(m for *_, m, _ in compared), sum(d for *_, d in compared), where)
     if not lines:
         return ""
     items = "".join(f"<li>{line}</li>" for line in lines)

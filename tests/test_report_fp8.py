@@ -199,6 +199,30 @@ def test_without_an_fp8_experiment_the_section_names_the_command(demo):
     assert fp8_result(ReportData()) == ""
 
 
+def test_each_experiment_json_is_read_once_per_collect(monkeypatch, tmp_path):
+    """The demo's two experiment.json files (sanity: 36 runs, fp8: 21) are each read once per collect, not once per
+    run directory; a second collect in the same process reads them again, so an edited plan is seen (fp8's arm
+    'fp8,tis' renamed: its 3 runs then fall back to their engine's quantiser and intervention, 'fp8-w8a8,tis')."""
+    from phantomclip.report import sources
+
+    reads = []
+    real = sources.read_json
+    monkeypatch.setattr(sources, "read_json", lambda path: reads.append(Path(path)) or real(path))
+    data = collect(demo_sources())
+    plans = sorted(p.parent.name for p in reads if p.name == "experiment.json")
+    assert plans == ["fp8", "sanity"] and len(data.fp8_runs) == 21 and len(data.runs) == 36
+    demo = tmp_path / "demo"
+    shutil.copytree(demo_sources()[0] / "fp8", demo)
+    assert [r["arm"] for r in collect([demo]).fp8_runs].count("fp8,tis") == 3
+    plan = json.loads((demo / "experiment.json").read_text())
+    plan["arms"] = [a.replace("fp8,tis", "fp8,tis-renamed") for a in plan["arms"]]
+    (demo / "experiment.json").write_text(json.dumps(plan))
+    reads.clear()
+    arms = [r["arm"] for r in collect([demo]).fp8_runs]
+    assert "fp8,tis" not in arms and arms.count("fp8-w8a8,tis") == 3
+    assert [p.name for p in reads].count("experiment.json") == 1
+
+
 def test_an_fp8_run_outside_its_experiment_is_still_an_fp8_run(tmp_path):
     """A run copied out of its experiment (no experiment.json two levels up) is named by its engine's quantiser and
     its intervention, and stays out of section 5."""

@@ -125,12 +125,33 @@ def _check_shape(path: Path, doc: dict, shape: dict[str, type]) -> None:
                               "was edited or is not one phantomclip wrote")
 
 
-def _add(data: ReportData, f: Path, doc: dict) -> bool:
-    """File `doc` (read from `f`) into `data`; False when it is of no kind the page draws."""
+Manifests = dict[Path, dict | Unusable]
+"""experiment.json files read during one collect: resolved path -> its JSON object, or why it cannot be used. Made
+by collect for one build and passed down, so a plan shared by many run directories (21 for the demo's FP8
+experiment) is read once, and a later build in the same process reads the files afresh."""
+
+
+def read_manifest(path: Path, manifests: Manifests) -> dict:
+    """The experiment.json at `path`, read once per collect (`manifests`); Unusable as read_json says."""
+    key = path.resolve()
+    if key not in manifests:
+        try:
+            manifests[key] = read_json(key)
+        except Unusable as why:
+            manifests[key] = why
+    found = manifests[key]
+    if isinstance(found, Unusable):
+        raise Unusable(*found.args)
+    return found
+
+
+def _add(data: ReportData, f: Path, doc: dict, manifests: Manifests) -> bool:
+    """File `doc` (read from `f`) into `data`; False when it is of no kind the page draws. `manifests`: the
+    experiment.json files this collect has read (read_manifest)."""
     if f.name == "config.json" and (f.parent / "metrics.jsonl").exists():
         _check_schema(f, doc, None)
         name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
-        experiment, arm = experiment_arm(f.parent, doc)
+        experiment, arm = experiment_arm(f.parent, doc, manifests)
         run = {"_path": str(f.parent), "name": name, "config": doc, "arm": arm, "experiment": experiment,
                "metrics": check_metrics_rows(f.parent / "metrics.jsonl", read_jsonl(f.parent / "metrics.jsonl")),
                "tokens": read_jsonl(f.parent / "tokens.jsonl")}
@@ -148,12 +169,12 @@ def _add(data: ReportData, f: Path, doc: dict) -> bool:
     return True
 
 
-def experiment_arm(run: Path, config: dict) -> tuple[str | None, str]:
+def experiment_arm(run: Path, config: dict, manifests: Manifests) -> tuple[str | None, str]:
     """(the experiment the run directory belongs to, its arm's name there). An experiment writes its runs to
     OUT/<arm>/seed-N (experiments.run_dir: ',' as '+', '=' as '-') beside OUT/experiment.json, whose "arms" name them;
     a run outside one is 'fp8' when its engine quantised (config "engine_quant", the FP8 arms' only difference from
     the bf16 engine's: their intervention alone would call the FP8 engine 'none'), else nobody's, its arm the
-    intervention."""
+    intervention. `manifests`: the experiment.json files already read in this collect (read_manifest)."""
     from ..experiments import run_dir
 
     intervention = str(config.get("intervention", run.name))
@@ -163,7 +184,7 @@ def experiment_arm(run: Path, config: dict) -> tuple[str | None, str]:
     if not run.name.startswith("seed-"):
         return fallback
     try:
-        manifest = read_json(run.parent.parent / "experiment.json")
+        manifest = read_manifest(run.parent.parent / "experiment.json", manifests)
     except Unusable:
         return fallback
     arms, experiment = manifest.get("arms"), manifest.get("experiment")
@@ -196,6 +217,7 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
     skip = Path(skip).resolve() if skip is not None else None
     data = ReportData()
     seen: set[Path] = set()
+    manifests: Manifests = {}
     for src in map(Path, sources):
         if not src.exists():
             raise ReportError(f"--from {src}: no such file or directory")
@@ -207,8 +229,8 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
                 continue
             seen.add(f)
             try:
-                doc = read_json(f)
-                if not _add(data, f, doc):
+                doc = read_manifest(f, manifests) if f.name == "experiment.json" else read_json(f)
+                if not _add(data, f, doc, manifests):
                     raise Unusable("is none of diagnose, trace, trace --run or experiment JSON, nor a run's "
                                    "config.json beside its metrics.jsonl")
             except Unusable as why:

@@ -1,10 +1,11 @@
 """One rank of the multi-process route-flip check (tests/test_routing_trl_ranks.py starts two with torchrun over gloo).
 
-Every rank builds the same GRPOTrainer on tiny-moe (trl_ranks_worker.make_trainer), wraps it in DDP, takes its half
-of one seeded global batch (`global_batch`, rows [rank·B/2, (rank+1)·B/2)) and runs the monitored loss once. It writes
-to OUT/rank<r>.pt what the PrecisionMonitor logged (global figures) and the local flips it counted them from (the
-[layers, B/2·T] tensor `routing.flat_flips` returned on this rank), which the test compares with one process scoring
-the same halves (the same helpers, imported from here).
+Every rank builds the same GRPOTrainer on tiny-moe (trl_ranks_worker.make_trainer), wraps it in DDP with the monitor
+attached (trl_ranks_worker.monitored_ddp), takes its half of one seeded global batch (`global_batch`, rows
+[rank·B/2, (rank+1)·B/2)) and runs the monitored loss once. It writes to OUT/rank<r>.pt what the PrecisionMonitor
+logged (global figures) and the local flips it counted them from (the [layers, B/2·T] tensor `routing.flat_flips`
+returned on this rank), which the test compares with one process scoring the same halves (the same helpers, imported
+from here).
 """
 
 from __future__ import annotations
@@ -73,18 +74,14 @@ def recording_flips(store: list):
 
 def main(out: str) -> None:
     torch.set_num_threads(1)  # as the one-process reference: the same GEMM blocking, the same routes
+    import trl_ranks_worker
     from phantomclip import routing
     from phantomclip.integrations.trl import PrecisionMonitor
 
     batch = global_batch()
     monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
     trainer = make_trainer(f"{out}/ddp")
-    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
-    lo, hi = rank * B // world, (rank + 1) * B // world
-    monitor.attach(trainer)
-    ddp = trainer.accelerator.prepare_model(trainer.model)
-    trainer.current_gradient_accumulation_steps = 1
-    ddp.train()
+    ddp, rank, _, lo, hi = trl_ranks_worker.monitored_ddp(trainer, monitor, B)
     flips: list = []
     original, routing.flat_flips = recording_flips(flips)
     try:

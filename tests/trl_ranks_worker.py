@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +68,36 @@ def rows(batch: dict, lo: int, hi: int, trainer) -> dict:
     return part
 
 
+class RankDDP(NamedTuple):
+    """One rank's DDP model for a monitored `_compute_loss` and its share of the global batch."""
+
+    model: torch.nn.Module
+    """the trainer's model as accelerate wraps it for DDP (train mode)"""
+    rank: int
+    world: int
+    lo: int
+    """this rank's rows of a b-row global batch are [lo, hi): rank·b/world to (rank+1)·b/world"""
+    hi: int
+
+
+def ddp_for_one_step(trainer) -> torch.nn.Module:
+    """`trainer`'s model wrapped in DDP by accelerate, in train mode, for one `_compute_loss` call (one accumulation
+    step, as TRL's training_step sets it)."""
+    ddp = trainer.accelerator.prepare_model(trainer.model)
+    trainer.current_gradient_accumulation_steps = 1
+    ddp.train()
+    return ddp
+
+
+def monitored_ddp(trainer, monitor, b: int = B) -> RankDDP:
+    """The DDP start of every rank's monitored check (here and in routing_ranks_worker): `monitor` attached to
+    `trainer` first (it reads the model before accelerate wraps it), then the DDP model and this rank's rows of a
+    `b`-row global batch."""
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    monitor.attach(trainer)
+    return RankDDP(ddp_for_one_step(trainer), rank, world, rank * b // world, (rank + 1) * b // world)
+
+
 def uneven_inputs(rank: int, world: int) -> list[tuple]:
     """(logp, logp_shadow, mask, advantages) per rank for `precision_stats` alone: rank 0 holds 3 rows with one NaN
     trainer log-prob and one −inf shadow log-prob, the last rank holds no row at all."""
@@ -110,20 +141,15 @@ def main(out: str) -> None:
     # DDP: the monitor's figures on this rank's half
     monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
     trainer = make_trainer(f"{out}/ddp")
-    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
-    lo, hi = rank * B // world, (rank + 1) * B // world
-    monitor.attach(trainer)
-    ddp = trainer.accelerator.prepare_model(trainer.model)
-    trainer.current_gradient_accumulation_steps = 1
-    ddp.train()
+    ddp, rank, world, lo, hi = monitored_ddp(trainer, monitor)
     trainer._compute_loss(ddp, rows(batch, lo, hi, trainer))
     record["ddp_stats"] = dict(monitor.last)
 
     # DDP: with_shadow_ratio's loss and gradients (DDP averages them in backward)
     shadowed = make_trainer(f"{out}/sr", cls=with_shadow_ratio(GRPOTrainer, engine_dtype="bfloat16"))
-    ddp = shadowed.accelerator.prepare_model(shadowed.model)
-    shadowed.current_gradient_accumulation_steps = 1
-    ddp.train()
+    # the DDP wrapper is held until backward: its reducer averages the gradients there; passed as a temporary, it was
+    # freed when _compute_loss returned and each rank kept its own half's gradients (seen: this file's test failed)
+    ddp = ddp_for_one_step(shadowed)
     loss = shadowed._compute_loss(ddp, rows(batch, lo, hi, shadowed))
     loss.backward()
     record["ddp_loss"] = loss.item()

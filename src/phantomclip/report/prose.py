@@ -247,10 +247,8 @@ def fp8_result(data) -> str:
     (experiments.detected, the table's verdict rule, read by fp8_verdicts); where the interval includes zero, 'no
     detectable difference'; with one seed, no interval and no direction. The intervals' terms are said: paired by
     seed over N seeds, 95% per comparison, no correction for the number of comparisons
-    (summary.multiple_comparisons_note)."""
+    (multiple_comparisons_note)."""
     from .interventions_table import finite
-    from .summary import multiple_comparisons_note
-
     if not data.fp8:
         return ""
     summary = data.fp8[-1]
@@ -284,3 +282,17 @@ def fp8_result(data) -> str:
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
                               "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
+
+
+def multiple_comparisons_note(m: int, detected: int, where: str = "") -> str:
+    """What m separate 95% intervals mean together. No correction is applied (the intervals are experiment's, each
+    at 95% on its own); the note says how many would exclude zero by chance alone if no arm changed anything:
+    m · 0.05 expected, at least one with probability 1 − 0.95^m (independent comparisons; they share the baseline's
+    seeds, so this is a guide, not an exact rate). `where`: which lines the m comparisons come from, when more than
+    one ('(11 in section 7, 12 in section 8)')."""
+    if m < 2:
+        return ""
+    return (f" Each interval is 95% on its own, with no correction for the {m} comparisons{where}: if no arm changed "
+            f"anything, on average {0.05 * m:.2g} of them would still exclude zero by chance (at least one with "
+            f"probability {1 - 0.95 ** m:.0%}), against {detected} here; read one detected arm as a lead to rerun "
+            "with more seeds.")

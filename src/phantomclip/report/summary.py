@@ -13,6 +13,7 @@ from pathlib import Path
 from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
 from .escape import html_text
 from .interventions_table import finite, seed_values
+from .prose import FP8_COMPARED, and_join, fp8_verdicts, multiple_comparisons_note
 
 
 def short_path(path: str, roots: list[Path]) -> str:
@@ -166,7 +167,6 @@ def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
     engine by prose.fp8_verdicts (section 8's rule and words, FP8_COMPARED), with its mean difference; None with
     fewer than two seeds (no interval: nothing to say in a line) or nothing compared."""
     from .interventions_table import UNITS
-    from .prose import FP8_COMPARED, and_join, fp8_verdicts
 
     verdicts = fp8_verdicts(summary)
     if verdicts is None or verdicts.seeds[-1] < 2 or not verdicts.compared:
@@ -183,20 +183,6 @@ def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
     line = (f"The FP8 arms ran {verdicts.seeds_words()} each; every difference here is paired by seed, with its 95% "
             "interval per comparison. " + ". ".join(parts) + " (section 8).")
     return line, verdicts.compared, verdicts.found
-
-
-def multiple_comparisons_note(m: int, detected: int, where: str = "") -> str:
-    """What m separate 95% intervals mean together. No correction is applied (the intervals are experiment's, each
-    at 95% on its own); the note says how many would exclude zero by chance alone if no arm changed anything:
-    m · 0.05 expected, at least one with probability 1 − 0.95^m (independent comparisons; they share the baseline's
-    seeds, so this is a guide, not an exact rate). `where`: which lines the m comparisons come from, when more than
-    one ('(11 in section 7, 12 in section 8)')."""
-    if m < 2:
-        return ""
-    return (f" Each interval is 95% on its own, with no correction for the {m} comparisons{where}: if no arm changed "
-            f"anything, on average {0.05 * m:.2g} of them would still exclude zero by chance (at least one with "
-            f"probability {1 - 0.95 ** m:.0%}), against {detected} here; read one detected arm as a lead to rerun "
-            "with more seeds.")
 
 
 def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = ()) -> str:

@@ -256,7 +256,7 @@ class FusedLinears:
         key = [(w.data_ptr(), w._version) for w in weights]
         if key != self._key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                torch.cat([w.detach().to(self.compute) for w in weights]), 16)  # of [sum N_i, K]
+                torch.cat([w.detach().to(self.compute) for w in weights]), 16)  # laid out from [sum N_i, K]
             self._key = key
         bias = None
         if self.linears[0].bias is not None:  # read live, as the parts do

@@ -312,9 +312,10 @@ class StaticDecoder:
         dtype = attn.k_proj.weight.dtype  # what the k/v projections produce (the recipe's weight dtype)
         shape = (len(self.layers), batch, kv_heads, max_len, self.head_dim)
         device = attn.k_proj.weight.device
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, max_len, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k_at, self.v_at = self.k.unbind(0), self.v.unbind(0)  # per layer [B, Hkv, max_len, D] views: one op less
+        # one [L, B, Hkv, max_len, D] block each, held as its L per-layer views [B, Hkv, max_len, D] (indexing a
+        # layer out of the block at every step was one more operation a layer)
+        self.k = torch.zeros(shape, dtype=dtype, device=device).unbind(0)
+        self.v = torch.zeros(shape, dtype=dtype, device=device).unbind(0)
         self.filled = 0  # slots written so far
         self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8.use_fp8_kv): store E4M3 values
         # per layer, q/k/v and gate/up as one packed product each where that is bit-identical (else None: the parts)
@@ -365,9 +366,9 @@ class StaticDecoder:
         v = v.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         if self.fp8_kv:  # vLLM writes E4M3 into its cache and attends over what it reads back, this step's too
             k, v = dequant_kv(k), dequant_kv(v)
-        self.k_at[i].narrow(2, start, T).copy_(k)
-        self.v_at[i].narrow(2, start, T).copy_(v)
-        keys, values = self.k_at[i].narrow(2, 0, end), self.v_at[i].narrow(2, 0, end)  # [B, Hkv, end, D], views
+        self.k[i].narrow(2, start, T).copy_(k)
+        self.v[i].narrow(2, start, T).copy_(v)
+        keys, values = self.k[i].narrow(2, 0, end), self.v[i].narrow(2, 0, end)  # [B, Hkv, end, D], views
         if self._mask is None or self._mask.dtype != q.dtype:
             # SDPA turns a boolean mask into this additive one (0 kept, -inf masked, in the queries' dtype) at every
             # call (convert_boolean_attn_mask, aten/src/ATen/native/transformers/attention.cpp); built once per step

@@ -241,6 +241,22 @@ def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
     return Fp8Verdicts(summary.get("baseline", "none"), tuple(seeds), tuple(by_key), compared, found)
 
 
+def fp8_clauses(verdicts: Fp8Verdicts, arm: Callable[[str, dict, str, int], str],
+                mark: Callable[[str], str] = str, text: Callable[[str], str] = str) -> list[str]:
+    """Per FP8_COMPARED quantity with an arm to name, its clause: the opening, then the arms below zero, above zero,
+    and with no detectable difference, in FP8_COMPARED's words. `arm(run, difference, key, digits)` names an arm whose
+    interval excludes zero (with its figure); `mark` wraps such a group (the summary bolds it); `text` makes a plain
+    string safe where it is embedded (the summary's html_text; section 8's sentence is escaped whole by the page)."""
+    parts = []
+    for (key, digits, opening, (below, above)), (lower, higher, same) in zip(FP8_COMPARED, verdicts.by_key):
+        said = [f"{mark(and_join([arm(run, d, key, digits) for run, d in group]))} {words}"
+                for group, words in ((lower, below), (higher, above)) if group]
+        said += [f"{and_join([text(run) for run in same])} showed no detectable difference"] if same else []
+        if said:
+            parts.append(text(opening.format(baseline=verdicts.baseline)) + ", " + "; ".join(said))
+    return parts
+
+
 def fp8_result(data) -> str:
     """Section 8: what the FP8 arms did against the bf16 engine, in the words the table's intervals allow: an arm is
     said to end shorter (or to have fewer phantom clips) only where its paired interval lies below zero
@@ -267,12 +283,7 @@ def fp8_result(data) -> str:
         if finite(b0, b1) and b0 > 0:
             parts.append(f"The FP8 engine starts with a mean |β| of {b1:.3f} against the bf16 engine's {b0:.3f} "
                          f"({b1 / b0:.1f} times; means over seeds)")
-    for (key, digits, opening, (below, above)), (lower, higher, same) in zip(FP8_COMPARED, verdicts.by_key):
-        said = [f"{and_join([f'{run} ({_interval(d, key, digits)})' for run, d in group])} {words}"
-                for group, words in ((lower, below), (higher, above)) if group]
-        said += [f"{and_join(same)} showed no detectable difference"] if same else []
-        if said:
-            parts.append(opening.format(baseline=baseline) + ", " + "; ".join(said))
+    parts += fp8_clauses(verdicts, lambda run, d, key, digits: f"{run} ({_interval(d, key, digits)})")
     if not verdicts.compared:
         return ""
     return (". ".join(parts) + f". Each difference is paired by seed over {verdicts.seeds_words()}."

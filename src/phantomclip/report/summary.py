@@ -13,7 +13,7 @@ from pathlib import Path
 from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
 from .escape import html_text
 from .interventions_table import finite, seed_values
-from .prose import FP8_COMPARED, and_join, fp8_verdicts, multiple_comparisons_note
+from .prose import fp8_clauses, fp8_verdicts, multiple_comparisons_note
 
 
 def short_path(path: str, roots: list[Path]) -> str:
@@ -171,15 +171,12 @@ def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
     verdicts = fp8_verdicts(summary)
     if verdicts is None or verdicts.seeds[-1] < 2 or not verdicts.compared:
         return None
-    parts = []
-    for (key, digits, opening, (below, above)), (lower, higher, same) in zip(FP8_COMPARED, verdicts.by_key):
+
+    def arm(run: str, d: dict, key: str, digits: int) -> str:  # 'fp8 (+7.07 pp)': the mean difference alone
         scale, unit = UNITS[key]
-        named = [[f"{html_text(run)} ({scale * d['mean']:+.{digits}f} {unit})" for run, d in group]
-                 for group in (lower, higher)]
-        said = [f"<b>{and_join(arms)}</b> {words}" for arms, words in zip(named, (below, above)) if arms]
-        said += [f"{and_join([html_text(run) for run in same])} showed no detectable difference"] if same else []
-        if said:
-            parts.append(html_text(opening.format(baseline=verdicts.baseline)) + ", " + "; ".join(said))
+        return f"{html_text(run)} ({scale * d['mean']:+.{digits}f} {unit})"
+
+    parts = fp8_clauses(verdicts, arm, mark=lambda group: f"<b>{group}</b>", text=html_text)
     line = (f"The FP8 arms ran {verdicts.seeds_words()} each; every difference here is paired by seed, with its 95% "
             "interval per comparison. " + ". ".join(parts) + " (section 8).")
     return line, verdicts.compared, verdicts.found

@@ -309,7 +309,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one timed round instead of three: indicative only")
     ap.add_argument("--allow-load", action="store_true",
-                    help="measure even when the load average exceeds the core count; the output is marked INDICATIVE")
+                    help="print the tables even when the machine is loaded (Load: the load average at the start, "
+                         "other jobs' CPU during the rounds); the output is marked INDICATIVE")
     ap.add_argument("--no-other-kernel", action="store_true",
                     help="leave out the bf16 kernel auto does not pick (native bf16 on AVX2 takes most of the time)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vLLM ('none': leave vLLM out)")

@@ -38,6 +38,7 @@ from bench_engine import (
     prompts,
     refuse_if_loaded,
     run_engine,
+    spread,
 )
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -106,10 +107,6 @@ class Worker:
         self.proc.wait(timeout=120)
 
 
-def spread(values: list[float], fmt: str = ".0f") -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per row count (>= 3), order alternated")
@@ -117,7 +114,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16", help="dtypes, comma-separated")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vLLM (default: bench_engine's)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the cores)")
-    ap.add_argument("--allow-load", action="store_true", help="measure above the core count's load: INDICATIVE")
+    ap.add_argument("--allow-load", action="store_true", help="print the table even when the machine is loaded "
+                    "(bench_engine.Load): marked INDICATIVE")
     ap.add_argument("--before", type=Path, default=None,
                     help="a copy of an earlier src/ (cp -r src /tmp/before_src): its LocalEngine joins as a third "
                          "worker, in the same alternation")

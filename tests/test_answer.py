@@ -29,15 +29,16 @@ def _rec(outside: float, mean: float = 0.04, tokens: int = 1000) -> dict:
             "outside_trust_region": outside, "outside_below": outside / 2, "outside_above": outside / 2}
 
 
-def _result(answer_in: str = "", keep=(0.15, 0.19), **recs) -> dict:
-    """A result whose first recipe is the user's; ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per
+def _result(answer_in: str = "", keep=(0.15, 0.19), engine: str = "vllm", **recs) -> dict:
+    """A result whose first recipe is the user's, against a bf16 `engine` (vLLM: a real engine, whose kernel gap every
+    recipe's β holds); ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per
     token, each recipe puts its share of the 1000 tokens outside (β = 0.5) from the first token on, so the tokens a
     better recipe keeps inside are all outside under a worse one (the sign test sees only that direction)."""
     clip = {"unit": "token", "setting": {"epsilon_low": 0.2, "epsilon_high": 0.2}, "tokens": 0.0, "sequences": 0.0,
             "keep": {"epsilon_low": keep[0], "epsilon_high": keep[1]}, "at_length": None}
     per = {k: {"beta": [0.5 if i < round(v["outside_trust_region"] * v["tokens"]) else 0.0 for i in range(1000)]}
            for k, v in recs.items()}
-    return {"recipes": recs, "engine": {"dtype": "bf16", "kind": "local", "nonfinite_logprobs": 0},
+    return {"recipes": recs, "engine": {"dtype": "bf16", "kind": engine, "nonfinite_logprobs": 0},
             "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2, "log_low": -0.2231, "log_high": 0.1823},
             "config": {"answer_in": answer_in, "epsilon": 0.2, "epsilon_high": 0.2}, "tokens": {"per_recipe": per},
             "knobs": {"keep_share": 0.99, "length": {"target": 48}, "clip": clip}}

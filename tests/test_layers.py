@@ -14,7 +14,8 @@ nothing of the package.
 Within a layer: leaf, core and surface modules may import each other as long as no cycle forms (the engine needs
 scoring's log-softmax, the producer the engine's Rollout, cli dispatches to report and integrations). Jobs are
 independent drivers: a job never imports another job, except experiments -> trainer (an experiment is a matrix
-of training runs). Helpers two jobs need belong in the layer below them.
+of training runs) and postmortem -> diagnose (a post-mortem is a diagnose per recorded step). Helpers two jobs need
+belong in the layer below them.
 
 Imports are read with `ast`, at module level and inside functions alike (the package imports lazily a lot), so
 the check is about the code's dependencies, not about what happens to run first.
@@ -36,15 +37,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
              "frameworks", "knobs", "files", "console", "devices", "fp8", "fp8_vllm", "run_checks"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
-             "routing_depth", "diagnose_config", "diagnose_fp8"),
-    "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth"),
+             "routing_depth", "diagnose_config", "diagnose_fp8", "diagnose_records", "rollouts", "rollout_readers",
+             "rollout_batches", "recorded"),
+    "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth", "postmortem"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags",
                  "config_sources", "fp8_text", "routing_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
 SIDEWAYS_OK = {"leaf", "core", "surfaces"}
 """layers whose modules may import each other (acyclically); jobs may not."""
-JOB_TO_JOB_OK = {("experiments", "trainer")}
+JOB_TO_JOB_OK = {("experiments", "trainer"), ("postmortem", "diagnose")}
 
 
 @dataclass(frozen=True)

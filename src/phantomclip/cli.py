@@ -36,8 +36,9 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped"), knobs=DIAGNOSE_KNOBS)
-    p.set_defaults(max_tokens=None)  # None: a config file may fill it (config_sources)
+    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag"),
+                    knobs=DIAGNOSE_KNOBS)
+    p.set_defaults(max_tokens=None, n=None)  # None: a config file may fill it (config_sources); --rollouts: all
     p.add_argument("--drift", type=_whole_number, default=None, metavar="K",
                    help="push the same (unchanged) weights into the engine K times (K >= 1) and re-read the same "
                    "sampled tokens after each push; a gap that moves is an engine defect and fails the gate "
@@ -115,15 +116,17 @@ def _check_gate_roots(gates, cfg) -> None:
 
 
 def _run_diagnose(args) -> int:
-    from .diagnose import DiagnoseConfig, run_diagnose
+    from .diagnose import DiagnoseConfig
     from .diagnose_text import render_diagnose, with_verdict
     from .frameworks import parse_gate
+    from .postmortem import run_rollouts
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
         gates.append(parse_gate(DRIFT_GATE))
     apply_trainer_config(args)
-    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_diagnose(cfg, console=err)),
+    args.typed_sampling = sorted(set(getattr(args, "typed", ())) & {"temperature", "top_p", "top_k", "min_p"})
+    return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_rollouts(cfg, console=err)),
                            render_diagnose, check=lambda result: _check_gates(gates, result),
                            precheck=lambda cfg: _check_gate_roots(gates, cfg))
 

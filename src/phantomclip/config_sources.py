@@ -36,8 +36,9 @@ def apply_trainer_config(args) -> None:
     settings = {k: v for k, v in settings.items() if k not in typed}
     for key, value in settings.items():
         setattr(args, key, value)
-    if args.max_tokens is None:
-        args.max_tokens = DiagnoseConfig.max_tokens
+    args.max_tokens = DiagnoseConfig.max_tokens if args.max_tokens is None else args.max_tokens
+    if args.n is None:  # --rollouts reads every record unless --n caps them; sampling draws the default 64
+        args.n = 0 if getattr(args, "rollouts", "") else DiagnoseConfig.n
     if not source:
         return
     cfg = config_from_args(DiagnoseConfig, args)

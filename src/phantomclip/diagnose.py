@@ -18,7 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -28,9 +28,10 @@ from .console import progress_bar
 from .devices import clock, describe_device, resolve_device, software_versions
 from .diagnose_config import DiagnoseConfig
 from .diagnose_fp8 import fp8_figures, plain_engine_reads
+from .diagnose_records import Figures, Prepared, Reference, Sampled, Scored, concat_batches, sampled_from_rollouts
 from .engine import Rollout
 from .engines import start_engine
-from .engines.drift import Drift, first_rows, measure_drift
+from .engines.drift import first_rows, measure_drift
 from .engines.vllm_memory import BesideVllm
 from .files import rounded
 from .frameworks import framework_figures
@@ -42,106 +43,15 @@ from .metrics import (
     quantile_or_nan,
     trust_region_split,
 )
-from .models import LoadedModel, load_model, stop_token_ids
+from .models import load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
 from .recipes import apply_recipe, cpu_description, get_recipe, without_quant
-from .routing import Routes
+from .recorded import check_belongs, peek, phantom_shares, read_sampled, recorded_config, save_rollouts
 from .scoring import score
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-
-# ------------------------------------------------------------------------------------------- records
-
-
-@dataclass
-class Prepared:
-    """The model and the n prompts to sample from, checked against the context, with the settings resolved."""
-
-    lm: LoadedModel
-    prompt_ids: list[list[int]]
-    """n prompts (the prompt set reused in order when n exceeds it)."""
-    engine_dtype: torch.dtype
-    matmul: str
-    """the --matmul mode as given ('auto' is resolved per dtype where a model is laid out: recipes.resolve_matmul)."""
-    truncation: tuple[int, float, float] | None
-    """(top_k, top_p, min_p) when sampling truncates the distribution, else None."""
-    device: torch.device
-    """where the model, the local engine and scoring run (--device); figures are computed on the host."""
-
-
-@dataclass
-class Sampled:
-    """What the engine sampled, packed for scoring, and which of its two log-prob columns it measured."""
-
-    packed: list[dict[str, torch.Tensor]]
-    """one `Rollout.pack` per batch: input_ids, attention_mask, completion_mask [B_i, T_i]."""
-    mask: torch.Tensor  # [n, T] bool: sampled completion tokens
-    logp_engine: torch.Tensor  # [n, T] full-vocabulary log-probs (vLLM 'raw'); NaN where not reported
-    logp_engine_processed: torch.Tensor  # [n, T] renormalised over the kept tokens (vLLM 'processed')
-    measured: Literal["raw", "processed"] | None
-    """'raw' or 'processed': the one column the engine computed (the other is rebuilt); None: both are its own."""
-    nonfinite: int
-    """sampled tokens for which the engine gave no finite log-prob (left out of every figure)."""
-    info: dict
-    """the engine's describe()."""
-    seconds: float
-    """wall time of sampling (engine start-up excluded)."""
-    drift: Drift | None = None
-    """--drift: the same weights pushed K times into the engine before it closed, and the gap after each push."""
-    logp_engine_plain: torch.Tensor | None = None  # [n, T] --engine-quant: the same tokens read by the plain engine
-    routes: list[Routes] | None = None
-    """MoE models (--routing, local engine): the experts the engine chose as it decoded, per batch (routing.py)."""
-
-
-@dataclass
-class Scored:
-    """One recipe's view of the sampled tokens."""
-
-    logp: torch.Tensor  # [n, T]
-    entropy: torch.Tensor  # [n, T]
-    log_kept: torch.Tensor  # [n, T] log S, the mass truncated sampling keeps under this recipe (0 without truncation)
-    seconds: float
-    """wall time of laying the model out for the recipe and scoring."""
-    logp_alone: torch.Tensor | None = None  # [n, T] the `alone_rows` scored one at a time, unpadded; 0 elsewhere
-    seconds_alone: float = 0.0
-    """wall time of scoring those rows alone (`score_alone`)."""
-    routes: list[Routes] | None = None
-    """MoE models: the experts this recipe's forward chose, per batch (where the engine's were captured)."""
-
-
-@dataclass
-class Reference:
-    """What every recipe is compared with: both engine columns and the shadow (the trainer's own forward in the
-    engine's dtype), which splits β into a precision part (recipe vs shadow) and a kernel part (shadow vs engine)."""
-
-    logp_engine: torch.Tensor  # [n, T]
-    logp_engine_processed: torch.Tensor  # [n, T]
-    logp_shadow: torch.Tensor  # [n, T]
-    shadow: str
-    """the shadow's recipe name."""
-    rebuilt: str | None
-    """the engine column rebuilt from the shadow's log S ('logp_engine' or 'logp_engine_processed'), if any."""
-    logp_plain_shadow: torch.Tensor | None = None  # [n, T] FP8 engines: the shadow without the quantisers
-    logp_engine_plain: torch.Tensor | None = None  # [n, T] FP8 engines: the plain engine's log-probs of the tokens
-
-
-@dataclass
-class Figures:
-    """The statistics of every trainer recipe against the engine, and the per-token arrays behind them."""
-
-    kernel: dict
-    """shadow against engine: the kernel part of β, the same for every recipe."""
-    recipes: dict[str, dict]
-    per_token: dict[str, dict[str, list]]
-    knobs: dict
-    """the knob advice (knobs.knob_figures) on the first trainer recipe's β, naming it."""
-    fp8: dict | None = None
-    """--engine-quant: the FP8 engine beside the plain engine on the same samples, and β_quant (`fp8_figures`)."""
-    routing: dict | None = None
-    """MoE models: the route table (`route_phase`, routing.route_figures)."""
 
 
 # -------------------------------------------------------------------------------------------- phases
@@ -149,11 +59,27 @@ class Figures:
 
 def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     """Run the diagnose job and return every figure as a JSON-ready dict (`files.write_json`); the words that
-    say what they mean are `diagnose_text.with_verdict`'s."""
+    say what they mean are `diagnose_text.with_verdict`'s. With --rollouts, the file's recorded settings replace the
+    flags' first (recorded.recorded_config)."""
+    cfg = settled(cfg)
     prep, sampled, scored, ref = measure(cfg, console)
     figs = figures(cfg, scored, ref, sampled.mask)
+    phantom_shares(figs.recipes, {n: scored[n].logp for n in cfg.trainer}, ref.logp_engine, sampled.mask, sampled,
+                   (cfg.epsilon, cfg.epsilon_high))  # where the records carry their advantages
     figs.routing = route_phase(cfg, prep, sampled, scored, ref) if sampled.routes else None
     return result_dict(cfg, prep, sampled, ref, figs)
+
+
+def settled(cfg: DiagnoseConfig) -> DiagnoseConfig:
+    """The config as the run measures it: validated, and with --rollouts the engine and sampling the file recorded in
+    place of the flags' (their notes in `recorded_notes`)."""
+    cfg.validate()
+    if not cfg.rollouts:
+        return cfg
+    cfg, notes = recorded_config(cfg, peek(cfg.rollouts))
+    cfg.recorded_notes = notes
+    cfg.validate()
+    return cfg
 
 
 def measure(
@@ -165,16 +91,26 @@ def measure(
     say = console.print if console is not None else (lambda *a, **k: None)
     prep = prepare(cfg, say)
     with progress_bar(console) as progress:
-        sampled = sample(cfg, prep, progress, say)
+        sampled = read_sampled(cfg, prep.lm) if cfg.rollouts else sample(cfg, prep, progress, say)
         names = scored_recipes(cfg)
         shadow = names[0]
         scored = {}
         for name in names:
             scored[name] = score_recipe(cfg, prep, sampled, name, name == shadow, progress)
-            if len(scored) == 1:  # the pace is known: say what is left before spending it
+            if len(scored) == 1:  # the shadow: recorded tokens of another checkpoint stop here; the pace is known
+                if cfg.rollouts and cfg.checkpoint_lag == 0:
+                    check_belongs(cfg, *_measured_pair(cfg, sampled, scored[name]), sampled.mask, name)
                 say(cost_line(sampled, scored[name], len(names)), markup=False)
     plain = without_quant(get_recipe(shadow)).name  # an FP8 engine's shadow without its quantisers (β_quant)
     return prep, sampled, scored, reference(sampled, scored[shadow], shadow, scored[plain] if plain != shadow else None)
+
+
+def _measured_pair(cfg: DiagnoseConfig, sampled: Sampled, shadow: Scored) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the shadow's, the engine's) log-probs [n, T] in the column the engine measured: processed ones are
+    renormalised over the kept tokens (logp − log S)."""
+    if cfg.logprobs_mode == "processed":
+        return shadow.logp - shadow.log_kept, sampled.logp_engine_processed
+    return shadow.logp, sampled.logp_engine
 
 
 def scored_recipes(cfg: DiagnoseConfig) -> list[str]:
@@ -194,17 +130,19 @@ def cost_line(sampled: Sampled, first: Scored, recipes: int) -> str:
 
 
 def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
-    """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels."""
-    prompts_text = read_prompts(cfg.prompts, limit=cfg.n) if cfg.prompts else bundled_prompts()  # n are used
+    """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels (with
+    --rollouts the prompts are the records', checked as they are read: recorded.read_sampled)."""
+    prompts_text = (read_prompts(cfg.prompts, limit=cfg.n) if cfg.prompts  # n are used
+                    else [] if cfg.rollouts else bundled_prompts())
     device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
     lm.model.to(device)
     limit, what = lm.context_length, "the model's context"
     if cfg.engine == "vllm" and cfg.max_model_len and cfg.max_model_len < limit:
         limit, what = cfg.max_model_len, "--max-model-len"
-    prompt_ids = encode_within(lm.tokenizer, prompts_text, cfg.max_tokens, limit, what)
+    prompt_ids = [] if cfg.rollouts else encode_within(lm.tokenizer, prompts_text, cfg.max_tokens, limit, what)
     return Prepared(
-        lm=lm, prompt_ids=[prompt_ids[i % len(prompt_ids)] for i in range(cfg.n)],
+        lm=lm, prompt_ids=[prompt_ids[i % len(prompt_ids)] for i in range(cfg.n if prompt_ids else 0)],
         engine_dtype=parse_dtype(cfg.engine_dtype), matmul=cfg.matmul,
         truncation=(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling(0).truncated else None, device=device,
     )
@@ -244,19 +182,15 @@ def sample(cfg: DiagnoseConfig, prep: Prepared, progress, say: Callable[..., Non
                                progress) if cfg.drift else None)
     finally:  # a real engine holds a process and its KV cache: free them before scoring, or on any error
         engine.close()
-    packed = [r.pack(prep.lm.tokenizer.pad_token_id) for r in rollouts]
-    mask = _concat([p["completion_mask"] for p in packed])  # [n, T]
-    logp_engine = _concat([p["logp_engine"] for p in packed])  # [n, T]
-    logp_engine_processed = _concat([p["logp_engine_processed"] for p in packed])  # [n, T]
-    nonfinite = mask & ~torch.isfinite(logp_engine) & ~torch.isfinite(logp_engine_processed)  # [n, T]
     # an FP8 engine's samples read by the plain engine: the local engine's forced decode; vLLM has none, so the
     # engines' own gap goes unmeasured there (β's split needs only the shadows: diagnose_fp8.fp8_figures)
     reads_plain = cfg.engine_recipe().quant and cfg.engine == "local"
-    plain = (_concat([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(
+    plain = (concat_batches([r.pack(prep.lm.tokenizer.pad_token_id)["logp_engine"] for r in plain_engine_reads(
              cfg, prep.lm.model, prep.matmul, rollouts, stop, progress)]) if reads_plain else None)
-    return Sampled(packed=packed, mask=mask, logp_engine=logp_engine, logp_engine_processed=logp_engine_processed,
-                   measured=measured_column(info, prep.truncation), nonfinite=int(nonfinite.sum()), info=info,
-                   seconds=seconds, drift=drift, logp_engine_plain=plain, routes=routes)
+    if cfg.save_rollouts:
+        save_rollouts(cfg, prep, rollouts, routes, info)
+    return sampled_from_rollouts(rollouts, prep.lm.tokenizer.pad_token_id, measured_column(info, prep.truncation),
+                                 info, seconds, drift=drift, logp_engine_plain=plain, routes=routes)
 
 
 def measured_column(info: dict, truncation: tuple | None) -> Literal["raw", "processed"] | None:
@@ -286,8 +220,8 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     seconds = clock(prep.device) - t0
     alone = (score_alone(cfg, sampled, model, name, progress, prep.device)
              if cfg.batch_invariance and name in cfg.trainer else {})
-    return Scored(logp=_concat(logp), entropy=_concat(entropy), log_kept=_concat(log_kept), seconds=seconds,
-                  routes=routes or None, **alone)
+    return Scored(logp=concat_batches(logp), entropy=concat_batches(entropy), log_kept=concat_batches(log_kept),
+                  seconds=seconds, routes=routes or None, **alone)
 
 
 BATCH_INVARIANCE_SEQUENCES = 12
@@ -330,14 +264,15 @@ def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: d
     first = cfg.trainer[0]
     recipe = get_recipe(first)
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
-    replayed = _concat(routing.replayed_logprobs(model, recipe, sampled.packed, sampled.routes, cfg.temperature,
+    replayed = concat_batches(routing.replayed_logprobs(model, recipe, sampled.packed, sampled.routes, cfg.temperature,
                                                  prep.device))  # [n, T]
     split = routing.route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
-    where = _concat([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
+    where = concat_batches([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
     own = {name: routing.concat(s.routes) for name, s in scored.items() if s.routes}
     return routing.route_figures(routing.concat(sampled.routes), own, where=where, experts=_num_experts(prep.lm.model),
                                  split_recipe=first, split=split, mask=sampled.mask, eps_low=cfg.epsilon,
-                                 eps_high=cfg.epsilon_high)
+                                 eps_high=cfg.epsilon_high,
+                                 source="recorded with the tokens" if cfg.rollouts else "local engine decode")
 
 
 def _num_experts(model) -> int:
@@ -420,7 +355,8 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
             "vocab": lm.model.get_input_embeddings().weight.shape[0],
         },
         "engine": {
-            **sampled.info, "sequences": cfg.n, "tokens": tokens, "nonfinite_logprobs": sampled.nonfinite,
+            **sampled.info, "sequences": sampled.mask.shape[0], "tokens": tokens,
+            "nonfinite_logprobs": sampled.nonfinite,
             "rebuilt_column": ref.rebuilt, "seconds": sampled.seconds, "tokens_per_s": tokens / sampled.seconds,
         },
         "trust_region": {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high,
@@ -485,12 +421,6 @@ def truncation_stats(cfg: DiagnoseConfig, s: Scored, ref: Reference, mask: torch
         "naive": _pick(_stats(cfg, s.logp, ref.logp_engine_processed, mask)),
         "corrected": _pick(_stats(cfg, s.logp - s.log_kept, ref.logp_engine_processed, mask)),
     }
-
-
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Stack [B_i, T_i] batches into one [ΣB_i, max T_i] tensor, right-padding with zeros."""
-    T = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, T - t.shape[1])) for t in tensors])
 
 
 def _token_index(mask: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -58,7 +58,8 @@ class DiagnoseConfig:
     epsilon_high: float | None = KNOBS["epsilon_high"].default
     """PPO clip ε_high (DAPO's clip-higher); None: the same as --epsilon (loss.clip_range)."""
     n: int = 64
-    """number of completions to sample (prompts are reused in order if n exceeds the prompt set)."""
+    """number of completions to sample (prompts are reused in order if n exceeds the prompt set); with --rollouts,
+    at most this many recorded sequences, in file order (0, the default there: all of them)."""
     max_tokens: int = 48
     """maximum completion length in tokens."""
     temperature: float = 1.0
@@ -116,6 +117,30 @@ class DiagnoseConfig:
     drift: int | None = None
     """push the same (unchanged) weights into the engine this many times and re-read the same tokens after each
     push (engines/drift.py); a gap that moves is an engine defect. None: off."""
+    rollouts: str = ""
+    """a rollout file that a real engine recorded (token ids and the engine's own log-prob of each sampled token;
+    docs/rollouts.md): its tokens are scored instead of sampling, against the engine named in the file, with the
+    dtype, FP8 arguments and sampling it recorded. --model is then the checkpoint that sampled them. Empty: sample."""
+    rollouts_step: int | None = None
+    """with --rollouts: measure only the records of this step (their `step`, or their weight version where they have
+    no step). None: every record."""
+    checkpoints: str = ""
+    """with --rollouts DIR holding records of several steps: a post-mortem, step by step. A directory of the run's
+    checkpoints, one per step, named checkpoint-N (TRL, HF Trainer), global_step_N (verl), step-N, step_N or iter_N:
+    each step's records are measured against the checkpoint of the same step, else the nearest earlier one (said per
+    step). Empty: every step against --model."""
+    save_rollouts: str = ""
+    """also write what the engine sampled as a rollout file (atomically), for `--rollouts` later, e.g. on another
+    machine or with another checkpoint. Empty: none."""
+    checkpoint_lag: int | None = 0
+    """steps between the recorded tokens and the checkpoint measuring them (a post-mortem sets it; None: unknown):
+    the check that the records belong to the checkpoint (recorded.check_belongs) is made only at 0, since a later
+    checkpoint's β holds the policy's change too (set by the post-mortem, not a flag)."""
+    typed_sampling: list[str] = field(default_factory=list)
+    """the sampling flags the user typed (temperature, top_p, top_k, min_p): with --rollouts they fill what the file
+    did not record, and must agree with what it did (set by the command line, not a flag)."""
+    recorded_notes: list[str] = field(default_factory=list)
+    """--rollouts: what the file did not record, and what was assumed for it (set by the reader, not a flag)."""
     routing: bool = True
     """mixture-of-experts models: capture the experts the engine chose as it decoded, compare every recipe's choice
     with them, and split the first trainer recipe's β into β_route and the rest (one more forward; routing.py). Needs
@@ -154,8 +179,9 @@ class DiagnoseConfig:
         if self.answer_in not in ANSWER_FRAMEWORKS:
             raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "
                               "own flags")
-        for flag, value in (("--n", self.n), ("--batch-size", self.batch_size)):
-            check_number(flag, value, 1, integer=True)
+        check_number("--n", self.n, 0 if self.rollouts else 1, integer=True)  # --rollouts: 0 reads every record
+        check_number("--batch-size", self.batch_size, 1, integer=True)
+        self._check_recorded()
         check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True)
         check_number("--knob-length", self.knob_length, 0, LENGTH_LIMIT, integer=True)
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
@@ -186,6 +212,20 @@ class DiagnoseConfig:
         if self.engine == "vllm":
             check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
             require_vllm()
+
+    def _check_recorded(self) -> None:
+        """--rollouts measures tokens already sampled: the settings of sampling have nothing to act on, and the
+        settings of recorded rollouts nothing without them."""
+        if not self.rollouts:
+            if self.rollouts_step is not None or self.checkpoints:
+                flag = "--checkpoints" if self.checkpoints else "--rollouts-step"
+                raise ConfigError(f"{flag} measures recorded rollouts: give --rollouts FILE_OR_DIR too")
+            return
+        for flag, given in (("--engine vllm", self.engine != "local"), ("--drift", self.drift is not None),
+                            ("--save-rollouts", bool(self.save_rollouts)), ("--prompts", self.prompts is not None)):
+            if given:
+                raise ConfigError(f"{flag} with --rollouts: the tokens were sampled by the engine the file names; "
+                                  f"drop {flag.split()[0]} (docs/rollouts.md)")
 
     def engine_recipe(self) -> Recipe:
         """The recipe the engine samples in: --engine-dtype's plain recipe with --engine-quant's FP8 quantisers."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .answer import answer, answer_lines, bound, epsilon_advice, ranking, region_text, user_recipe
+from rich.markup import escape
+
+from .answer import answer, answer_lines, bound, engine_label, epsilon_advice, ranking, region_text, user_recipe
 from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
@@ -291,19 +293,30 @@ def _table(title: str, rows: list[str], cols: list[str], cell):
     return table
 
 
+def _measured_line(result: dict) -> str:
+    """What was measured: the model, the completions and tokens, the engine as measured, the trust region."""
+    e = result["engine"]
+    label = engine_label(e, (result.get("fp8") or {}).get("engine_recipe"))
+    if e["kind"] == "recorded":
+        how = f"{e['logprobs']} log-probs from {e['file']}" + (f", {e['recorded_at']}" if e["recorded_at"] else "")
+        done = f"{e['tokens']} tokens sampled by a {label} ({how})"
+    else:
+        how = (f"{e['matmul']} matmul" if e["kind"] == "local"
+               else f"{e['logprobs_mode']} log-probs, started in {e['startup_seconds']:.0f} s")
+        done = f"{e['tokens']} tokens sampled by a {label} ({how}, {e['tokens_per_s']:.0f} tok/s)"
+    tr = result["trust_region"]
+    return (f"{result['model']['name']}: {e['sequences']} completions, {done}; ε_low={tr['epsilon_low']:g}, "
+            f"ε_high={tr['epsilon_high']:g}")
+
+
 def render_diagnose(result: dict, console: Console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
     for line in answer_lines(result.get("answer") or answer(result)):  # the answer first; a bare result too
         console.print(line, markup=False)
     console.print()
-    e = result["engine"]
-    how = (f"{e['matmul']} matmul" if e["kind"] == "local"
-           else f"vLLM, {e['logprobs_mode']} log-probs, started in {e['startup_seconds']:.0f} s")
-    console.print(
-        f"[bold]phantomclip diagnose[/] {result['model']['name']}: {e['sequences']} completions, {e['tokens']} tokens "
-        f"sampled by a {e['dtype']} {e['kind']} engine ({how}, {e['tokens_per_s']:.0f} tok/s); "
-        f"ε_low={result['trust_region']['epsilon_low']:g}, ε_high={result['trust_region']['epsilon_high']:g}"
-    )
+    console.print("[bold]phantomclip diagnose[/] " + escape(_measured_line(result)))
+    for note in result["engine"].get("notes") or []:
+        console.print(f"note: {note}", markup=False)
     if "cpu" in result:  # the kernels decide the figures: every run names its machine
         cpu = result["cpu"]
         has = ", ".join(f"{d} {'yes' if ok else 'no'}" for d, ok in cpu["native"].items())

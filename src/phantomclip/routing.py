@@ -477,14 +477,15 @@ def replayed_logprobs(model: nn.Module, recipe: Recipe, batches: list[dict[str, 
 
 
 def route_figures(engine: Routes, own: dict[str, Routes], where: torch.Tensor, experts: int, split_recipe: str,
-                  split: dict[str, torch.Tensor], mask: torch.Tensor, eps_low: float, eps_high: float) -> dict:
+                  split: dict[str, torch.Tensor], mask: torch.Tensor, eps_low: float, eps_high: float,
+                  source: str = "local engine decode") -> dict:
     """A job's route table (keys in docs/metrics.md, `routing`): what the engine routed, each recipe's routes against
     the engine's (`route_stats` at the real positions `where` [n, T]), and for `split_recipe` the split of its β at
     the sampled tokens `mask` [n, T] (`route_split`) with each part's size and the share of tokens it alone puts
     outside the trust region (the phantom-clip-prone share by cause)."""
     tokens = mask.bool() & torch.isfinite(split["beta"])  # [n, T]
     parts = {name: part_stats(x[tokens], eps_low, eps_high) for name, x in split.items()}
-    out = {"engine": {"source": "local engine decode", "layers": engine.layers, "experts": experts,
+    out = {"engine": {"source": source, "layers": engine.layers, "experts": experts,
                       "k": engine.ids.shape[-1], "positions": int((where.bool() & engine.valid).sum()),
                       "route_bytes": engine.nbytes(with_weights=False)}}
     for name, r in own.items():

@@ -31,7 +31,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -64,6 +64,19 @@ SYNC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 (collective_rpc), which vLLM pickles only when this is "1"; the channel is the local socket between this process and
 the engine it started. Set only for such engines started with weight_sync=True (training), never for diagnose's, nor
 for the in-process engine core phantomclip starts by default, which gets the function itself."""
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The log-prob vLLM reports for each sampled token of one `CompletionOutput` (`logprobs[t][token_ids[t]]`, a
+    `Logprob` whose `.logprob` it is; vllm/outputs.py, vllm/logprobs.py), NaN where it gave none or a non-finite one.
+    The one reading of vLLM's log-probs, for the engine here and for users' own outputs (integrations.recorders)."""
+    ids, logprobs = list(completion.token_ids), completion.logprobs
+    out = []
+    for t, token in enumerate(ids):
+        entry = logprobs[t].get(token) if logprobs is not None and t < len(logprobs) and logprobs[t] else None
+        value = getattr(entry, "logprob", None)
+        out.append(float(value) if value is not None and math.isfinite(value) else math.nan)
+    return out
 
 
 class VLLMError(PhantomclipError):
@@ -399,7 +412,8 @@ class VLLMEngine:
         for out in outputs:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
-            logps = [self._sampled_logprob(sample.logprobs, t, tok) for t, tok in enumerate(ids)]
+            logps = sampled_logprobs(sample)
+            self.nonfinite += sum(not math.isfinite(v) for v in logps)
             completion_ids.append(ids)
             measured.append(logps)
             # Finished = ended on a stop token, as LocalEngine says; vLLM's finish_reason for a stop token sampled
@@ -410,16 +424,6 @@ class VLLMEngine:
         raw, processed = (measured, unknown) if self.logprobs_mode == "raw" else (unknown, measured)
         return Rollout(prompt_ids=[list(p) for p in prompts], completion_ids=completion_ids, logp_engine=raw,
                        logp_engine_processed=processed, finished=finished)
-
-    def _sampled_logprob(self, logprobs: Sequence | None, t: int, token: int) -> float:
-        """The log-prob vLLM reports for sampled token `token` at completion position t, NaN (and counted)
-        where it gave none or a non-finite one."""
-        entry = logprobs[t].get(token) if logprobs is not None and t < len(logprobs) and logprobs[t] else None
-        value = getattr(entry, "logprob", None)
-        if value is None or not math.isfinite(value):
-            self.nonfinite += 1
-            return math.nan
-        return float(value)
 
     def close(self) -> None:
         """Stop vLLM's engine core and free its KV cache (a second engine in the same process needs the memory)."""

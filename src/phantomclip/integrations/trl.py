@@ -168,7 +168,7 @@ def _has_dropout(model: nn.Module) -> bool:
     return any(isinstance(v, float) and v > 0 for v in rates)
 
 
-def _find_trainer():
+def find_trainer():
     """The Trainer whose training loop is calling us (callbacks are not handed the trainer itself)."""
     from transformers import Trainer
 
@@ -260,7 +260,7 @@ class PrecisionMonitor(_Callback):
         trainer._get_per_token_logps_and_entropies = recording_logps
 
     def on_train_begin(self, args, state, control, **kwargs):
-        current = _find_trainer()
+        current = find_trainer()
         if self.trainer is not None and current is not None and current is not self.trainer:
             _check_one_monitor(self, current)  # a monitor reused on another trainer: it would measure the first
         if self.trainer is None:

@@ -1,0 +1,245 @@
+"""Record what a real engine sampled, from inside the user's own run, as rollout files `diagnose --rollouts` reads
+(docs/rollouts.md has the lines each framework adds).
+
+  record_vllm(outputs, "rollouts.jsonl", dtype="bfloat16", params=sampling_params)   # vLLM RequestOutputs
+  trainer = GRPOTrainer(..., callbacks=[RolloutRecorder("rollouts/")])             # TRL GRPOTrainer, every step
+  record_verl_batch(batch, f"rollouts/step-{self.global_steps:06d}.jsonl")          # verl, after the advantages
+
+Each writes one file per call (or per generation), atomically (temp file, then rename), so a killed run leaves whole
+files; each file has the header (engine, dtype, sampling, which log-probs) and one record per sequence with its step
+or weight version and, where the framework has them, its advantage and the engine's routed experts. The records are
+checked as `diagnose` will read them (rollouts.parse_record), so a recorder never writes a file diagnose refuses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..errors import IntegrationError
+from ..fp8_vllm import installed_build
+from ..rollouts import EngineInfo, Header, Record, RecordedSampling, RecordError, parse_record, write_records
+
+VLLM_LOGPROBS = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw", "processed": "processed"}
+"""vLLM's `logprobs_mode` values (vllm/config/model.py, LogprobsMode; default 'raw_logprobs') -> the record's."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _checked(records: list[Record], what: str) -> list[Record]:
+    """Every record as diagnose will read it: a value it would refuse is refused here, when it is recorded."""
+    for i, r in enumerate(records):
+        try:
+            parse_record({k: v for k, v in asdict(r).items() if v is not None}, f"{what}, sequence {i}")
+        except RecordError as e:
+            raise IntegrationError(str(e)) from None
+    return records
+
+
+def _vllm_engine(dtype: str, quantization: str = "", kv_cache_dtype: str = "") -> EngineInfo:
+    build = installed_build()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return EngineInfo(name=build.package if build else "vllm", version=build.version if build else "",
+                      dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, device=device)
+
+
+def _sampling(params) -> RecordedSampling | None:
+    """vLLM's (or TRL's) sampling settings as the record's; top_k -1 or None is off."""
+    if params is None:
+        return None
+    top_k = getattr(params, "top_k", 0) or 0
+    return RecordedSampling(temperature=float(getattr(params, "temperature", 1.0)),
+                            top_p=float(getattr(params, "top_p", 1.0) or 1.0), top_k=max(int(top_k), 0),
+                            min_p=float(getattr(params, "min_p", 0.0) or 0.0))
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+
+def record_vllm(outputs, path: str | Path, dtype: str, params=None, logprobs_mode: str = "raw_logprobs",
+                step: int | None = None, model: str = "", quantization: str = "", kv_cache_dtype: str = "") -> int:
+    """Write vLLM `RequestOutput`s (every completion of each) as a rollout file; returns the records written.
+
+    Ask vLLM for the sampled token's log-prob (`SamplingParams(logprobs=0)`); `logprobs_mode` is the LLM's (default
+    'raw_logprobs'); `dtype`, `quantization` and `kv_cache_dtype` are the engine arguments it ran with; `params` the
+    SamplingParams (needed for processed log-probs). Routed experts (`enable_return_routed_experts=True`) and weight
+    versions are taken where vLLM returned them."""
+    from ..engines.vllm import sampled_logprobs
+
+    if logprobs_mode not in VLLM_LOGPROBS:
+        raise IntegrationError(f"record_vllm: logprobs_mode {logprobs_mode!r}: use the LLM's raw_logprobs or "
+                               "processed_logprobs")
+    records = []
+    for out in outputs:
+        for completion in out.outputs:
+            logp = sampled_logprobs(completion)
+            if any(math.isnan(v) for v in logp):
+                raise IntegrationError("record_vllm: a completion has no log-prob for some sampled token: sample with "
+                                       "SamplingParams(logprobs=0)")
+            routes = getattr(completion, "routed_experts", None)
+            records.append(Record(prompt_ids=list(out.prompt_token_ids), completion_ids=list(completion.token_ids),
+                                  logp_engine=logp, step=step, weight_version=_vllm_version(completion),
+                                  routed_experts=None if routes is None else routes.tolist(),
+                                  finished=getattr(completion, "finish_reason", None) == "stop"))
+    header = Header(source="vllm", model=model, engine=_vllm_engine(dtype, quantization, kv_cache_dtype),
+                    sampling=_sampling(params), logprobs=VLLM_LOGPROBS[logprobs_mode], recorded_at=_now())
+    write_records(path, header, _checked(records, "record_vllm"))
+    return len(records)
+
+
+def _vllm_version(completion) -> int | None:
+    """The weight version of a completion's last tokens (vLLM's `weight_versions`, spans of (version, start, end)),
+    where it is a whole number; None otherwise."""
+    spans = getattr(completion, "weight_versions", None) or []
+    version = str(getattr(spans[-1], "version", "")) if spans else ""
+    return int(version) if version.isdigit() else None
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+
+
+try:  # a TrainerCallback when transformers is importable (it always is beside trl)
+    from transformers import TrainerCallback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object
+
+
+class RolloutRecorder(_Callback):
+    """Records every generation of a TRL `GRPOTrainer` that samples with vLLM: per process, one file
+    `{out_dir}/step-{step:06d}-rank{rank}.jsonl` per generation, with each completion's prompt and completion ids,
+    vLLM's log-probs of them (`sampling_per_token_logps`, processed: TRL asks vLLM for them), its advantage, the
+    step and the weight version (the step of the last weight sync). Changes nothing TRL computes: it reads the
+    dict `_generate_and_score_completions` returns (trl 1.16 grpo_trainer.py)."""
+
+    def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16", every: int = 1):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise IntegrationError(f"RolloutRecorder: every must be a whole number >= 1, got {every!r}")
+        self.out_dir, self.engine_dtype, self.every = Path(out_dir), engine_dtype, every
+        self.trainer = None
+        self.files: list[Path] = []
+
+    def attach(self, trainer) -> None:
+        """Hook into `trainer` (done by itself at the start of training when passed in callbacks=[...])."""
+        from trl import GRPOTrainer
+
+        if not isinstance(trainer, GRPOTrainer):
+            raise IntegrationError(f"RolloutRecorder works with trl.GRPOTrainer, not {type(trainer).__name__}")
+        if self.trainer is not None and self.trainer is not trainer:
+            raise IntegrationError("this RolloutRecorder already records another trainer: make one per trainer")
+        if getattr(trainer, "_pc_recorder", None) is not None:
+            return
+        if not trainer.use_vllm:
+            raise IntegrationError("RolloutRecorder needs use_vllm=True: without vLLM, TRL samples with the "
+                                   "trainer's own model and there is no engine log-prob to record")
+        self.trainer, trainer._pc_recorder = trainer, self
+        original = trainer._generate_and_score_completions
+        recorder = self
+
+        def generate_and_record(inputs):
+            batch = original(inputs)
+            step = trainer.state.global_step
+            if step % recorder.every == 0:
+                recorder.record(batch, step, getattr(trainer, "_last_loaded_step", None))
+            return batch
+
+        trainer._generate_and_score_completions = generate_and_record
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            from .trl import find_trainer
+
+            trainer = find_trainer()
+            if trainer is None:
+                raise IntegrationError("RolloutRecorder could not find its trainer: call recorder.attach(trainer) "
+                                       "before trainer.train()")
+            self.attach(trainer)
+
+    def record(self, batch: dict, step: int, version: int | None) -> Path | None:
+        """One generation's batch as a rollout file; the rows TRL masked whole (truncated completions) or that have a
+        token vLLM gave no log-prob are left out, and so are multi-turn rows with tool tokens (not sampled)."""
+        logps = batch.get("sampling_per_token_logps")
+        if logps is None:
+            raise IntegrationError("RolloutRecorder: this batch has no vLLM log-probs (sampling_per_token_logps): "
+                                   "sample with use_vllm=True")
+        args = self.trainer.args
+        records = [r for _, r in rows_as_records(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], logps,
+            advantages=batch.get("advantages"), tool_mask=batch.get("tool_mask"), step=step,
+            version=version if version is not None and version >= 0 else None)]
+        if not records:
+            return None
+        rank = self.trainer.accelerator.process_index
+        path = self.out_dir / f"step-{step:06d}-rank{rank}.jsonl"
+        header = Header(source="trl GRPOTrainer (phantomclip RolloutRecorder)",
+                        model=str(getattr(self.trainer.model.config, "_name_or_path", "")),
+                        engine=_vllm_engine(self.engine_dtype), logprobs="processed", recorded_at=_now(),
+                        sampling=RecordedSampling(temperature=float(args.temperature), top_p=float(args.top_p),
+                                                  top_k=max(int(args.top_k or 0), 0),
+                                                  min_p=float(args.min_p or 0.0)))
+        write_records(path, header, _checked(records, str(path)))
+        self.files.append(path)
+        return path
+
+
+def rows_as_records(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                    completion_mask: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor | None = None,
+                    tool_mask: torch.Tensor | None = None, step: int | None = None,
+                    version: int | None = None) -> list[tuple[int, Record]]:
+    """Padded batch rows as (row, record): prompts [B, P] left-padded (mask 1 on real tokens), completions [B, C] and
+    the engine's log-probs [B, C] right-padded; a row whose completion mask is not one run of ones from its start
+    (TRL's masked truncations, tool tokens), or that has a non-finite or positive log-prob, is left out."""
+    out = []
+    for b in range(prompt_ids.shape[0]):
+        n = int(completion_mask[b].sum())
+        real = completion_mask[b, :n].bool().all() and n > 0
+        if tool_mask is not None:
+            real = real and bool(tool_mask[b, :n].bool().all())
+        lp = logps[b, :n].double()
+        if not real or not torch.isfinite(lp).all() or (lp > 0).any():
+            continue
+        out.append((b, Record(prompt_ids=prompt_ids[b][prompt_mask[b].bool()].tolist(),
+                              completion_ids=completion_ids[b, :n].tolist(), logp_engine=lp.tolist(), step=step,
+                              weight_version=version,
+                              advantage=None if advantages is None else float(advantages[b].reshape(-1)[0]))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ verl
+
+
+def record_verl_batch(batch, path: str | Path, dtype: str = "bfloat16", sampling: dict | None = None,
+                      step: int | None = None) -> int:
+    """Write a verl `DataProto` (after generation; after the advantages to have them) as a rollout file; returns the
+    records written. Needs `actor_rollout_ref.rollout.calculate_log_probs=True`, which puts vLLM's or SGLang's
+    log-probs in `rollout_log_probs` [B, R]; `prompts` [B, P] is left-padded, `responses` [B, R] right-padded,
+    `attention_mask` [B, P + R] marks both (verl/experimental/agent_loop/agent_loop.py, `_postprocess`);
+    `routed_experts` [B, P + R, layers, k] where the rollout returned them. verl samples with
+    logprobs_mode processed_logprobs (verl/trainer/config/rollout/rollout.yaml): `sampling` is the rollout's
+    temperature, top_p, top_k (and min_p) as in its config."""
+    t = batch.batch
+    if "rollout_log_probs" not in t.keys():
+        raise IntegrationError("record_verl_batch: the batch has no rollout_log_probs: set "
+                               "actor_rollout_ref.rollout.calculate_log_probs=True")
+    P = t["prompts"].shape[1]
+    mask = t["attention_mask"]
+    advantages = t["advantages"][:, 0] if "advantages" in t.keys() else None  # GRPO: the same on every token
+    step = step if step is not None else batch.meta_info.get("global_steps")
+    rows = rows_as_records(t["prompts"], mask[:, :P], t["responses"], t.get("response_mask", mask[:, P:]),
+                           t["rollout_log_probs"], advantages=advantages, step=step)
+    if "routed_experts" in t.keys():  # [B, P + R, layers, k], zeros outside each row's own positions
+        for b, r in rows:  # every position but the last, from the row's first prompt token (left padding)
+            start = P - len(r.prompt_ids)
+            r.routed_experts = t["routed_experts"][b, start : start + len(r.prompt_ids) + len(r.completion_ids) - 1
+                                                   ].tolist()
+    records = [r for _, r in rows]
+    header = Header(source="verl (phantomclip record_verl_batch)", engine=EngineInfo(dtype=dtype), logprobs="processed",
+                    sampling=RecordedSampling(**sampling) if sampling else None, recorded_at=_now())
+    write_records(path, header, _checked(records, str(path)))
+    return len(records)
+

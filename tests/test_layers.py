@@ -41,7 +41,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "rollout_batches", "recorded"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth", "postmortem"),
     "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags",
-                 "config_sources", "fp8_text", "routing_text"),
+                 "config_sources", "fp8_text", "routing_text", "postmortem_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
 SIDEWAYS_OK = {"leaf", "core", "surfaces"}

@@ -413,3 +413,18 @@ def test_a_real_engines_record_of_the_bundled_model(tmp_path):
     beta = torch.tensor(d["tokens"]["per_recipe"]["fp32"]["beta"], dtype=torch.float64)
     assert (beta - torch.tensor(mine)).abs().max().item() <= bound + 5e-7
     assert (torch.tensor(d["tokens"]["beta_kernel"]) != 0).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("shares, word", [((0.01, 0.03), "rose"), ((0.03, 0.01), "fell"), ((0.02, 0.02), "stayed")])
+def test_the_post_mortem_sentence_says_the_direction_its_numbers_show(shares, word):
+    """The first-to-last sentence takes its verb from the two shares it quotes (altered rows: up, down, equal), and
+    says when later steps were measured against an earlier checkpoint."""
+    from phantomclip.postmortem_text import change_sentence
+
+    rows = [{"step": s, "tokens": 10, "outside_trust_region": v, "lag": lag}
+            for s, v, lag in ((0, shares[0], 0), (4, shares[1], 0))]
+    said = change_sentence(rows)
+    assert said.startswith(f"the share outside the trust region {word} from {100 * shares[0]:.2f}% at step 0 to "
+                           f"{100 * shares[1]:.2f}% at step 4 (2 steps, 20 tokens)")
+    rows[1]["lag"] = 4
+    assert change_sentence(rows).endswith("their β holds the policy's change too)")

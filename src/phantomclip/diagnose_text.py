@@ -374,12 +374,13 @@ def render_diagnose(result: dict, console: Console) -> None:
 
 def optional_blocks(result: dict) -> list[list[str]]:
     """The blocks a run has only with some settings, in print order: --drift, an FP8 engine (--engine-quant,
-    fp8_text.py), an MoE model's route table (routing_text.py)."""
+    fp8_text.py), an MoE model's route table (routing_text.py), a post-mortem's rows (postmortem_text.py)."""
     from .fp8_text import fp8_lines
+    from .postmortem_text import postmortem_lines
     from .routing_text import routing_lines
 
     makers = {"drift": lambda: drift_lines(result["drift"]), "fp8": lambda: fp8_lines(result),
-              "routing": lambda: routing_lines(result)}
+              "routing": lambda: routing_lines(result), "postmortem": lambda: postmortem_lines(result)}
     return [make() for key, make in makers.items() if key in result]
 
 

@@ -21,8 +21,9 @@ def routing_lines(result: dict) -> list[str]:
     the first trainer recipe β's split into β_route and the rest, then the flags that replay the engine's routes."""
     r = result["routing"]
     e = r["engine"]
+    how = "captured as it decoded" if e.get("source", "local engine decode") == "local engine decode" else e["source"]
     lines = [f"expert routing ({e['layers']} MoE layers, top-{e['k']} of {e['experts']} experts; the engine's routes "
-             f"captured as it decoded, {e['positions']} positions, {e['route_bytes']:,} bytes of ids):"]
+             f"{how}, {e['positions']} positions, {e['route_bytes']:,} bytes of ids):"]
     recipes = [name for name in r if name != "engine"]
     for name in recipes:
         s = r[name]

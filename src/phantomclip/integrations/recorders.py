@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -239,7 +240,7 @@ def record_verl_batch(batch, path: str | Path, dtype: str = "bfloat16", sampling
                                                    ].tolist()
     records = [r for _, r in rows]
     header = Header(source="verl (phantomclip record_verl_batch)", engine=EngineInfo(dtype=dtype), logprobs="processed",
-                    sampling=RecordedSampling(**sampling) if sampling else None, recorded_at=_now())
+                    sampling=_sampling(SimpleNamespace(**sampling)) if sampling else None, recorded_at=_now())
     write_records(path, header, _checked(records, str(path)))
     return len(records)
 

@@ -138,3 +138,32 @@ def test_record_verl_batch_reads_verls_layout(tmp_path):
         proto = _data_proto(routes=False)
         proto.batch.pop("rollout_log_probs")
         record_verl_batch(proto, tmp_path / "x.jsonl")
+
+
+def test_async_recorder_writes_the_samples_of_each_step_with_their_version(tmp_path):
+    """AsyncGRPOTrainer's queue (trl 1.16 RolloutSample: the whole sequence, a completion mask over it, vLLM's
+    log-probs zero outside the completion, advantage, model_version): every sample dequeued during a step lands in
+    that step's file with its own version; a multi-turn sample (a mask with a gap) is left out."""
+    import queue
+
+    from phantomclip.integrations.recorders import AsyncRolloutRecorder
+
+    def sample(ids, mask, logps, version, adv):
+        return SimpleNamespace(input_ids=np.array(ids), completion_mask=np.array(mask),
+                               old_log_probs=np.array(logps, dtype=np.float32), advantage=adv, model_version=version)
+
+    q = queue.Queue()
+    q.put(sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -0.5, -0.25], 3, 0.75))
+    q.put(sample([1, 5, 6, 7], [0, 1, 0, 1], [0, -1.0, 0, -2.0], 4, -0.75))  # a tool turn inside
+    trainer = SimpleNamespace(rollout_queue=q, args=SimpleNamespace(temperature=1.0))
+    recorder = AsyncRolloutRecorder(tmp_path / "a")
+    recorder.attach(trainer)
+    assert q.get().model_version == 3 and q.get().model_version == 4  # what the dataset dequeues, unchanged
+    path = recorder.flush(step=5)
+    header, *records = _lines(path)
+    assert path.name == "step-000005.jsonl" and header["logprobs"] == "processed"
+    assert records == [{"prompt_ids": [1, 2], "completion_ids": [3, 4], "logp_engine": [-0.5, -0.25], "step": 5,
+                        "weight_version": 3, "advantage": 0.75}]
+    assert recorder.flush(step=6) is None  # nothing dequeued since
+    with pytest.raises(IntegrationError, match="works with TRL's AsyncGRPOTrainer"):
+        AsyncRolloutRecorder(tmp_path).attach(SimpleNamespace())

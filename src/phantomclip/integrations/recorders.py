@@ -3,6 +3,7 @@
 
   record_vllm(outputs, "rollouts.jsonl", dtype="bfloat16", params=sampling_params)   # vLLM RequestOutputs
   trainer = GRPOTrainer(..., callbacks=[RolloutRecorder("rollouts/")])             # TRL GRPOTrainer, every step
+  trainer = AsyncGRPOTrainer(..., callbacks=[AsyncRolloutRecorder("rollouts/")])   # TRL async, with model versions
   record_verl_batch(batch, f"rollouts/step-{self.global_steps:06d}.jsonl")          # verl, after the advantages
 
 Each writes one file per call (or per generation), atomically (temp file, then rename), so a killed run leaves whole
@@ -186,6 +187,84 @@ class RolloutRecorder(_Callback):
         write_records(path, header, _checked(records, str(path)))
         self.files.append(path)
         return path
+
+
+class AsyncRolloutRecorder(_Callback):
+    """Records every sample TRL's `AsyncGRPOTrainer` takes from its rollout queue, with the weight version that
+    sampled it: one file `{out_dir}/step-{step:06d}.jsonl` per optimizer step, written at the step's end. A sample
+    (trl 1.16 trl/experimental/async_grpo/async_rollout_worker.py, `RolloutSample`) holds the whole sequence
+    (`input_ids`), a `completion_mask` over it, vLLM's log-probs (`old_log_probs`, zero outside the completion), its
+    `advantage` and `model_version`; the recorder wraps the queue's `get` in the main process, where the trainer's
+    dataset dequeues (samples it then drops as too stale are recorded too: the engine sampled them). Multi-turn
+    samples (a completion mask that is not one run of ones to the end) are left out."""
+
+    def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16"):
+        self.out_dir, self.engine_dtype = Path(out_dir), engine_dtype
+        self.trainer, self.files, self._pending = None, [], []
+
+    def attach(self, trainer) -> None:
+        """Hook into `trainer`'s rollout queue (done by itself at the start of training from callbacks=[...])."""
+        queue = getattr(trainer, "rollout_queue", None)
+        if queue is None or not hasattr(queue, "get"):
+            raise IntegrationError("AsyncRolloutRecorder works with TRL's AsyncGRPOTrainer (a rollout_queue with "
+                                   f"get()); {type(trainer).__name__} has none")
+        if self.trainer is not None and self.trainer is not trainer:
+            raise IntegrationError("this AsyncRolloutRecorder already records another trainer: make one per trainer")
+        if self.trainer is trainer:
+            return
+        self.trainer, get = trainer, queue.get
+        pending = self._pending
+
+        def get_and_record(*args, **kwargs):
+            sample = get(*args, **kwargs)
+            pending.append(sample)
+            return sample
+
+        queue.get = get_and_record
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            from .trl import find_trainer
+
+            trainer = find_trainer()
+            if trainer is None:
+                raise IntegrationError("AsyncRolloutRecorder could not find its trainer: call "
+                                       "recorder.attach(trainer) before trainer.train()")
+            self.attach(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.flush(state.global_step)
+
+    def flush(self, step: int) -> Path | None:
+        """The samples dequeued since the last flush as one file of `step`."""
+        samples, self._pending[:] = list(self._pending), []
+        records = [r for r in (sample_as_record(s, step) for s in samples) if r is not None]
+        if not records:
+            return None
+        args = self.trainer.args
+        path = self.out_dir / f"step-{step:06d}.jsonl"
+        header = Header(source="trl AsyncGRPOTrainer (phantomclip AsyncRolloutRecorder)", logprobs="processed",
+                        engine=_vllm_engine(self.engine_dtype), recorded_at=_now(),
+                        sampling=RecordedSampling(temperature=float(args.temperature)))
+        write_records(path, header, _checked(records, str(path)))
+        self.files.append(path)
+        return path
+
+
+def sample_as_record(sample, step: int) -> Record | None:
+    """One AsyncGRPOTrainer RolloutSample as a record: the prompt is the sequence before the completion mask's first
+    one, the completion the rest; None where the mask is not one run to the end (tool turns) or a log-prob is not a
+    finite one <= 0."""
+    ids = [int(x) for x in sample.input_ids]
+    mask = [int(x) for x in sample.completion_mask]
+    start = mask.index(1) if 1 in mask else len(mask)
+    if start == 0 or start == len(mask) or any(m != 1 for m in mask[start:]):
+        return None
+    logps = [float(x) for x in sample.old_log_probs[start:]]
+    if any(not math.isfinite(v) or v > 0 for v in logps):
+        return None
+    return Record(prompt_ids=ids[:start], completion_ids=ids[start:], logp_engine=logps, step=step,
+                  weight_version=int(sample.model_version), advantage=float(sample.advantage))
 
 
 def rows_as_records(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

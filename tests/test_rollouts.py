@@ -428,3 +428,46 @@ def test_the_post_mortem_sentence_says_the_direction_its_numbers_show(shares, wo
                            f"{100 * shares[1]:.2f}% at step 4 (2 steps, 20 tokens)")
     rows[1]["lag"] = 4
     assert change_sentence(rows).endswith("their β holds the policy's change too)")
+
+
+def test_a_recorded_fp8_engine_splits_off_beta_quant(tmp_path, capsys):
+    """An FP8 engine's record names its quantisers in vLLM's own words (fp8-w8a8-channel -> quantization
+    fp8_per_channel, fp8-kv -> kv_cache_dtype fp8); read back, they select the same emulated quantisers, so the
+    shadow carries them and β_quant is split off as in the sampled run, per token. A quantisation phantomclip does
+    not emulate is one line."""
+    path = tmp_path / "fp8.jsonl"
+    a = _diagnose(tmp_path, "a", "--n", "4", "--max-tokens", "8", "--engine-quant", "fp8-w8a8-channel,fp8-kv",
+                  "--save-rollouts", str(path))
+    rows = _lines(path)
+    assert (rows[0]["engine"]["quantization"], rows[0]["engine"]["kv_cache_dtype"]) == ("fp8_per_channel", "fp8")
+    d = _diagnose(tmp_path, "b", "--rollouts", str(path))
+    assert d["config"]["engine_quant"] == "fp8-w8a8-channel,fp8-kv"
+    assert d["shadow"]["recipe"] == a["shadow"]["recipe"] == "bf16+fp8-w8a8-channel+fp8-kv"
+    assert d["tokens"]["beta_quant"] == a["tokens"]["beta_quant"]
+    rows[0]["engine"]["quantization"] = "awq"
+    capsys.readouterr()
+    line = bad_cli(["diagnose", *TINY, "--rollouts", str(_write(tmp_path / "awq.jsonl", rows))], capsys)
+    assert "engine.quantization 'awq' is not one phantomclip emulates" in line
+
+
+def test_parquet_files_read_as_their_records(saved, tmp_path):
+    """The same records as Parquet, read in row batches: phantomclip's columns with the header in the file's
+    metadata, and miles' dashboard columns (tokens, response_length, rollout_log_probs: 'tempered' log-probs, as its
+    torch dumps) give the JSONL's figures per token."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    _, path = saved
+    header, *rows = _lines(path)
+    own = tmp_path / "own.parquet"
+    table = pa.Table.from_pylist(rows).replace_schema_metadata({"phantomclip_rollouts": json.dumps(header)})
+    pq.write_table(table, own, row_group_size=2)
+    a = _diagnose(tmp_path, "jsonl", "--rollouts", str(path))
+    b = _diagnose(tmp_path, "parquet", "--rollouts", str(own))
+    assert a["tokens"]["per_recipe"] == b["tokens"]["per_recipe"]
+    miles = tmp_path / "rollout_3.parquet"
+    pq.write_table(pa.Table.from_pylist([{"tokens": r["prompt_ids"] + r["completion_ids"],
+                                          "response_length": len(r["completion_ids"]),
+                                          "rollout_log_probs": r["logp_engine"]} for r in rows]), miles)
+    c = _diagnose(tmp_path, "miles", "--rollouts", str(miles), "--temperature", "0.8")
+    assert c["engine"]["logprobs"] == "tempered" and c["tokens"]["per_recipe"] == a["tokens"]["per_recipe"]

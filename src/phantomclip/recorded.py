@@ -131,8 +131,8 @@ def _quant(path: str, arg: str, value: str) -> str:
         return ""
     if key not in QUANT_NAMES[arg]:
         raise RecordError(f"{path}: engine.{arg} {value!r} is not one phantomclip emulates (it knows "
-                          f"{', '.join(QUANT_NAMES[arg])}): β is measured, but β_quant cannot be split off; record "
-                          "the engine without it to measure the plain gap")
+                          f"{', '.join(QUANT_NAMES[arg])}), so its β_quant cannot be split off; remove the field from "
+                          "the header to measure β against the shadow without quantisers")
     return QUANT_NAMES[arg][key]
 
 

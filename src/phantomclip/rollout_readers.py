@@ -13,7 +13,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .files import check_input, printable
-from .rollouts import EngineInfo, Header, Located, Record, RecordError, fail, parse_record, read_rollout_lines
+from .rollouts import (
+    EngineInfo,
+    Header,
+    Located,
+    Record,
+    RecordError,
+    fail,
+    parse_header,
+    parse_json,
+    parse_record,
+    read_rollout_lines,
+)
 
 Reader = Callable[[str], tuple[Header, Iterator[Located]]]
 
@@ -87,12 +98,70 @@ def _count(x) -> str:
     return f"{len(x)} tokens" if isinstance(x, list) else repr(type(x).__name__)
 
 
+PARQUET_BATCH = 1024
+"""rows read from a Parquet file at a time: one batch of records in memory, whatever the file's size."""
+MILES_COLUMNS = {"tokens", "response_length", "rollout_log_probs"}
+"""miles' dashboard columns (miles/ray/rollout/debug_data.py `save_dashboard_columns` @31f1ca9: tokens = prompt +
+response, rollout_log_probs one per response token, loss_mask)."""
+
+
+def read_parquet(path: str) -> tuple[Header, Iterator[Located]]:
+    """A Parquet rollout file, read in row batches (PARQUET_BATCH rows in memory at a time): phantomclip's own columns
+    (a record's fields, one column each; the header as JSON under the file's key-value metadata
+    `phantomclip_rollouts`), or miles' dashboard columns (`dashboard_columns/rollout_<id>.parquet`: SGLang's
+    'tempered' log-probs, as miles' torch dumps). Needs pyarrow (TRL and datasets install it)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise RecordError(f"{printable(path)}: reading Parquet needs pyarrow: pip install pyarrow") from None
+    check_input(path)
+    name = printable(path)
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own errors for a file that is not Parquet
+        raise RecordError(f"{name}: not a Parquet file pyarrow can read ({str(e).splitlines()[0][:100]})") from None
+    meta = (f.schema_arrow.metadata or {}).get(b"phantomclip_rollouts")
+    columns = set(f.schema_arrow.names)
+    if meta is not None:
+        header = parse_header(parse_json(meta.decode("utf-8", "replace"), f"{name} metadata"), f"{name} metadata")
+        convert = _own_row
+    elif MILES_COLUMNS <= columns:
+        header, convert = Header(source="miles dashboard columns", logprobs="tempered",
+                                 engine=EngineInfo(name="sglang")), _miles_row
+    else:
+        raise RecordError(f"{name}: neither phantomclip's rollout columns (with its 'phantomclip_rollouts' "
+                          f"metadata) nor miles' ({', '.join(sorted(MILES_COLUMNS))}); its columns: "
+                          f"{', '.join(sorted(columns))[:120]}")
+
+    def records() -> Iterator[Located]:
+        i = 0
+        for batch in f.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                where = f"{name} row {i}"
+                yield Located(where, convert(row, where))
+                i += 1
+
+    return header, records()
+
+
+def _own_row(row: dict, where: str) -> Record:
+    return parse_record({k: v for k, v in row.items() if v is not None}, where)
+
+
+def _miles_row(row: dict, where: str) -> Record:
+    return _slime_record({"tokens": row["tokens"], "response_length": row["response_length"],
+                          "rollout_log_probs": row["rollout_log_probs"], "loss_mask": row.get("loss_mask")},
+                         where, None)
+
+
 READERS: dict[str, Reader] = {
     "jsonl": read_rollout_lines,
     "slime": read_slime,
+    "parquet": read_parquet,
 }
 """source name -> reader; `read_rollouts` picks one by the file's suffix (SUFFIXES)."""
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".pt": "slime", ".pth": "slime"}
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".pt": "slime", ".pth": "slime",
+            ".parquet": "parquet"}
 """file suffix -> reader."""
 
 

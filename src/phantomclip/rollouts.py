@@ -346,7 +346,7 @@ def read_rollout_lines(path: str | Path) -> tuple[Header, Iterator[Located]]:
     if first is None:
         raise RecordError(f"{name}: holds no record")
     number, text = first
-    obj = _json(text, f"{name}:{number}")
+    obj = parse_json(text, f"{name}:{number}")
     if isinstance(obj, dict) and "phantomclip_rollouts" in obj:
         header, pending = parse_header(obj, f"{name}:{number}"), None
     else:
@@ -356,12 +356,13 @@ def read_rollout_lines(path: str | Path) -> tuple[Header, Iterator[Located]]:
         if pending is not None:
             yield Located(f"{name}:{pending[0]}", parse_record(pending[1], f"{name}:{pending[0]}"))
         for n, line in lines:
-            yield Located(f"{name}:{n}", parse_record(_json(line, f"{name}:{n}"), f"{name}:{n}"))
+            yield Located(f"{name}:{n}", parse_record(parse_json(line, f"{name}:{n}"), f"{name}:{n}"))
 
     return header, records()
 
 
-def _json(text: str, where: str):
+def parse_json(text: str, where: str):
+    """One JSON value of a rollout file (a line, or a Parquet file's header metadata); RecordError naming `where`."""
     try:
         return json.loads(text)
     except JSON_ERRORS as e:

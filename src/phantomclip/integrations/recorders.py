@@ -112,7 +112,23 @@ except ImportError:  # pragma: no cover
     _Callback = object
 
 
-class RolloutRecorder(_Callback):
+class _Recorder(_Callback):
+    """A recorder callback: attached to the trainer whose training loop starts it, unless attached before."""
+
+    trainer = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            from .trl import find_trainer
+
+            trainer = find_trainer()
+            if trainer is None:
+                raise IntegrationError(f"{type(self).__name__} could not find its trainer: call "
+                                       "recorder.attach(trainer) before trainer.train()")
+            self.attach(trainer)
+
+
+class RolloutRecorder(_Recorder):
     """Records every generation of a TRL `GRPOTrainer` that samples with vLLM: per process, one file
     `{out_dir}/step-{step:06d}-rank{rank}.jsonl` per generation, with each completion's prompt and completion ids,
     vLLM's log-probs of them (`sampling_per_token_logps`, processed: TRL asks vLLM for them), its advantage, the
@@ -152,16 +168,6 @@ class RolloutRecorder(_Callback):
 
         trainer._generate_and_score_completions = generate_and_record
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.trainer is None:
-            from .trl import find_trainer
-
-            trainer = find_trainer()
-            if trainer is None:
-                raise IntegrationError("RolloutRecorder could not find its trainer: call recorder.attach(trainer) "
-                                       "before trainer.train()")
-            self.attach(trainer)
-
     def record(self, batch: dict, step: int, version: int | None) -> Path | None:
         """One generation's batch as a rollout file; the rows TRL masked whole (truncated completions) or that have a
         token vLLM gave no log-prob are left out, and so are multi-turn rows with tool tokens (not sampled)."""
@@ -189,7 +195,7 @@ class RolloutRecorder(_Callback):
         return path
 
 
-class AsyncRolloutRecorder(_Callback):
+class AsyncRolloutRecorder(_Recorder):
     """Records every sample TRL's `AsyncGRPOTrainer` takes from its rollout queue, with the weight version that
     sampled it: one file `{out_dir}/step-{step:06d}.jsonl` per optimizer step, written at the step's end. A sample
     (trl 1.16 trl/experimental/async_grpo/async_rollout_worker.py, `RolloutSample`) holds the whole sequence
@@ -221,16 +227,6 @@ class AsyncRolloutRecorder(_Callback):
             return sample
 
         queue.get = get_and_record
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.trainer is None:
-            from .trl import find_trainer
-
-            trainer = find_trainer()
-            if trainer is None:
-                raise IntegrationError("AsyncRolloutRecorder could not find its trainer: call "
-                                       "recorder.attach(trainer) before trainer.train()")
-            self.attach(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.flush(state.global_step)

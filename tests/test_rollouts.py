@@ -235,6 +235,10 @@ def test_a_slime_dump_reads_as_its_records(saved, tmp_path):
     assert a["tokens"]["per_recipe"] == b["tokens"]["per_recipe"]
     assert b["engine"]["source"].startswith("slime") and b["engine"]["logprobs"] == "tempered"
     assert any("measured at the flags' temperature 0.8" in n for n in b["engine"]["notes"])
+    # the file came from slime: the answer quotes slime's own figure against slime's CI bar (<= 0.1)
+    value = b["recipes"]["fp32"]["frameworks"]["slime"]["train_rollout_logprob_abs_diff"]
+    verdict = "within" if value <= 0.1 else "over"
+    assert f"slime train_rollout_logprob_abs_diff = {value:.4g}: {verdict} its bar <= 0.1" in b["answer"]["reasons"]
 
 
 class _Payload:

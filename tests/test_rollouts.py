@@ -475,3 +475,20 @@ def test_parquet_files_read_as_their_records(saved, tmp_path):
                                           "rollout_log_probs": r["logp_engine"]} for r in rows]), miles)
     c = _diagnose(tmp_path, "miles", "--rollouts", str(miles), "--temperature", "0.8")
     assert c["engine"]["logprobs"] == "tempered" and c["tokens"]["per_recipe"] == a["tokens"]["per_recipe"]
+
+
+def test_the_answer_names_each_stand_in_it_measured_against():
+    """The local engine (its own recipe's gap zero by construction) and vLLM's CPU build (a real engine, not the
+    user's GPU one) each add their two lines to the answer; a recorded engine adds neither."""
+    from phantomclip.answer import STAND_IN, VLLM_CPU_STAND_IN, answer
+
+    def result(kind: str, device: str) -> dict:
+        rec = {"tokens": 100, "nonfinite": 0, "beta_abs_mean": 0.04, "outside_trust_region": 0.0}
+        return {"recipes": {"fp32": rec}, "engine": {"kind": kind, "dtype": "bf16", "nonfinite_logprobs": 0},
+                "device": {"name": device}, "shadow": {"recipe": "bf16"}, "config": {"answer_in": ""},
+                "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2}}
+
+    assert all(line in answer(result("local", "cpu"))["reasons"] for line in STAND_IN)
+    assert all(line in answer(result("vllm", "cpu"))["reasons"] for line in VLLM_CPU_STAND_IN)
+    on_gpu, recorded = answer(result("vllm", "NVIDIA H200"))["reasons"], answer(result("recorded", "cpu"))["reasons"]
+    assert not set(STAND_IN + VLLM_CPU_STAND_IN) & set(on_gpu + recorded)

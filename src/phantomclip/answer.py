@@ -284,6 +284,11 @@ STAND_IN = ("local engine, a stand-in: your engine's own kernel gap is not in th
 hold no real engine's kernel gap (docs/diagnose.md); each fits the answer's 80 columns."""
 
 
+VLLM_CPU_STAND_IN = ("vLLM's CPU build, a stand-in: its kernels are not your GPU vLLM's, so",
+                     "this kernel gap is not yours; --rollouts FILE from your run measures yours")
+"""the reason lines of an answer measured against vLLM on a CPU (vllm-cpu): a real engine, but not the user's."""
+
+
 def stand_in_recipe(result: dict) -> str | None:
     """The recipe whose β against the local engine is its kernel gap alone, and that gap zero or nearly so by
     construction (the engine's own dtype and recipe, the shadow): never offered on that figure. None for a real or
@@ -339,6 +344,8 @@ def answer(result: dict) -> dict:
         reasons += _trl_reasons(result)
     if result["engine"]["kind"] == "local" and word != "not judged":
         reasons += list(STAND_IN)
+    if result["engine"]["kind"] == "vllm" and (result.get("device") or {}).get("name", "cpu") == "cpu":
+        reasons += list(VLLM_CPU_STAND_IN)
     reasons += bar_lines(result)
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""

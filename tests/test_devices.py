@@ -103,6 +103,8 @@ HOST_SIDE = {
     ("answer.py", "*"): "the answer reads a result dict (the JSON's per-token arrays) on the host",
     ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
     ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
+    ("rollout_batches.py", "*"): "rollout records -> tensors on the host, as Rollout.pack builds them",
+    ("recorded.py", "phantom_shares"): "recorded advantages broadcast on the host, where the figures are computed",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
     ("decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the CPU only",
     ("integrations/trl_async.py", "_snapshot"): "the weight version as a host number before it is broadcast",

@@ -117,14 +117,12 @@ def test_missing_logprobs_are_nan_and_counted(tiny, tiny_prompts):
     ro = engine.generate(tiny_prompts[:2], SamplingParams(max_tokens=4, seed=0))
     assert math.isnan(ro.logp_engine[0][0]) and math.isnan(ro.logp_engine[1][1]) and math.isfinite(ro.logp_engine[0][1])
     assert engine.nonfinite == 2
-    # a None logprob, no logprobs list at all, and a list shorter than the tokens
+    # a None logprob, no logprobs list at all, a list shorter than the tokens, the sampled token not in its entry
     entry = lambda v: {7: SimpleNamespace(logprob=v)}  # noqa: E731
-    assert math.isnan(engine._sampled_logprob([entry(None)], 0, 7))
-    assert math.isnan(engine._sampled_logprob(None, 0, 7))
-    assert math.isnan(engine._sampled_logprob([entry(-0.5)], 1, 7))
-    assert math.isnan(engine._sampled_logprob([entry(-0.5)], 0, 8))  # the sampled token is not in the entry
-    assert engine._sampled_logprob([entry(-0.5)], 0, 7) == -0.5
-    assert engine.nonfinite == 6
+    out = lambda ids, logprobs: backend.sampled_logprobs(SimpleNamespace(token_ids=ids, logprobs=logprobs))  # noqa
+    assert math.isnan(out([7], [entry(None)])[0]) and math.isnan(out([7], None)[0])
+    assert math.isnan(out([7, 7], [entry(-0.5)])[1]) and math.isnan(out([8], [entry(-0.5)])[0])
+    assert out([7], [entry(-0.5)]) == [-0.5]
 
 
 def test_weight_sync_in_process_hands_tensors_and_across_processes_a_blob(tiny, monkeypatch):

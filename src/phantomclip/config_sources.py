@@ -15,7 +15,6 @@ def apply_trainer_config(args) -> None:
     gives that diagnose refuses is one line naming the config, before anything is printed."""
     from .diagnose import DiagnoseConfig
     from .errors import ConfigError
-    from .integrations.config_files import TRAINER_NOTE
 
     settings, notes, source = {}, [], args.from_trl_config or args.from_verl_config
     if args.from_trl_config:
@@ -30,9 +29,8 @@ def apply_trainer_config(args) -> None:
         settings["knob_length"] = settings["max_tokens"]
     typed = getattr(args, "typed", set())
     kept = sorted(k for k in settings if k in typed)
-    if "trainer" in typed:  # the recipe measured is the one typed: the config's is neither measured nor told
-        notes = [n for n in notes if not n.startswith(TRAINER_NOTE)]
-        settings.pop("unmapped", None)
+    if "trainer" in typed:
+        notes = _without_trainer_reading(settings, notes)
     settings = {k: v for k, v in settings.items() if k not in typed}
     for key, value in settings.items():
         setattr(args, key, value)
@@ -53,7 +51,8 @@ def apply_trainer_config(args) -> None:
 
     err = Console(stderr=True)
     err.print(f"from the {'TRL' if args.from_trl_config else 'verl'} config: "
-              + ", ".join(f"{k}={v}" for k, v in settings.items()), markup=False)
+              + ", ".join(f"{k}={v if len(str(v)) <= 80 else str(v)[:77] + '...'}" for k, v in settings.items()),
+              markup=False)
     if "max_tokens" in settings:  # a real config's length multiplies the run: say so before any work
         from .diagnose import scored_recipes
 
@@ -67,6 +66,17 @@ def apply_trainer_config(args) -> None:
                   + ", ".join("--" + k.replace("_", "-") for k in kept), markup=False)
     for note in notes:
         err.print(f"note: {note}", markup=False)
+
+
+def _without_trainer_reading(settings: dict, notes: list[str]) -> list[str]:
+    """--trainer typed: the recipe measured is the one typed, so the config's reading of the trainer is neither
+    measured nor told (its note dropped, its `unmapped` values too); an unmapped engine setting stays unjudged."""
+    from .integrations.config_files import TRAINER_NOTE, without_trainer_keys
+
+    settings["unmapped"] = without_trainer_keys(settings.get("unmapped", ""))
+    if not settings["unmapped"]:
+        del settings["unmapped"]
+    return [n for n in notes if not n.startswith(TRAINER_NOTE)]
 
 
 def apply_run_config(args, config_cls) -> None:

@@ -57,6 +57,23 @@ def check_number(flag: str, value, low: float | None = None, high: float | None 
         raise error(f"{flag} must be {kind}{' ' + bounds if bounds else ''}, got {value!r}")
 
 
+def brief(value, width: int = 60) -> str:
+    """`value` as a message shows a value the user gave: its repr, at most `width` characters ('...' where cut).
+    reprlib's bounded repr: a list of a million items or a structure nested a thousand deep costs a few elements'
+    work, never the whole value's (a YAML alias expanding to 9^6 leaves was a 3.8 MB 'one-line' error)."""
+    import reprlib
+
+    cut = reprlib.Repr()  # Python 3.11's Repr takes its limits as attributes, not arguments
+    cut.maxlevel, cut.maxdict = 3, 4
+    cut.maxtuple = cut.maxlist = cut.maxarray = cut.maxset = cut.maxfrozenset = cut.maxdeque = 6
+    cut.maxstring = cut.maxlong = cut.maxother = width
+    try:
+        shown = cut.repr(value)
+    except ValueError:  # int()'s digit limit: an integer of thousands of digits has no repr
+        shown = "a value too long to print"
+    return shown if len(shown) <= width else shown[: width - 3] + "..."
+
+
 def check_seed(flag: str, value, error: type[PhantomclipError] = ConfigError) -> None:
     check_number(flag, value, 0, SEED_LIMIT - 1, integer=True, error=error)
 

@@ -5,12 +5,25 @@ a GRPOConfig object). A pure mapping that imports nothing of TRL. Field names an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..errors import LENGTH_LIMIT, ConfigError
+from ..errors import LENGTH_LIMIT, ConfigError, brief
+from ..files import JSON_ERRORS, json_reason
 from ..loss import clip_range
 from ..recipes import RECIPES
-from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
+from .config_files import (
+    CONFIG_DTYPES,
+    SAMPLING,
+    VLLM_QUANT,
+    mapping,
+    naming_file,
+    number,
+    read_mapping,
+    text,
+    trainer_note,
+    unmapped,
+)
 
 FLAG = "--from-trl-config"
 TRL_IS_CLIP_MAX = 3.0
@@ -26,19 +39,20 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
     """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a TRL GRPO config, and notes on what
     could not be matched. Reads no TRL internals, so it works without trl installed."""
     with naming_file(FLAG, config):
-        cfg = _as_mapping(config)
+        repeated: list[str] = []
+        cfg = _as_mapping(config, repeated)
         settings: dict = {}
-        notes: list[str] = []
+        notes = [f"{r}: TRL's YAML reader (PyYAML) keeps the last value, as here" for r in repeated]
         for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction_cap, _model):
             part(cfg, settings, notes)
     return settings, notes
 
 
-def _as_mapping(config) -> dict:
+def _as_mapping(config, repeated: list[str]) -> dict:
     """A YAML path, a dict, or a GRPOConfig (an object with its fields) as a dict of fields; anything else is one
-    line."""
+    line. A key a YAML file gives twice goes into `repeated`."""
     if isinstance(config, (str, Path)):
-        return read_mapping(Path(config), FLAG, "GRPOConfig fields")
+        return read_mapping(Path(config), FLAG, "GRPOConfig fields", repeated)
     if isinstance(config, dict):
         return config
     if not hasattr(config, "epsilon") or not hasattr(config, "max_completion_length"):
@@ -60,68 +74,109 @@ def _flag(cfg: dict, key: str, default: bool | None = None) -> bool | None:
     text = str(value).strip().lower()
     if isinstance(value, str) and text in TRUE + FALSE:
         return text in TRUE
-    raise ConfigError(f"{FLAG}: {key} is {value!r}, not a boolean (true/false, yes/no, 1/0)")
+    raise ConfigError(f"{FLAG}: {key} is {brief(value)}, not a boolean (true/false, yes/no, 1/0)")
 
 
 def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     """Trainer recipe: cast_lm_head_to_fp32 -> fp32-head; fp16 -> fp16; a model loaded in bf16 (model_init_kwargs
-    dtype) -> bf16; bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32; the other recipes are
-    measured beside it. Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a
-    `vllm_dtype` key of our own may say otherwise)."""
+    dtype) -> bf16, in fp16 without bf16 autocast -> fp16; bf16 (TRL's default when fp16 is off) -> bf16-autocast;
+    otherwise fp32; the other recipes are measured beside it. Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints;
+    GRPOConfig has no field for it, so a `vllm_dtype` key of our own may say otherwise)."""
     fp16 = _flag(cfg, "fp16", False)
     bf16 = _flag(cfg, "bf16", not fp16)  # TRL's default: bf16 unless fp16
-    init = cfg.get("model_init_kwargs") or {}
-    model_dtype = str(init.get("dtype", init.get("torch_dtype", "")) if isinstance(init, dict) else "")
-    model_dtype = model_dtype.replace("torch.", "")
+    model_dtype = _model_dtype(cfg, notes)
     if _flag(cfg, "cast_lm_head_to_fp32"):
         trainer = "fp32-head"
     elif fp16:
         trainer = "fp16"
-    elif model_dtype in ("bfloat16", "bf16"):
+    elif model_dtype == "bf16":
         trainer = "bf16"
+    elif model_dtype == "fp16" and not bf16:
+        trainer = "fp16"
     elif bf16:
         trainer = "bf16-autocast"
     else:
         trainer = "fp32"
     notes.append(trainer_note(trainer, "bf16, fp16, cast_lm_head_to_fp32, model_init_kwargs.dtype"))
+    if model_dtype == "fp16" and bf16 and trainer == "bf16-autocast":  # fp16 weights, bf16 matmuls: no recipe
+        unmapped(settings, "model_init_kwargs.dtype float16 under bf16 autocast")
+        notes.append("model_init_kwargs dtype float16 with bf16 autocast (TRL's default bf16: true): fp16 weights "
+                     "whose matmuls run in bf16, a mix no recipe measures; bf16-autocast is the nearest (pass "
+                     "--trainer fp16 with `bf16: false` in your config for a pure fp16 trainer)")
     if model_dtype == "auto":
-        settings["unmapped"] = "model_init_kwargs.dtype 'auto' (the checkpoint's own dtype)"
+        unmapped(settings, "model_init_kwargs.dtype 'auto' (the checkpoint's own dtype)")
         notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
                      "(pass --trainer bf16)")
     if _flag(cfg, "use_vllm") is False:
         notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a "
                      "precision")
-    engine_dtype = str(cfg.get("vllm_dtype") or "bf16").replace("bfloat16", "bf16").replace("float16", "fp16")
     settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
-    settings["engine_dtype"] = engine_dtype
+    settings["engine_dtype"] = _engine_dtype(cfg)
     settings["answer_in"] = "trl"
 
 
-VLLM_QUANT = {("quantization", "fp8"): "fp8-w8a8", ("kv_cache_dtype", "fp8"): "fp8-kv",
-              ("kv_cache_dtype", "fp8_e4m3"): "fp8-kv"}
-"""vLLM's own FP8 settings -> --engine-quant: `quantization="fp8"` on a bf16 checkpoint is vLLM's online FP8 (per-tensor
-weights, per-token activations: fp8-w8a8), `kv_cache_dtype="fp8"` (E4M3) its FP8 KV cache (fp8.py)."""
+def _model_dtype(cfg: dict, notes: list[str]) -> str:
+    """model_init_kwargs' dtype (or torch_dtype) as 'bf16', 'fp16', 'fp32', 'auto', or '' when not given; a dtype
+    no recipe has (int8, float64) is named in a note. TRL takes model_init_kwargs as a mapping (or a JSON string on
+    the command line, which a YAML file has no need of)."""
+    init = cfg.get("model_init_kwargs")
+    if isinstance(init, str):  # a JSON string, as TrainingArguments reads its _VALID_DICT_FIELDS
+        try:
+            init = json.loads(init)
+        except JSON_ERRORS as e:
+            raise ConfigError(f"{FLAG}: model_init_kwargs is a string that is not a JSON mapping ({json_reason(e)})"
+                              ) from None
+    init = mapping(FLAG, "model_init_kwargs", init)
+    key = "dtype" if "dtype" in init else "torch_dtype"
+    if init.get(key) is None:
+        return ""
+    given = text(FLAG, f"model_init_kwargs.{key}", init[key])
+    name = CONFIG_DTYPES.get(given.lower().removeprefix("torch."), "auto" if given == "auto" else None)
+    if name is None:
+        notes.append(f"model_init_kwargs {key} {brief(given)} is not a dtype phantomclip measures (fp32, bf16, "
+                     "fp16): the trainer recipe is read from bf16 / fp16 alone")
+        return ""
+    return name
+
+
+def _engine_dtype(cfg: dict) -> str:
+    """`vllm_dtype` (our own key; vLLM's dtype names, 'auto' being bf16 on the bf16 checkpoints measured) as an
+    engine dtype, bf16 when absent; a value that names no dtype is refused: it is only ever ours to read."""
+    if cfg.get("vllm_dtype") is None:
+        return "bf16"
+    given = text(FLAG, "vllm_dtype", cfg["vllm_dtype"])
+    name = "bf16" if given.lower() == "auto" else CONFIG_DTYPES.get(given.lower().removeprefix("torch."))
+    if name is None:
+        raise ConfigError(f"{FLAG}: vllm_dtype {brief(given)} is not a dtype: use auto, bfloat16, float16 or float32")
+    return name
 
 
 def _quantization(cfg: dict, settings: dict, notes: list[str]) -> None:
     """vLLM's FP8 settings, where the config gives them: `vllm_kwargs` (a mapping handed to vLLM's LLM, as some TRL
     trainers take; trl 1.16's GRPOConfig has no such field) and `kv_cache_dtype` (`trl vllm-serve`'s ScriptArguments
-    field, trl 1.16 scripts/vllm_serve.py, for a server's config written beside the trainer's)."""
-    kwargs = cfg.get("vllm_kwargs") if isinstance(cfg.get("vllm_kwargs"), dict) else {}
-    given = {k: kwargs.get(k, cfg.get(k)) for k in ("quantization", "kv_cache_dtype")}
+    field, trl 1.16 scripts/vllm_serve.py, for a server's config written beside the trainer's). vLLM's own names map
+    to the quantisers they select (config_files.VLLM_QUANT); a setting vLLM takes that phantomclip does not emulate
+    (awq, gptq, an E5M2 cache) is named in a note and leaves the result unjudged."""
+    kwargs = mapping(FLAG, "vllm_kwargs", cfg.get("vllm_kwargs"))
     quant = []
-    for key, value in given.items():
-        if value in (None, "", "auto"):
+    for key in ("quantization", "kv_cache_dtype"):
+        where = f"vllm_kwargs.{key}" if kwargs.get(key) is not None else key
+        value = kwargs.get(key, cfg.get(key))
+        if value is None:
             continue
-        name = VLLM_QUANT.get((key, str(value).lower()))
+        value = text(FLAG, where, value)
+        if value.lower() in ("", "auto", "none"):
+            continue
+        name = VLLM_QUANT.get((key, value.lower()))
         if name is None:
-            notes.append(f"vLLM {key} {value!r}: not an FP8 setting phantomclip emulates; the engine is measured "
-                         "without it")
+            unmapped(settings, f"vLLM {where} {brief(value)}")
+            notes.append(f"vLLM {where} {brief(value)}: not a setting phantomclip emulates "
+                         f"({', '.join(v for k, v in VLLM_QUANT if k == key)}); the engine is measured without it")
         else:
             quant.append(name)
-            notes.append(f"vLLM {key} = {value}: the engine samples with {name}")
+            notes.append(f"vLLM {where} = {value}: the engine samples with {name}")
     if quant:
-        settings["engine_quant"] = ",".join(quant)
+        settings["engine_quant"] = ",".join(dict.fromkeys(quant))
 
 
 def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -130,8 +185,9 @@ def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
             settings[key] = number(FLAG, key, cfg[key], cast, **bounds)
     if settings.get("top_k") == -1:  # vLLM's "off", diagnose's 0
         settings["top_k"] = 0
-    if cfg.get("min_p"):
-        notes.append(f"min_p = {cfg['min_p']} is not measured (diagnose supports top-p and top-k)")
+    min_p = number(FLAG, "min_p", cfg["min_p"], low=0, high=1) if cfg.get("min_p") is not None else 0
+    if min_p:
+        notes.append(f"min_p = {min_p:g} is not measured (diagnose supports top-p and top-k)")
 
 
 def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -153,25 +209,34 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
     """The knob advice's cap from TRL's vLLM importance-sampling correction: the cap C (clip_max, or the deprecated
     vllm_importance_sampling_cap, which TRL copies over clip_max when set) as --token-cap for the token modes, as
     --seq-mask-cap for the sequence modes (a sequence mode that truncates touches the same sequences a mask at C
-    drops). Nothing when the correction is off."""
+    drops). Nothing when the correction is off. A mode TRL does not have is refused (TRL raises at its first step);
+    clip_max given as null (no upper bound) and a lower bound clip_min are named in notes: the advice models an
+    upper cap only."""
     if _flag(cfg, "vllm_importance_sampling_correction") is False:
         notes.append("vllm_importance_sampling_correction is false: no correction; the knob advice shows what each "
                      "would do")
         return
-    mode = str(cfg.get("vllm_importance_sampling_mode") or "sequence_mask")
+    mode_key = "vllm_importance_sampling_mode"
+    mode = "sequence_mask" if cfg.get(mode_key) is None else text(FLAG, mode_key, cfg[mode_key])
+    if mode not in TOKEN_MODES + SEQUENCE_MODES:
+        raise ConfigError(f"{FLAG}: {mode_key} {brief(mode)} is not one of TRL's "
+                          f"({', '.join(TOKEN_MODES + SEQUENCE_MODES)}): TRL refuses it at its first step")
     key = "vllm_importance_sampling_cap"
     if cfg.get(key) is None:
         key = "vllm_importance_sampling_clip_max"
-    cap = TRL_IS_CLIP_MAX if cfg.get(key) is None else number(FLAG, key, cfg[key])
-    if mode in TOKEN_MODES:
-        settings["token_cap"] = cap
-    elif mode in SEQUENCE_MODES:
-        settings["seq_mask_cap"] = cap
+    if key in cfg and cfg[key] is None:  # TRL: no upper bound (only clip_min, if any)
+        notes.append(f"{key} is null: no upper bound on the IS ratio; the knob advice judges diagnose's default cap")
+        cap = None
     else:
-        known = ", ".join(TOKEN_MODES + SEQUENCE_MODES)
-        notes.append(f"vllm_importance_sampling_mode {mode!r} is not one of TRL's ({known}): the cap is not read")
+        cap = TRL_IS_CLIP_MAX if cfg.get(key) is None else number(FLAG, key, cfg[key])
+    low_key = "vllm_importance_sampling_clip_min"
+    if cfg.get(low_key) is not None:
+        low = number(FLAG, low_key, cfg[low_key], low=0)
+        notes.append(f"{low_key} = {low:g}: a lower bound the knob advice does not model (it reads the upper cap)")
+    if cap is not None:
+        settings["token_cap" if mode in TOKEN_MODES else "seq_mask_cap"] = cap
 
 
 def _model(cfg: dict, settings: dict, notes: list[str]) -> None:
-    if cfg.get("model_name_or_path"):
-        settings["model"] = str(cfg["model_name_or_path"])
+    if cfg.get("model_name_or_path") is not None:
+        settings["model"] = text(FLAG, "model_name_or_path", cfg["model_name_or_path"], empty=False)

@@ -24,17 +24,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import LENGTH_LIMIT, ConfigError
+from ..errors import LENGTH_LIMIT, ConfigError, brief
 from ..recipes import RECIPES
-from .config_files import SAMPLING, naming_file, number, read_mapping, trainer_note
+from .config_files import (
+    CONFIG_DTYPES,
+    SAMPLING,
+    mapping,
+    naming_file,
+    number,
+    read_mapping,
+    text,
+    trainer_note,
+    unmapped,
+)
 
 FLAG = "--from-verl-config"
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
 """a verl trainer config has at least one of these at its top level; a mapping with none of them is another file."""
-VERL_DTYPES = {"fp32": "fp32", "float32": "fp32", "32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-               "fp16": "fp16", "float16": "fp16", "16": "fp16", "half": "fp16"}
-"""verl's dtype spellings (verl/utils/torch_dtypes.py PrecisionType: HALF_LIST, FLOAT_LIST, BFLOAT_LIST; vLLM's
-'half' for the rollout) -> phantomclip's."""
 TOKEN_RS = "token_k1"
 """the one rejection-sampling option the knob advice models: token masking outside a ratio band (IcePop's band)."""
 
@@ -42,7 +48,9 @@ TOKEN_RS = "token_k1"
 def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[str]]:
     """`phantomclip diagnose` settings (DiagnoseConfig field names) matching a verl config (a YAML path or a
     dict), and notes on what was missing or could not be matched. Keys absent from the file keep diagnose's own
-    defaults and are named in a note; a file that is not a YAML mapping with a verl section is a ConfigError."""
+    defaults and are named in a note; a file that is not a YAML mapping with a verl section is a ConfigError, and so
+    is a key given twice in one mapping (verl reads its YAML through OmegaConf, which refuses it: omegaconf/_utils.py
+    get_yaml_loader @0019bcac)."""
     with naming_file(FLAG, config):
         cfg = read_mapping(config, FLAG, "verl config sections")
         if not any(section in cfg for section in SECTIONS):
@@ -72,10 +80,13 @@ def _number(dotted: str, value, cast=float, **bounds):
 
 
 def _dtype(dotted: str, value, notes: list[str]) -> str | None:
-    """A verl dtype spelling as phantomclip's, or None with a note for one it does not know."""
-    name = VERL_DTYPES.get(str(value).lower().replace("torch.", ""))
+    """A verl dtype spelling as phantomclip's (config_files.CONFIG_DTYPES: verl's PrecisionType lists, vLLM's
+    'half'), or None with a note for one it does not know; a value that is not a string (verl's own `32` aside) is
+    refused."""
+    given = str(value) if isinstance(value, int) and not isinstance(value, bool) else text(FLAG, dotted, value)
+    name = CONFIG_DTYPES.get(given.lower().removeprefix("torch."))
     if name is None:
-        notes.append(f"{dotted} = {value!r} is not a dtype phantomclip knows (fp32, bf16, fp16): ignored")
+        notes.append(f"{dotted} = {brief(given)} is not a dtype phantomclip knows (fp32, bf16, fp16): ignored")
     return name
 
 
@@ -86,11 +97,14 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     """The actor's forward dtype (FSDP's param_dtype) as the first trainer recipe, the rollout dtype as the engine's.
     verl's defaults when absent: fsdp_config.dtype bfloat16, rollout.dtype bfloat16 (_generated_ppo_trainer.yaml)."""
     strategy = get(cfg, "actor_rollout_ref.actor.strategy")
+    strategy = None if strategy is None else text(FLAG, "actor_rollout_ref.actor.strategy", strategy)
     if strategy not in (None, "fsdp", "fsdp2"):
-        settings["unmapped"] = f"actor_rollout_ref.actor.strategy {strategy!r}"
-        notes.append(f"actor strategy {strategy!r}: only the FSDP actor's dtype keys are read; pass --trainer "
+        unmapped(settings, f"actor_rollout_ref.actor.strategy {brief(strategy)}")
+        notes.append(f"actor strategy {brief(strategy)}: only the FSDP actor's dtype keys are read; pass --trainer "
                      "yourself if its forward dtype differs")
     mixed = get(cfg, f"{ACTOR_FSDP}.mixed_precision")
+    if mixed is not None:
+        mapping(FLAG, f"{ACTOR_FSDP}.mixed_precision", mixed)
     where = f"{ACTOR_FSDP}.mixed_precision.param_dtype" if isinstance(mixed, dict) else f"{ACTOR_FSDP}.dtype"
     raw = mixed.get("param_dtype", "bf16") if isinstance(mixed, dict) else get(cfg, f"{ACTOR_FSDP}.dtype")
     if raw is None:
@@ -99,12 +113,12 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
         raw = "bfloat16"
     trainer = _dtype(where, raw, notes)
     if trainer is None:
-        settings["unmapped"] = f"{where} {raw!r}"
+        unmapped(settings, f"{where} {brief(raw)}")
         trainer = "bf16"
     master = get(cfg, f"{ACTOR_FSDP}.model_dtype")
     if master is not None and _dtype(f"{ACTOR_FSDP}.model_dtype", master, notes) not in (None, "fp32"):
-        notes.append(f"model_dtype {master}: the actor's master weights are {master} too, so the optimizer's updates "
-                     "are rounded as well; the forward is what diagnose measures")
+        notes.append(f"model_dtype {brief(master)}: the actor's master weights are in it too, so the optimizer's "
+                     "updates are rounded as well; the forward is what diagnose measures")
     settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
     settings["answer_in"] = "verl"
     notes.append(trainer_note(trainer, f"{where}: FSDP runs the actor's forward in it"))
@@ -113,12 +127,13 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
         notes.append("actor_rollout_ref.rollout.dtype not set: verl's default bfloat16 assumed")
     engine = _dtype("actor_rollout_ref.rollout.dtype", rollout or "bfloat16", notes)
     if engine is None:
-        settings["unmapped"] = f"actor_rollout_ref.rollout.dtype {rollout!r}"
+        unmapped(settings, f"actor_rollout_ref.rollout.dtype {brief(rollout)}")
     settings["engine_dtype"] = engine or "bf16"
     name = get(cfg, "actor_rollout_ref.rollout.name")
+    name = None if name is None else text(FLAG, "actor_rollout_ref.rollout.name", name)
     if name not in (None, "vllm", "???"):
-        notes.append(f"rollout engine {name!r}: measured against phantomclip's engine in {settings['engine_dtype']} "
-                     "(--engine local or vllm); its own kernels differ")
+        notes.append(f"rollout engine {brief(name)}: measured against phantomclip's engine in "
+                     f"{settings['engine_dtype']} (--engine local or vllm); its own kernels differ")
 
 
 VERL_FP8 = {"fp8": "fp8-block", "fp8_per_block": "fp8-block"}
@@ -131,13 +146,14 @@ def _quantization(cfg: dict, settings: dict, notes: list[str]) -> None:
     """The rollout's FP8 quantisation (verl's `actor_rollout_ref.rollout.quantization`) as the engine's quantisers."""
     key = "actor_rollout_ref.rollout.quantization"
     value = get(cfg, key)
+    value = None if value is None else text(FLAG, key, value)
     if value in (None, "", "none", "null"):
         return
-    quant = VERL_FP8.get(str(value).lower())
+    quant = VERL_FP8.get(value.lower())
     if quant is None:
-        settings["unmapped"] = f"{key} {value!r}"
-        notes.append(f"{key} = {value!r}: not an FP8 scheme phantomclip emulates ({', '.join(VERL_FP8)}): the engine "
-                     "is measured unquantised")
+        unmapped(settings, f"{key} {brief(value)}")
+        notes.append(f"{key} = {brief(value)}: not an FP8 scheme phantomclip emulates ({', '.join(VERL_FP8)}): the "
+                     "engine is measured unquantised")
         return
     settings["engine_quant"] = quant
     notes.append(f"{key} = {value}: the engine samples with {quant} (128 x 128 weight blocks, 1 x 128 activation "
@@ -155,10 +171,11 @@ def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
         number = _number(f"{rollout}.{key}", value, cast, **bounds)
         settings[key] = 0 if key == "top_k" and number < 0 else number
     mode = get(cfg, f"{rollout}.logprobs_mode")
+    mode = None if mode is None else text(FLAG, f"{rollout}.logprobs_mode", mode)
     if mode in ("raw_logprobs", "processed_logprobs"):
         settings["logprobs_mode"] = mode.removesuffix("_logprobs")
     elif mode is not None:
-        notes.append(f"{rollout}.logprobs_mode {mode!r}: only raw_logprobs and processed_logprobs are measured")
+        notes.append(f"{rollout}.logprobs_mode {brief(mode)}: only raw_logprobs and processed_logprobs are measured")
 
 
 def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -194,53 +211,67 @@ def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
     truncates r at C), sequence -> the sequence cap (verl truncates the sequence weight at C; the share it touches
     is the share a mask at C drops, which the knob advice reports); rollout_rs token_k1 -> IcePop's band."""
     block = get(cfg, CORRECTION)
-    if not isinstance(block, dict):
+    if block is None:
         notes.append(f"{CORRECTION} not set: no rollout correction (verl's default rollout_is: null); the knob "
                      "advice shows diagnose's default settings")
         return
+    block = mapping(FLAG, CORRECTION, block)
     level, threshold = block.get("rollout_is"), block.get("rollout_is_threshold", 2.0)
+    level = None if level is None else text(FLAG, f"{CORRECTION}.rollout_is", level)
     if level == "token":
         settings["token_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
     elif level == "sequence":
         settings["seq_mask_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
-        notes.append(f"rollout_is sequence at C = {threshold}: verl truncates the sequence weight at C; the knob "
-                     "advice's sequence_mask line counts the same sequences (exp(S) > C)")
+        notes.append(f"rollout_is sequence at C = {settings['seq_mask_cap']:g}: verl truncates the sequence weight "
+                     "at C; the knob advice's sequence_mask line counts the same sequences (exp(S) > C)")
     elif level is not None:
-        notes.append(f"{CORRECTION}.rollout_is {level!r} is not one of verl's (null, token, sequence): ignored")
-    if block.get("rollout_rs"):
-        _rejection(str(block["rollout_rs"]), block.get("rollout_rs_threshold"), settings, notes)
-    if block.get("bypass_mode"):
+        notes.append(f"{CORRECTION}.rollout_is {brief(level)} is not one of verl's (null, token, sequence): ignored")
+    if block.get("rollout_rs") is not None:
+        _rejection(text(FLAG, f"{CORRECTION}.rollout_rs", block["rollout_rs"]), block.get("rollout_rs_threshold"),
+                   settings, notes)
+    bypass = block.get("bypass_mode")
+    if bypass is not None and not isinstance(bypass, bool):
+        raise ConfigError(f"{FLAG}: {CORRECTION}.bypass_mode is {brief(bypass)}, not true or false")
+    if bypass:
         notes.append("bypass_mode: the PPO ratio is taken against the rollout's log-probs directly, so β sits inside "
                      "the clipped ratio: the setting where phantom clipping appears")
 
 
 def _rejection(options: str, spec, settings: dict, notes: list[str]) -> None:
-    """rollout_rs: token_k1's band as IcePop's [low, high]; the other options named in a note (not modelled)."""
+    """rollout_rs: token_k1's band as IcePop's [low, high]; the other options named in a note (not modelled). A
+    threshold is UPPER or LOWER_UPPER, one per option (comma-separated) or one for all; anything else is refused."""
+    key = f"{CORRECTION}.rollout_rs_threshold"
+    if spec is not None and (isinstance(spec, bool) or not isinstance(spec, (str, int, float))):
+        raise ConfigError(f"{FLAG}: {key} is {brief(spec)}: give UPPER or LOWER_UPPER (e.g. 0.5_2.0), "
+                          "comma-separated per option")
     names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
     specs = [s.strip() for s in str(spec).split(",") if s.strip()] if spec is not None else []
     if TOKEN_RS in names:
         if not specs:
             notes.append(f"rollout_rs {TOKEN_RS} without rollout_rs_threshold (verl refuses it): band not read")
         else:
-            text = specs[names.index(TOKEN_RS)] if len(specs) == len(names) else specs[0]
-            lower_s, _, upper_s = text.partition("_") if "_" in text else ("", "", text)
-            upper = _number(f"{CORRECTION}.rollout_rs_threshold", upper_s)
-            lower = _number(f"{CORRECTION}.rollout_rs_threshold", lower_s) if lower_s else None
+            text_ = specs[names.index(TOKEN_RS)] if len(specs) == len(names) else specs[0]
+            parts = text_.split("_")
+            if len(parts) > 2:
+                raise ConfigError(f"{FLAG}: {key} {brief(text_)}: expected UPPER or LOWER_UPPER (e.g. 0.5_2.0)")
+            lower_s, upper_s = parts if len(parts) == 2 else ("", parts[0])
+            upper = _number(key, upper_s)
+            lower = _number(key, lower_s) if lower_s else None
             if upper <= 0 or (lower is not None and lower <= 0):  # before 1 / upper: 0 was a ZeroDivisionError
-                raise ConfigError(f"{FLAG}: {CORRECTION}.rollout_rs_threshold {text!r}: bounds must be positive")
+                raise ConfigError(f"{FLAG}: {key} {brief(text_)}: bounds must be positive")
             lower = 1 / upper if lower is None else lower
             # verl keeps log(lower) <= −log r <= log(upper): r in [1/upper, 1/lower]
             settings["icepop_low"], settings["icepop_high"] = 1 / upper, 1 / lower
     other = [n for n in names if n != TOKEN_RS]
     if other:
-        notes.append(f"rollout_rs {', '.join(other)}: not modelled by the knob advice (it models {TOKEN_RS}, as "
-                     "IcePop's band; the geometric-mean mask line uses the PPO ε)")
+        notes.append(f"rollout_rs {brief(', '.join(other))}: not modelled by the knob advice (it models {TOKEN_RS}, "
+                     "as IcePop's band; the geometric-mean mask line uses the PPO ε)")
 
 
 def _model(cfg: dict, settings: dict, notes: list[str]) -> None:
     """actor_rollout_ref.model.path, where it names a model."""
     path = get(cfg, "actor_rollout_ref.model.path")
-    if path:
-        settings["model"] = str(path)
+    if path is not None:
+        settings["model"] = text(FLAG, "actor_rollout_ref.model.path", path, empty=False)
     else:
         notes.append("actor_rollout_ref.model.path not set: the bundled model is measured (or pass --model)")

@@ -119,7 +119,11 @@ def resolve_plan(cfg: PlanInputs) -> Plan:
     plan = Plan(trainer_recipe=cfg.trainer, engine_recipe=engine_recipe_name(cfg.engine_dtype), eps_low=eps_low,
                 eps_high=eps_high)
     set_by: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in cfg.intervention.split(","))):
+    items = list(filter(None, (s.strip() for s in cfg.intervention.split(","))))
+    if not items:  # ',' or ' ' (an unset shell variable in a list) would run the baseline unsaid
+        raise TrainConfigError(f"--intervention {cfg.intervention!r} names no intervention: give one (none for the "
+                               "baseline; see --list-interventions)")
+    for item in items:
         name, _, arg = item.partition("=")
         if name not in INTERVENTIONS:
             raise TrainConfigError(f"unknown intervention {name!r}: use one of {', '.join(INTERVENTIONS)}")
@@ -128,12 +132,12 @@ def resolve_plan(cfg: PlanInputs) -> Plan:
                 raise TrainConfigError(f"interventions {set_by[key]} and {item} conflict (both set {key})")
             set_by[key] = item
             plan = replace(plan, **{key: value})
-    quant = engine_quants(getattr(cfg, "engine_quant", ""))
-    if quant:  # after the interventions: match-bf16, fp16 and fp32-head change the engine's dtype, not its FP8
-        try:
+    try:  # after the interventions: match-bf16, fp16 and fp32-head change the engine's dtype, not its FP8
+        quant = engine_quants(getattr(cfg, "engine_quant", ""))
+        if quant:
             plan = replace(plan, engine_recipe=with_quant(get_recipe(plan.engine_recipe), quant).name)
-        except RecipeError as e:
-            raise TrainConfigError(f"--engine-quant: {e}") from None
+    except RecipeError as e:
+        raise TrainConfigError(f"--engine-quant: {e}") from None
     if plan.clip_on == "shadow" and plan.ratio_against != "engine":
         raise TrainConfigError("shadow-ratio clips on α alone against the engine's rollout: it cannot be combined with "
                                "recompute-old or force-r1")
@@ -141,8 +145,15 @@ def resolve_plan(cfg: PlanInputs) -> Plan:
 
 
 def engine_quants(spec: str) -> tuple[str, ...]:
-    """'fp8-w8a8,fp8-kv' -> ('fp8-w8a8', 'fp8-kv'): the FP8 quantisers of --engine-quant (empty: none)."""
-    return tuple(q for q in (s.strip() for s in (spec or "").replace("+", ",").split(",")) if q)
+    """'fp8-w8a8,fp8-kv' -> ('fp8-w8a8', 'fp8-kv'): the FP8 quantisers of --engine-quant (empty: none). A spec of
+    separators alone (',', '+') names none though it is not empty: RecipeError, not an engine run without FP8."""
+    quant = tuple(q for q in (s.strip() for s in (spec or "").replace("+", ",").split(",")) if q)
+    if not quant and (spec or "").strip():
+        from .fp8 import FP8_QUANTS
+
+        raise RecipeError(f"{spec!r} names no quantiser: give one or more of {', '.join(FP8_QUANTS)}, or leave it "
+                          "empty for an engine without FP8")
+    return quant
 
 
 def engine_recipe_name(dtype: str) -> str:

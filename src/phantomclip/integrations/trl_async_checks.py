@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import IntegrationError
+from ..errors import IntegrationError, check_number
 from ..numerics import parse_dtype
 from .trl import check_trl_version
 from .weights import sharded_root
@@ -49,10 +49,13 @@ def check_async_internals(trainer, built: bool = True) -> None:
         if not hasattr(async_grpo_trainer, name):
             raise IntegrationError(f"trl.experimental.async_grpo.async_grpo_trainer has no {name!r}: this TRL's async "
                                    "trainer differs from trl 1.16's")
-    for name in ("max_staleness", "weight_sync_steps"):
+    for name, low in (("max_staleness", 0), ("weight_sync_steps", 1)):
         if not hasattr(trainer.args, name):
             raise IntegrationError(f"{type(trainer.args).__name__} has no attribute {name!r}: this TRL's async "
                                    "trainer differs from trl 1.16's")
+        # −1 would keep no weight version and count every sample as over the staleness bound, logging nothing true
+        check_number(f"{type(trainer.args).__name__}.{name}", getattr(trainer.args, name), low, integer=True,
+                     error=IntegrationError)
     if not hasattr(packing.TreeRow, "pack"):
         raise IntegrationError("trl.experimental.async_grpo.packing.TreeRow has no attribute 'pack'")
     from trl.kernels import chunked_logprob

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bad_cli
+from conftest import bad_cli, over
 from phantomclip.cli import main
 from phantomclip.errors import ConfigError
 from phantomclip.integrations.config_files import EXPANSION_LIMIT
@@ -177,3 +177,142 @@ def test_the_async_monitor_refuses_a_negative_staleness(tmp_path):
         with pytest.raises(IntegrationError, match=f"{name} must be a whole number >= "):
             AsyncPrecisionMonitor().attach(trainer)
         setattr(trainer.args, name, good)
+
+
+# --------------------------------------------------------------- 2. links inside the directories phantomclip owns
+
+T = ["train", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--checkpoint-every", "1"]
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under `path` with its bytes (what a refused command must leave as it was)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_linked_snapshots_directory_is_refused_before_anything_is_written(tmp_path, capsys):
+    """`train --resume` where snapshots/ is a link to another directory wrote its snapshot files there; the link
+    is refused before any file of the run is read or rewritten (the audit's instance). Variant: a link deeper down,
+    a snapshot file linked to a user's file, is refused and the file left as it was."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    assert main([*T, "--keep-snapshots", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    (run / "snapshots").rename(elsewhere)
+    (run / "snapshots").symlink_to(elsewhere, target_is_directory=True)
+    before, theirs = _tree(run), _tree(elsewhere)
+    line = bad_cli(over(T, "--keep-snapshots", "1", "--out", str(run), "--resume", "--steps", "3"), capsys)
+    assert line == (f"phantomclip train: error: {run / 'snapshots'} is a symbolic link, where phantomclip keeps a "
+                    "directory of its own: it writes and reads through no link it did not make; remove the link")
+    assert _tree(run) == before and _tree(elsewhere) == theirs
+    (run / "snapshots").unlink()
+    (run / "snapshots").mkdir()
+    user = tmp_path / "notes.txt"
+    user.write_text("mine\n")
+    (run / "snapshots" / "step-000003.safetensors").symlink_to(user)  # the snapshot step 3 writes
+    line = bad_cli(over(T, "--keep-snapshots", "1", "--out", str(run), "--resume", "--steps", "3"), capsys,
+                   after_progress=True)
+    assert "step-000003.safetensors is a symbolic link, where phantomclip keeps a file of its own" in line, line
+    assert user.read_text() == "mine\n"
+
+
+def test_report_and_experiment_refuse_a_link_at_any_depth(tmp_path, capsys):
+    """`report --out R` where R/data is a link, and `experiment --out X` where X/none (or X/none/seed-0) is one:
+    refused, nothing written through them (the audit's instances; the seed directory is the variant)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    report = tmp_path / "R"
+    report.mkdir()
+    (report / "data").symlink_to(target, target_is_directory=True)
+    line = bad_cli(["report", "--out", str(report)], capsys, after_progress=True)  # after the note on the demo
+    assert line.startswith(f"phantomclip report: error: {report / 'data'} is a symbolic link, where phantomclip keeps "
+                           "a directory of its own")
+    assert list(target.iterdir()) == [] and not (report / "index.html").exists()
+    for linked in ("none", "none/seed-0"):
+        out = tmp_path / f"X-{linked.replace('/', '-')}"
+        (out / linked).parent.mkdir(parents=True, exist_ok=True)
+        (out / linked).symlink_to(target, target_is_directory=True)
+        line = bad_cli(["experiment", "sanity", *TINY, "--only", "none", "--seeds", "1", "--steps", "1",
+                        "--group-size", "2", "--max-tokens", "2", "--out", str(out)], capsys)
+        assert line == (f"phantomclip experiment: error: {out / linked} is a symbolic link, where phantomclip keeps a "
+                        "directory of its own: it writes and reads through no link it did not make; remove the link")
+        assert list(target.iterdir()) == [] and not (out / "experiment.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["hard link", "user text"])
+def test_a_lock_file_phantomclip_did_not_make_is_refused_and_left_alone(kind, tmp_path, capsys):
+    """A .lock that is a hard link to a user's file: the file held a PID afterwards (the audit's instance). A
+    regular .lock holding text other than a pid (a user's own file of that name) is the variant."""
+    out = tmp_path / "run"
+    out.mkdir()
+    user = tmp_path / "notes.txt"
+    user.write_text("my notes\n")
+    if kind == "hard link":
+        (out / ".lock").hardlink_to(user)
+        said = "has 2 hard links (another name's file would change with it), where phantomclip keeps its lock file"
+    else:
+        (out / ".lock").write_text("my notes\n")
+        said = "holds 'my notes', not the process id phantomclip writes in its lock file"
+    line = bad_cli([*T, "--out", str(out)], capsys)
+    assert said in line, line
+    assert user.read_text() == "my notes\n" and (out / ".lock").read_text() == "my notes\n"
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+# -------------------------------------------------------------------------------- 3. two jobs on one run
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+if sys.argv[2] == "exclusive":  # what DirLock does: the pid in the file, the lock exclusive
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+fcntl.flock(fd, fcntl.LOCK_EX if sys.argv[2] == "exclusive" else fcntl.LOCK_SH)
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold(lock: Path, how: str):
+    """Another process holding `lock` (exclusively, as a running experiment does, or shared, as a job training one
+    of its runs does) until killed."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), how], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_run_of_a_running_experiment_is_not_trained_by_another_job(tmp_path, capsys):
+    """`train --resume EXP/none/seed-0` while the experiment in EXP runs (another process holds EXP/.lock): both
+    proceeded (the audit's instance); now the resume is refused, naming the experiment and its pid, and the run is
+    untouched. Variant: while a job trains one of its runs, the experiment itself is refused. Once the other
+    process is gone, each proceeds (the lock is free at once)."""
+    exp = tmp_path / "EXP"
+    run = exp / "none" / "seed-0"
+    exp.mkdir()
+    (exp / "experiment.json").write_text('{"experiment": "sanity", "arms": ["none"], "seeds": [0]}')
+    assert main([*T, "--out", str(run)]) == 0  # a run inside the experiment's directory, made by hand
+    capsys.readouterr()
+    before = _tree(run)
+    holder = _hold(exp / ".lock", "exclusive")
+    try:
+        line = bad_cli(over(T, "--out", str(run), "--resume", "--steps", "3"), capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert line == (f"phantomclip train: error: {run} belongs to the experiment in {exp}, which another phantomclip "
+                    f"process (pid {holder.pid}) is running: wait for it to finish, or stop it first")
+    assert _tree(run) == before
+    experiment = ["experiment", "sanity", *TINY, "--only", "none", "--seeds", "1", "--steps", "3", "--group-size",
+                  "2", "--max-tokens", "4", "--out", str(exp)]
+    holder = _hold(exp / ".lock", "shared")
+    try:
+        line = bad_cli(experiment, capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert line == (f"phantomclip experiment: error: {exp} is in use by another phantomclip process training a run "
+                    "of this experiment: wait for it to finish, or stop it first")
+    assert _tree(run) == before
+    assert main(over(T, "--out", str(run), "--resume", "--steps", "3")) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3

@@ -386,6 +386,8 @@ def test_a_run_file_that_never_ends_is_one_line(name, command, kind, snapshot_ru
             "report": ["report", "--from", str(run), "--out", str(tmp_path / "r")],
             "trace": ["trace", "--run", str(run)]}[command]
     what = "is a FIFO (named pipe), not a regular file" if kind == "fifo" else "is a character device, not a regular"
+    if kind == "zero" and command == "resume":  # a run's own files are read beneath it: the link itself is refused
+        what = "is a symbolic link: phantomclip reads no link inside a directory it reads"
     if command == "report" and name == "config.json":  # a file found in a --from directory: skipped, named
         assert main(args) == 2
         line = capsys.readouterr().err

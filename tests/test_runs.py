@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from phantomclip.errors import PhantomclipWarning, WriteError
+from phantomclip.locks import LockError
 from phantomclip.run_checks import METRIC_KEYS
 from phantomclip.runs import RunDir, RunError, config_diff, read_jsonl
 
@@ -211,7 +212,7 @@ def test_one_writer_per_run_directory_across_processes(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(RunError, match=rf"in use by another phantomclip process \(pid {holder.pid}\)"):
+        with pytest.raises(LockError, match=rf"in use by another phantomclip process \(pid {holder.pid}\)"):
             RunDir.resume(path, {"seed": 1})
     finally:
         holder.kill()

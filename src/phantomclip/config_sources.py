@@ -93,7 +93,7 @@ def apply_run_config(args, config_cls) -> None:
     if not (path.exists() or path.is_symlink()):  # a FIFO or device there is read_input's to refuse
         raise TrainConfigError(f"--resume {args.out}: no config.json there, so no run to continue: drop --resume to "
                                "start one")
-    saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration")}
+    saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration", Path(args.out))}
     typed = getattr(args, "typed", set())
     names = [f.name for f in dataclasses.fields(config_cls) if f.name in saved]
     for name in names:

@@ -14,15 +14,18 @@ checkpoint is deleted unless asked to keep it (the weights are only needed to co
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION
 from .errors import SEED_LIMIT, SEEDS_LIMIT, check_number
-from .files import atomic_write_bytes, check_output_dir, remove_owned, write_json
+from .files import check_output_dir
 from .interventions import TrainConfigError
+from .locks import EXPERIMENT_MANIFEST, DirLock
 from .metrics import RUN_WINDOW, run_phantom_summary, t_interval
-from .runs import DirLock, RunDir, read_json_object
+from .owned import check_no_links, make_dirs, remove_owned, write_owned_bytes, write_owned_json
+from .runs import RunDir, read_json_object
 from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, engine_refuses
 from .trainer import run_config, run_finished, train
 
@@ -126,10 +129,10 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 def check_manifest(matrix: Matrix, out: Path) -> None:
     """Write OUT/experiment.json on the first invocation; on a later one refuse another arm or seed set, naming the
     runs that differ (continuing must not mix two designs in one summary)."""
-    path = out / "experiment.json"
+    path = out / EXPERIMENT_MANIFEST
     manifest = {"experiment": matrix.experiment, "arms": list(matrix.arms), "seeds": list(matrix.seeds)}
-    if not path.exists():
-        write_json(manifest, path, owned=True)
+    if not os.path.lexists(path):
+        write_owned_json(out, path, manifest)
         return
     old = read_json_object(path, "experiment's manifest")
     if old == manifest:
@@ -157,8 +160,10 @@ def run_experiment(matrix: Matrix, out: str | Path, console=None, keep_checkpoin
         if console is not None:
             for arm, reason in matrix.left_out.items():
                 console.print(f"left out: {arm} ({reason})")
-        check_manifest(matrix, out)
         runs = matrix.runs()
+        for arm, seed, _ in runs:  # a link at OUT/<arm> or below would take a run's files elsewhere
+            check_no_links(out, run_dir(out, arm, seed))
+        check_manifest(matrix, out)
         check_continuation(out, runs)
         return _run_all(matrix, out, runs, console, keep_checkpoints)
     finally:
@@ -194,10 +199,11 @@ def _run_all(matrix: Matrix, out: Path, runs: list[tuple[str, int, TrainConfig]]
             console.print(f"[bold]{i + 1}/{len(runs)}[/bold] {arm} seed {seed}{note}")
         interrupted = False
         if not run_finished(done, cfg.steps, cfg.stop_after_converged):
+            make_dirs(out, path)  # beneath OUT without following a link: train then writes inside it
             result = train(cfg, out=path, resume=(path / "config.json").exists(), console=console)
             done, interrupted = result.metrics, result.interrupted
         if not interrupted and not keep_checkpoints:
-            remove_owned(path / "checkpoint.pt")
+            remove_owned(out, path / "checkpoint.pt")
         results.append(summarize_run(arm, seed, done, cfg.steps, finished=not interrupted,
                                      patience=max(1, cfg.stop_after_converged)))
         summary = summarize(matrix, results)
@@ -309,8 +315,8 @@ DIFFERENCE_LABELS = {"final_length": "final length", "length_auc": "mean length 
 
 
 def write_summary(summary: dict, out: Path) -> None:
-    write_json(summary, out / "summary.json", owned=True)
-    atomic_write_bytes(out / "summary.md", summary_markdown(summary).encode(), owned=True)
+    write_owned_json(out, out / "summary.json", summary)
+    write_owned_bytes(out, out / "summary.md", summary_markdown(summary).encode())
 
 
 def _ci(x: dict, scale: float = 1.0, digits: int = 1, bare: bool = False) -> str:

@@ -7,11 +7,9 @@ back line by line, a torn last line (a SIGKILL mid-write) skipped with a warning
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import stat
 import sys
 import tempfile
@@ -81,17 +79,24 @@ def read_input(path: str | Path) -> str:
     except OSError as e:
         raise InputError(path, f"cannot be read ({e.strerror or e})") from None
     try:
-        _check_input_stat(path, os.fstat(fd))
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(input_limit() + 1)
-    except OSError as e:
-        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+        data = check_input_fd(path, fd)
     finally:
         os.close(fd)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(path, "is not UTF-8 text") from None
+
+
+def check_input_fd(path: str | Path, fd: int) -> bytes:
+    """The bytes of the input file open on `fd` (named `path` in messages), checked on the descriptor to be a
+    regular file of at most input_limit() bytes before it is read; InputError otherwise. The caller closes `fd`."""
+    try:
+        _check_input_stat(path, os.fstat(fd))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(input_limit() + 1)
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
 
 
 def output_target(path: str | Path) -> tuple[Path, bool]:
@@ -101,7 +106,7 @@ def output_target(path: str | Path) -> tuple[Path, bool]:
     other /proc/self/fd links. A directory, a block device, a socket or a name longer than the file system allows is
     refused with one WriteError line: a temp file renamed over it would replace it."""
     path = Path(path)
-    _check_name_lengths(path, str(path))
+    check_name_lengths(path, str(path))
     try:
         st = os.stat(path)  # follows symlinks: the kind of what a write would reach
     except FileNotFoundError:
@@ -170,7 +175,7 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> None:
     """Refuse, in one line naming `flag`, a directory output that cannot be one: a name longer than the file system
     allows, or something other than a directory already at the path (a file, a device, a FIFO)."""
     path = Path(path)
-    _check_name_lengths(path, f"{flag} {path}")
+    check_name_lengths(path, f"{flag} {path}")
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -181,7 +186,7 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> None:
         raise WriteError(f"{flag} {path} exists and is not a directory: give a directory (new or a run's)")
 
 
-def _check_name_lengths(path: Path, said: str) -> None:
+def check_name_lengths(path: Path, said: str) -> None:
     """ENAMETOOLONG as one line before any system call meets it: a component longer than NAME_MAX bytes."""
     too_long = [part for part in path.parts if len(os.fsencode(part)) > NAME_MAX]
     if too_long:
@@ -199,74 +204,14 @@ def read_only(path: Path, st: os.stat_result) -> bool:
     return not os.access(path, os.W_OK) or not st.st_mode & 0o222
 
 
-def owned_target(path: str | Path) -> Path:
-    """`path` as a file of a directory this tool writes (a run's, an experiment's, a report's): absent, or a regular
-    file of this user, never a link (a link there is not ours: writing through it would change a file elsewhere, and
-    replacing it would delete what we did not create) nor a special file. Refused with one WriteError line."""
-    path = Path(path)
-    _check_name_lengths(path, str(path))
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return path
-    except OSError as e:
-        raise WriteError(f"cannot write {printable(str(path))} ({e.strerror or e}): choose another location") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise WriteError(f"{printable(str(path))} is a symbolic link, where phantomclip keeps a file of its own: it "
-                         "writes through no link it did not make; remove the link")
-    if not stat.S_ISREG(st.st_mode):
-        raise WriteError(f"{printable(str(path))} is {special_kind(st.st_mode)}, where phantomclip keeps a regular "
-                         "file of its own: remove it")
-    if read_only(path, st):
-        raise WriteError(f"{printable(str(path))} is read-only: make it writable (chmod u+w) or choose another --out")
-    return path
-
-
-def open_owned(path: str | Path, flags: int, what: str = "") -> int:
-    """A descriptor on `path` opened with `flags` | O_CREAT, never through a symlink (O_NOFOLLOW) and without
-    blocking on a FIFO (O_NONBLOCK, cleared after the open), checked to be a regular file: the way to append to, or
-    lock, a file of a directory this tool writes. One WriteError line otherwise."""
-    import fcntl
-
-    shown = printable(str(path))
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise WriteError(f"{shown} is a symbolic link, where phantomclip keeps {what or 'a file of its own'}: "
-                             "it writes through no link it did not make; remove the link") from None
-        raise write_error(Path(path), e) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise WriteError(f"{shown} is {special_kind(st.st_mode)}, where phantomclip keeps {what or 'a regular file'}: "
-                         "remove it")
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return fd
-
-
-STRANDED = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}" + re.escape(".tmp") + r"\Z")
-"""the name of a temp file atomic_write makes beside its target `name` (tempfile.mkstemp's 8 random characters)."""
-
-
-def stranded_temps(directory: Path, names: Callable[[str], bool]) -> list[Path]:
-    """The temp files a killed atomic_write left in `directory` for a target whose name `names` accepts: regular
-    files named as atomic_write names them, nothing else (a user's own `.notes.tmp` is not ours to remove)."""
-    out = []
-    for p in directory.glob(".*.tmp") if directory.is_dir() else []:
-        m = STRANDED.match(p.name)
-        if m and names(m["name"]) and stat.S_ISREG(os.lstat(p).st_mode):
-            out.append(p)
-    return out
-
-
-def atomic_write(path: Path, write: Callable[[str], None], owned: bool = False) -> None:
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Write `path` through `write(tmp_path)` into a temp file in the same directory, fsync, rename: a reader sees the
     old file or the new one, never a half-written one. Only a regular file (or nothing) is replaced: a symlink is
     followed, a character device or FIFO (/dev/null, /dev/stdout, a pipe) is written into directly, anything else is
-    refused (`output_target`). `owned`: a file of a directory this tool writes, where a link or special file is
-    refused instead (`owned_target`). An OSError becomes one WriteError line naming `path`."""
-    target, direct = (owned_target(path), False) if owned else output_target(path)
+    refused (`output_target`). An output the user named; a file of a directory phantomclip owns (a run's, a
+    report's) is written by owned.write_owned instead, which follows no link. An OSError becomes one WriteError line
+    naming `path`."""
+    target, direct = output_target(path)
     tmp = None
     try:
         if direct:  # the stream may be this process's own stdout: what it printed goes first
@@ -314,13 +259,12 @@ def check_output_path(path: str | Path, flag: str = "--json") -> None:
         raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
 
 
-def atomic_write_bytes(path: Path, data: bytes, owned: bool = False) -> None:
-    """`data` into `path`, atomically (atomic_write; `owned`: a file of a directory this tool writes); into the
-    descriptor itself when `path` names one of this process's (/dev/stdout), after what it printed: reopening it
-    would write at another offset."""
-    fd = None if owned else _own_descriptor(Path(path))
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` into `path`, atomically (atomic_write); into the descriptor itself when `path` names one of this
+    process's (/dev/stdout), after what it printed: reopening it would write at another offset."""
+    fd = _own_descriptor(Path(path))
     if fd is None:
-        atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), owned)
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
         return
     try:
         sys.stdout.flush()
@@ -372,22 +316,9 @@ def json_reason(e: Exception) -> str:
     return text[:80]
 
 
-def write_json(result: dict, path: str | Path, owned: bool = False) -> None:
-    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename); `owned`: as
-    atomic_write's."""
-    atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"), owned)
-
-
-def remove_owned(path: Path) -> None:
-    """Remove a file this tool wrote in a directory it writes (an experiment's finished checkpoint): a regular file
-    only; a link or anything else put there is left as it is."""
-    try:
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise write_error(path, e) from None
+def write_json(result: dict, path: str | Path) -> None:
+    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
+    atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
 
 
 def content_hash(path: Path) -> str:

@@ -34,17 +34,23 @@ from .errors import PhantomclipError, PhantomclipWarning, WriteError, ascii_digi
 from .files import (
     JSON_ERRORS,
     InputError,
-    atomic_write,
-    atomic_write_bytes,
     check_output_dir,
     content_hash,
     json_reason,
     json_safe,
-    open_owned,
     printable,
     read_input,
-    stranded_temps,
     write_error,
+)
+from .locks import DirLock, experiment_of
+from .owned import (
+    check_no_links,
+    open_owned,
+    open_reading,
+    read_owned,
+    remove_stranded_temps,
+    write_owned,
+    write_owned_bytes,
 )
 from .run_checks import check_checkpoint, check_metrics_rows
 
@@ -53,13 +59,14 @@ class RunError(PhantomclipError):
     """A run directory that cannot be created or resumed as asked."""
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every JSON object line of `path`. A torn last line (a writer killed mid-line) is skipped with a warning; a bad
-    line anywhere else is damage and raises RunError naming the file and line (nothing after it is dropped)."""
+def read_jsonl(path: Path, root: Path | None = None) -> list[dict]:
+    """Every JSON object line of `path` (`root`: the run directory it lies in, reached without following a link,
+    owned.read_owned). A torn last line (a writer killed mid-line) is skipped with a warning; a bad line anywhere
+    else is damage and raises RunError naming the file and line (nothing after it is dropped)."""
     if not os.path.lexists(path):
         return []
     try:
-        lines = read_input(path).splitlines()
+        lines = (read_input(path) if root is None else read_owned(root, path)).splitlines()
     except InputError as e:
         raise RunError(str(e)) from None
     while lines and not lines[-1].strip():
@@ -99,10 +106,11 @@ def nan_for_null(row: dict) -> dict:
     return {k: float("nan") if v is None else v for k, v in row.items()}
 
 
-def read_json_object(path: Path, what: str) -> dict:
-    """A JSON file that must hold an object (config.json, experiment.json): one line naming the file otherwise."""
+def read_json_object(path: Path, what: str, root: Path | None = None) -> dict:
+    """A JSON file that must hold an object (config.json, experiment.json): one line naming the file otherwise.
+    `root`: the directory it lies in, reached without following a link (owned.read_owned)."""
     try:
-        doc = json.loads(read_input(path))
+        doc = json.loads(read_input(path) if root is None else read_owned(root, path))
     except InputError as e:
         raise RunError(f"{e}: the {what} cannot be read; restore it or start a new --out") from None
     except JSON_ERRORS as e:
@@ -190,46 +198,6 @@ def _flat(config: dict, ignore: tuple[str, ...]) -> dict:
     return flat
 
 
-class DirLock:
-    """An exclusive advisory lock (fcntl.flock) on DIR/.lock for as long as this object lives: one writer per run or
-    experiment directory. The kernel drops a flock when its holder dies, so a killed run's lock is free at once (a
-    stale .lock file holds no lock); the file's text, the holder's pid, is only for the message a second writer gets."""
-
-    def __init__(self, directory: Path, what: str):
-        import fcntl
-
-        self.path, self.fd = Path(directory) / ".lock", None
-        try:  # never through a link (its target's content would become a pid), never a FIFO (the open would hang)
-            self.fd = open_owned(self.path, os.O_RDWR, "its lock file")
-        except WriteError as e:
-            raise RunError(str(e)) from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            self.release()
-            who = "this process" if holder == str(os.getpid()) else f"another phantomclip process (pid {holder})"
-            raise RunError(f"{directory} is in use by {who} writing this {what}: wait for it to finish, or stop it "
-                           "first") from None
-        except OSError as e:  # no flock on this filesystem (some network mounts), or interrupted
-            self.release()
-            raise RunError(f"cannot lock {self.path} ({e.strerror or e}): put the run on a local filesystem") from None
-        try:  # a full disk fails here, first of all the run's writes: said as this file's, not as stdout's
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-        except OSError as e:
-            self.release()
-            raise write_error(self.path, e) from None
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-            self.fd = None
-
-    def __del__(self):
-        self.release()
-
-
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tokens.jsonl", "checkpoint.pt")
 SNAPSHOT_NAME = re.compile(r"step-[0-9]{6,}(\.safetensors|\.tokens\.json)")
 """the names of the files a run keeps under snapshots/ (RunDir.snapshot_path)."""
@@ -246,19 +214,33 @@ class RunDir:
         self.tokens_path = self.path / "tokens.jsonl"
         self.checkpoint_path = self.path / "checkpoint.pt"
         self.lock: DirLock | None = None
+        self.outer: DirLock | None = None
+        """the shared lock of the experiment directory this run belongs to, when it belongs to one."""
         self.config: dict[str, Any] | None = None
         """the configuration this process runs with, written into every checkpoint (check_checkpoint_config)."""
 
     def _take(self) -> None:
-        """Lock the directory, then remove temp files a killed writer stranded (only the lock holder may)."""
-        self.lock = DirLock(self.path, "run")
-        for tmp in [*stranded_temps(self.path, lambda name: name in (*RUN_FILES, "config.json")),
-                    *stranded_temps(self.snapshots_path, lambda name: SNAPSHOT_NAME.fullmatch(name) is not None)]:
-            tmp.unlink(missing_ok=True)
+        """Lock the directory (and share the lock of the experiment it belongs to, `experiment_of`), then remove temp
+        files a killed writer stranded (only the lock holder may)."""
+        experiment = experiment_of(self.path)
+        if experiment is not None:
+            self.outer = DirLock(experiment, "experiment", shared=True, inside=self.path)
+        try:
+            self.lock = DirLock(self.path, "run")
+            check_no_links(self.path, self.snapshots_path)  # before anything is read or rewritten
+        except WriteError as e:
+            self.close()
+            raise RunError(str(e)) from None
+        except BaseException:
+            self.close()
+            raise
+        remove_stranded_temps(self.path, self.path, lambda name: name in (*RUN_FILES, "config.json"))
+        remove_stranded_temps(self.path, self.snapshots_path, lambda name: SNAPSHOT_NAME.fullmatch(name) is not None)
 
     def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        for lock in (self.lock, self.outer):
+            if lock is not None:
+                lock.release()
 
     @classmethod
     def create(cls, path: str | Path, config: dict[str, Any]) -> RunDir:
@@ -279,8 +261,8 @@ class RunDir:
             if orphans:
                 raise RunError(f"{run.path} holds run files ({', '.join(orphans)}) but no config.json, so they belong "
                                "to no run this tool can continue: choose another --out or remove them")
-            atomic_write_bytes(run.path / "config.json", json.dumps(config, indent=1, sort_keys=True).encode(),
-                               owned=True)
+            write_owned_bytes(run.path, run.path / "config.json",
+                              json.dumps(config, indent=1, sort_keys=True).encode())
         except BaseException:
             run.close()
             raise
@@ -294,7 +276,7 @@ class RunDir:
         input file whose content hash changed is named first. `defaults`: values of config keys added since older
         runs were made; a key the run's config.json lacks counts as its default."""
         path = Path(path)
-        saved = read_json_object(path / "config.json", "run's config")
+        saved = read_json_object(path / "config.json", "run's config", path)
         old = {**(defaults or {}), **saved}
         for key, value in (defaults or {}).items():  # a nested block (the plan) gains keys too: one level deep
             if isinstance(value, dict) and isinstance(saved.get(key), dict):
@@ -336,7 +318,7 @@ class RunDir:
                                f"{done} or more to continue it")
             if ckpt is not None and {"master", "snapshots"} <= set(required):  # the trainer's own checkpoint
                 check_checkpoint(run.checkpoint_path, ckpt, int(config.get("staleness", 0)))
-            logged = {p: read_jsonl(p) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
+            logged = {p: read_jsonl(p, run.path) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
             check_metrics_rows(run.metrics_path, logged[run.metrics_path])
             if ckpt is None and logged[run.metrics_path]:  # killed before its first checkpoint: a run's rows are a
                 # function of its config and seed, so recomputing them from step 0 gives them again
@@ -349,7 +331,7 @@ class RunDir:
             rows = {p: [r for r in found if r.get("step", 0) <= done] for p, found in logged.items()}
             # drop what came after the checkpoint: it is recomputed
             for p, kept in rows.items():
-                atomic_write_bytes(p, "".join(jsonl_line(r) for r in kept).encode(), owned=True)
+                write_owned_bytes(run.path, p, "".join(jsonl_line(r) for r in kept).encode())
         except BaseException:
             run.close()
             raise
@@ -360,12 +342,16 @@ class RunDir:
         """The checkpoint (None if there is none), read as tensors and plain containers only: a file holding
         anything else (a crafted pickle, damage) is refused with one line and runs nothing. It must hold a step
         count >= 0 and the `required` keys."""
-        if not self.checkpoint_path.exists():
+        if not os.path.lexists(self.checkpoint_path):
             return None
+        try:  # never through a link (another run's checkpoint), never a FIFO
+            fd = open_reading(self.path, self.checkpoint_path)
+        except InputError as e:
+            raise RunError(f"{e}: nothing was rewritten") from None
         try:
-            with warnings.catch_warnings():  # torch's notes on a foreign pickle protocol: the refusal below says it
-                warnings.simplefilter("ignore")
-                ckpt = torch.load(self.checkpoint_path, weights_only=True)
+            with warnings.catch_warnings(), os.fdopen(fd, "rb") as f:  # torch's notes on a foreign pickle protocol:
+                warnings.simplefilter("ignore")  # the refusal below says it
+                ckpt = torch.load(f, weights_only=True)
         except OSError as e:  # no permission to read it (chmod 000), an I/O error: not damage
             raise RunError(f"{printable(str(self.checkpoint_path))} cannot be read ({e.strerror or e}): give yourself "
                            "read access (chmod u+r) and resume again; nothing was rewritten") from None
@@ -384,7 +370,7 @@ class RunDir:
         return ckpt
 
     def _append(self, path: Path, row: dict) -> None:
-        fd = open_owned(path, os.O_WRONLY | os.O_APPEND)  # never through a link or into a FIFO
+        fd = open_owned(self.path, path, os.O_WRONLY | os.O_APPEND)  # never through a link or into a FIFO
         try:
             with open(fd, "a", encoding="utf-8") as f:
                 f.write(jsonl_line(row))
@@ -403,7 +389,8 @@ class RunDir:
         self._append(self.tokens_path, row)
 
     def metrics(self) -> list[dict]:
-        return [nan_for_null(r) for r in check_metrics_rows(self.metrics_path, read_jsonl(self.metrics_path))]
+        rows = read_jsonl(self.metrics_path, self.path)
+        return [nan_for_null(r) for r in check_metrics_rows(self.metrics_path, rows)]
 
     @property
     def snapshots_path(self) -> Path:
@@ -441,13 +428,13 @@ class RunDir:
         from safetensors.torch import save_model
 
         path = self.snapshot_path(step)
-        atomic_write(path, lambda tmp: save_model(model, tmp), owned=True)
+        write_owned(self.path, path, lambda tmp: save_model(model, tmp))
         return path.stat().st_size
 
     def save_snapshot_tokens(self, version: int, record: dict) -> None:
         """The tokens sampled with the weights of snapshot `version` (prompt and completion ids), beside it."""
         record = {"step": version, **record}
-        atomic_write_bytes(self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode(), owned=True)
+        write_owned_bytes(self.path, self.snapshot_path(version, ".tokens.json"), json.dumps(record).encode())
 
     def log_step(self, row: dict, samples: dict, tokens: dict, token_log_steps: int) -> None:
         """One training step's rows: metrics always, samples always, per-token records for the first steps."""
@@ -469,4 +456,4 @@ class RunDir:
         configuration goes with it (key CHECKPOINT_CONFIG), so a resume can tell another run's checkpoint."""
         buf = io.BytesIO()
         torch.save(state if self.config is None else {**state, CHECKPOINT_CONFIG: plain_config(self.config)}, buf)
-        atomic_write_bytes(self.checkpoint_path, buf.getvalue(), owned=True)
+        write_owned_bytes(self.path, self.checkpoint_path, buf.getvalue())

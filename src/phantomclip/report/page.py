@@ -17,7 +17,8 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from ..files import atomic_write, json_safe
+from ..files import json_safe
+from ..owned import write_owned, write_owned_bytes
 from . import figures as diagnose_figures
 from . import growth_panel
 from .answer_panel import html_answer
@@ -254,8 +255,7 @@ def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
         folder = f.parent.name if not f.parent.name.startswith("seed-") else f"{f.parent.parent.name}-{f.parent.name}"
         folder = f"fp8-experiment-{folder}" if f.parent in fp8_runs else folder
         rel = f"data/{i:0{width}d}-{_safe_name(folder)}-{f.name}"
-        (out / "data").mkdir(parents=True, exist_ok=True)
-        atomic_write(out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp), owned=True)  # never through a link
+        write_owned(out, out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp))  # no link at out/data nor below
         copied[f] = rel
         if f.name == "metrics.jsonl":
             copied[f.parent] = rel
@@ -264,8 +264,6 @@ def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
 
 def build(sources: list[str | Path], out: str | Path) -> Path:
     """Write out/index.html and copy the data files to out/data/; returns the page's path."""
-    from ..files import atomic_write_bytes
-
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file: give a directory")
@@ -279,7 +277,7 @@ def build(sources: list[str | Path], out: str | Path) -> Path:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a file damaged below its top level
             raise ReportError(f"cannot draw the report from {', '.join(map(str, sources))} ({type(e).__name__}: "
                               f"{str(e)[:80]}): a file there was edited or is not one phantomclip wrote") from None
-        atomic_write_bytes(page, body.encode("utf-8"), owned=True)
+        write_owned_bytes(out, page, body.encode("utf-8"))
     except OSError as e:
         raise ReportError(f"--out {out}: cannot write the report ({e.strerror or e})") from None
     return page

@@ -217,8 +217,12 @@ def test_a_run_made_before_input_hashes_still_resumes(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*T, "--prompts", str(prompts), "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    del config["inputs"]  # as runs written before this version
+    del config["inputs"]  # as runs written before this version, whose rows carried no run/id either
     (out / "config.json").write_text(json.dumps(config))
+    for name in ("metrics.jsonl", "samples.jsonl", "tokens.jsonl"):
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        (out / name).write_text("".join(json.dumps({k: v for k, v in r.items() if k != "run/id"}) + "\n"
+                                        for r in rows))
     assert main(over(T, "--prompts", str(prompts), "--out", str(out), "--resume", "--steps", "3")) == 0
 
 

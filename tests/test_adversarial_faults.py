@@ -316,3 +316,54 @@ def test_a_run_of_a_running_experiment_is_not_trained_by_another_job(tmp_path, c
     assert _tree(run) == before
     assert main(over(T, "--out", str(run), "--resume", "--steps", "3")) == 0
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+# ------------------------------------------------------------------------------ 5. history from another run
+
+
+def test_rows_copied_from_another_run_are_refused(tmp_path, capsys):
+    """metrics.jsonl of another run (another intervention, the same two steps) copied in was continued from (the
+    audit's instance); every row carries its run's id (run/id, from config.json), so the resume is refused naming
+    the line and nothing is rewritten. Variants: a copied tokens.jsonl on resume, and the copied metrics read back
+    as an experiment reads a finished run."""
+    from phantomclip.run_checks import RunFileError
+    from phantomclip.runs import RunDir
+
+    own, other = tmp_path / "own", tmp_path / "other"
+    assert main([*T, "--out", str(own)]) == 0
+    assert main([*T, "--intervention", "tis", "--out", str(other)]) == 0
+    capsys.readouterr()
+    ids = {json.loads(line)["run/id"] for p in (own, other) for line in (p / "metrics.jsonl").read_text().splitlines()}
+    assert len(ids) == 2  # one id per run, on every row
+    for name in ("metrics.jsonl", "tokens.jsonl"):
+        mine = (own / name).read_bytes()
+        (own / name).write_bytes((other / name).read_bytes())
+        before = _tree(own)
+        line = bad_cli(over(T, "--out", str(own), "--resume", "--steps", "3"), capsys)
+        assert line.startswith(f"phantomclip train: error: {own / name}, line 1: a row of another run (run/id "), line
+        assert line.endswith("the file was copied from another run; restore this run's, or start a new --out"), line
+        assert _tree(own) == before
+        if name == "metrics.jsonl":
+            with pytest.raises(RunFileError, match="line 1: a row of another run"):
+                RunDir(own).metrics()
+        (own / name).write_bytes(mine)
+    assert main(over(T, "--out", str(own), "--resume", "--steps", "3")) == 0
+
+
+# ------------------------------------------------------------------------------------- 8. start-up and order
+
+
+def test_a_model_folder_is_never_taken_for_a_run(tmp_path, capsys):
+    """`train --out` on a Hugging Face model folder said it 'already holds a run' (its config.json); it says what it
+    is, for a new run (the audit's instance) and for --resume (the variant, which read the model's config.json as
+    the run's flags), and the folder is left as it was."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                    "hidden_size": 64, "max_tokens": 7}))
+    before = _tree(folder)
+    said = (f"{folder} holds a config.json that is not a phantomclip run's (no versions.phantomclip: a model's "
+            "folder?): give a run directory, or another --out")
+    assert bad_cli([*T, "--out", str(folder)], capsys) == f"phantomclip train: error: {said}"
+    assert bad_cli([*T, "--resume", str(folder)], capsys) == f"phantomclip train: error: {said}"
+    assert _tree(folder) == before

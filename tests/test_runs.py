@@ -8,6 +8,9 @@ from phantomclip.locks import LockError
 from phantomclip.run_checks import METRIC_KEYS
 from phantomclip.runs import RunDir, RunError, config_diff, read_jsonl
 
+RUN = {"versions": {"phantomclip": "test"}}
+"""what makes a config.json a run's (runs.is_run_config): every test run's configuration holds it."""
+
 
 def _row(step: int, **figures) -> dict:
     """A metrics row with every figure readers need (run_checks.METRIC_KEYS, at 0) and `figures`."""
@@ -15,7 +18,7 @@ def _row(step: int, **figures) -> dict:
 
 
 def test_create_log_checkpoint_resume(tmp_path):
-    cfg = {"seed": 1, "lr": 1e-5, "steps": 10}
+    cfg = {**RUN, "seed": 1, "lr": 1e-5, "steps": 10}
     run = RunDir.create(tmp_path / "r", cfg)
     for step in range(1, 6):
         run.log_metrics(_row(step, loss=float(step)))
@@ -36,16 +39,16 @@ def test_create_log_checkpoint_resume(tmp_path):
 
 
 def test_resume_refuses_a_different_config(tmp_path):
-    RunDir.create(tmp_path / "r", {"seed": 1, "lr": 1e-5}).close()
+    RunDir.create(tmp_path / "r", {**RUN, "seed": 1, "lr": 1e-5}).close()
     with pytest.raises(RunError, match="lr: 1e-05 -> 0.001"):
-        RunDir.resume(tmp_path / "r", {"seed": 1, "lr": 1e-3})
+        RunDir.resume(tmp_path / "r", {**RUN, "seed": 1, "lr": 1e-3})
     with pytest.raises(RunError, match="no config.json"):
-        RunDir.resume(tmp_path / "none", {})
+        RunDir.resume(tmp_path / "none", RUN)
     assert config_diff({"a": 1, "b": 2}, {"a": 1, "c": 3}) == ["b: 2 -> None", "c: None -> 3"]
 
 
 def test_interrupted_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
-    run = RunDir.create(tmp_path / "r", {})
+    run = RunDir.create(tmp_path / "r", RUN)
     run.save_checkpoint({"step": 1})
 
     from pathlib import Path
@@ -69,7 +72,7 @@ def test_interrupted_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
 
 
 def _finished_run(path, cfg=None):
-    run = RunDir.create(path, cfg or {"seed": 1})
+    run = RunDir.create(path, cfg or {**RUN, "seed": 1})
     for step in (1, 2):
         run.log_metrics(_row(step, loss=float(step)))
     run.save_checkpoint({"step": 2, "w": torch.ones(2)})
@@ -91,16 +94,16 @@ def test_a_crafted_checkpoint_runs_nothing(tmp_path):
     run = _finished_run(tmp_path / "r")
     run.checkpoint_path.write_bytes(pickle.dumps({"step": 2, "payload": Evil()}))
     with pytest.raises(RunError, match="checkpoint.pt is not a checkpoint this tool can read safely"):
-        RunDir.resume(run.path, {"seed": 1})
+        RunDir.resume(run.path, {**RUN, "seed": 1})
     assert not marker.exists()
     torch.save({"step": 2, "payload": Evil()}, run.checkpoint_path)  # the same inside torch's zip container
     with pytest.raises(RunError, match="holds objects other than tensors"):
-        RunDir.resume(run.path, {"seed": 1})
+        RunDir.resume(run.path, {**RUN, "seed": 1})
     assert not marker.exists()
     for damaged in (b"", b"random bytes", run.checkpoint_path.read_bytes()[:100]):
         run.checkpoint_path.write_bytes(damaged)
         with pytest.raises(RunError, match="it is damaged"):
-            RunDir.resume(run.path, {"seed": 1})
+            RunDir.resume(run.path, {**RUN, "seed": 1})
 
 
 def test_damaged_config_json_is_named(tmp_path):
@@ -110,7 +113,7 @@ def test_damaged_config_json_is_named(tmp_path):
     for text, message in cases.items():
         (run.path / "config.json").write_text(text)
         with pytest.raises(RunError, match=message):
-            RunDir.resume(run.path, {"seed": 1})
+            RunDir.resume(run.path, {**RUN, "seed": 1})
 
 
 def test_json_past_pythons_limits_is_one_line_in_every_run_file(tmp_path):
@@ -127,13 +130,13 @@ def test_json_past_pythons_limits_is_one_line_in_every_run_file(tmp_path):
         with pytest.raises(RunError, match=message):
             read_jsonl(run.metrics_path)
         with pytest.raises(RunError, match=message):
-            RunDir.resume(run.path, {"seed": 1})
+            RunDir.resume(run.path, {**RUN, "seed": 1})
         assert run.metrics_path.read_text() == line + "\n" + rows
     run.metrics_path.write_text(rows)
     for text, message in ((f'{{"seed": {big}}}', "holds an integer of more than"), (deep, "nested too deep to read")):
         (run.path / "config.json").write_text(text)
         with pytest.raises(RunError, match=f"config.json is not readable JSON \\({message}"):
-            RunDir.resume(run.path, {"seed": 1})
+            RunDir.resume(run.path, {**RUN, "seed": 1})
 
 
 def test_a_bad_line_mid_file_is_an_error_and_nothing_is_rewritten(tmp_path):
@@ -143,15 +146,16 @@ def test_a_bad_line_mid_file_is_an_error_and_nothing_is_rewritten(tmp_path):
     damaged = "\n".join([lines[0][:-5], *lines[1:]]) + "\n"
     run.metrics_path.write_text(damaged)
     with pytest.raises(RunError, match=r"metrics.jsonl, line 1: not a JSON object"):
-        RunDir.resume(run.path, {"seed": 1})
+        RunDir.resume(run.path, {**RUN, "seed": 1})
     assert run.metrics_path.read_text() == damaged
 
 
 def test_nan_is_written_as_null_and_read_back_as_nan(tmp_path):
-    run = RunDir.create(tmp_path / "r", {})
+    run = RunDir.create(tmp_path / "r", RUN)
     run.log_metrics(_row(1, loss=float("nan"), norm=float("inf"), ok=1.5))
     line = run.metrics_path.read_text()
-    assert json.loads(line) == _row(1, loss=None, norm=None, ok=1.5)  # strict JSON: no bare NaN
+    # strict JSON, no bare NaN; every row carries its run's id
+    assert json.loads(line) == {**_row(1, loss=None, norm=None, ok=1.5), "run/id": run.id}
     with open(run.metrics_path, "a") as f:
         f.write(json.dumps(_row(2, ok=2.0))[:-1] + ', "loss": NaN, "norm": 1.0}\n')  # older files: bare NaN
     rows = run.metrics()
@@ -164,11 +168,11 @@ def test_orphan_run_files_and_stranded_temp_files(tmp_path):
     path.mkdir()
     (path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(RunError, match=r"holds run files \(metrics.jsonl\) but no config.json"):
-        RunDir.create(path, {})
+        RunDir.create(path, RUN)
     run = _finished_run(tmp_path / "s")
     stranded = run.path / ".checkpoint.pt.abc123de.tmp"  # mkstemp's 8 random characters
     stranded.write_bytes(b"half a checkpoint")
-    again, ckpt = RunDir.resume(run.path, {"seed": 1})
+    again, ckpt = RunDir.resume(run.path, {**RUN, "seed": 1})
     assert ckpt["step"] == 2 and not stranded.exists()
 
 
@@ -177,7 +181,7 @@ def test_a_write_error_is_one_line_naming_the_path(tmp_path, monkeypatch):
     import errno
     import os
 
-    run = RunDir.create(tmp_path / "r", {})
+    run = RunDir.create(tmp_path / "r", RUN)
     run.save_checkpoint({"step": 1})
 
     def full(*args, **kwargs):
@@ -196,7 +200,7 @@ def test_a_write_error_is_one_line_naming_the_path(tmp_path, monkeypatch):
 LOCK_HOLDER = """
 import sys, time
 from phantomclip.runs import RunDir
-run = RunDir.create(sys.argv[1], {"seed": 1})
+run = RunDir.create(sys.argv[1], {"versions": {"phantomclip": "test"}, "seed": 1})
 print("locked", flush=True)
 time.sleep(60)
 """
@@ -213,9 +217,9 @@ def test_one_writer_per_run_directory_across_processes(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(LockError, match=rf"in use by another phantomclip process \(pid {holder.pid}\)"):
-            RunDir.resume(path, {"seed": 1})
+            RunDir.resume(path, {**RUN, "seed": 1})
     finally:
         holder.kill()
         holder.wait()
-    run, ckpt = RunDir.resume(path, {"seed": 1})
+    run, ckpt = RunDir.resume(path, {**RUN, "seed": 1})
     assert ckpt is None and (path / ".lock").read_text() == str(__import__("os").getpid())

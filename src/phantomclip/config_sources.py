@@ -86,14 +86,14 @@ def apply_run_config(args, config_cls) -> None:
     import dataclasses
     from pathlib import Path
 
-    from .runs import read_json_object
+    from .runs import read_run_config
     from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfigError
 
     path = Path(args.out) / "config.json"
     if not (path.exists() or path.is_symlink()):  # a FIFO or device there is read_input's to refuse
         raise TrainConfigError(f"--resume {args.out}: no config.json there, so no run to continue: drop --resume to "
                                "start one")
-    saved = {**ADDED_SINCE_SCHEMA_1, **read_json_object(path, "run's configuration", Path(args.out))}
+    saved = {**ADDED_SINCE_SCHEMA_1, **read_run_config(Path(args.out))}  # a model's folder is refused
     typed = getattr(args, "typed", set())
     names = [f.name for f in dataclasses.fields(config_cls) if f.name in saved]
     for name in names:

@@ -56,6 +56,19 @@ def check_metrics_rows(path: Path, rows: list[dict]) -> list[dict]:
     return rows
 
 
+def check_run_ids(path: Path, rows: list[dict], run_id: int) -> None:
+    """Every row of a run file that carries a run id (runs.RUN_ID) carries this run's: a row with another was
+    copied from another run (another intervention, seed or model: same steps, other numbers), and continuing from
+    it, or summarising it, would file that run's history under this one. RunFileError naming the line otherwise.
+    Rows without an id (written before rows carried one) are not judged."""
+    for line, row in enumerate(rows, 1):
+        found = row.get("run/id", run_id)
+        if found != run_id:
+            raise RunFileError(f"{printable(str(path))}, line {line}: a row of another run (run/id {str(found)[:20]}; "
+                               f"this run's config.json makes {run_id}): the file was copied from another run; "
+                               "restore this run's, or start a new --out")
+
+
 def _tensors(x) -> bool:
     return isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in x.items())
 

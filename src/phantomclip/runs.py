@@ -52,7 +52,7 @@ from .owned import (
     write_owned,
     write_owned_bytes,
 )
-from .run_checks import check_checkpoint, check_metrics_rows
+from .run_checks import check_checkpoint, check_metrics_rows, check_run_ids
 
 
 class RunError(PhantomclipError):
@@ -124,6 +124,37 @@ def read_json_object(path: Path, what: str, root: Path | None = None) -> dict:
         raise RunError(f"{path} has schema {schema!r}, not one this phantomclip reads (<= {SCHEMA_VERSION}): "
                        "upgrade phantomclip")
     return doc
+
+
+def is_run_config(doc: dict) -> bool:
+    """Whether a config.json is a phantomclip run's: every run's records the phantomclip that made it
+    (trainer.run_config's versions.phantomclip, there since the first run); a model's folder also has a config.json."""
+    versions = doc.get("versions")
+    return isinstance(versions, dict) and "phantomclip" in versions
+
+
+def read_run_config(run: Path) -> dict:
+    """RUN/config.json, read beneath RUN, checked to be a phantomclip run's; RunError, one line, otherwise (a model's
+    folder given as a run: its config.json holds the model's architecture)."""
+    saved = read_json_object(run / "config.json", "run's config", run)
+    if not is_run_config(saved):
+        raise RunError(f"{run} holds a config.json that is not a phantomclip run's (no versions.phantomclip: a model's "
+                       "folder?): give a run directory, or another --out")
+    return saved
+
+
+RUN_ID = "run/id"
+"""the key every row of a run's metrics.jsonl, samples.jsonl and tokens.jsonl carries: the run's id (run_id)."""
+
+
+def run_id(config: dict) -> int:
+    """The id of the run whose config.json holds `config`: the first 52 bits of the SHA-256 of the configuration as
+    config.json holds it (keys sorted), a whole number JSON and JavaScript read exactly (below 2^53). config.json is
+    written once, so the id holds for the run's life; a row carrying another id was copied from another run."""
+    import hashlib
+
+    text = json.dumps(plain_config(config), sort_keys=True).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "big") >> 4
 
 
 def input_record(files: dict[str, Path]) -> dict[str, dict[str, str]]:
@@ -217,6 +248,8 @@ class RunDir:
         self.outer: DirLock | None = None
         """the shared lock of the experiment directory this run belongs to, when it belongs to one."""
         self.config: dict[str, Any] | None = None
+        self.id: int | None = None
+        """the run's id (run_id of its config.json), written into every row it logs (RUN_ID)."""
         """the configuration this process runs with, written into every checkpoint (check_checkpoint_config)."""
 
     def _take(self) -> None:
@@ -247,7 +280,8 @@ class RunDir:
         check_output_dir(path)
         run = cls(Path(path))
         taken = f"{run.path} already holds a run: pass --resume to continue it, or choose another --out"
-        if (run.path / "config.json").exists():
+        if os.path.lexists(run.path / "config.json"):
+            read_run_config(run.path)  # a model's folder is not a run: said as such
             raise RunError(taken)
         try:
             run.path.mkdir(parents=True, exist_ok=True)
@@ -266,7 +300,7 @@ class RunDir:
         except BaseException:
             run.close()
             raise
-        run.config = config
+        run.config, run.id = config, run_id(config)
         return run
 
     @staticmethod
@@ -276,7 +310,7 @@ class RunDir:
         input file whose content hash changed is named first. `defaults`: values of config keys added since older
         runs were made; a key the run's config.json lacks counts as its default."""
         path = Path(path)
-        saved = read_json_object(path / "config.json", "run's config", path)
+        saved = read_run_config(path)
         old = {**(defaults or {}), **saved}
         for key, value in (defaults or {}).items():  # a nested block (the plan) gains keys too: one level deep
             if isinstance(value, dict) and isinstance(saved.get(key), dict):
@@ -309,6 +343,7 @@ class RunDir:
         run._take()
         try:
             cls.check_config(run.path, config, ignore, defaults)
+            run.id = run_id(read_run_config(run.path))
             ckpt = run.load_checkpoint(required)
             if ckpt is not None:
                 check_checkpoint_config(run.checkpoint_path, ckpt, config, ignore)
@@ -320,6 +355,8 @@ class RunDir:
                 check_checkpoint(run.checkpoint_path, ckpt, int(config.get("staleness", 0)))
             logged = {p: read_jsonl(p, run.path) for p in (run.metrics_path, run.samples_path, run.tokens_path)}
             check_metrics_rows(run.metrics_path, logged[run.metrics_path])
+            for p, found in logged.items():  # rows of another run copied in would be continued from
+                check_run_ids(p, found, run.id)
             if ckpt is None and logged[run.metrics_path]:  # killed before its first checkpoint: a run's rows are a
                 # function of its config and seed, so recomputing them from step 0 gives them again
                 warnings.warn(f"{run.path} has {len(logged[run.metrics_path])} logged steps but no checkpoint.pt: "
@@ -370,6 +407,7 @@ class RunDir:
         return ckpt
 
     def _append(self, path: Path, row: dict) -> None:
+        row = row if self.id is None else {**row, RUN_ID: self.id}
         fd = open_owned(self.path, path, os.O_WRONLY | os.O_APPEND)  # never through a link or into a FIFO
         try:
             with open(fd, "a", encoding="utf-8") as f:
@@ -389,8 +427,9 @@ class RunDir:
         self._append(self.tokens_path, row)
 
     def metrics(self) -> list[dict]:
-        rows = read_jsonl(self.metrics_path, self.path)
-        return [nan_for_null(r) for r in check_metrics_rows(self.metrics_path, rows)]
+        rows = check_metrics_rows(self.metrics_path, read_jsonl(self.metrics_path, self.path))
+        check_run_ids(self.metrics_path, rows, self.id if self.id is not None else run_id(read_run_config(self.path)))
+        return [nan_for_null(r) for r in rows]
 
     @property
     def snapshots_path(self) -> Path:

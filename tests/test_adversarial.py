@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import bad_cli, over
+from conftest import as_written_before_run_ids, bad_cli, over
 from phantomclip.cli import main
 
 TINY = ["--model", "tiny-random"]
@@ -219,10 +219,7 @@ def test_a_run_made_before_input_hashes_still_resumes(tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     del config["inputs"]  # as runs written before this version, whose rows carried no run/id either
     (out / "config.json").write_text(json.dumps(config))
-    for name in ("metrics.jsonl", "samples.jsonl", "tokens.jsonl"):
-        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
-        (out / name).write_text("".join(json.dumps({k: v for k, v in r.items() if k != "run/id"}) + "\n"
-                                        for r in rows))
+    as_written_before_run_ids(out)
     assert main(over(T, "--prompts", str(prompts), "--out", str(out), "--resume", "--steps", "3")) == 0
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import bad_cli, eps, fp32_forward_noise, offline, over
+from conftest import as_written_before_run_ids, bad_cli, eps, fp32_forward_noise, offline, over
 from phantomclip.answer import LEVELS
 from phantomclip.cli import main
 
@@ -232,4 +232,5 @@ def test_a_run_from_before_a_plan_key_was_added_resumes(tmp_path):
     config = json.loads((out / "config.json").read_text())
     del config["plan"]["routes"]
     (out / "config.json").write_text(json.dumps(config))
+    as_written_before_run_ids(out)  # nor did its rows carry run/id
     assert main(["train", "--resume", str(out), "--steps", "2"]) == 0

@@ -9,7 +9,15 @@ import time
 import pytest
 import torch
 
-from conftest import MATMULS, assert_close_eps, eps, forward_terms, fp32_forward_noise, report
+from conftest import (
+    MATMULS,
+    as_written_before_run_ids,
+    assert_close_eps,
+    eps,
+    forward_terms,
+    fp32_forward_noise,
+    report,
+)
 from phantomclip.metrics import alpha_beta_stats, ratio_split
 from phantomclip.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.runs import RunDir, read_jsonl
@@ -425,6 +433,7 @@ def test_icepop_bounds_reach_the_correction_and_old_runs_resume_without_them(tmp
     cfg_path = tmp_path / "old" / "config.json"
     old = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("icepop")}
     cfg_path.write_text(json.dumps(old))
+    as_written_before_run_ids(tmp_path / "old")  # nor did its rows carry run/id
     assert len(train(TrainConfig(**TINY, steps=2), out=tmp_path / "old", resume=True).metrics) == 2
 
 

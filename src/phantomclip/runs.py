@@ -429,7 +429,7 @@ class RunDir:
     def metrics(self) -> list[dict]:
         rows = check_metrics_rows(self.metrics_path, read_jsonl(self.metrics_path, self.path))
         check_run_ids(self.metrics_path, rows, self.id if self.id is not None else run_id(read_run_config(self.path)))
-        return [nan_for_null(r) for r in rows]
+        return [nan_for_null({k: v for k, v in r.items() if k != RUN_ID}) for r in rows]  # the figures alone
 
     @property
     def snapshots_path(self) -> Path:

@@ -367,3 +367,54 @@ def test_a_model_folder_is_never_taken_for_a_run(tmp_path, capsys):
     assert bad_cli([*T, "--out", str(folder)], capsys) == f"phantomclip train: error: {said}"
     assert bad_cli([*T, "--resume", str(folder)], capsys) == f"phantomclip train: error: {said}"
     assert _tree(folder) == before
+
+
+# ------------------------------------------------------------- 6. gate keys the result has, refusals before work
+
+
+def _documented_gate_roots() -> list[str]:
+    """The top-level keys docs/metrics.md's CI gate section names (the bullet citing frameworks.DIAGNOSE_KEYS)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    listed = text.split("(`frameworks.DIAGNOSE_KEYS`):", 1)[1].split("Any other start", 1)[0]
+    return [k for k in re.findall(r"`([a-z_0-9-]+)`", listed) if not k.startswith("-")]
+
+
+def test_every_key_the_json_and_the_docs_name_is_a_gate_root(tmp_path, capsys, monkeypatch):
+    """`--fail-if 'fp8.beta_quant.outside_trust_region>=0'` with --engine-quant was refused ('no figure starts with
+    fp8') though the result has it (the audit's instance): one key table, frameworks.DIAGNOSE_KEYS, equal to the
+    docs' list and holding every top-level key of real results (with --engine-quant and --drift, which add keys).
+    Variant: a key the run's settings leave out (fp8.* without --engine-quant) is refused before any model loads."""
+    from phantomclip.frameworks import DIAGNOSE_KEYS
+
+    assert _documented_gate_roots() == list(DIAGNOSE_KEYS)
+    out = tmp_path / "d.json"
+    code = main(["diagnose", *TINY, "--n", "2", "--max-tokens", "4", "--engine-quant", "fp8-w8a8", "--drift", "1",
+                 "--json", str(out), "--fail-if", "fp8.beta_quant.outside_trust_region>=0"])
+    err = capsys.readouterr().err
+    result = json.loads(out.read_text())
+    share = result["fp8"]["beta_quant"]["outside_trust_region"]
+    assert code == 1 and f"gate failed: fp8.beta_quant.outside_trust_region = {share:g}, bound: >= 0" in err, err
+    assert set(result) <= set(DIAGNOSE_KEYS) and {"fp8", "drift"} <= set(result)
+    _no_model_work(monkeypatch)
+    for gate, needs in (("fp8.beta_quant.outside_trust_region>0", "--engine-quant"), ("drift.max_abs>0", "--drift K")):
+        line = bad_cli(["diagnose", *TINY, "--fail-if", gate], capsys)
+        assert line == (f"phantomclip diagnose: error: --fail-if {gate.split('>')[0]}: the result has "
+                        f"{gate.split('.')[0]!r} only with {needs}; add it, or drop this gate")
+
+
+@pytest.mark.parametrize("command", [["diagnose", "--trainer", "fp32,bf16+fp8-block", "--n", "2"],
+                                     ["diagnose", "--engine-quant", "fp8-block", "--n", "2"],
+                                     ["trace", "--recipe", "bf16+fp8-block", "--n", "2"]])
+def test_a_recipe_the_model_shape_refuses_is_refused_before_sampling(command, capsys, monkeypatch):
+    """fp8-block on tiny-random's 64-wide layers: `--trainer bf16+fp8-block` was refused after sampling and
+    scoring the first recipe (the audit's instance, with --engine-quant's: the engine's start); `trace --recipe`
+    too (the variant). Now right after the model loads: no token is sampled."""
+    def sampled(*args, **kwargs):
+        raise AssertionError("tokens were sampled before the recipe was refused")
+
+    monkeypatch.setattr("phantomclip.engine.LocalEngine.generate", sampled)
+    line = bad_cli([*command[:1], *TINY, *command[1:]], capsys, after_progress=True)
+    assert line.endswith("recipe bf16+fp8-block: layer model.layers.0.self_attn.q_proj has weight 64 x 64, not "
+                         "divisible by the 128 x 128 block of fp8-block; use fp8-w8a8 or fp8-w8a16 for this model")

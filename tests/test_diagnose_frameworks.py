@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import bad_cli, over
-from phantomclip.cli import DIAGNOSE_KEYS, _check_gates, main
+from phantomclip.cli import _check_gates, main
 from phantomclip.diagnose import DiagnoseConfig, figures, measure
 from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
-from phantomclip.frameworks import FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
+from phantomclip.frameworks import DIAGNOSE_KEYS, FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 
@@ -116,7 +116,7 @@ def _said(capsys) -> list[str]:
 
 def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):
     """A key whose root exists but whose path does not is only known from the result: refused after it is written.
-    Every top-level key of a real result is one the pre-run check knows (cli.DIAGNOSE_KEYS)."""
+    Every top-level key of a real result is one the pre-run check knows (frameworks.DIAGNOSE_KEYS)."""
     out = tmp_path / "d.json"
     line = bad_cli(TINY + ["--framework", "verl", "--json", str(out),
                            "--fail-if", "fp32.frameworks.verl.training/rollout_probs_diff_mean>1",

@@ -64,10 +64,6 @@ def _diagnose_parser(sub) -> None:
 
 DIAGNOSE_GATE_UNDER = ("recipes",)
 """where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
-DIAGNOSE_KEYS = ("schema", "config", "versions", "cpu", "device", "model", "engine", "trust_region", "shadow",
-                 "recipes", "knobs", "drift", "routing", "tokens", "answer", "verdict")
-"""the top-level keys of diagnose's result (diagnose.result_dict, and the verdict; 'drift' with --drift): a --fail-if
-key starts with one of them or with a --trainer recipe (read under 'recipes'), which is checked before any work."""
 DRIFT_GATE = "drift.max_abs>0"
 """the gate --drift adds: any movement of a log-prob with unchanged weights is an engine defect. It goes through
 --fail-if's machinery (exit 1, one line naming key, value and bound) rather than a separate exit path, so a user
@@ -100,19 +96,17 @@ def _check_gates(gates, result: dict) -> int:
 
 
 def _check_gate_roots(gates, cfg) -> None:
-    """Refuse, before any work, a gate whose key cannot start a path in the result: not a top-level key, not one of
-    the run's --trainer recipes (a misspelt recipe would otherwise be found only after the whole run)."""
-    from .frameworks import GateError
+    """Refuse, before any work, a gate on a key the result cannot have (frameworks.check_gate_roots), or on routing
+    figures an engine other than the local one cannot give."""
+    from .frameworks import check_gate_roots
 
-    roots = (*DIAGNOSE_KEYS, *cfg.trainer)
     for g in gates:
         if g.key.split(".")[0] == "routing" and cfg.engine != "local":
+            from .frameworks import GateError
             from .routing import no_engine_routes
 
             raise GateError(no_engine_routes(cfg.engine, f"--fail-if {g.key}"))
-        if g.key.split(".")[0] not in roots:
-            raise GateError(f"--fail-if {g.key}: no figure starts with {g.key.split('.')[0]!r}; a key starts with a "
-                            f"recipe of --trainer ({', '.join(cfg.trainer)}) or one of {', '.join(DIAGNOSE_KEYS)}")
+    check_gate_roots(gates, cfg)
 
 
 def _run_diagnose(args) -> int:

@@ -46,7 +46,7 @@ from .metrics import (
 from .models import load_model, stop_token_ids
 from .numerics import parse_dtype
 from .prompts import bundled_prompts, encode_within, read_prompts
-from .recipes import apply_recipe, cpu_description, get_recipe, without_quant
+from .recipes import apply_recipe, check_fits, cpu_description, get_recipe, without_quant
 from .recorded import check_belongs, peek, phantom_shares, read_sampled, recorded_config, save_rollouts
 from .scoring import score
 
@@ -136,7 +136,7 @@ def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
                     else [] if cfg.rollouts else bundled_prompts())
     device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
-    lm.model.to(device)
+    check_fits(lm.model.to(device), scored_recipes(cfg))  # a recipe the model's shapes refuse: before sampling
     limit, what = lm.context_length, "the model's context"
     if cfg.engine == "vllm" and cfg.max_model_len and cfg.max_model_len < limit:
         limit, what = cfg.max_model_len, "--max-model-len"

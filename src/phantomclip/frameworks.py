@@ -401,6 +401,33 @@ def parse_gate(expr: str) -> Gate:
     return Gate(key=key, op=op, bound=bound)
 
 
+DIAGNOSE_KEYS: dict[str, str | None] = {
+    "schema": None, "config": None, "versions": None, "cpu": None, "device": None, "model": None, "engine": None,
+    "trust_region": None, "shadow": None, "recipes": None, "knobs": None, "drift": "drift", "fp8": "engine_quant",
+    "routing": "routing", "tokens": None, "answer": None, "verdict": None}
+"""the top-level keys of diagnose's result (diagnose.result_dict, answer.py's `answer`, diagnose_text's `verdict`;
+docs/metrics.md, 'The CI gate', lists them) -> the DiagnoseConfig field without which the key is absent (None:
+always there): `drift` with --drift, `fp8` with --engine-quant, `routing` on a mixture-of-experts model unless
+--no-routing. The one table --fail-if's roots are checked against before any work."""
+KEY_NEEDS = {"drift": "--drift K", "engine_quant": "--engine-quant", "routing": "a mixture-of-experts model (and no "
+             "--no-routing)"}
+
+
+def check_gate_roots(gates: list[Gate], cfg) -> None:
+    """Refuse, before any work, a gate whose key cannot start a path in the result: neither one of DIAGNOSE_KEYS nor
+    one of the run's --trainer recipes (`cfg.trainer`; a misspelt recipe would be found only after the whole run),
+    or a key the run's settings leave out of the result (fp8.* without --engine-quant)."""
+    for g in gates:
+        root = g.key.split(".")[0]
+        if root not in DIAGNOSE_KEYS and root not in cfg.trainer:
+            raise GateError(f"--fail-if {g.key}: no figure starts with {root!r}; a key starts with a recipe of "
+                            f"--trainer ({', '.join(cfg.trainer)}) or one of {', '.join(DIAGNOSE_KEYS)}")
+        needs = DIAGNOSE_KEYS.get(root)
+        if root not in cfg.trainer and needs is not None and not getattr(cfg, needs):
+            raise GateError(f"--fail-if {g.key}: the result has {root!r} only with {KEY_NEEDS[needs]}; add it, or "
+                            "drop this gate")
+
+
 _MISSING = object()
 
 

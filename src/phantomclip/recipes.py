@@ -353,6 +353,22 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
     return model.eval()
 
 
+def check_fits(model: nn.Module, names) -> None:
+    """Refuse (QuantError, one line naming the recipe and the layer) a recipe of `names` the model's shapes cannot
+    serve, right after the model loads: fp8-block on a Linear the 128 x 128 block does not divide is otherwise met
+    where the recipe is laid out, after the sampling (diagnose --trainer bf16+fp8-block, trace --recipe). The same
+    check apply_recipe makes, with the same LM head left out."""
+    from .fp8 import LINEAR_QUANTS, Fp8Error, check_blocks
+
+    for name in names:
+        recipe = get_recipe(name)
+        if any(q in LINEAR_QUANTS and LINEAR_QUANTS[q].weight == "block" for q in recipe.quant):
+            try:
+                check_blocks(model, {id(lm_head(model))}, recipe.name)
+            except Fp8Error as e:
+                raise QuantError(str(e)) from None
+
+
 def _use_quant(model: nn.Module, recipe: Recipe) -> None:
     """Put the recipe's FP8 quantisers in (fp8.py): the engine's Linears but the LM head (and MoE routers), and its
     KV cache. After the kernels are chosen: a quantised Linear runs its own FP8 forward."""

@@ -33,6 +33,7 @@ from .recipes import (
     MODULE_ROLES,
     Recipe,
     apply_recipe,
+    check_fits,
     cpu_description,
     get_recipe,
     lm_head,
@@ -397,6 +398,7 @@ def run_trace(cfg: TraceConfig, console=None) -> dict:
     master = lm.model.float().eval().to(resolve_device(cfg.device))
     sites = trace_sites(master)  # fails early, with the module tree, on unsupported architectures
     recipe, reference = with_fp32(get_recipe(cfg.recipe), cfg.keep_roles()), get_recipe(cfg.against)
+    check_fits(master, (cfg.recipe, cfg.against))  # a recipe the model's shapes refuse: before the sampling
     packed = sample_tokens(lm, master, cfg, say)  # [B, T] each
     st = TraceSetup(cfg=cfg, master=master, sites=sites, packed=packed, recipe=recipe, reference=reference,
                     model=apply_recipe(master, recipe, cfg.matmul),

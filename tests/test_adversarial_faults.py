@@ -418,3 +418,42 @@ def test_a_recipe_the_model_shape_refuses_is_refused_before_sampling(command, ca
     line = bad_cli([*command[:1], *TINY, *command[1:]], capsys, after_progress=True)
     assert line.endswith("recipe bf16+fp8-block: layer model.layers.0.self_attn.q_proj has weight 64 x 64, not "
                          "divisible by the 128 x 128 block of fp8-block; use fp8-w8a8 or fp8-w8a16 for this model")
+
+
+# ------------------------------------------------------------------------------------ 7. sizes without bound
+
+
+def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkeypatch):
+    """`train --group-size 10000000000 --max-tokens 2 --steps 1` ran past 120 s printing nothing (the audit's
+    instance): refused by the bounds before anything loads, as are a step's rows and the run's prompt draws. The
+    variant: a group under the bound whose step cannot fit this machine is refused once the model is known, before
+    the engine starts, with the floor it needs worked out from the model's shape."""
+    import re
+
+    from phantomclip.models import load_model
+
+    with monkeypatch.context() as m:
+        _no_model_work(m)
+        for extra, said in (
+                (["--group-size", str(10**10)],
+                 "--group-size must be a whole number >= 2 and <= 65536, got 10000000000"),
+                (["--group-size", "60000", "--prompts-per-step", "30"],
+                 "--prompts-per-step x --group-size is 1,800,000 rows, more than the 1,048,576 a run may have"),
+                (["--steps", "100000", "--prompts-per-step", "1000"],
+                 "--steps x --prompts-per-step is 100,000,000 prompt draws, more than the 10,000,000 a run may have")):
+            line = bad_cli(over(["train", *TINY, "--max-tokens", "2", "--steps", "1"], *extra), capsys)
+            assert said in line, line
+
+    def started(*args, **kwargs):
+        raise AssertionError("the engine started for a step that cannot fit")
+
+    monkeypatch.setattr("phantomclip.trainer.start_engine", started)
+    line = bad_cli(["train", *TINY, "--group-size", "50000", "--prompts-per-step", "20", "--max-tokens", "400",
+                    "--steps", "1"], capsys)
+    positions = int(re.search(r"of up to ([0-9,]+) positions", line)[1].replace(",", ""))
+    c = load_model("tiny-random").model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    # rows x positions x layers x (keys and values of the bf16 engine's cache + one fp32 hidden state per layer)
+    floor = 1_000_000 * positions * c.num_hidden_layers * (2 * c.num_key_value_heads * head_dim * 2 + c.hidden_size * 4)
+    assert f"needs at least {floor / 1e9:,.1f} GB (the engine's KV cache and the trainer's hidden states)" in line
+    assert line.endswith("lower --group-size, --prompts-per-step or --max-tokens")

@@ -59,6 +59,17 @@ def clock(device: torch.device | str) -> float:
     return time.perf_counter()
 
 
+def memory_limit(device: torch.device | str) -> tuple[int, str]:
+    """The most memory a job on `device` can have, in bytes, and its name in words: a CUDA device's total, else
+    the machine's physical memory. For a floor on what a job needs, checked before its work starts."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
 def describe_device(device: torch.device | str) -> dict:
     """What a result records of its device: type, name, CUDA capability and versions (None where not CUDA)."""
     device = torch.device(device)

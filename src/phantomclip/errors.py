@@ -118,3 +118,11 @@ STEPS_LIMIT = 100_000
 project's 2-core CPU), so 10**12 steps printed nothing for minutes; 100,000 is 3 s of that and days of training."""
 SEEDS_LIMIT = 1_000
 """the most seeds an experiment may run per arm (10**8 built its run list for minutes before the first run)."""
+GROUP_LIMIT = 2**16
+"""the most completions per prompt (--group-size): 65,536, past any GRPO recipe's (TRL's default 8, DAPO's 16); a
+group of 10^10 ran past 120 s printing nothing."""
+BATCH_ROWS_LIMIT = 2**20
+"""the most rows a step samples (--prompts-per-step x --group-size): 1,048,576, whatever the memory says after."""
+DRAWS_LIMIT = 10**7
+"""the most prompt draws a run makes before its first step (--steps x --prompts-per-step: each step's prompts are
+drawn up front, about 0.4 µs a draw on this project's 2-core CPU, so 10^7 is about 4 s)."""

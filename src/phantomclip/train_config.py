@@ -8,7 +8,16 @@ from dataclasses import dataclass
 from .devices import resolve_device
 from .engines import ENGINE_KINDS, cannot_run
 from .engines.vllm_memory import check_share
-from .errors import LENGTH_LIMIT, STEPS_LIMIT, check_field_types, check_number, check_seed
+from .errors import (
+    BATCH_ROWS_LIMIT,
+    DRAWS_LIMIT,
+    GROUP_LIMIT,
+    LENGTH_LIMIT,
+    STEPS_LIMIT,
+    check_field_types,
+    check_number,
+    check_seed,
+)
 from .interventions import TrainConfigError, resolve_plan
 from .loss import AGGREGATIONS, KNOBS, check_knobs
 from .recipes import RECIPES, get_recipe
@@ -124,6 +133,7 @@ class TrainConfig:
                  ("--keep-snapshots", self.keep_snapshots, 0)]
         for flag, value, low in whole:
             check_number(flag, value, low, integer=True, error=TrainConfigError)
+        self._check_sizes()
         check_seed("--seed", self.seed, error=TrainConfigError)
         check_share(self.vllm_memory_share, TrainConfigError)
         # an lr above 1 is no AdamW step size: it diverges in one step (NaN from step 2)
@@ -146,6 +156,41 @@ class TrainConfig:
         refused = engine_refuses(self)  # before vLLM's minutes of start-up
         if refused:
             raise TrainConfigError(refused)
+
+
+    def _check_sizes(self) -> None:
+        """The group, a step's rows and the run's prompt draws, bounded before anything is drawn or loaded (the
+        memory a step needs is checked once the model is known: check_step_memory)."""
+        check_number("--group-size", self.group_size, 2, GROUP_LIMIT, integer=True, error=TrainConfigError)
+        rows, draws = self.prompts_per_step * self.group_size, self.steps * self.prompts_per_step
+        for what, value, limit, say in (("rows", rows, BATCH_ROWS_LIMIT, "--prompts-per-step x --group-size"),
+                                        ("prompt draws", draws, DRAWS_LIMIT, "--steps x --prompts-per-step")):
+            if value > limit:
+                raise TrainConfigError(f"{say} is {value:,} {what}, more than the {limit:,} a run may have: lower them")
+
+
+def check_step_memory(cfg: TrainConfig, config, longest_prompt: int, device) -> None:
+    """Refuse, once the model is loaded and before the engine starts, a step that cannot fit: a floor on what one
+    step holds, the engine's KV cache for the step's rows (prompts x group, each (longest prompt + max tokens)
+    positions x layers x 2 (keys and values) x KV heads x head dim x the engine dtype's bytes: what the engine
+    allocates up front) plus the hidden states the trainer's backward keeps (one fp32 [positions, hidden] per layer).
+    What a step really uses is several times that, so a step refused here could never run."""
+    from .devices import memory_limit
+
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads, head_dim = getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None)
+    head_dim = head_dim or hidden // heads
+    rows, positions = cfg.prompts_per_step * cfg.group_size, longest_prompt + cfg.max_tokens
+    engine_bytes = get_recipe(resolve_plan(cfg).engine_recipe).weight_dtype.itemsize
+    floor = rows * positions * layers * (2 * kv_heads * head_dim * engine_bytes + hidden * 4)
+    memory, where = memory_limit(device)
+    if floor > memory:
+        raise TrainConfigError(
+            f"a step of {rows:,} rows ({cfg.prompts_per_step} prompts x --group-size {cfg.group_size}) of up to "
+            f"{positions:,} positions needs at least {floor / 1e9:,.1f} GB (the engine's KV cache and the trainer's "
+            f"hidden states), more than {where} ({memory / 1e9:,.1f} GB): lower --group-size, --prompts-per-step or "
+            "--max-tokens")
 
 
 def engine_refuses(cfg: TrainConfig) -> str | None:

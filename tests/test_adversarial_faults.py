@@ -443,6 +443,8 @@ def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkey
                  "--steps x --prompts-per-step is 100,000,000 prompt draws, more than the 10,000,000 a run may have")):
             line = bad_cli(over(["train", *TINY, "--max-tokens", "2", "--steps", "1"], *extra), capsys)
             assert said in line, line
+        line = bad_cli(["diagnose", *TINY, "--n", str(10**9)], capsys)  # built a list of 10^9 prompts, unsaid
+        assert line.endswith("--n must be a whole number >= 1 and <= 1048576, got 1000000000"), line
 
     def started(*args, **kwargs):
         raise AssertionError("the engine started for a step that cannot fit")

@@ -9,7 +9,7 @@ from .devices import resolve_device
 from .engine import SamplingParams
 from .engines import ENGINE_KINDS, cannot_run
 from .engines.vllm_memory import check_share
-from .errors import LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
+from .errors import BATCH_ROWS_LIMIT, LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
 from .frameworks import FRAMEWORKS, check_frameworks
 from .interventions import engine_quants
 from .knobs import KnobSettings
@@ -179,8 +179,9 @@ class DiagnoseConfig:
         if self.answer_in not in ANSWER_FRAMEWORKS:
             raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "
                               "own flags")
-        check_number("--n", self.n, 0 if self.rollouts else 1, integer=True)  # --rollouts: 0 reads every record
-        check_number("--batch-size", self.batch_size, 1, integer=True)
+        # --rollouts: 0 reads every record; --n 10^9 built its prompt list for ever
+        check_number("--n", self.n, 0 if self.rollouts else 1, BATCH_ROWS_LIMIT, integer=True)
+        check_number("--batch-size", self.batch_size, 1, BATCH_ROWS_LIMIT, integer=True)
         self._check_recorded()
         check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True)
         check_number("--knob-length", self.knob_length, 0, LENGTH_LIMIT, integer=True)

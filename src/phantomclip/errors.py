@@ -122,7 +122,8 @@ GROUP_LIMIT = 2**16
 """the most completions per prompt (--group-size): 65,536, past any GRPO recipe's (TRL's default 8, DAPO's 16); a
 group of 10^10 ran past 120 s printing nothing."""
 BATCH_ROWS_LIMIT = 2**20
-"""the most rows a step samples (--prompts-per-step x --group-size): 1,048,576, whatever the memory says after."""
+"""the most rows a step samples (--prompts-per-step x --group-size), and the most sequences diagnose samples (--n,
+--batch-size): 1,048,576, whatever the memory says after (diagnose --n 10^9 built its prompt list for minutes)."""
 DRAWS_LIMIT = 10**7
 """the most prompt draws a run makes before its first step (--steps x --prompts-per-step: each step's prompts are
 drawn up front, about 0.4 µs a draw on this project's 2-core CPU, so 10^7 is about 4 s)."""

@@ -16,7 +16,7 @@ from .config_flags import (
     typed_flags,
 )
 from .config_sources import apply_run_config, apply_trainer_config
-from .console import say_error
+from .console import exit_at_once_on_interrupt, say_error
 
 EXIT_GATE = 1
 """`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
@@ -433,16 +433,14 @@ def _show_as_line(prog: str, category: type[Warning], default):
 
 def main(argv: list[str] | None = None) -> int:
     names_never_fail_the_streams()
-    parser = OneLineParser(prog="phantomclip",
-                           description="Find, explain and fix the trainer/engine precision mismatch in RL fine-tuning.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _diagnose_parser(sub)
-    _train_parser(sub)
-    _experiment_parser(sub)
-    _trace_parser(sub)
-    _engines_parser(sub)
-    _report_parser(sub)
-    args, extra = parser.parse_known_args(argv)
+    with exit_at_once_on_interrupt("phantomclip"):  # the parsers import torch: a Ctrl-C there exits 130, no traceback
+        parser = OneLineParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision "
+                               "mismatch in RL fine-tuning.")
+        sub = parser.add_subparsers(dest="command", required=True)
+        for add_parser in (_diagnose_parser, _train_parser, _experiment_parser, _trace_parser, _engines_parser,
+                           _report_parser):
+            add_parser(sub)
+        args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's own parser, so the hint names its --help
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class _SilentProgress:
@@ -72,6 +74,30 @@ class GracefulStop:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
         return False
+
+
+@contextmanager
+def exit_at_once_on_interrupt(prog: str) -> Iterator[None]:
+    """Inside the block (a command's start-up: building its parser imports torch, transformers and the rest, a few
+    seconds), Ctrl-C prints '<prog>: interrupted' and exits with 130 at once: nothing has been written yet, and a
+    KeyboardInterrupt raised inside a library's import is a traceback (or is caught there and turned into another
+    error). The handler is the process's from its first heavy import; after the block the one before it is back,
+    and the command handles Ctrl-C its own way (GracefulStop, or 'interrupted' from the CLI). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, frame):
+        try:
+            os.write(2, f"{prog}: interrupted\n".encode())
+        finally:
+            os._exit(130)
+
+    old = signal.signal(signal.SIGINT, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def say_error(line: str, code: int) -> int:

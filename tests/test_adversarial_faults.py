@@ -486,3 +486,41 @@ def test_ctrl_c_while_the_libraries_import_is_one_line_and_130(module, said):
 
     done = subprocess.run([sys.executable, "-c", INTERRUPT_AT, module], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and done.stderr.strip() == said, (done.returncode, done.stderr[-2000:])
+
+
+def test_r3_on_a_dense_model_is_refused_before_any_file_is_written(tmp_path, capsys):
+    """A refused `train --intervention r3` on a dense model left config.json and .lock, so the next `train --out DIR`
+    was refused (the audit's instance); the check now comes with the loaded model, before the engine starts and the
+    run directory is made. Variant: a directory the user made beforehand is left empty, and trains afterwards."""
+    for out in (tmp_path / "new", tmp_path / "made"):
+        if out.name == "made":
+            out.mkdir()
+        line = bad_cli([*T, "--intervention", "r3", "--out", str(out)], capsys)
+        assert line == ("phantomclip train: error: --intervention r3 needs a mixture-of-experts model; "
+                        "LlamaForCausalLM is dense (no expert routers): leave it out, or use an MoE model (e.g. "
+                        "tiny-moe)")
+        assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == ([] if out.name == "made" else None)
+        assert main([*T, "--out", str(out)]) == 0
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize("damage", ["empty prompt row", "row past the context"])
+def test_trace_run_checks_the_token_rows_it_will_use(damage, tmp_path, capsys):
+    """`trace --run` on a snapshot whose tokens file has an empty prompt row raised 'ValueError: every prompt needs at
+    least one token' (the audit's instance); a row longer than the model's context (tiny-random: 512 positions) is
+    the variant. Each is one line naming the file."""
+    run = tmp_path / "run"
+    assert main([*T, "--keep-snapshots", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    path = run / "snapshots" / "step-000000.tokens.json"
+    record = json.loads(path.read_text())
+    if damage == "empty prompt row":
+        record["prompt_ids"][0] = []
+        said = "prompt_ids row 0 is empty, where the engine's prompt was: the file is damaged; restore it or remove it"
+    else:
+        record["prompt_ids"][0] = [1] * 600
+        said = (f"a row of {600 + len(record['completion_ids'][0])} tokens is longer than tiny-random's context of "
+                "512: the file is another model's or damaged")
+    path.write_text(json.dumps(record))
+    line = bad_cli(["trace", "--run", str(run)], capsys, after_progress=True)
+    assert line == f"phantomclip trace: error: {path}: {said}", line

@@ -53,7 +53,9 @@ TIMES = ("seconds", "_s", "tokens_per_s", "startup", "hook_overhead", "versions"
 def _figures(x, path=""):
     """Every number of a result, times and machine records left out: what must not move with an explicit --device."""
     if isinstance(x, dict):
-        return {k: _figures(v, f"{path}.{k}") for k, v in x.items() if not any(t in k for t in TIMES)}
+        # run/id is the run's config.json's hash, which holds the --device string itself
+        return {k: _figures(v, f"{path}.{k}") for k, v in x.items() if not any(t in k for t in TIMES)
+                and k != "run/id"}
     if isinstance(x, list):
         return [_figures(v, path) for v in x]
     return x

@@ -111,6 +111,10 @@ def read_tokens(path: Path) -> dict:
     if bad:
         raise GrowthError(f"{path}: {bad[0]} is missing or not rows of token ids (one per prompt, a completion token "
                           "at least): the file is damaged; restore it or remove it")
+    empty = next((i for i, r in enumerate(rows["prompt_ids"]) if not r), None)
+    if empty is not None:  # every prompt the engine sampled from has a token: scoring the row would fail deep down
+        raise GrowthError(f"{path}: prompt_ids row {empty} is empty, where the engine's prompt was: the file is "
+                          "damaged; restore it or remove it")
     return record
 
 
@@ -226,9 +230,12 @@ def run_growth(path: str | Path, matmul: str = "auto", device: torch.device | st
     vocab = lm.model.get_input_embeddings().num_embeddings
     for step, tokens in run.tokens.items():
         top = max(t for rows in (tokens["prompt_ids"], tokens["completion_ids"]) for r in rows for t in r)
-        if top >= vocab:
-            raise GrowthError(f"{RunDir(run.path).snapshot_path(step, '.tokens.json')}: token id {top} is past "
-                              f"{run.config['model']}'s vocabulary of {vocab}: the file is another model's or damaged")
+        longest = max(len(p) + len(c) for p, c in zip(tokens["prompt_ids"], tokens["completion_ids"]))
+        if top >= vocab or longest > lm.context_length:
+            what = (f"token id {top} is past {run.config['model']}'s vocabulary of {vocab}" if top >= vocab else
+                    f"a row of {longest} tokens is longer than {run.config['model']}'s context of {lm.context_length}")
+            raise GrowthError(f"{RunDir(run.path).snapshot_path(step, '.tokens.json')}: {what}: the file is another "
+                              "model's or damaged")
     master = lm.model.float().to(device)
     reference_step = min(run.tokens)
     rows, first, start = [], {}, None

@@ -169,6 +169,17 @@ class TrainConfig:
                 raise TrainConfigError(f"{say} is {value:,} {what}, more than the {limit:,} a run may have: lower them")
 
 
+def check_model_fits(cfg: TrainConfig, model, longest_prompt: int, device) -> None:
+    """The checks that need the loaded model, made before the engine starts and before any file is written: r3
+    needs a mixture-of-experts model (a dense one left the run's config.json and .lock behind, so the next
+    `train --out DIR` was refused), and a step must fit (check_step_memory)."""
+    if resolve_plan(cfg).routes == "engine":
+        from .routing import require_moe
+
+        require_moe(model, "--intervention r3")
+    check_step_memory(cfg, model.config, longest_prompt, device)
+
+
 def check_step_memory(cfg: TrainConfig, config, longest_prompt: int, device) -> None:
     """Refuse, once the model is loaded and before the engine starts, a step that cannot fit: a floor on what one
     step holds, the engine's KV cache for the step's rows (prompts x group, each (longest prompt + max tokens)

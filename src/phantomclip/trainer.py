@@ -56,7 +56,7 @@ from .recipes import Recipe, apply_recipe, get_recipe, without_quant
 from .routing_train import engine_routes_note, routed_step
 from .runs import RunDir, RunError, input_record
 from .scoring import TrainerForward, score_packed
-from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, check_step_memory
+from .train_config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, check_model_fits
 
 # ------------------------------------------------------------------------------------------ components
 
@@ -212,7 +212,7 @@ def _prepare(cfg: TrainConfig, out: str | Path | None, resume: bool) -> RunSetup
     used = sorted({i for k in range(cfg.steps) for i in drawn_prompts(cfg.seed, k, cfg.prompts_per_step, len(pool))})
     pool_ids = dict(zip(used, encode_within(lm.tokenizer, [pool[i] for i in used], cfg.max_tokens, lm.context_length)))
     master, plan = lm.model.float().eval().to(resolve_device(cfg.device)), resolve_plan(cfg)
-    check_step_memory(cfg, lm.model.config, max(len(p) for p in pool_ids.values()), resolve_device(cfg.device))
+    check_model_fits(cfg, master, max(len(p) for p in pool_ids.values()), resolve_device(cfg.device))  # r3, memory
     # The engine starts before the run directory is touched: a model vLLM cannot load leaves nothing behind.
     engine = _start_engine(cfg, plan, lm, pool_ids)
     run, ckpt = None, None

@@ -318,6 +318,29 @@ def test_a_run_of_a_running_experiment_is_not_trained_by_another_job(tmp_path, c
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_the_report_honours_a_run_being_written(tmp_path, capsys):
+    """`report --from RUN` while another process writes RUN (holds its lock): the page draws the steps logged so far
+    and says so in one warning line naming the writer; once it is gone, no warning. The report's probe takes no
+    lock a writer would keep waiting on, and writes nothing into the run."""
+    run = tmp_path / "run"
+    assert main([*T, "--out", str(run)]) == 0
+    capsys.readouterr()
+    before = _tree(run)
+    holder = _hold(run / ".lock", "exclusive")
+    try:
+        assert main(["report", "--from", str(run), "--out", str(tmp_path / "R")]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert (f"phantomclip report: warning: {run} is being written (phantomclip process {holder.pid}): the page draws "
+            "the 2 steps it has logged so far") in err, err
+    assert (run / ".lock").read_text() == str(holder.pid) and {k: v for k, v in _tree(run).items() if k != ".lock"} \
+        == {k: v for k, v in before.items() if k != ".lock"}
+    assert main(["report", "--from", str(run), "--out", str(tmp_path / "R")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ 5. history from another run
 
 
@@ -325,7 +348,7 @@ def test_rows_copied_from_another_run_are_refused(tmp_path, capsys):
     """metrics.jsonl of another run (another intervention, the same two steps) copied in was continued from (the
     audit's instance); every row carries its run's id (run/id, from config.json), so the resume is refused naming
     the line and nothing is rewritten. Variants: a copied tokens.jsonl on resume, and the copied metrics read back
-    as an experiment reads a finished run."""
+    as an experiment reads a finished run, and by the report."""
     from phantomclip.run_checks import RunFileError
     from phantomclip.runs import RunDir
 
@@ -346,6 +369,8 @@ def test_rows_copied_from_another_run_are_refused(tmp_path, capsys):
         if name == "metrics.jsonl":
             with pytest.raises(RunFileError, match="line 1: a row of another run"):
                 RunDir(own).metrics()
+            line = bad_cli(["report", "--from", str(own), "--out", str(tmp_path / "R")], capsys)
+            assert f"{own / name}, line 1: a row of another run" in line, line
         (own / name).write_bytes(mine)
     assert main(over(T, "--out", str(own), "--resume", "--steps", "3")) == 0
 

@@ -121,3 +121,28 @@ def _in_use(directory: Path, what: str, text: str, inside: Path | None) -> str:
                 "stop it first")
     doing = f"writing this {what}" if alive or what == "run" else f"training a run of this {what}"
     return f"{directory} is in use by {who} {doing}: wait for it to finish, or stop it first"
+
+
+def writer_of(directory: Path) -> str | None:
+    """The pid (as its text, or 'unknown') of the process writing the run or experiment in `directory` (holding its
+    lock exclusively), or None when none is: how a reader (the report) honours the lock without taking it. The probe
+    opens DIR/.lock read-only, never through a link and never creating it, and takes a shared flock for an instant
+    (a writer starting in that instant is told the directory is in use, and may retry)."""
+    import fcntl
+    import stat
+
+    try:
+        fd = os.open(Path(directory) / ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # drops the shared flock, if taken

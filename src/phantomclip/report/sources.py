@@ -24,8 +24,9 @@ from pathlib import Path
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..errors import PhantomclipError, PhantomclipWarning
 from ..files import InputError, json_reason, read_input
-from ..run_checks import check_metrics_rows
-from ..runs import read_jsonl
+from ..locks import writer_of
+from ..run_checks import check_metrics_rows, check_run_ids
+from ..runs import read_jsonl, run_id
 
 
 class ReportError(PhantomclipError):
@@ -152,9 +153,14 @@ def _add(data: ReportData, f: Path, doc: dict, manifests: Manifests) -> bool:
         _check_schema(f, doc, None)
         name = f"{f.parent.parent.name}/{f.parent.name}" if f.parent.name.startswith("seed-") else f.parent.name
         experiment, arm = experiment_arm(f.parent, doc, manifests)
+        metrics = check_metrics_rows(f.parent / "metrics.jsonl", read_jsonl(f.parent / "metrics.jsonl"))
+        check_run_ids(f.parent / "metrics.jsonl", metrics, run_id(doc))  # rows copied from another run
+        writer = writer_of(f.parent)  # the run's lock: one being written is drawn as far as it has come, and said
+        if writer is not None:
+            warnings.warn(f"{f.parent} is being written (phantomclip process {writer}): the page draws the "
+                          f"{len(metrics)} steps it has logged so far", PhantomclipWarning, stacklevel=2)
         run = {"_path": str(f.parent), "name": name, "config": doc, "arm": arm, "experiment": experiment,
-               "metrics": check_metrics_rows(f.parent / "metrics.jsonl", read_jsonl(f.parent / "metrics.jsonl")),
-               "tokens": read_jsonl(f.parent / "tokens.jsonl")}
+               "metrics": metrics, "tokens": read_jsonl(f.parent / "tokens.jsonl")}
         (data.fp8_runs if experiment == "fp8" else data.runs).append(run)
         return True
     if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):

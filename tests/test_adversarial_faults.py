@@ -193,9 +193,17 @@ def test_a_linked_snapshots_directory_is_refused_before_anything_is_written(tmp_
     """`train --resume` where snapshots/ is a link to another directory wrote its snapshot files there; the link
     is refused before any file of the run is read or rewritten (the audit's instance). Variant: a link deeper down,
     a snapshot file linked to a user's file, is refused and the file left as it was."""
+    import os
+    import stat
+
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     assert main([*T, "--keep-snapshots", "1", "--out", str(run)]) == 0
     capsys.readouterr()
+    umask = os.umask(0)
+    os.umask(umask)
+    # every file written beneath the run gets the usual permissions, whatever the writer did to its temp file
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, modes
     (run / "snapshots").rename(elsewhere)
     (run / "snapshots").symlink_to(elsewhere, target_is_directory=True)
     before, theirs = _tree(run), _tree(elsewhere)

@@ -203,6 +203,10 @@ def write_owned(root: str | Path, path: str | Path, write: Callable[[str], None]
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         through = f"/proc/self/fd/{dir_fd}"
         write(f"{through}/{tmp}" if os.path.isdir(through) else str(path.parent / tmp))
+        os.close(fd)  # the writer may have replaced the file it was given (safetensors does): sync the one there now
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WriteError(f"{printable(str(path))}: the temp file written for it is not a regular file")
         os.fsync(fd)
         os.fchmod(fd, mode)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

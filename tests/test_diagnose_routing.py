@@ -92,3 +92,33 @@ def test_no_routing_skips_the_table_and_unsupported_families_are_one_line(monkey
     monkeypatch.delitem(routing.ADAPTERS, "Qwen3MoeTopKRouter")
     with pytest.raises(routing.RoutingError, match="the routes of Qwen3MoeSparseMoeBlock cannot be captured"):
         run_diagnose(DiagnoseConfig(model="tiny-moe:0", n=2, max_tokens=6, trainer=["fp32"]))
+
+
+def test_the_route_split_of_identical_routes_is_zero_with_a_scorer_whose_two_formulas_differ(monkeypatch):
+    """diagnose's route phase replaying the trainer's own routes: β_route is 0 on every token and no token is
+    'touched'. The scorer is altered so that its two head formulas (log-softmax then gather with the entropy,
+    gather − logsumexp without) differ by 2^-10 instead of rounding: a route phase whose two forwards went through
+    different formulas reads 2^-10 on every token (route_touched_share 1); before the fix the rounding alone made it
+    read 76.6% on the docs' example."""
+    from dataclasses import replace
+
+    from phantomclip import diagnose, scoring
+
+    honest = scoring.logprobs_from_logits
+
+    def altered(logits, targets, with_entropy=True):
+        logp, entropy = honest(logits, targets, with_entropy)
+        return (logp if with_entropy else logp + 2.0**-10), entropy
+
+    monkeypatch.setattr(scoring, "logprobs_from_logits", altered)
+    cfg = DiagnoseConfig(model="tiny-moe:1", n=4, max_tokens=8, batch_size=2, trainer=["fp32"],
+                         batch_invariance=False)
+    prep, sampled, scored, ref = diagnose.measure(cfg)
+    own = scored["fp32"].routes
+    # the trainer's routes as the engine's, valid where the engine routed (the last column never is: nothing was
+    # decoded after it)
+    as_engine = [replace(o, valid=e.valid) for o, e in zip(own, sampled.routes)]
+    table = diagnose.route_phase(cfg, prep, replace(sampled, routes=as_engine), scored, ref)
+    assert table["fp32"]["tokens"] > 0
+    assert table["fp32"]["route_touched_share"] == 0.0
+    assert table["fp32"]["beta_route"]["abs_mean"] == 0.0

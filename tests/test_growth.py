@@ -94,3 +94,24 @@ def test_bad_runs_are_one_line(run_dir, tmp_path, capsys):
     assert main(["trace", "--run", str(cut), "--json", str(tmp_path / "c.json")]) == 0
     assert "step-000002.safetensors: cannot be read" in capsys.readouterr().err
     assert [r["step"] for r in json.loads((tmp_path / "c.json").read_text())["snapshots"]] == [0, 4]
+
+
+def test_both_sides_of_beta_precision_go_through_one_head_formula(monkeypatch):
+    """measure_tokens' β_precision = trainer − shadow: with a scorer whose two head formulas differ by 2^-10 (entropy
+    on: log-softmax then gather; off: gather − logsumexp), a bf16 trainer against a bf16 engine reads 0 on every
+    token (the same recipe, the same layout of the same weights); the shadow scored without the entropy read 2^-10."""
+    from phantomclip import scoring
+    from phantomclip.growth import measure_tokens
+    from phantomclip.models import load_model
+
+    honest = scoring.logprobs_from_logits
+
+    def altered(logits, targets, with_entropy=True):
+        logp, entropy = honest(logits, targets, with_entropy)
+        return (logp if with_entropy else logp + 2.0**-10), entropy
+
+    monkeypatch.setattr(scoring, "logprobs_from_logits", altered)
+    tokens = {"prompt_ids": [[1, 5, 7], [2, 9]], "completion_ids": [[3, 4, 8, 6], [11, 12]]}
+    config = {"plan": {"engine_recipe": "bf16", "trainer_recipe": "bf16"}, "temperature": 1.0}
+    out = measure_tokens(load_model("tiny-random:0").model, tokens, config, matmul="emulated")
+    assert torch.equal(out["beta_precision"], torch.zeros(6, dtype=torch.float64))  # the 6 completion tokens

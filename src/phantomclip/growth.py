@@ -157,7 +157,9 @@ def measure_tokens(master: torch.nn.Module, tokens: dict, config: dict, matmul: 
     packed = rescored.pack(0, device=next(master.parameters()).device)
     mask = packed["completion_mask"]  # [B, T]
     args = (packed["input_ids"], packed["attention_mask"], mask)
-    shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"], entropy=False)
+    # one head formula for both sides of β_precision (entropy on, as the trainer's call below: scoring's log-softmax
+    # then gather; without the entropy it computes gather − logsumexp, another rounding of the same number)
+    shadow = score(engine.model, engine.recipe, *args, temperature=config["temperature"])
     trainer_recipe = get_recipe(plan["trainer_recipe"])
     trainer_model = apply_recipe(master, trainer_recipe, matmul=matmul)
     trainer = score(trainer_model, trainer_recipe, *args, temperature=config["temperature"], logit_stats=True)

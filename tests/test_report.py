@@ -9,21 +9,26 @@ import pytest
 
 from conftest import bad_cli
 from phantomclip.cli import main
-from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build, collect, render
+from phantomclip.report import FIGURES, WIDGETS, ReportData, ReportError, build, collect, demo_sources, render
 
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
             "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop",
-            "6. The gap along training", "7. Interventions", "8. FP8 rollouts", "9. Your framework", "10. Appendix"]
+            "6. The gap along training", "7. Interventions", "8. FP8 rollouts", "9. Expert routing (MoE)",
+            "10. Your framework", "11. Appendix"]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """A diagnose JSON, a trace JSON, a sanity experiment of two arms x two seeds, an FP8 experiment of its first
     two arms (the bf16 and the FP8 engine) x one seed (the one-seed page: differences without intervals) and a
-    `trace --run` of a run with snapshots, all from the tiny model."""
+    `trace --run` of a run with snapshots, all from the tiny model; a diagnose JSON of the tiny MoE (its route table)
+    and the demo's moe-r3 experiment (bench/exp_moe_r3.py's files, copied: the MoE section)."""
     d = tmp_path_factory.mktemp("src")
     assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10",
                  "--json", str(d / "diagnose.json")]) == 0
+    assert main(["diagnose", "--model", "tiny-moe:0", "--n", "4", "--max-tokens", "8", "--trainer", "fp32",
+                 "--no-batch-invariance", "--json", str(d / "diagnose-moe.json")]) == 0
+    shutil.copytree(demo_sources()[0] / "moe-r3", d / "moe-r3")
     assert main(["trace", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--no-what-if",
                  "--json", str(d / "trace.json")]) == 0
     assert main(["experiment", "sanity", "--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2",
@@ -40,7 +45,10 @@ def sources(tmp_path_factory):
 
 def test_collect_classifies_every_source(sources):
     data = collect([sources])
-    assert len(data.diagnose) == 1 and len(data.traces) == 1 and len(data.sanity) == 1 and len(data.growths) == 1
+    assert len(data.diagnose) == 2 and len(data.traces) == 1 and len(data.sanity) == 1 and len(data.growths) == 1
+    # the MoE model's diagnose first: the sections that read the last diagnose read the dense model's
+    assert "routing" in data.diagnose[0] and data.diagnose[-1]["model"]["name"] == "tiny-random:0"
+    assert len(data.moe) == 1 and len(data.moe_runs) == 9 and not any("moe-r3" in r["_path"] for r in data.runs)
     assert sorted(r["name"] for r in data.runs) == ["force-r1/seed-0", "force-r1/seed-1", "none/seed-0", "none/seed-1"]
     assert all(len(r["metrics"]) == 3 for r in data.runs)
     # the FP8 experiment's summary is its own kind and its runs stay out of the closed loop's (its 'none' is the
@@ -82,9 +90,9 @@ def test_missing_data_names_the_command():
     assert "phantomclip diagnose --json diagnose.json" in text
     assert "phantomclip experiment sanity --out runs/sanity" in text
     # one note per section without data: 3, 4, 5, 6 (their figures and the growth table), 7 (the sanity table),
-    # 8 (the FP8 table and figures), 9 (the "Your framework" panel); section 6's five pieces share one command and
-    # one note, and so do section 8's three
-    assert text.count('class="missing"') == 7
+    # 8 (the FP8 table and figures), 9 (MoE: two commands, one note), 10 (the "Your framework" panel); section 6's
+    # five pieces share one command and one note, and so do section 8's three
+    assert text.count('class="missing"') == 8
     assert "No data for the 3 figures of this section yet. Run <code>phantomclip experiment fp8 --seeds 3 --out " \
            "runs/fp8</code>" in text
     assert "No data for the 5 figures of this section yet" in text
@@ -165,7 +173,7 @@ def test_page_in_a_real_browser(sources, tmp_path):
         empty.write_text(render(ReportData()))
         page.goto(empty.as_uri())
         notes = page.locator(".missing")
-        assert (notes.count() == 7  # one note per section without data, as in test_missing_data_names_the_command
+        assert (notes.count() == 8  # one note per section without data, as in test_missing_data_names_the_command
                 and "phantomclip diagnose --json diagnose.json" in notes.first.inner_text())
         phone = browser.new_page(viewport={"width": 390, "height": 844})
         phone.goto(Path(page_path).as_uri())

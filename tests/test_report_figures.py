@@ -48,33 +48,58 @@ def test_depth_figures_draw_every_site_on_a_category_axis(demo):
     assert len(growth["layout"]["yaxis"]["tickvals"]) >= 3
 
 
-def test_token_legend_counts_zero_advantage_apart_and_points_to_a_clip(demo):
-    """The demo's logged tokens (run none/seed-0, steps 1-5): 1024 of 1192 have advantage exactly 0 (steps 1, 3, 4,
-    5: groups whose rewards were all equal), 168 carry a gradient, none was clipped. The legend says so, and the
-    title names the first step whose metrics record a clip (step 7 of that run). Give a second run clipped tokens and
-    the figure draws that run instead."""
+def _outcomes(run: dict) -> tuple[int, int, int, int]:
+    """(advantage 0, gradient flows, phantom-clipped, clipped with α alone too) over a run's logged tokens, by the
+    rule by hand: a clipped token is phantom when the clip would not fire on α alone (A > 0 and e^α > 1 + ε, or
+    A < 0 and e^α < 1 − ε; ε = 0.2 both sides in the demo's runs)."""
+    zero = flows = phantom = real = 0
+    for t in run["tokens"]:
+        for a, adv, clipped in zip(t["alpha"], t["advantage"], t["clipped"]):
+            if adv == 0:
+                zero += 1
+            elif not clipped:
+                flows += 1
+            elif (adv > 0 and math.exp(a) > 1.2) or (adv < 0 and math.exp(a) < 0.8):
+                real += 1
+            else:
+                phantom += 1
+    return zero, flows, phantom, real
+
+
+def test_the_token_figure_draws_a_phantom_clip_and_counts_zero_advantage_apart(demo):
+    """The demo's logged tokens: the sanity baseline's (none/seed-0, steps 1-5) hold no clipped token; the FP8
+    experiment's bf16 baseline (the same contract: fp32 trainer, bf16 engine) holds 1152, of which 512 have advantage
+    exactly 0, 628 carry a gradient, 5 are phantom-clipped and 7 clipped on α alone too (counted by hand,
+    _outcomes). The figure draws that run, its legend counts each outcome, the zero-advantage tokens are counted in
+    the caption instead of drawn, and a note on the plot points at a phantom-clipped token. Without those tokens
+    the figure falls back to the sanity baseline and says at which step its metrics first record a clip (7)."""
     from phantomclip.report.figures import fig_alpha_beta_tokens
 
+    fp8_base = next(r for r in demo.fp8_runs if r.get("tokens"))
+    assert fp8_base["arm"] == "none" and fp8_base["name"] == "none/seed-0"
+    assert _outcomes(fp8_base) == (512, 628, 5, 7)
     fig = fig_alpha_beta_tokens(demo)
     names = [t["name"] for t in fig["data"]]
-    assert "advantage 0: no gradient to lose (1024)" in names and "gradient flows (168)" in names
-    run = next(r for r in demo.runs if r.get("tokens"))
-    zeros = sum(a == 0 for t in run["tokens"] for a in t["advantage"])
-    assert zeros == 1024 and sum(len(t["advantage"]) for t in run["tokens"]) == 1192
-    first = next(m for m in run["metrics"] if m["clip/rate"] > 0)
-    assert first["step"] == 7
-    assert "no token of these steps was clipped" in fig["title"]
-    assert "The first clip in this run's metrics is at step 7" in fig["title"] and "--token-log-steps 7" in fig["title"]
+    assert names == ["gradient flows (628)", "phantom-clipped (5)", "clipped (α alone too) (7)"]
+    assert fig["title"] == "α against β per token, run 'none/seed-0' of experiment fp8, steps 1–5"
+    assert "Not drawn: 512 tokens of advantage 0" in fig["caption"]
+    phantom = fig["data"][1]
+    (arrow,) = fig["layout"]["annotations"]
+    k = max(range(5), key=lambda i: abs(phantom["y"][i]))
+    assert (arrow["x"], arrow["y"]) == (phantom["x"][k], phantom["y"][k]) and "phantom-clipped" in arrow["text"]
+    assert fig["source"] == ("runs", [fp8_base])
 
-    altered = copy.deepcopy(demo)
-    other = next(r for r in altered.runs if r["config"]["intervention"] == "force-r1")
-    other["tokens"] = copy.deepcopy(run["tokens"])
-    row = other["tokens"][1]  # step 2 of the copy: its first token clipped, with an α inside the trust region
-    row["clipped"][0], row["alpha"][0], row["advantage"][0] = True, 0.0, 1.0
-    fig = fig_alpha_beta_tokens(altered)
-    assert fig["title"].startswith(f"Run '{other['name']}'")
-    assert "phantom-clipped (1)" in [t["name"] for t in fig["data"]]
-    assert "no token of these steps was clipped" not in fig["title"]
+    sanity_only = copy.copy(demo)
+    sanity_only.fp8_runs = []
+    fig = fig_alpha_beta_tokens(sanity_only)
+    run = next(r for r in demo.runs if r.get("tokens"))
+    assert _outcomes(run) == (1024, 168, 0, 0)
+    assert [t["name"] for t in fig["data"]] == ["gradient flows (168)", "phantom-clipped (0)",
+                                                "clipped (α alone too) (0)"]
+    assert next(m for m in run["metrics"] if m["clip/rate"] > 0)["step"] == 7
+    assert "No token of these steps was clipped" in fig["caption"]
+    assert "The first clip in this run's metrics is at step 7" in fig["caption"]
+    assert "--token-log-steps 7" in fig["caption"] and "annotations" not in fig["layout"]
 
 
 def test_a_one_seed_six_step_run_reads_as_well_as_the_demo(tmp_path):
@@ -95,10 +120,12 @@ def test_a_one_seed_six_step_run_reads_as_well_as_the_demo(tmp_path):
     (xs,), (ys,) = [t["x"] for t in fig["data"]], [t["y"] for t in fig["data"]]
     (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
     assert len(xs) == 6 and all(x0 <= x <= x1 for x in xs) and all(y0 <= y <= y1 for y in ys)
-    assert "outside these axes" not in fig["title"] and "marker: the seed" not in fig["title"]
+    assert "outside them" not in fig["caption"] and "marker: the seed" not in fig["caption"]
     for name in ("training", "phantom_steps", "beta_steps"):
-        title = FIGURES[name][0](data)["title"]
-        assert "(one run; no band: a band needs two seeds" in title and "mean over seeds" not in title, title
+        fig = FIGURES[name][0](data)
+        assert fig["caption"].startswith("One run; no band: a band needs two seeds"), fig["caption"]
+        assert "mean over seeds" not in fig["caption"]
+        assert fig["layout"]["xaxis"]["dtick"] == 1 and fig["layout"]["xaxis"]["tickformat"] == "d"  # 6 steps
     text = html.unescape(render(data))
     assert "This page has one run: each line is that run" in text and "same 3 seeds" not in text
     assert "section 7" not in text.split("7. Interventions")[0]  # the pointer to an absent table is gone
@@ -129,12 +156,12 @@ def test_one_seeds_spike_does_not_set_the_beta_axis(demo):
     marks = [t for t in fig["data"] if t.get("marker", {}).get("symbol") == "triangle-up"]
     assert [(x, t["legendgroup"]) for t in marks for x in t["x"]] == above and all(y == top for t in marks
                                                                                   for y in t["y"])
-    assert "the axis stops at 0.418" in fig["title"] and "5 seed values above it" in fig["title"]
-    assert "(the largest 1.2, no-clip at step 27)" in fig["title"]
+    assert "The axis stops at 0.418" in fig["caption"] and "5 seed values above it" in fig["caption"]
+    assert "(the largest 1.2, no-clip at step 27)" in fig["caption"]
     calm = copy.copy(demo)
     calm.runs = [r for r in demo.runs if r["config"]["intervention"] != "no-clip"]
     fig = FIGURES["beta_steps"][0](calm)
-    assert "range" not in fig["layout"]["yaxis"] and "axis stops" not in fig["title"]
+    assert "range" not in fig["layout"]["yaxis"] and "axis stops" not in fig["caption"]
 
 
 def test_bands_of_two_arms_on_opening_and_a_button_for_the_rest(demo):
@@ -148,8 +175,9 @@ def test_bands_of_two_arms_on_opening_and_a_button_for_the_rest(demo):
         bands = [t for t in fig["data"] if t.get("fill") == "toself"]
         drawn = {t["legendgroup"] for t in bands if t["opacity"] > 0}
         assert drawn == {"none", "force-r1"} and fig["band_toggle"], name
-        assert "drawn for none and force-r1 (the button below shows every arm's)" in fig["title"]
-    assert render(demo).count('class="band-toggle"') == 3 + 2  # section 5's three, section 8's two (FP8 rollouts)
+        assert "drawn for none and force-r1 (the button below shows every arm's)" in fig["caption"]
+    # section 5's three, section 8's two (FP8 rollouts), section 9's one (three arms shown, two bands)
+    assert render(demo).count('class="band-toggle"') == 3 + 2 + 1
 
 
 def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):
@@ -165,13 +193,13 @@ def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):
         if None in t["y"]:
             first = t["x"][t["y"].index(None)]
             assert all(y is None for y in t["y"][t["y"].index(None):])  # the share only falls as ε grows
-            assert f"{first:.2f} for {t['name']}" in fig["title"]
+            assert f"{first:.2f} for {t['name']}" in fig["caption"]
     fig = FIGURES["alpha_beta_steps"][0](demo)
     xs = [x for t in fig["data"] for x in t["x"]]
     ys = [y for t in fig["data"] for y in t["y"]]
     (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
     outside = sum(not (x0 <= x <= x1 and y0 <= y <= y1) for x, y in zip(xs, ys))
-    assert f"{outside} of {len(xs)} points lie outside them" in fig["title"] and 0 < outside < 0.1 * len(xs)
+    assert f"{outside} of {len(xs)} points lie outside them" in fig["caption"] and 0 < outside < 0.1 * len(xs)
     for vs, (lo, hi) in ((sorted(xs), (x0, x1)), (sorted(ys), (y0, y1))):
         middle = vs[int(0.9 * (len(vs) - 1))] - vs[int(0.1 * (len(vs) - 1))]
         assert middle / (hi - lo) > 0.3, middle / (hi - lo)
@@ -200,3 +228,34 @@ def test_the_answer_of_diagnose_leads_the_page_when_the_result_has_one(demo):
         assert f"<td><code>{html.escape(ch['setting'])}</code></td><td>{html.escape(ch['effect'])}</td>" in box
     assert "What to change (phantomclip flags), strongest first" in box and "<b>x</b>" not in box
     assert "ε 0.2/0.2" in box and "fp32 trainer against a bf16 local engine" in box
+
+
+def test_titles_are_short_captions_say_the_rest_and_every_table_names_its_data(demo):
+    """A reader's pass: every figure's title has at most 15 words (they ran to 67) and the rest is its caption; the
+    per-step figures tick whole steps only; every table of the page is followed by its Data: line (the file, the
+    engine or runs, the model, the machine); and a lead-in that ends in ':' goes with its figure when the data is
+    missing ('How the share ... depends on ε:' dangled over a note on a small page)."""
+    import re
+
+    from phantomclip.report import ReportData, render
+    from phantomclip.report.page import FIGURES
+    from phantomclip.report.plots import TITLE_WORDS
+
+    for name, (draw, _) in FIGURES.items():
+        fig = draw(demo)
+        assert len(fig["title"].split()) <= TITLE_WORDS == 15 and fig["caption"], (name, fig["title"])
+        if fig["layout"]["xaxis"]["title"]["text"] == "step":
+            axis = fig["layout"]["xaxis"]
+            assert axis["tickformat"] == "d" and axis["dtick"] == int(axis["dtick"]) >= 1, (name, axis)
+    text = re.sub(r"<script>.*?</script>", "", render(demo), flags=re.S)  # the page's HTML, not its JavaScript
+    tables = [m.start() for m in re.finditer(r"<table", text)]
+    assert len(tables) == 6  # sanity, growth, FP8, route split, moe-r3, your framework
+    for start in tables:
+        rest = text[start:]
+        ends = [i for i in (rest.find("<h2", 1), rest.find("<table", 1), rest.find('<figure', 1)) if i > 0]
+        assert '<p class="source">Data: ' in rest[: min(ends, default=len(rest))], rest[:200]
+    lead = "How the share of tokens outside the trust region depends on ε:"
+    assert lead in html.unescape(text)
+    alone = ReportData(runs=demo.runs)  # no diagnose JSON: the figure is a note, and its lead-in goes with it
+    page = html.unescape(render(alone))
+    assert lead not in page and "phantomclip diagnose --json diagnose.json" in page

@@ -74,8 +74,19 @@ def test_the_fp8_table_shows_the_summarys_numbers(demo):
     assert f"<td>20.8 <small>({finals[0]:.1f}–{finals[-1]:.1f})</small></td>" in table
     assert (finals[0], finals[-1]) == pytest.approx((17.8, 23.1), abs=0.05)
     assert "the bf16 engine, nothing corrected (the baseline)" in table
-    assert "the FP8 engine, with token-level truncated importance sampling" in table
+    assert "the emulated FP8 engine, with token-level truncated importance sampling" in table
     assert "6 arms are compared here, and no correction for the number of comparisons" in table
+    # provenance: the FP8 row and the Data: line say the engine is emulated on a CPU, not an FP8 GPU
+    fp8_row = table.split("<b>fp8</b>")[1].split("</tbody>")[0]
+    assert "the engine samples in FP8, emulated on a CPU by phantomclip&#x27;s local engine" in fp8_row
+    source = table.split('<p class="source">')[1]
+    assert source.startswith("Data: fp8/summary.json, the summary of experiment fp8; demo/fp8: 21 runs")  # no roots
+    assert "fp8-w8a8, emulated on a CPU" in source and "CPU (torch" in source
+    # fewer phantom clips by construction is said apart, not as a detected difference
+    for arm, why in (("fp8,shadow-ratio", "it clips on α alone"), ("fp8,force-r1", "its ratio is 1, never clipped")):
+        row = table.split(f"<b>{arm}</b>")[1].split("</tbody>")[0]
+        assert "phantom-clip rate" not in row.split("Against the baseline:</b>")[1].split("; no phantom")[0]
+        assert f"no phantom clips by construction ({why})" in row and "-1.10 <small>by construction</small>" in row
     # an arm none of whose intervals excludes zero is said to show no detectable difference, never a direction
     altered = copy.deepcopy(demo)
     tis = _arm(altered.fp8[0], "fp8,tis")
@@ -95,10 +106,11 @@ def test_the_sentence_follows_the_intervals(demo):
         shorter and "fp8,tis" not in shorter
     assert same.startswith("fp8, fp8,tis and fp8,mis showed no detectable difference")
     assert "restore" not in text
-    assert phantom.startswith("fp8,shadow-ratio (-1.10 [-1.96, -0.23] pp) and fp8,force-r1")
-    assert "fp8 (+7.07 [+3.16, +10.98] pp)" in phantom
-    assert "paired by seed over 3 seeds" in text and "no correction for the 12 comparisons" in text
-    assert "against 9 here" in text  # 3 shorter + 2 below and 4 above in phantom-clip rate
+    assert phantom.startswith("fp8 (+7.07 [+3.16, +10.98] pp)") and "were below" not in phantom
+    assert ("fp8,shadow-ratio and fp8,force-r1 have no phantom clip by construction (fp8,shadow-ratio: it clips on α "
+            "alone; fp8,force-r1: its ratio is 1, never clipped), so theirs is not a comparison") in phantom
+    assert "paired by seed over 3 seeds" in text and "no correction for the 10 comparisons" in text
+    assert "against 7 here" in text  # 3 shorter + 4 above in phantom-clip rate; 2 by construction not counted
     beta = (_arm(demo.fp8[0], "fp8")["beta_abs_mean_start"]["mean"],
             _arm(demo.fp8[0], "none")["beta_abs_mean_start"]["mean"])
     assert f"mean |β| of {beta[0]:.3f} against the bf16 engine's {beta[1]:.3f} ({beta[0] / beta[1]:.1f} times" in text
@@ -118,21 +130,24 @@ def test_the_sentence_follows_the_intervals(demo):
 
 
 def _fp8_line(text: str) -> str:
-    return next((li for li in text.split("<li>") if li.startswith("The FP8 arms ran")), "")
+    return next((li for li in text.split("<li>") if li.startswith("Against the bf16 engine, the emulated FP8")), "")
 
 
 def test_the_summary_line_follows_the_intervals(demo):
-    """'In short' has one FP8 line, by the rule of section 8's sentence (fp8_verdicts): with every arm's final-length
-    difference negated (mean -> -mean, [low, high] -> [-high, -low]) icepop, shadow ratio and force r = 1 end longer
-    instead of shorter, and the rest still show none; with tis's interval moved below zero one more is detected
-    (13 -> 14 of the 23 comparisons); with one seed, or with no FP8 summary, there is no FP8 line."""
+    """'In short' has one FP8 line, by the rule of section 8's sentence (fp8_verdicts): the arms whose final-length
+    interval lies below zero (icepop, shadow ratio, force r = 1) and those whose phantom-clip rate lies above (fp8,
+    tis, mis, icepop); shadow ratio's and force r = 1's lower phantom-clip rate is 0 by construction and is not
+    said. With every final-length difference negated (mean -> -mean, [low, high] -> [-high, -low]) the three end
+    longer instead; with tis's interval moved below zero one more is detected (11 -> 12 of the 21 comparisons);
+    with one seed, or with no FP8 summary, there is no FP8 line."""
     from phantomclip.report.summary import html_summary
 
-    line = _fp8_line(html_summary(demo.diagnose, demo.sanity, demo.fp8))
-    assert ("in final length, <b>fp8,icepop (-6.0 tokens), fp8,shadow-ratio (-15.1 tokens) and fp8,force-r1 (-19.1 "
-            "tokens)</b> ended shorter; fp8, fp8,tis and fp8,mis showed no detectable difference.") in line
-    assert "<b>fp8 (+7.07 pp), fp8,tis (+6.38 pp), fp8,mis (+7.09 pp) and fp8,icepop (+7.60 pp)</b> were above" in line
-    assert "against 13 here" in line and "ended longer" not in line
+    text = html_summary(demo.diagnose, demo.sanity, demo.fp8)
+    line = _fp8_line(text)
+    assert line == ("Against the bf16 engine, the emulated FP8 engine ended shorter with <b>fp8,icepop, "
+                    "fp8,shadow-ratio, fp8,force-r1</b>; had more phantom clips with <b>fp8, fp8,tis, fp8,mis, "
+                    "fp8,icepop</b> (section 8).</li>")
+    assert "21 intervals" in text and "; 11 do." in text
 
     flipped = copy.deepcopy(demo.fp8)
     for a in flipped[0]["arms"]:
@@ -140,15 +155,13 @@ def test_the_summary_line_follows_the_intervals(demo):
         if d:
             d.update({"mean": -d["mean"], "low": -d["high"], "high": -d["low"]})
     line = _fp8_line(html_summary(demo.diagnose, demo.sanity, flipped))
-    assert ("in final length, <b>fp8,icepop (+6.0 tokens), fp8,shadow-ratio (+15.1 tokens) and fp8,force-r1 (+19.1 "
-            "tokens)</b> ended longer; fp8, fp8,tis and fp8,mis showed no detectable difference.") in line
-    assert "ended shorter" not in line and "against 13 here" in line
+    assert line.startswith("Against the bf16 engine, the emulated FP8 engine ended longer with <b>fp8,icepop, "
+                           "fp8,shadow-ratio, fp8,force-r1</b>;") and "ended shorter" not in line
 
     moved = copy.deepcopy(demo.fp8)
     _arm(moved[0], "fp8,tis")["vs_baseline"]["final_length"].update({"mean": -5.0, "low": -9.0, "high": -1.0})
-    line = _fp8_line(html_summary(demo.diagnose, demo.sanity, moved))
-    assert "<b>fp8,tis (-5.0 tokens), fp8,icepop (-6.0 tokens)," in line and "fp8 and fp8,mis showed no" in line
-    assert "against 14 here" in line
+    text = html_summary(demo.diagnose, demo.sanity, moved)
+    assert "ended shorter with <b>fp8,tis, fp8,icepop," in _fp8_line(text) and "; 12 do." in text
 
     one = copy.deepcopy(demo.fp8)
     for a in one[0]["arms"]:
@@ -156,11 +169,10 @@ def test_the_summary_line_follows_the_intervals(demo):
             d.update({"n": 1, "low": None, "high": None})
     for fp8 in (one, []):
         text = html_summary(demo.diagnose, demo.sanity, fp8)
-        assert not _fp8_line(text) and text.count("<li>") == 3
-        assert "no correction for the 11 comparisons: if no arm" in text  # the note counts section 7's alone
-    alone = html_summary([], [], demo.fp8)  # FP8 data only: one line, its note counting its own 12 comparisons
-    assert alone.count("<li>") == 1 and "no correction for the 12 comparisons: if no arm" in alone
-    assert "against 9 here" in alone
+        assert not _fp8_line(text) and text.count("<li>") == 4
+        assert "These 11 intervals" in text  # the note counts section 7's alone
+    alone = html_summary([], [], demo.fp8)  # FP8 data only: its line and a note counting its own 10 comparisons
+    assert alone.count("<li>") == 2 and "These 10 intervals" in alone and "; 7 do." in alone
 
 
 def test_the_per_step_figures_draw_the_fp8_runs(demo):
@@ -180,7 +192,7 @@ def test_the_per_step_figures_draw_the_fp8_runs(demo):
     assert len(set(colours)) == 7 and arm_colour("fp8,tis", ARMS) == arm_colour("tis", ["tis"])
     assert lines["fp8,tis (3 seeds)"]["line"]["color"] == colours[2]
     phantom = FIGURES["fp8_phantom_steps"][0](demo)
-    assert "Phantom-clipped tokens per step, bf16 and FP8 engines" in phantom["title"]
+    assert phantom["title"] == "Phantom-clipped tokens per step, bf16 and emulated FP8 engines"
     assert fig["source"][1] == demo.fp8_runs and phantom["source"][1] == demo.fp8_runs
 
 
@@ -189,18 +201,19 @@ def test_without_an_fp8_experiment_the_section_names_the_command(demo):
     data = copy.deepcopy(demo)
     data.fp8, data.fp8_runs = [], []
     text = render(data)
-    section = text.split("8. FP8 rollouts")[1].split("9. Your framework")[0]
+    section = text.split("8. FP8 rollouts")[1].split("9. Expert routing")[0]
     assert section.count('class="missing"') == 1 and 'id="fp8-table"' not in section
     assert "No data for the 3 figures of this section yet. Run <code>phantomclip experiment fp8 --seeds 3 --out " \
            "runs/fp8</code>" in section
     assert 'id="fp8-table"' not in text and 'class="arms"' in text.split("7. Interventions")[1]
     summary = text.split('id="summary">')[1].split("</section>")[0]
-    assert summary.count("<li>") == 3 and "FP8" not in summary and "section 8" not in summary
+    assert summary.count("<li>") == 5 and "FP8" not in summary and "section 8" not in summary
     assert fp8_result(ReportData()) == ""
 
 
 def test_each_experiment_json_is_read_once_per_collect(monkeypatch, tmp_path):
-    """The demo's two experiment.json files (sanity: 36 runs, fp8: 21) are each read once per collect, not once per
+    """The demo's three experiment.json files (sanity: 36 runs, fp8: 21, moe-r3: 9) are each read once per collect, not
+    once per
     run directory; a second collect in the same process reads them again, so an edited plan is seen (fp8's arm
     'fp8,tis' renamed: its 3 runs then fall back to their engine's quantiser and intervention, 'fp8-w8a8,tis')."""
     from phantomclip.report import sources
@@ -210,7 +223,8 @@ def test_each_experiment_json_is_read_once_per_collect(monkeypatch, tmp_path):
     monkeypatch.setattr(sources, "read_json", lambda path: reads.append(Path(path)) or real(path))
     data = collect(demo_sources())
     plans = sorted(p.parent.name for p in reads if p.name == "experiment.json")
-    assert plans == ["fp8", "sanity"] and len(data.fp8_runs) == 21 and len(data.runs) == 36
+    assert plans == ["fp8", "moe-r3", "sanity"] and len(data.fp8_runs) == 21 and len(data.runs) == 36
+    assert len(data.moe_runs) == 9
     demo = tmp_path / "demo"
     shutil.copytree(demo_sources()[0] / "fp8", demo)
     assert [r["arm"] for r in collect([demo]).fp8_runs].count("fp8,tis") == 3

@@ -9,10 +9,12 @@ import os
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 from conftest import bad_cli
 from phantomclip.cli import main
 from phantomclip.report import build, demo_sources
+from phantomclip.report.plots import plotly_text
 
 DEMO = demo_sources()[0]
 
@@ -106,29 +108,51 @@ DIRECTORIES = {"tis": "a<!--<script>\udc80", "icepop": "x<img src=x onerror=wind
 """arm directories renamed (a '/' cannot be in a name; \\udc80 is the byte 0x80, a name that is not UTF-8)."""
 
 
-def _rename(x):
+def _rename(x, renamed: dict, run_prefix: str):
     if isinstance(x, dict):
-        return {RENAMED.get(k, k): _rename(v) for k, v in x.items()}
+        return {renamed.get(k, k): _rename(v, renamed, run_prefix) for k, v in x.items()}
     if isinstance(x, list):
-        return [_rename(v) for v in x]
+        return [_rename(v, renamed, run_prefix) for v in x]
     if isinstance(x, str) and x.startswith("/work/growth-runs2/"):  # trace --run's run path: a hostile run name
-        return "/w/" + HOSTILE[1] + x.rsplit("/", 1)[1]
-    return RENAMED.get(x, x) if isinstance(x, str) else x
+        return "/w/" + run_prefix + x.rsplit("/", 1)[1]
+    return renamed.get(x, x) if isinstance(x, str) else x
+
+
+def renamed_demo(root, renamed: dict, directories: dict, run_prefix: str) -> Path:
+    """A copy of the demo data at root/demo with every string of `renamed` (as a key and as a value) replaced, the
+    sanity arms' directories of `directories` renamed, and trace --run's runs named with `run_prefix`."""
+    demo = root / "demo"
+    shutil.copytree(DEMO, demo)
+    for f in [*demo.rglob("*.json"), *demo.rglob("*.jsonl")]:
+        lines = f.read_text(encoding="utf-8").splitlines() if f.suffix == ".jsonl" else [f.read_text("utf-8")]
+        f.write_text("\n".join(json.dumps(_rename(json.loads(line), renamed, run_prefix)) for line in lines if line)
+                     + "\n")
+    for old, new in directories.items():
+        (demo / "sanity" / old).rename(demo / "sanity" / new)
+    return demo
 
 
 def hostile_demo(root) -> list:
     """The demo data with hostile strings in every kind of field that reaches the page, and a run directory of its
     own with a hostile name; returns the --from sources."""
-    demo = root / "demo"
-    shutil.copytree(DEMO, demo)
-    for f in [*demo.rglob("*.json"), *demo.rglob("*.jsonl")]:
-        lines = f.read_text(encoding="utf-8").splitlines() if f.suffix == ".jsonl" else [f.read_text("utf-8")]
-        f.write_text("\n".join(json.dumps(_rename(json.loads(line))) for line in lines if line) + "\n")
-    for old, new in DIRECTORIES.items():
-        (demo / "sanity" / old).rename(demo / "sanity" / new)
+    demo = renamed_demo(root, RENAMED, DIRECTORIES, HOSTILE[1])
     alone = root / "run <!--<script>\udcff"
     shutil.copytree(demo / "sanity" / "none" / "seed-0", alone)
     return [demo, alone]
+
+
+BIG = '<span style="font-size:60px">BIG</span>'
+"""Plotly markup: drawn as markup it writes 60-px text in a legend, a hover, a tick label or an annotation."""
+MARKUP = {"tis": BIG + " tis", "local": BIG + " local", "fp32": BIG + " fp32", "fp32-head": "<b>" + BIG + "</b>",
+          "trust_region": "trust_region"}
+"""an arm (a legend entry), the engine kind (a tick label of the split figure), the first trainer recipe (legends and
+the notes drawn on three figures) and another recipe and arm, each renamed to Plotly markup."""
+
+
+def markup_demo(root) -> list:
+    """The demo with Plotly markup in every field that reaches a figure: MARKUP's names, a sanity arm's directory
+    and every trace --run run (legend, hover and the split figure's tick labels)."""
+    return [renamed_demo(root, MARKUP, {"icepop": '<span style="font-size:60px">BIG dir'}, BIG.replace("/", "|"))]
 
 
 class _Tags(html.parser.HTMLParser):
@@ -191,8 +215,8 @@ def test_hostile_names_reach_the_page_as_text_never_as_markup(tmp_path):
         assert "</script" not in block.lower() and "<!--" not in block and "\u2028" not in block
     figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\nconst PALETTE", page, re.S).group(1))
     names = {t.get("name", "") for fig in figures.values() for t in fig["data"]}
-    for s in HOSTILE[:3]:
-        assert any(n.startswith(s) for n in names), s  # the arms' lines, named as the files name them
+    for s in HOSTILE[:3]:  # the arms' lines, named as the files name them, as Plotly text (plots.plotly_text)
+        assert any(n.startswith(plotly_text(s)) for n in names), s
     text = html.unescape(page)
     assert HOSTILE[4] in text and "a<!--<script>\\x80/seed-0" in text and "run <!--<script>\\xff" in text
 
@@ -227,7 +251,8 @@ def test_a_finished_or_unfinished_experiment_always_draws(tmp_path):
     diagnose = [json.loads((DEMO / "diagnose.json").read_text())]
     for name, doc in cases.items():
         text = html_summary(diagnose, [doc])
-        assert text.count("<li>") == (2 if name == "no clip" else 3 if name == "no beta" else 2), (name, text)
+        # gap, training (none without a phantom share), interventions (none without intervals) and their note
+        assert text.count("<li>") == (3 if name == "no clip" else 4 if name == "no beta" else 2), (name, text)
         exp = tmp_path / name.replace(" ", "-")
         shutil.copytree(DEMO / "sanity", exp)
         (exp / "summary.json").write_text(json.dumps(doc))
@@ -278,3 +303,38 @@ def test_the_training_panel_places_rows_by_their_step():
     assert step_values([shuffled], "x", carry=False) == [[1.0], [2.0], [3.0], [4.0]]
     # a run that stopped at step 2 carries its step-2 value, wherever that row sits in the file
     assert step_values([[rows[1], rows[0]], rows], "x", carry=True) == [[1.0, 1.0], [2.0, 2.0], [2.0, 3.0], [2.0, 4.0]]
+
+
+def _strings(x, key: str = ""):
+    """(key, string) of every string in a figure's data or layout, with the key it sits under."""
+    if isinstance(x, str):
+        yield key, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _strings(v, k)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _strings(v, key)
+
+
+def test_plotly_gets_names_as_text_in_every_field(tmp_path):
+    """Plotly renders a subset of HTML in legends, hover text, tick labels and annotations: with MARKUP's names in
+    the data, no string of any figure but our own hover templates holds a '<' (each reaches Plotly with &lt; and
+    &gt;, which it turns back into the characters after reading its tags), and the escaped names are there in each
+    kind of field: a legend entry (trace name), hover text, a tick label (the split figure's engine) and a note
+    drawn on a figure."""
+    page = build(markup_demo(tmp_path), tmp_path / "report").read_text(encoding="utf-8")
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\nconst PALETTE", page, re.S).group(1))
+    found: dict[str, set[str]] = {}
+    for name, fig in figures.items():
+        for key, text in _strings(fig):
+            if key == "hovertemplate":
+                assert "BIG" not in text, (name, text)  # data never inside a template
+                continue
+            assert "<" not in text and ">" not in text, (name, key, text)
+            if "&lt;span style=" in text:
+                found.setdefault(key, set()).add(name)
+    assert {"name", "text", "x"} <= set(found), found
+    assert "beta_by_prob" in found["name"] and "training" in found["name"] and "growth" in found["name"]
+    notes = [a["text"] for fig in figures.values() for a in fig["layout"].get("annotations", [])]
+    assert any(t.startswith(plotly_text(BIG + " fp32") + ":") for t in notes), notes

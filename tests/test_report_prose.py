@@ -8,7 +8,8 @@ import math
 import pytest
 
 from phantomclip.report import collect, demo_sources, render
-from phantomclip.report.prose import alpha_beta_steps, gap_along_runs, pearson_and_slope, rare_tokens
+from phantomclip.report.correlation import pearson_and_slope
+from phantomclip.report.prose import alpha_beta_steps, gap_along_runs, rare_tokens
 
 
 @pytest.fixture(scope="module")
@@ -36,35 +37,76 @@ def _alpha_beta(data) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def test_alpha_beta_sentence_follows_the_points(demo):
-    """The demo's per-step points rise (r = +0.79 over all arms, the issue's measure); the page says so, with the
-    numbers of the points drawn, and no longer says they fall. Negate every α: the same points mirrored fall, with
-    r and slope of the opposite sign, and the sentence says that instead."""
+def _spearman_by_sorting(xs: list[float], ys: list[float]) -> float:
+    """ρ = 1 − 6 Σ d² / (n (n² − 1)) with ranks from a sort: the textbook formula, exact without ties (the demo's
+    per-step means have none), a second implementation beside prose.spearman's Pearson-of-ranks."""
+    def rank(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0] * len(v)
+        for r, i in enumerate(order):
+            out[i] = r + 1
+        return out
+
+    rx, ry, n = rank(xs), rank(ys), len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def _set_points(data, f) -> None:
+    """Each run's per-step (α, β) replaced by f(α, β, run index, row index)."""
+    for i, run in enumerate(data.runs):
+        for j, m in enumerate(run["metrics"]):
+            if m.get("mismatch/alpha_mean") is not None and m.get("mismatch/beta_mean") is not None:
+                m["mismatch/alpha_mean"], m["mismatch/beta_mean"] = f(m["mismatch/alpha_mean"],
+                                                                      m["mismatch/beta_mean"], i, j)
+
+
+def test_alpha_beta_sentence_reads_the_bulk_not_a_few_far_points(demo):
+    """The demo's 1060 per-step points: Pearson's r over all of them is +0.79 (the issue's figure), set by a few far
+    points; the sentence reads the points inside the figure's axes by rank (Spearman ρ, computed here by the
+    textbook formula) and says no clear direction, with the count of arms that rise and fall and the baseline's
+    own ρ. Altered data: the same points with 12 far points added along a rising line (Pearson over all turns
+    positive and large) still read as no direction; points on β = −α read as falling, the shared rounding's
+    direction; on β = α as rising."""
+    from phantomclip.report.page import FIGURES
+
     xs, ys = _alpha_beta(demo)
-    r, slope = pearson_and_slope(xs, ys)
-    assert r == pytest.approx(0.79, abs=0.01)
+    r, _ = pearson_and_slope(xs, ys)
+    assert len(xs) == 1060 and r == pytest.approx(0.79, abs=0.01)
+    fig = FIGURES["alpha_beta_steps"][0](demo)
+    (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
+    inside = [(x, y) for x, y in zip(xs, ys) if x0 <= x <= x1 and y0 <= y <= y1]
+    rho = _spearman_by_sorting([p[0] for p in inside], [p[1] for p in inside])
+    assert abs(rho) < 0.3 and len(inside) == 991
     text = alpha_beta_steps(demo)
-    assert f"the {len(xs)} points rise to the right (Pearson r = {r:+.2f}, least-squares slope {slope:+.2f}" in text
-    assert "r = +0.81" in text  # the arms shown on opening, the issue's other figure
-    page = html.unescape(render(demo))
-    assert text in page and "sloping down" not in page and "points fall along" not in page
+    assert text.startswith(f"Over the 991 points inside these axes, mean β shows no clear direction against mean α "
+                           f"(Spearman's rank correlation ρ = {rho:+.2f}); of the 12 arms, ")
+    assert "The 69 points outside the axes are left out: with them Pearson's r reads +0.79" in text
+    assert "rises to the right" not in text and text in html.unescape(render(demo))
+    assert f"Spearman ρ = {rho:+.2f} over the 991 points in view" == fig["layout"]["annotations"][0]["text"]
 
-    flipped = copy.deepcopy(demo)
-    for run in flipped.runs:
-        for m in run["metrics"]:
-            if m.get("mismatch/alpha_mean") is not None:
-                m["mismatch/alpha_mean"] = -m["mismatch/alpha_mean"]
-    text = alpha_beta_steps(flipped)
-    assert f"points fall to the right (Pearson r = {-r:+.2f}, least-squares slope" in text
-    assert "the direction the shared rounding gives them" in text
-    assert text in html.unescape(render(flipped))
+    far = copy.deepcopy(demo)  # 12 far points along β = α, 10 to 60 interquartile ranges out
+    far.runs[0]["metrics"] = far.runs[0]["metrics"] + [
+        {**far.runs[0]["metrics"][-1], "step": 100 + k, "mismatch/alpha_mean": 0.5 * (k + 1),
+         "mismatch/beta_mean": 0.5 * (k + 1)} for k in range(12)]
+    fx, fy = _alpha_beta(far)
+    assert pearson_and_slope(fx, fy)[0] > 0.9  # a Pearson-based sentence would say 'rise'
+    text = alpha_beta_steps(far)
+    assert "shows no clear direction" in text and "a direction a few far points set, not the bulk" in text
 
-    flat = copy.deepcopy(demo)  # β held constant but for a tiny alternation: no direction
-    for run in flat.runs:
-        for i, m in enumerate(run["metrics"]):
-            if m.get("mismatch/beta_mean") is not None:
-                m["mismatch/beta_mean"] = 0.01 * (-1) ** (i + len(run["name"]))
-    assert "show no clear direction" in alpha_beta_steps(flat)
+    down = copy.deepcopy(demo)  # β = −α plus a small alternation: falls, as the shared rounding alone would make it
+    _set_points(down, lambda a, b, i, j: (a, -a + 1e-4 * (-1) ** j))
+    text = alpha_beta_steps(down)
+    assert "mean β falls to the right" in text and "the direction the shared rounding gives them" in text
+    up = copy.deepcopy(demo)
+    _set_points(up, lambda a, b, i, j: (a, a + 1e-4 * (-1) ** j))
+    text = alpha_beta_steps(up)
+    assert "mean β rises to the right" in text and "opposite of the shared rounding's direction" in text
+    assert "of the 12 arms, 12 rise and 0 fall" in text
+
+    one = copy.deepcopy(demo)  # one run: no count of arms
+    one.runs = one.runs[:1]
+    text = alpha_beta_steps(one)
+    assert text.startswith(f"Over the {len(one.runs[0]['metrics'])} points") and "arms" not in text
 
 
 def test_rare_token_and_growth_sentences_follow_the_data(demo):
@@ -99,24 +141,21 @@ def test_rare_token_and_growth_sentences_follow_the_data(demo):
 
 def test_summary_intervals_carry_a_multiple_comparison_note(demo):
     """The demo compares 11 arms with the baseline, each at 95% on its own: on average 11 * 0.05 = 0.55 exclude zero
-    by chance when nothing changes, at least one with probability 1 - 0.95^11 = 0.4312 (43%); 4 were detected."""
+    by chance when nothing changes; 4 were detected. With the FP8 line: 11 + 10 = 21 comparisons (6 FP8 arms x
+    final length and phantom-clip rate, less fp8,shadow-ratio's and fp8,force-r1's phantom-clip rate, 0 by
+    construction), 21 * 0.05 = 1.05 (1.1 at two significant digits; 1.05 is 1.0500000000000000444 in binary),
+    4 + 7 detected (3 shorter; 4 above in phantom-clip rate)."""
     from phantomclip.report.prose import multiple_comparisons_note
     from phantomclip.report.summary import html_summary
 
     text = html_summary(demo.diagnose, demo.sanity)
-    assert ("no correction for the 11 comparisons: if no arm changed anything, on average 0.55 of them would still "
-            "exclude zero by chance (at least one with probability 43%), against 4 here") in text
+    assert "These 11 intervals are 95% each, uncorrected: about 0.55 would exclude zero by chance; 4 do." in text
     assert multiple_comparisons_note(1, 1) == ""  # one comparison: the interval means what it says
     assert "probability 10%" in multiple_comparisons_note(2, 0)  # 1 - 0.95^2 = 0.0975
-    # with the FP8 line the one note counts both lines: 11 + 12 (6 FP8 arms x final length and phantom-clip rate)
-    # = 23 comparisons; 23 * 0.05 = 1.15 (1.2 at two significant digits); 1 - 0.95^23 = 1 - 0.3074 = 0.6926 (69%);
-    # 4 detected in section 7 and 9 in section 8 (3 shorter; 2 below and 4 above in phantom-clip rate)
     both = html_summary(demo.diagnose, demo.sanity, demo.fp8)
-    assert ("no correction for the 23 comparisons (11 in section 7, 12 in section 8): if no arm changed anything, on "
-            "average 1.2 of them would still exclude zero by chance (at least one with probability 69%), against 13 "
-            "here") in both
-    assert both.count("Each interval is 95% on its own") == 1 and both.count("<li>") == 4
-    assert both.split("<li>")[-1].startswith("The FP8 arms ran")  # the note closes the last line with intervals
+    assert both.split("<li>")[-1].startswith("These 21 intervals are 95% each, uncorrected: about 1.1 would exclude "
+                                             "zero by chance; 11 do.")
+    assert both.count("<li>") == 5
 
 
 def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
@@ -131,3 +170,23 @@ def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
     names = " ".join(terms())
     for run in demo.runs:
         assert f"{run['config']['task']} (task)" in names and run["config"]["loss_type"] in names
+
+
+def test_the_rare_bucket_ratio_of_section_6_is_every_runs_not_one_runs(demo):
+    """Section 6 quoted 340.7, one run's ratio of the rarest bucket's mean |β| to the most confident's at the first
+    snapshot; the six runs give 148.3 to 340.7. The sentence gives the median and the range over every run,
+    recomputed here from each file's first snapshot; with one run it says so."""
+    ratios = []
+    for g in demo.growths:
+        first = next(s for s in g["snapshots"] if "reference" in s)["reference"]["bucket_beta_abs_mean"]
+        filled = [m for m in first if m]
+        ratios.append(filled[0] / filled[-1])
+    ratios.sort()
+    assert len(ratios) == 6 and round(ratios[-1], 1) == 340.7 and round(ratios[0], 1) == 148.3
+    median = (ratios[2] + ratios[3]) / 2
+    text = gap_along_runs(demo)
+    assert (f"carried {median:.1f} (median; {ratios[0]:.1f} to {ratios[-1]:.1f} over 6 runs) times the mean |β| of "
+            "tokens at 0.99–1") in text
+    one = copy.deepcopy(demo)
+    one.growths = one.growths[:1]
+    assert "(one run) times the mean |β|" in gap_along_runs(one)

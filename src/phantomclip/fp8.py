@@ -212,6 +212,10 @@ LINEAR_QUANTS: dict[str, LinearQuant] = {q.name: q for q in [
     LinearQuant("fp8-a8", "none", "token",
                 "what-if, no engine runs it: per-token FP8 activations times the unquantised weights (trace)"),
 ]}
+EMULATED = ("emulated on a CPU by phantomclip's local engine (vLLM's quantisers bit for bit, the products summed in "
+            "fp32 in one order, not a GPU kernel's)")
+"""what every FP8 figure of the local engine stands on, said where the figure is shown (the report's rows and
+captions, diagnose's FP8 lines)."""
 KV_QUANT = "fp8-kv"
 """the FP8 KV cache (vLLM kv_cache_dtype='fp8', E4M3, scale 1.0)."""
 FP8_QUANTS = (*LINEAR_QUANTS, KV_QUANT)

@@ -15,10 +15,11 @@ STATUS_CLASS = {"ok": "verdict-ok", "at risk": "verdict-zero", "will stall": "ve
 
 
 def html_answer(diagnose: list[dict], roots) -> str:
-    """The answer of the last diagnose JSON that holds one, or '' when none does (the block is optional: older
-    files and other kinds of data draw the article without it)."""
-    result = next((d for d in reversed(diagnose) if isinstance(d.get("answer"), dict)), None)
-    if result is None:
+    """The answer of the last diagnose JSON (the one sections 3 and 4 draw), or '' when it holds none (the block is
+    optional: older files and other kinds of data draw the article without it; another file's answer would be about
+    another run than the page's)."""
+    result = diagnose[-1] if diagnose else None
+    if result is None or not isinstance(result.get("answer"), dict):
         return ""
     ans = result["answer"]
     c = ans["contract"]

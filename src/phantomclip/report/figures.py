@@ -2,8 +2,10 @@
 by token probability, the β histogram against the trust region, the share outside against ε, the precision/kernel
 split, α against β per token, and the error along depth.
 
-Each figure is a dict with Plotly's "data" and "layout", the "title" the page prints above it, and "source": the
-kind and the documents it was drawn from, which the page turns into the source line below it.
+Each figure is a record of plots.figure: Plotly's "data" and "layout", a short "title" above it, a "caption" below it
+(what its marks are, the rules it follows) and "source": the kind and the documents it was drawn from, which the page
+turns into the Data: line. Each draws its key point on the plot (plots.note): the ratio it shows, the share it counts,
+a token it is about.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 
 from ..metrics import PROB_EDGES
 from .growth_panel import bucket_labels, site_label
-from .plots import LOG_AXIS, PALETTE, category_axis, log_axis, plot_layout
+from .plots import LOG_AXIS, PALETTE, category_axis, figure, log_axis, note, plot_layout
 
 
 def fig_spacing(data) -> dict:
@@ -25,8 +27,14 @@ def fig_spacing(data) -> dict:
                "y": ulp(x.float(), dt).double().tolist(), "line": {"color": colour}}
               for (name, dt), colour in zip((("fp32", torch.float32), ("fp16", torch.float16),
                                              ("bf16", torch.bfloat16)), PALETTE)]
-    return {"data": traces, "layout": plot_layout("|x|", "spacing", xaxis=LOG_AXIS, yaxis={**LOG_AXIS, "dtick": 2}),
-            "title": "Spacing between neighbouring numbers (one ulp) against the magnitude", "source": ("computed", [])}
+    one = {name: ulp(torch.ones(1), dt).item() for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    layout = plot_layout("|x|", "spacing", xaxis=LOG_AXIS, yaxis={**LOG_AXIS, "dtick": 2})
+    layout["annotations"] = [note(0, math.log10(one["bf16"]), f"at 1: bf16 {one['bf16']:.3g}, fp32 {one['fp32']:.2g}",
+                                  ax=-70, ay=-40)]
+    return figure(traces, layout, "Spacing between neighbouring numbers (one ulp), by magnitude",
+                  "Each format's spacing doubles at every power of two; bf16's is 2^16 times fp32's at every "
+                  "magnitude, and fp16's stops shrinking below 6·10⁻⁵, where its subnormal numbers start.",
+                  ("computed", []))
 
 
 def _beta_arrays(diag: dict) -> dict[str, list[float]]:
@@ -38,30 +46,48 @@ def bucket_of(p: float) -> int:
     return min(sum(p >= e for e in PROB_EDGES[1:-1]), len(PROB_EDGES) - 2)
 
 
+def beta_by_bucket(diag: dict, beta: list) -> tuple[list[float | None], list[int]]:
+    """Mean |β| and the token count per engine-probability bucket (metrics.PROB_EDGES) of a recipe's per-token β."""
+    sums, counts = [0.0] * (len(PROB_EDGES) - 1), [0] * (len(PROB_EDGES) - 1)
+    for lp, b in zip(diag["tokens"]["logp_engine"], beta):
+        if lp is not None and b is not None:
+            k = bucket_of(math.exp(lp))
+            sums[k] += abs(b)
+            counts[k] += 1
+    return [t / c if c else None for t, c in zip(sums, counts)], counts
+
+
 def fig_beta_by_prob(data) -> dict | None:
     """Mean |β| per bucket of the engine's probability of the token, on metrics.PROB_EDGES: the buckets section 6
-    uses, so the two can be read side by side."""
+    uses, so the two can be read side by side. The note gives the first recipe's ratio of its rarest bucket to its
+    most confident (prose.rare_tokens says it in words)."""
     if not data.diagnose:
         return None
     diag = data.diagnose[-1]
     labels = bucket_labels(list(PROB_EDGES))
     traces = []
     for i, (name, arr) in enumerate(diag["tokens"]["per_recipe"].items()):
-        sums, counts = [0.0] * len(labels), [0] * len(labels)
-        for lp, b in zip(diag["tokens"]["logp_engine"], arr["beta"]):
-            if lp is None or b is None:
-                continue
-            k = bucket_of(math.exp(lp))
-            sums[k] += abs(b)
-            counts[k] += 1
-        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels,
-                       "y": [s / c if c else None for s, c in zip(sums, counts)], "line": {"color": PALETTE[i]},
-                       "text": [f"{c} tokens" for c in counts], "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
-    return {"data": traces, "layout": plot_layout("engine probability of the sampled token", "mean |β| (nats)",
-                                                  yaxis=log_axis([y for t in traces for y in t["y"]]),
-                                                  xaxis=category_axis(labels)),
-            "title": "Mean |β| by the engine's probability of the sampled token, per trainer recipe",
-            "source": ("diagnose", [diag])}
+        means, counts = beta_by_bucket(diag, arr["beta"])
+        traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels, "y": means,
+                       "line": {"color": PALETTE[i]}, "text": [f"{c} tokens" for c in counts],
+                       "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
+    layout = plot_layout("engine probability of the sampled token", "mean |β| (nats)",
+                         yaxis=log_axis([y for t in traces for y in t["y"]]), xaxis=category_axis(labels))
+    first = traces[0]
+    filled = [(x, y) for x, y in zip(first["x"], first["y"]) if y]
+    if len(filled) >= 2:
+        (x_lo, y_lo), (x_hi, y_hi) = filled[0], filled[-1]
+        layout["annotations"] = [note(x_hi, math.log10(y_hi), f"{first['name']}: {y_lo / y_hi:.0f}× less than at "
+                                                              f"{x_lo}", ax=-90, ay=-50)]
+    return figure(traces, layout, "Mean |β| by the engine's probability of the sampled token",
+                  "One line per trainer recipe; each point's hover gives its number of tokens. Rare tokens carry the "
+                  "large ratios: a logit error moves log p of a confident token little, and of a rare one fully.",
+                  ("diagnose", [diag]))
+
+
+def _outside(betas: list[float], log_low: float, log_high: float) -> int:
+    """How many of `betas` lie outside [log_low, log_high] (metrics.trust_region_split's strict rule)."""
+    return sum(b < log_low or b > log_high for b in betas)
 
 
 def fig_beta_hist(data) -> dict | None:
@@ -69,42 +95,58 @@ def fig_beta_hist(data) -> dict | None:
         return None
     diag = data.diagnose[-1]
     tr = diag["trust_region"]
+    arrays = _beta_arrays(diag)
     traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6,
                "marker": {"color": PALETTE[i]}, "visible": True if i == 0 else "legendonly"}
-              for i, (name, betas) in enumerate(_beta_arrays(diag).items())]
+              for i, (name, betas) in enumerate(arrays.items())]
     layout = plot_layout("β (nats)", "tokens", barmode="overlay", yaxis=LOG_AXIS)
     layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"],
                          "y0": 0, "y1": 1, "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
-    return {"data": traces, "layout": layout, "source": ("diagnose", [diag]),
-            "title": f"β = logp − logp_engine per token (α = 0); shaded: the trust region for "
-                     f"ε = {tr['epsilon_low']:g}"}
+    name, betas = next(iter(arrays.items()))
+    out = _outside(betas, tr["log_low"], tr["log_high"])
+    layout["annotations"] = [note(tr["log_high"], 0.9, f"{name}: {out} of {len(betas)} tokens outside the band",
+                                  yref="paper", ax=60, ay=-10, xanchor="left")]
+    return figure(traces, layout, "β per token before training, against the trust region",
+                  f"β = logp − logp_engine at α = 0, one histogram per trainer recipe (the first shown; click the "
+                  f"legend for the others). Shaded: the trust region for ε = {tr['epsilon_low']:g}, log(1 − ε) to "
+                  f"log(1 + ε); the tokens count on a log axis.", ("diagnose", [diag]))
 
 
 def fig_outside_vs_eps(data) -> dict | None:
     if not data.diagnose:
         return None
     eps_grid = [0.01 * i for i in range(1, 41)]
+    diag = data.diagnose[-1]
     traces = []
-    for i, (name, betas) in enumerate(_beta_arrays(data.diagnose[-1]).items()):
+    for i, (name, betas) in enumerate(_beta_arrays(diag).items()):
         n = max(len(betas), 1)
-        ys = [sum(1 for b in betas if b < math.log1p(-e) or b > math.log1p(e)) / n * 100 for e in eps_grid]
+        ys = [_outside(betas, math.log1p(-e), math.log1p(e)) / n * 100 for e in eps_grid]
         # a share of 0 has no place on a log axis: Plotly drew it as a vertical line down to the edge
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": eps_grid,
                        "y": [y if y > 0 else None for y in ys], "marker": {"size": 4},
                        "line": {"color": PALETTE[i]}})
     zeros = [(t["name"], t["x"][t["y"].index(None)]) for t in traces if None in t["y"]]
-    title = "Share of tokens whose β alone leaves [1 − ε, 1 + ε]"
+    caption = "One line per trainer recipe: the share of tokens outside [1 − ε, 1 + ε] on β alone, at α = 0."
     if zeros:
-        title += ("; a share of 0 is not drawn on this log axis: no token is outside from ε = "
-                  + ", ".join(f"{e:.2f} for {name}" for name, e in zeros))
-    return {"data": traces, "layout": plot_layout("ε", "% of tokens", yaxis=log_axis([y for t in traces
-                                                                                       for y in t["y"]])),
-            "title": title, "source": ("diagnose", data.diagnose[-1:])}
+        caption += (" A share of 0 is not drawn on this log axis: no token is outside from ε = "
+                    + ", ".join(f"{e:.2f} for {name}" for name, e in zeros) + ".")
+    layout = plot_layout("ε", "% of tokens", yaxis=log_axis([y for t in traces for y in t["y"]]))
+    eps = diag["trust_region"]["epsilon_low"]
+    first = traces[0]
+    at = min(range(len(eps_grid)), key=lambda k: abs(eps_grid[k] - eps))
+    if first["y"][at]:
+        layout["annotations"] = [note(eps_grid[at], math.log10(first["y"][at]),
+                                      f"{first['name']} at ε = {eps:g}: {first['y'][at]:.2g}%", ax=50, ay=-40)]
+    return figure(traces, layout, "Share of tokens whose β alone leaves the trust region, by ε", caption,
+                  ("diagnose", [diag]))
 
 
 def fig_beta_split(data) -> dict | None:
-    """Mean |β| of each recipe and its two parts, per diagnose file that has the split (one group per engine)."""
-    docs = [d for d in data.diagnose if "shadow" in d]
+    """Mean |β| of each recipe and its two parts, per diagnose file that has the split (one group per engine), of
+    the model of the last one (a file of another model, an MoE one of its own section, would mix two models'
+    bars). The note points at a recipe in the engine's own dtype, whose β is all kernel."""
+    last = data.diagnose[-1] if data.diagnose else {}
+    docs = [d for d in data.diagnose if "shadow" in d and d.get("model", {}).get("name") == last["model"]["name"]]
     if not docs:
         return None
     traces = []
@@ -120,10 +162,17 @@ def fig_beta_split(data) -> dict | None:
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y, "marker": {"color": PALETTE[i]},
                        "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
-    return {"data": traces, "layout": plot_layout("trainer recipe, by engine", "mean |β| (nats)", barmode="group",
-                                                  xaxis={"tickangle": 0}),
-            "title": "Mean |β| of each trainer recipe, split into its precision and kernel parts",
-            "source": ("diagnose", docs)}
+    layout = plot_layout("trainer recipe, by engine", "mean |β| (nats)", barmode="group", xaxis={"tickangle": 0})
+    total, precision = traces[0], traces[1]
+    at = next((k for k, v in enumerate(precision["y"]) if v == 0), None)
+    if at is not None:
+        top = max(t["y"][at] for t in traces)  # x: the category's place on the two-level axis
+        layout["annotations"] = [note(at, top, f"{total['x'][1][at]}: no precision part, all kernel", ay=-45)]
+    return figure(traces, layout, "Mean |β| per trainer recipe, and its precision and kernel parts",
+                  "β_precision: the recipe against its own forward in the engine's dtype (the shadow); β_kernel: "
+                  "that shadow against the engine (same weights and dtype, other kernels). The parts add up to β "
+                  "token by token; their sizes do not add, since both hold the shadow's rounding with opposite signs.",
+                  ("diagnose", docs))
 
 
 def _epsilons(run: dict) -> tuple[float, float]:
@@ -146,31 +195,36 @@ def _trust_region_edges(xs: list[float], eps: tuple[float, float]) -> list[dict]
 
 
 ZERO_ADVANTAGE = "advantage 0: no gradient to lose"
-"""tokens whose group's rewards were all equal: their loss term is zero on either branch, clipped or not, so they
-are drawn apart from the tokens whose gradient flows (1024 of the demo's 1192 'gradient flows' were these)."""
-TOKEN_COLOURS = {"gradient flows": "#999999", "phantom-clipped": "#D55E00", "clipped (α alone too)": "#0072B2",
-                 ZERO_ADVANTAGE: "#DDDDDD"}
+"""tokens whose group's rewards were all equal: their loss term is zero on either branch, clipped or not. They are
+counted in the caption, not drawn (1024 of the sanity baseline's 1192 logged tokens were these: a grey cloud that hid
+the tokens whose gradient flows, and most of the figure's bytes)."""
+TOKEN_STYLES = {"gradient flows": ("#999999", "circle", 5), "phantom-clipped": ("#D55E00", "diamond", 9),
+                "clipped (α alone too)": ("#0072B2", "square", 7)}
+"""outcome -> (colour, marker, size): told apart by shape as well as colour (Okabe-Ito's vermillion and blue against
+grey), so a reader who cannot tell the colours apart still can."""
 
 
-def _token_groups(run: dict) -> dict[str, tuple[list, list]]:
-    """α and β of every logged token of `run`, grouped by what the clip did to it."""
+def _token_groups(run: dict) -> tuple[dict[str, tuple[list, list]], int]:
+    """α and β of every logged token of `run` whose advantage is not 0, grouped by what the clip did to it, and the
+    count of tokens of advantage 0."""
     import torch
 
     from ..metrics import phantom_clip_mask
 
     eps_low, eps_high = _epsilons(run)
-    groups: dict[str, tuple[list, list]] = {k: ([], []) for k in TOKEN_COLOURS}
+    groups: dict[str, tuple[list, list]] = {k: ([], []) for k in TOKEN_STYLES}
+    zeros = 0
     for t in run["tokens"]:
         alpha_clips = phantom_clip_mask(torch.tensor(t["alpha"], dtype=torch.float64),
                                         torch.tensor(t["advantage"], dtype=torch.float64), eps_low, eps_high).tolist()
         for a, b, adv, c, ac in zip(t["alpha"], t["beta"], t["advantage"], t["clipped"], alpha_clips):
-            if c:
-                key = "clipped (α alone too)" if ac else "phantom-clipped"
-            else:
-                key = ZERO_ADVANTAGE if adv == 0 else "gradient flows"
+            if adv == 0:
+                zeros += 1
+                continue
+            key = ("clipped (α alone too)" if ac else "phantom-clipped") if c else "gradient flows"
             groups[key][0].append(a)
             groups[key][1].append(b)
-    return groups
+    return groups, zeros
 
 
 def _clipped(groups: dict) -> int:
@@ -186,35 +240,49 @@ def _first_clipping_step(runs: list[dict]) -> tuple[dict, dict] | None:
     return runs[i], m
 
 
+def _arm(run: dict) -> str:
+    return run.get("arm") or run["config"].get("intervention", "")
+
+
 def fig_alpha_beta_tokens(data) -> dict | None:
-    """Per token of the first logged steps of one run: α against β, by outcome. The run is the first (the baseline
-    first) whose logged tokens hold a clipped one; when none does, the baseline, and the title says at which step
-    a run's metrics first record a clip and how to log its tokens."""
-    runs = [r for r in data.runs if r.get("tokens")]
+    """Per token of the first logged steps of one run: α against β, by outcome. The run is the first whose logged
+    tokens hold a phantom-clipped one (then a clipped one), baseline runs first ('none': the sanity experiment's,
+    then the FP8 experiment's bf16 engine, the same contract); when none does, the first baseline run, and the
+    caption says at which step a run's metrics first record a clip and how to log its tokens."""
+    runs = [r for r in data.runs + data.fp8_runs if r.get("tokens")]
     if not runs:
         return None
-    runs.sort(key=lambda r: r["config"].get("intervention") != "none")  # the baseline first; stable otherwise
-    grouped = [(r, _token_groups(r)) for r in runs]
-    run, groups = next(((r, g) for r, g in grouped if _clipped(g)), grouped[0])
+    runs.sort(key=lambda r: _arm(r) != "none")  # the baseline first; stable otherwise
+    grouped = [(r, *_token_groups(r)) for r in runs]
+    run, groups, zeros = next(((r, g, z) for r, g, z in grouped if g["phantom-clipped"][0]),
+                              next(((r, g, z) for r, g, z in grouped if _clipped(g)), grouped[0]))
     traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys,
-               "marker": {"size": 5, "opacity": 0.6, "color": TOKEN_COLOURS[k]}}
-              for k, (xs, ys) in groups.items() if xs or k != ZERO_ADVANTAGE]
+               "marker": {"size": size, "opacity": 0.75, "color": colour, "symbol": symbol}}
+              for k, (xs, ys) in groups.items() for colour, symbol, size in [TOKEN_STYLES[k]]]
     layout = plot_layout("α (nats)", "β (nats)", showlegend=True)
     layout["shapes"] = _trust_region_edges([a for xs, _ in groups.values() for a in xs], _epsilons(run))
+    xs, ys = groups["phantom-clipped"]
+    if xs:
+        k = max(range(len(ys)), key=lambda i: abs(ys[i]))
+        layout["annotations"] = [note(xs[k], ys[k], "phantom-clipped: α alone inside, β pushed it out", ax=60,
+                                      ay=-40 if ys[k] < 0 else 40, xanchor="left")]
     steps = [t["step"] for t in run["tokens"]]
-    title = (f"Run '{run['name']}', logged steps {min(steps)}–{max(steps)}: α against β per token. Dashed: "
-             "α + β at the trust region's edges; dotted: α alone at them")
+    caption = (f"Each token with a gradient to lose, by what the clip did to it. Dashed: α + β at the trust region's "
+               f"edges; dotted: α alone at them. Not drawn: {zeros} tokens of advantage 0 (groups whose rewards were "
+               "all equal: no gradient to lose).")
     if not _clipped(groups):
-        title += ("; no token of these steps was clipped" + (f" in any of the {len(runs)} runs that logged tokens"
-                                                             if len(runs) > 1 else ""))
+        caption += (" No token of these steps was clipped" + (f" in any of the {len(runs)} runs that logged tokens"
+                                                              if len(runs) > 1 else "") + ".")
         first = _first_clipping_step([run]) or _first_clipping_step([r for r in data.runs if r["metrics"]])
         if first:
             r, m = first
             where = "this run's metrics" if r is run else f"the metrics of '{r['name']}'"
-            title += (f". The first clip in {where} is at step {m['step']} "
-                      f"({100 * m['clip/rate']:.1f}% of tokens, {100 * (m.get('clip/phantom_rate') or 0):.1f}% "
-                      f"phantom): log that far with train --token-log-steps {m['step']}")
-    return {"data": traces, "layout": layout, "source": ("runs", [run]), "title": title}
+            caption += (f" The first clip in {where} is at step {m['step']} "
+                        f"({100 * m['clip/rate']:.1f}% of tokens, {100 * (m.get('clip/phantom_rate') or 0):.1f}% "
+                        f"phantom): log that far with train --token-log-steps {m['step']}.")
+    of = f" of experiment {run['experiment']}" if run.get("experiment") not in (None, "sanity") else ""
+    title = f"α against β per token, run '{run['name']}'{of}, steps {min(steps)}–{max(steps)}"
+    return figure(traces, layout, title, caption, ("runs", [run]))
 
 
 def fig_trace_depth(data) -> dict | None:
@@ -223,13 +291,20 @@ def fig_trace_depth(data) -> dict | None:
     t = data.traces[-1]
     sites = [s for s in t["sites"]
              if s["site"].endswith("residual") or s["site"] in ("embed", "final_norm", "logits", "logprobs")]
-    return {"data": [{"type": "scatter", "mode": "lines+markers", "name": "relative error",
-                      "x": [site_label(s["site"]) for s in sites], "y": [s["rel_error"] for s in sites],
-                      "text": [s["site"] for s in sites], "hovertemplate": "%{text}: %{y:.3g}",
-                      "line": {"color": PALETTE[0]}}],
-            "layout": plot_layout("site: embedding, the residual stream after each layer, final norm, logits, "
-                                  "log-probabilities", "‖x − x_ref‖ / ‖x_ref‖",
-                                  yaxis=log_axis([s["rel_error"] for s in sites]),
-                                  xaxis=category_axis([site_label(s["site"]) for s in sites]), showlegend=False),
-            "title": f"{t['recipe']} against {t['against']}: relative error along the depth",
-            "source": ("traces", [t])}
+    labels = [site_label(s["site"]) for s in sites]
+    errors = [s["rel_error"] for s in sites]
+    layout = plot_layout("site: embedding, the residual stream after each layer, final norm, logits, "
+                         "log-probabilities", "‖x − x_ref‖ / ‖x_ref‖", yaxis=log_axis(errors),
+                         xaxis=category_axis(labels), showlegend=False)
+    # the key point: the largest error and where along the depth it is
+    top = max(range(len(errors)), key=errors.__getitem__, default=None)
+    if top is not None and errors[top] > 0:
+        layout["annotations"] = [note(top, math.log10(errors[top]), f"largest: {errors[top]:.2g} at {labels[top]}",
+                                      ax=-60, ay=-10, xanchor="right")]
+    return figure([{"type": "scatter", "mode": "lines+markers", "name": "relative error", "x": labels, "y": errors,
+                    "text": [s["site"] for s in sites], "hovertemplate": "%{text}: %{y:.3g}",
+                    "line": {"color": PALETTE[0]}}], layout,
+                  f"{t['recipe']} against {t['against']}: relative error along the depth",
+                  "The same tokens through both recipes; at each site, the norm of the difference over the norm of "
+                  f"the {t['against']} reference.",
+                  ("traces", [t]))

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from .escape import html_text
-from .plots import PALETTE, arm_colour, category_axis, log_axis, plot_layout, seed_symbol
+from .plots import PALETTE, arm_colour, category_axis, figure, log_axis, note, plot_layout, seed_symbol, step_axis
 
 COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
 """what writes the data of this section."""
@@ -58,8 +58,8 @@ def _line(growths: list[dict], i: int, name: str, xy: tuple[list, list], dash: s
     arm, seed = arm_and_seed(growths[i])
     arms = [arm_and_seed(d)[0] for d in growths]
     return {"type": "scatter", "mode": "lines+markers", "name": run_name(growths[i]), "x": xy[0], "y": xy[1],
-            "legendgroup": str(i), "showlegend": dash == "solid",
-            "hovertemplate": f"{html_text(name)}: %{{y:.4g}} at %{{x}}<extra></extra>",
+            "legendgroup": str(i), "showlegend": dash == "solid", "text": [name] * len(xy[0]),
+            "hovertemplate": "%{text}: %{y:.4g} at %{x}<extra></extra>",
             "line": {"dash": dash, "color": arm_colour(arm, arms) if arm in arms else PALETTE[i % len(PALETTE)]},
             "marker": {"symbol": seed_symbol(seed), "size": 7}}
 
@@ -70,19 +70,29 @@ def _reference_rows(doc: dict) -> list[dict]:
 
 
 def fig_growth(growths: list[dict]) -> dict | None:
-    """Mean |β|, |β_precision| and |β_kernel| on the reference tokens at each snapshot, one colour per run."""
+    """Mean |β|, |β_precision| and |β_kernel| on the reference tokens at each snapshot, one colour per run; the note
+    points at the run whose |β| grew most."""
     if not growths:
         return None
-    traces = []
+    traces, grew = [], []
     for i, doc in enumerate(growths):
         rows = _reference_rows(doc)
         for key, dash, label in (("beta_abs_mean", "solid", "|β|"), ("beta_precision_abs_mean", "dash", "precision"),
                                  ("beta_kernel_abs_mean", "dot", "kernel")):
             traces.append(_line(growths, i, f"{run_name(doc)}: {label}",
                                 ([s["step"] for s in rows], [s["reference"][key] for s in rows]), dash))
-    return {"data": traces, "layout": plot_layout("step", "mean |·| (nats)"), "source": ("growths", growths),
-            "title": "Mean |β| (solid) and its precision (dashed) and kernel (dotted) parts along each run, on fixed "
-                     "tokens (those sampled at the first snapshot)"}
+        if rows and rows[0]["reference"]["beta_abs_mean"]:
+            first, last = rows[0]["reference"]["beta_abs_mean"], rows[-1]["reference"]["beta_abs_mean"]
+            grew.append((last / first, run_name(doc), rows[-1]["step"], last))
+    layout = plot_layout("step", "mean |·| (nats)", xaxis=step_axis([s["step"] for d in growths
+                                                                       for s in _reference_rows(d)]))
+    if grew:
+        factor, name, step, last = max(grew)
+        layout["annotations"] = [note(step, last, f"{name}: ×{factor:.1f} since the first snapshot", ax=-80, ay=-20)]
+    return figure(traces, layout, "Mean |β| and its parts along each run, on fixed tokens",
+                  "Solid: |β|; dashed: its precision part; dotted: its kernel part. The tokens are those sampled at "
+                  "the first snapshot, re-read at every snapshot, so every change is the network's.",
+                  ("growths", growths))
 
 
 def fig_growth_buckets(growths: list[dict]) -> dict | None:
@@ -95,12 +105,11 @@ def fig_growth_buckets(growths: list[dict]) -> dict | None:
         for s, dash in ((rows[0], "dot"), (rows[-1], "solid")):
             traces.append(_line(growths, i, f"{run_name(doc)}, step {s['step']}",
                                 (bucket_labels(doc["prob_edges"]), s["reference"]["bucket_beta_abs_mean"]), dash))
-    return {"data": traces, "layout": plot_layout("engine probability of the token", "mean |β| (nats)",
-                                                  yaxis=log_axis([y for t in traces for y in t["y"] if y is not None]),
-                                                  xaxis=category_axis(bucket_labels(growths[0]["prob_edges"]))),
-            "source": ("growths", growths),
-            "title": "Mean |β| by the engine's probability of the token, first (dotted) and last (solid) snapshot, "
-                     "fixed tokens"}
+    return figure(traces, plot_layout("engine probability of the token", "mean |β| (nats)",
+                                      yaxis=log_axis([y for t in traces for y in t["y"] if y is not None]),
+                                      xaxis=category_axis(bucket_labels(growths[0]["prob_edges"]))),
+                  "Mean |β| by the engine's probability of the token, first and last snapshot",
+                  "Dotted: the first snapshot; solid: the last; the fixed tokens of each run.", ("growths", growths))
 
 
 def fig_growth_depth(growths: list[dict]) -> dict | None:
@@ -118,13 +127,12 @@ def fig_growth_depth(growths: list[dict]) -> dict | None:
     if not traces:
         return None
     sites = list(dict.fromkeys(x for t in traces for x in t["x"]))
-    return {"data": traces, "layout": plot_layout("site: embedding, the residual stream after each layer, final norm",
-                                                  "‖x_engine − x_trainer‖ / ‖x_trainer‖",
-                                                  yaxis=log_axis([y for t in traces for y in t["y"]]),
-                                                  xaxis=category_axis(sites)),
-            "source": ("growths", growths),
-            "title": "Relative error of the engine's recipe against the trainer's along the depth, first (dotted) "
-                     "and last (solid) snapshot, fixed tokens"}
+    return figure(traces, plot_layout("site: embedding, the residual stream after each layer, final norm",
+                                      "‖x_engine − x_trainer‖ / ‖x_trainer‖",
+                                      yaxis=log_axis([y for t in traces for y in t["y"]]), xaxis=category_axis(sites)),
+                  "Relative error of the engine's recipe along the depth, first and last snapshot",
+                  "Against the trainer's recipe, on each run's fixed tokens; dotted: the first snapshot, solid: the "
+                  "last.", ("growths", growths))
 
 
 def last_changes(doc: dict) -> dict[str, tuple[int, dict]]:
@@ -152,10 +160,11 @@ def fig_growth_split(growths: list[dict]) -> dict | None:
     traces = [{"type": "bar", "name": p, "x": [runs, sets], "y": parts[p], "marker": {"color": PALETTE[i]}}
               for i, p in enumerate(PARTS)]
     x_title = "run; tokens: reference (the first snapshot's) or own (each snapshot's)"
-    return {"data": traces, "layout": plot_layout(x_title, "Δ mean |β| (nats)",
-                                                  barmode="relative", xaxis={"tickangle": 0}),
-            "source": ("growths", growths),
-            "title": "Change of mean |β| since the first snapshot = mix + within + interaction"}
+    return figure(traces, plot_layout(x_title, "Δ mean |β| (nats)", barmode="relative", xaxis={"tickangle": 0}),
+                  "Change of mean |β| since the first snapshot = mix + within + interaction",
+                  "At each run's last snapshot: the token mix (which probability buckets the tokens fall in), the "
+                  "network within a bucket, and the two together, which add up to the change exactly.",
+                  ("growths", growths))
 
 
 def dominant_part(d: dict) -> str:

@@ -20,12 +20,12 @@ from pathlib import Path
 from ..files import json_safe
 from ..owned import write_owned, write_owned_bytes
 from . import figures as diagnose_figures
-from . import growth_panel
+from . import growth_panel, moe_panel
 from .answer_panel import html_answer
 from .escape import html_text, script_json
 from .glossary import html_glossary
 from .interventions_table import html_fp8_table, html_sanity_table
-from .plots import PALETTE
+from .plots import PALETTE, plotly_text
 from .prose import TEXTS
 from .sources import ReportData, ReportError, collect
 from .summary import html_sections_compared, html_summary, machine, short_path, source_line
@@ -47,10 +47,14 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
     "phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step", "% of tokens"),
                       SANITY),
     "beta_steps": (lambda d: per_step(d, "mismatch/beta_abs_mean", "Mean |β| per step", "mean |β| (nats)"), SANITY),
-    "fp8_training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step, bf16 and FP8 "
-                                        "engines", "tokens", carry=True, runs=d.fp8_runs, shown=FP8_SHOWN_ARMS), FP8),
-    "fp8_phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step, bf16 and FP8 "
-                                             "engines", "% of tokens", runs=d.fp8_runs, shown=FP8_SHOWN_ARMS), FP8),
+    "fp8_training": (lambda d: per_step(d, "completion/length_mean", "Mean completion length per step, bf16 and "
+                                        "emulated FP8 engines", "tokens", carry=True, runs=d.fp8_runs,
+                                        shown=FP8_SHOWN_ARMS), FP8),
+    "fp8_phantom_steps": (lambda d: per_step(d, "clip/phantom_rate", "Phantom-clipped tokens per step, bf16 and "
+                                             "emulated FP8 engines", "% of tokens", runs=d.fp8_runs,
+                                             shown=FP8_SHOWN_ARMS), FP8),
+    "moe_flips": (moe_panel.fig_moe_flips, moe_panel.DIAGNOSE),
+    "moe_training": (moe_panel.fig_moe_training, moe_panel.EXPERIMENT),
     "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
     "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
     "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
@@ -62,31 +66,62 @@ WIDGETS = ("number_line", "crossing", "grpo_widget")
 """figures drawn in the browser by widgets.js (they need no data)."""
 
 
+def _run_groups(data: ReportData) -> list[tuple[str, list[dict]]]:
+    """The runs grouped by experiment and arm, in the order found: ('experiment sanity, arm none', its runs)."""
+    groups: dict[str, list[dict]] = {}
+    for r in data.runs + data.fp8_runs + data.moe_runs:
+        arm = r.get("arm") or r["config"].get("intervention", r["name"])
+        where = f"experiment {r['experiment']}, arm {arm}" if r.get("experiment") else f"run {r['name']}"
+        groups.setdefault(where, []).append(r)
+    return list(groups.items())
+
+
+def _differs(runs: list[dict]) -> str:
+    """' The other runs' configurations differ from it only in: seed.' (the keys whose values differ), or ''."""
+    first = runs[0]["config"]
+    keys = sorted({k for r in runs[1:] for k in set(first) | set(r["config"])
+                   if k != "versions" and first.get(k) != r["config"].get(k)})
+    return f" The other runs' configurations differ from it only in: {', '.join(keys)}." if keys else ""
+
+
 def html_appendix(data: ReportData, copied: dict[Path, str], roots: list[Path]) -> str:
-    """Every data file: its copy under data/ (or its path relative to --from), its configuration and versions."""
-    items = [("diagnose", d["_path"], d.get("config", {}), d.get("versions", {})) for d in data.diagnose]
-    items += [(f"run {r['name']}", r["_path"], r["config"], r["config"].get("versions", {})) for r in data.runs]
-    items += [(f"run {r['name']} (experiment fp8)", r["_path"], r["config"], r["config"].get("versions", {}))
-              for r in data.fp8_runs]
-    items += [(f"experiment {s.get('experiment', 'sanity')}", s["_path"], s.get("base_config", {}), {})
-              for s in data.sanity + data.fp8]
-    items += [("trace", t["_path"], t.get("config", {}), {}) for t in data.traces]
-    items += [("trace --run", g["_path"], {"run": growth_panel.run_name(g), "model": g["model"]}, {})
-              for g in data.growths]
-    if not items:
-        return "<p>No data files were given.</p>"
-    out = "<ul>"
-    for kind, path, cfg, versions in items:
+    """Every data file: its copy under data/ (or its path relative to --from), its configuration and versions; the
+    runs of an arm as one item (a link per seed and file, the first seed's configuration and what the others
+    change), where one item per run listed 66 runs with 132 folded boxes."""
+    def link(path: Path, label: str | None = None) -> str:
+        rel = copied.get(path)
+        if rel is None:
+            return html_text(short_path(str(path), roots))
+        return f'<a href="{html_text(rel)}">{html_text(label or rel)}</a>'
+
+    def boxes(cfg: dict, versions: dict, said: str = "") -> str:
         cfg = _no_absolute_paths(cfg, roots)
-        link = copied.get(Path(path))
-        shown = link or short_path(path, roots)
-        name = f'<a href="{html_text(link)}">{html_text(link)}</a>' if link else html_text(shown)
-        out += (f"<li><b>{html_text(kind)}</b>: {name}<details><summary>configuration</summary><pre>"
+        return (f"<details><summary>configuration</summary>{html_text(said)}<pre>"
                 f"{html_text(json.dumps(cfg, indent=1, default=str))}</pre></details>"
                 + (f"<details><summary>versions</summary><pre>{html_text(json.dumps(versions, indent=1))}</pre>"
-                   "</details>" if versions else "")
-                + "</li>")
-    return out + "</ul>"
+                   "</details>" if versions else ""))
+
+    out = []
+    for d in data.diagnose:
+        out.append(f"<b>diagnose</b>: {link(Path(d['_path']))}{boxes(d.get('config', {}), d.get('versions', {}))}")
+    for where, runs in _run_groups(data):
+        files = "; ".join(
+            f"{html_text(r['name'].rsplit('/', 1)[-1])}: " + ", ".join(
+                link(Path(r["_path"]) / f, f.split(".")[0]) for f in ("metrics.jsonl", "config.json", "tokens.jsonl")
+                if f != "tokens.jsonl" or r.get("tokens"))
+            for r in runs)
+        said = (f"The first run's ({runs[0]['name']})." + _differs(runs)) if len(runs) > 1 else ""
+        out.append(f"<b>{html_text(where)}</b> ({len(runs)} run{'s' if len(runs) > 1 else ''}): {files}"
+                   + boxes(runs[0]["config"], runs[0]["config"].get("versions", {}), said))
+    for doc in data.sanity + data.fp8 + data.moe:
+        out.append(f"<b>experiment {html_text(doc.get('experiment', 'sanity'))}</b>: {link(Path(doc['_path']))}"
+                   + boxes(doc.get("base_config", {}), {}))
+    out += [f"<b>trace</b>: {link(Path(t['_path']))}{boxes(t.get('config', {}), {})}" for t in data.traces]
+    out += [f"<b>trace --run</b>: {link(Path(g['_path']))}"
+            + boxes({"run": growth_panel.run_name(g), "model": g["model"]}, {}) for g in data.growths]
+    if not out:
+        return "<p>No data files were given.</p>"
+    return "<ul>" + "".join(f"<li>{item}</li>" for item in out) + "</ul>"
 
 
 def _no_absolute_paths(x, roots: list[Path]):
@@ -102,14 +137,17 @@ def _no_absolute_paths(x, roots: list[Path]):
 
 
 def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str:
+    """The figure's HTML: its short title, the plot, the band button where it has one, its caption and its Data:
+    line. Every string of its data and layout reaches Plotly as text (plots.plotly_text), never as markup."""
     kind, docs = fig.pop("source")
-    title = fig.pop("title")
+    title, caption = fig.pop("title"), fig.pop("caption", "")
     toggle = ('<button type="button" class="band-toggle" aria-pressed="false" onclick="bandToggle(this)" '
               f'data-figure="{name}">Show every arm\'s band</button>' if fig.pop("band_toggle", False) else "")
-    figures[name] = _compact(json_safe(fig))  # NaN/inf -> null: browsers' JSON has neither
+    figures[name] = _compact(json_safe(plotly_text(fig)))  # NaN/inf -> null: browsers' JSON has neither
     return (f'<figure class="chart"><div class="fig-title">{html_text(title)}</div>'
             f'<div class="figure" id="fig-{name}"></div>{toggle}'
-            f'<figcaption class="source">{html_text(source_line(kind, docs, roots))}</figcaption></figure>')
+            + (f'<p class="caption">{html_text(caption)}</p>' if caption else "")
+            + f'<figcaption class="source">{html_text(source_line(kind, docs, roots))}</figcaption></figure>')
 
 
 def _compact(x):
@@ -183,18 +221,30 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
 
     if name in WIDGETS:
         return f'<div class="widget" id="{name}"></div>'
-    tables = {"sanity_table": (lambda: html_sanity_table(data), SANITY),
-              "fp8_table": (lambda: html_fp8_table(data), FP8),
-              "growth_table": (lambda: growth_panel.html_growth_table(data.growths), growth_panel.COMMAND),
-              "your_framework": (lambda: html_framework_panel(data.diagnose),
-                                 "phantomclip diagnose --json diagnose.json")}
+    brief = ctx.get("arms_table", False)  # the first table of arms carries the long note
+    last = data.diagnose[-1:]
+    moe = [d for d in [moe_panel.moe_diagnose(data)] if d]
+    tables = {  # name -> (the table, its Data: line's kind and documents, the command that makes the data)
+        "sanity_table": (lambda: html_sanity_table(data, brief), ("summary", [*data.sanity[-1:], *data.runs]), SANITY),
+        "fp8_table": (lambda: html_fp8_table(data, brief), ("summary", [*data.fp8[-1:], *data.fp8_runs]), FP8),
+        "moe_split": (lambda: moe_panel.html_route_split(data), ("diagnose", moe), moe_panel.DIAGNOSE),
+        "moe_table": (lambda: moe_panel.html_moe_table(data, brief), ("summary", [*data.moe[-1:], *data.moe_runs]),
+                      moe_panel.EXPERIMENT),
+        "growth_table": (lambda: growth_panel.html_growth_table(data.growths), ("growths", data.growths),
+                         growth_panel.COMMAND),
+        "your_framework": (lambda: html_framework_panel(data.diagnose), ("diagnose", last),
+                           "phantomclip diagnose --json diagnose.json")}
     if name in tables:
-        draw, command = tables[name]
-        return draw() or _missing(command)
+        draw, (kind, docs), command = tables[name]
+        html = draw()
+        ctx["arms_table"] = brief or (bool(html) and 'class="arms"' in html)
+        if not html:
+            return _missing(command)
+        return html + f'<p class="source">{html_text(source_line(kind, docs, ctx["roots"]))}</p>'
     if name == "appendix":
         return html_appendix(data, ctx["copied"], ctx["roots"])
     if name == "summary":
-        return html_summary(data.diagnose, data.sanity, data.fp8)
+        return html_summary(data.diagnose, data.sanity, data.fp8, moe_panel.summary_line(data))
     if name == "answer":
         return html_answer(data.diagnose, ctx["roots"])
     if name == "glossary":
@@ -224,7 +274,10 @@ def render(data: ReportData, copied: dict[Path, str] | None = None, roots: list[
     figures: dict[str, dict] = {}
     for marker in re.findall(r"<!-- figure: [a-z0-9_]+ -->", body):
         name = marker[len("<!-- figure: ") : -len(" -->")]
-        body = body.replace(marker, _block(name, data, figures, ctx), 1)
+        block = _block(name, data, figures, ctx)
+        if block.startswith('<p class="missing"'):  # its lead-in ('How the share ... depends on ε:') would dangle
+            body = re.sub(r"<p>(?:(?!<p>).)*?:</p>\s*(?=" + re.escape(marker) + ")", "", body, count=1, flags=re.S)
+        body = body.replace(marker, block, 1)
     for marker in re.findall(r"<!-- text: [a-z0-9_]+ -->", body):  # sentences computed from the data (prose.py)
         name = marker[len("<!-- text: ") : -len(" -->")]
         text = TEXTS[name](data) if name in TEXTS else f"(unknown text {name} in article.md)"
@@ -246,14 +299,15 @@ def _safe_name(name: str) -> str:
 
 def _copy_data(data: ReportData, out: Path) -> dict[Path, str]:
     copied: dict[Path, str] = {}
-    fp8_runs = {Path(r["_path"]) for r in data.fp8_runs}
+    # the runs of another experiment than sanity say whose they are: an FP8 experiment's 'none' is not sanity's
+    others = {Path(r["_path"]): f"{r['experiment']}-experiment" for r in data.fp8_runs + data.moe_runs}
     files = data.files()
     width = max(2, len(str(len(files) - 1)))  # '099' before '100': the copies list in the order they were found
     for i, f in enumerate(files):
         # a run of an experiment lives in OUT/<arm>/seed-<s>/: its arm is part of the name ('11-seed-0-metrics.jsonl'
         # said which seed but not of which arm); an FP8 experiment's runs say so too (its 'none' is not sanity's)
         folder = f.parent.name if not f.parent.name.startswith("seed-") else f"{f.parent.parent.name}-{f.parent.name}"
-        folder = f"fp8-experiment-{folder}" if f.parent in fp8_runs else folder
+        folder = f"{others[f.parent]}-{folder}" if f.parent in others else folder
         rel = f"data/{i:0{width}d}-{_safe_name(folder)}-{f.name}"
         write_owned(out, out / rel, lambda tmp, f=f: shutil.copyfile(f, tmp))  # no link at out/data nor below
         copied[f] = rel

@@ -1,13 +1,17 @@
-"""What every figure of the article shares: the palette, one colour per training arm, the Plotly layout, and the
-per-step lines with their seed bands.
+"""What every figure of the article shares: the palette, one colour per training arm, the Plotly layout, the
+per-step lines with their seed bands, the text Plotly is given, and the figure record itself (`figure`).
 
-Titles are not drawn by Plotly: the page puts each figure's title in HTML above it (where it wraps instead of being
-cut off) and its source line below it. Legends sit above the plot area, so they never cover an axis title.
+Titles are not drawn by Plotly: the page puts each figure's short title in HTML above it (where it wraps instead of
+being cut off), and its caption (what the lines, bands and markers are, the rules the figure follows) and source line
+below it. Legends sit above the plot area, so they never cover an axis title.
 """
 
 from __future__ import annotations
 
+import html
 import math
+
+from ..files import printable
 
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""
@@ -37,6 +41,55 @@ def arm_colour(arm: str, arms: list[str]) -> str:
         return ARM_COLOURS[correction] if correction else FP8_COLOUR
     unknown = [a for a in arms if a not in ARM_COLOURS]
     return SPARE_COLOURS[unknown.index(arm) % len(SPARE_COLOURS)]
+
+
+TITLE_WORDS = 15
+"""a figure's title says what it shows in at most this many words; the rest goes in its caption."""
+
+
+def figure(data: list[dict], layout: dict, title: str, caption: str, source: tuple, **kw) -> dict:
+    """A figure record the page draws: Plotly's data and layout, the title above it (at most TITLE_WORDS words), the
+    caption under it and `source` (the kind and the documents drawn from, which the page turns into the Data: line).
+    Extra keys (`band_toggle`) ride along."""
+    if len(title.split()) > TITLE_WORDS:
+        raise ValueError(f"figure title of {len(title.split())} words (at most {TITLE_WORDS}): {title}")
+    return {"data": data, "layout": layout, "title": title, "caption": caption, "source": source, **kw}
+
+
+TEMPLATE_KEYS = ("hovertemplate", "texttemplate")
+"""Plotly's template strings: ours alone (placeholders such as %{x} and our own <extra></extra>); data reaches the
+hover through `text` or `customdata`, never inside a template, where a '%{...}' in a name would be substituted."""
+
+
+def plotly_text(x):
+    """`x` (a figure's data or layout) with every string but a template's made safe as Plotly text: Plotly renders a
+    subset of HTML in trace names, hover text, tick labels and annotations (<b>, <br>, <span style=...>, <a>), so a
+    name such as '<span style="font-size:60px">' would draw 60-px text in every legend. `&`, `<` and `>` become
+    entities, which Plotly turns back into the characters after it has read the tags (svg_text_utils, convertEntities):
+    the name is shown as typed. Lone surrogates are shown as \\xNN (files.printable)."""
+    if isinstance(x, str):
+        return html.escape(printable(x), quote=False)
+    if isinstance(x, dict):
+        return {k: (v if k in TEMPLATE_KEYS else plotly_text(v)) for k, v in x.items()}
+    if isinstance(x, list):
+        return [plotly_text(v) for v in x]
+    return x
+
+
+def step_axis(steps: list[int]) -> dict:
+    """An x axis of training steps: ticks on whole steps only (Plotly put ticks at 1.5 and 2.5 on a 4-step run), every
+    step up to 10 of them, else every 2, 5, 10, 20, 50 ... steps, whichever first gives at most 10 ticks."""
+    span = max(steps, default=1) - min(steps, default=0)
+    dtick = next(d for m in (1, 10, 100, 1000, 10**4, 10**5) for d in (m, 2 * m, 5 * m) if span / d <= 10)
+    return {"tickmode": "linear", "tick0": 0, "dtick": dtick, "tickformat": "d"}
+
+
+def note(x: float, y: float, text: str, xref: str = "x", yref: str = "y", **kw) -> dict:
+    """A Plotly annotation: the figure's key point written on the plot, at (x, y) in data units (or 'paper'), with
+    an arrow to the point unless `showarrow=False`."""
+    return {"x": x, "y": y, "xref": xref, "yref": yref, "text": text, "showarrow": True, "arrowhead": 2,
+            "arrowsize": 1, "arrowwidth": 1, "ax": -40, "ay": -30, "font": {"size": 12},
+            "bgcolor": "rgba(255,255,255,0.8)", **kw}
 
 
 def seed_symbol(i: int) -> str:

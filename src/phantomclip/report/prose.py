@@ -7,71 +7,63 @@ text, escaped by the page) or "" when its data is missing, and the paragraph the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..metrics import PROB_EDGES
+from .correlation import pearson_and_slope, spearman
+from .interventions_table import and_join
 
 WEAK = 0.3
-"""|r| below this: the points are said to show no clear direction (Cohen's 'small' effect, 1988, as a reading aid;
-the sentence gives r itself as well)."""
-
-
-def pearson_and_slope(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Pearson's r and the least-squares slope of y on x; None with fewer than 3 points or no spread."""
-    n = len(xs)
-    if n < 3:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    if sxx <= 0 or syy <= 0:
-        return None
-    return sxy / math.sqrt(sxx * syy), sxy / sxx
+"""|ρ| below this: the points are said to show no clear direction (Cohen's 'small' effect, 1988, as a reading aid;
+the sentence gives ρ itself as well)."""
 
 
 def _direction(r: float) -> str:
     if abs(r) < WEAK:
-        return "show no clear direction"
-    return "rise to the right" if r > 0 else "fall to the right"
+        return "shows no clear direction"
+    return "rises to the right" if r > 0 else "falls to the right"
 
 
 def alpha_beta_steps(data) -> str:
     """Section 4: which way the per-step (mean α, mean β) points of fig_alpha_beta_steps go, against the slope −1
-    that the shadow's shared rounding alone would give them."""
-    from .training_panel import SHOWN_ARMS, arm_runs, arm_shown
+    that the shadow's shared rounding alone would give them. The rule, stated in the sentence: over the points
+    inside the figure's axes (training_panel.inside_axes), the rank correlation ρ of all of them, and how many arms'
+    own ρ is positive (rise) or negative (fall). Points outside the axes are left out; where Pearson's r over every
+    point says another direction, the sentence says so (a few far points set it)."""
+    from .training_panel import alpha_beta_points, inside_axes
 
-    arms = arm_runs(data, "mismatch/alpha_mean")
-    shown, every = ([], []), ([], [])
-    for arm, runs in arms.items():
-        for r in runs:
-            for m in r["metrics"]:
-                a, b = m.get("mismatch/alpha_mean"), m.get("mismatch/beta_mean")
-                if a is None or b is None:
-                    continue
-                for (xs, ys), keep in ((every, True), (shown, arm_shown(arm, len(arms)) is True)):
-                    if keep:
-                        xs.append(a)
-                        ys.append(b)
-    fit = pearson_and_slope(*every)
-    if fit is None:
+    arms = alpha_beta_points(data)
+    every = [p for points in arms.values() for p in points]
+    if len(every) < 3:
         return ""
-    r, slope = fit
-    text = (f"In these runs the {len(every[0])} points {_direction(r)} (Pearson r = {r:+.2f}, least-squares slope "
-            f"{slope:+.2f}")
-    fit_shown = pearson_and_slope(*shown) if len(shown[0]) < len(every[0]) else None
-    if fit_shown is not None:
-        text += (f"; the {len(shown[0])} points of the arms shown when the page opens ({', '.join(SHOWN_ARMS)}): "
-                 f"r = {fit_shown[0]:+.2f}, slope {fit_shown[1]:+.2f}")
-    text += ")"
-    if r <= -WEAK:
-        return text + ": the direction the shared rounding gives them."
-    if r < WEAK:
-        return text + ": the shared rounding does not set a direction here, and nothing else does either."
-    return text + (": the opposite of the shared rounding's direction, so something that moves α and β the same way "
-                   "outweighs it in these runs.")
+    inside = inside_axes(every)
+    shown = [p for p in every if p in inside]
+    rho = spearman([p[0] for p in shown], [p[1] for p in shown])
+    if rho is None:
+        return ""
+    text = (f"Over the {len(shown)} points inside these axes, mean β {_direction(rho)} against mean α (Spearman's "
+            f"rank correlation ρ = {rho:+.2f})")
+    per_arm = {arm: spearman([p[0] for p in pts if p in inside], [p[1] for p in pts if p in inside])
+               for arm, pts in arms.items()}
+    per_arm = {arm: r for arm, r in per_arm.items() if r is not None}
+    if len(per_arm) > 1:
+        rise = sum(r > 0 for r in per_arm.values())
+        text += (f"; of the {len(per_arm)} arms, {rise} rise and {len(per_arm) - rise} fall on their own points"
+                 + (f" (the baseline none: ρ = {per_arm['none']:+.2f})" if "none" in per_arm else ""))
+    text += "."
+    if len(shown) < len(every):
+        text += f" The {len(every) - len(shown)} points outside the axes are left out"
+        fit = pearson_and_slope([p[0] for p in every], [p[1] for p in every])
+        if fit is not None and _direction(fit[0]) != _direction(rho):
+            text += f": with them Pearson's r reads {fit[0]:+.2f}, a direction a few far points set, not the bulk"
+        text += "."
+    if rho <= -WEAK:
+        return text + " That is the direction the shared rounding gives them."
+    if rho < WEAK:
+        return text + " The shared rounding does not set a clear direction here, and nothing else does either."
+    return text + (" That is the opposite of the shared rounding's direction: something that moves α and β the same "
+                   "way outweighs it in these runs.")
 
 
 def _bucket_ratio(edges: list[float], means: list) -> tuple[str, str, float] | None:
@@ -89,20 +81,14 @@ def _ratio_words(ratio: float) -> str:
 
 def rare_tokens(data) -> str:
     """Section 3: how much larger mean |β| is in the lowest probability bucket than in the highest, by the first
-    recipe of the last diagnose file (the data of fig_beta_by_prob)."""
+    recipe of the last diagnose file (the data of fig_beta_by_prob, figures.beta_by_bucket)."""
     if not data.diagnose:
         return ""
-    from .figures import bucket_of
+    from .figures import beta_by_bucket
 
     diag = data.diagnose[-1]
     name, arr = next(iter(diag["tokens"]["per_recipe"].items()))
-    sums, counts = [0.0] * (len(PROB_EDGES) - 1), [0] * (len(PROB_EDGES) - 1)
-    for lp, b in zip(diag["tokens"]["logp_engine"], arr["beta"]):
-        if lp is not None and b is not None:
-            k = bucket_of(math.exp(lp))
-            sums[k] += abs(b)
-            counts[k] += 1
-    found = _bucket_ratio(list(PROB_EDGES), [s / c if c else None for s, c in zip(sums, counts)])
+    found = _bucket_ratio(list(PROB_EDGES), beta_by_bucket(diag, arr["beta"])[0])
     if found is None:
         return ""
     lo, hi, ratio = found
@@ -110,9 +96,20 @@ def rare_tokens(data) -> str:
             f"{_ratio_words(ratio)} the mean |β| of tokens at {hi}.")
 
 
+def _spread(xs: list[float], fmt: str = ".1f") -> str:
+    """'174.1 (148.3 to 340.7 over 6 runs)': the median of `xs` and their range, or the one value with its run."""
+    if len(xs) == 1:
+        return f"{xs[0]:{fmt}} (one run)"
+    ordered = sorted(xs)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return f"{median:{fmt}} (median; {ordered[0]:{fmt}} to {ordered[-1]:{fmt}} over {len(xs)} runs)"
+
+
 def gap_along_runs(data) -> str:
     """Section 6: whether mean |β| on the fixed tokens rose from the first to the last snapshot, run by run, and
-    how much larger the rarest bucket's |β| was than the most confident's at the first snapshot."""
+    how much larger the rarest bucket's |β| was than the most confident's at the first snapshot, over every run
+    (median and range: one run's figure is not the runs')."""
     rows = [[s for s in g["snapshots"] if "reference" in s] for g in data.growths]
     pairs = [(r[0]["reference"]["beta_abs_mean"], r[-1]["reference"]["beta_abs_mean"]) for r in rows if r]
     pairs = [(a, b) for a, b in pairs if a and b is not None]
@@ -131,12 +128,13 @@ def gap_along_runs(data) -> str:
         text = (f"In the {n} runs measured here, mean |β| on the fixed tokens grew by more than 5% from the first to "
                 f"the last snapshot in {up}, shrank by more than 5% in {down}, and held within 5% in {n - up - down} "
                 f"({span}).")
-    first = next((r[0]["reference"] for r in rows if r), None)
-    found = _bucket_ratio(data.growths[0]["prob_edges"], first["bucket_beta_abs_mean"]) if first else None
-    if found:
-        lo, hi, ratio = found
-        text += (f" At the first snapshot, tokens of engine probability {lo} carried {_ratio_words(ratio)} the mean "
-                 f"|β| of tokens at {hi}.")
+    found = [(f, g) for g, r in zip(data.growths, rows) if r
+             for f in [_bucket_ratio(g["prob_edges"], r[0]["reference"]["bucket_beta_abs_mean"])] if f]
+    same = [f for f, _ in found if f[:2] == found[0][0][:2]] if found else []
+    if same:
+        lo, hi, _ = same[0]
+        text += (f" At the first snapshot, tokens of engine probability {lo} carried {_spread([f[2] for f in same])} "
+                 f"times the mean |β| of tokens at {hi}.")
     return text
 
 
@@ -186,11 +184,6 @@ FP8_COMPARED = (("final_length", 1, "Against the bf16 engine ({baseline}) in fin
 an interval below zero and above it."""
 
 
-def and_join(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c': a list in a sentence (arm names may hold commas: 'fp8,tis')."""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
 @dataclass(frozen=True)
 class Fp8Verdicts:
     """What the FP8 arms' paired intervals allow, read once by the one rule (experiments.detected) for the two
@@ -207,6 +200,9 @@ class Fp8Verdicts:
     """how many (arm, quantity) intervals were read: the count of comparisons"""
     found: int
     """how many of them exclude zero"""
+    by_construction: tuple[tuple[str, str], ...] = ()
+    """(arm, why) of the arms with no phantom clip by construction (interventions_table.phantom_free): their
+    phantom-clip difference is the baseline's rate, not a comparison, and is neither in by_key nor counted"""
 
     def seeds_words(self) -> str:
         """'3 seeds' or '2 to 3 seeds'."""
@@ -216,9 +212,9 @@ class Fp8Verdicts:
 def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
     """The verdicts of an `experiment fp8` summary's arms on FP8_COMPARED's quantities; None when no arm has a
     paired difference (no seed counted). An interval counts only when its mean and bounds are finite (one seed: no
-    interval, nothing compared)."""
+    interval, nothing compared), and only when it measures something (interventions_table.measured)."""
     from ..experiments import detected
-    from .interventions_table import finite
+    from .interventions_table import finite, measured, phantom_free
 
     arms = [a for a in summary["arms"] if a.get("vs_baseline")]
     seeds = sorted({d["n"] for a in arms for d in a["vs_baseline"].values() if isinstance(d.get("n"), int)})
@@ -228,7 +224,7 @@ def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
     for key, *_ in FP8_COMPARED:
         lower, higher, same = [], [], []
         for a in arms:
-            d = a["vs_baseline"].get(key)
+            d = measured(a["run"], a["vs_baseline"]).get(key)
             if not d or not finite(d.get("mean"), d.get("low"), d.get("high")):
                 continue
             compared += 1
@@ -238,7 +234,9 @@ def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
             else:
                 same.append(a["run"])
         by_key.append((lower, higher, same))
-    return Fp8Verdicts(summary.get("baseline", "none"), tuple(seeds), tuple(by_key), compared, found)
+    free = tuple((a["run"], why) for a in arms
+                 if "phantom_rate" in a["vs_baseline"] and (why := phantom_free(a["run"])))
+    return Fp8Verdicts(summary.get("baseline", "none"), tuple(seeds), tuple(by_key), compared, found, free)
 
 
 def fp8_clauses(verdicts: Fp8Verdicts, arm: Callable[[str, dict, str, int], str],
@@ -254,6 +252,10 @@ def fp8_clauses(verdicts: Fp8Verdicts, arm: Callable[[str, dict, str, int], str]
         said += [f"{and_join([text(run) for run in same])} showed no detectable difference"] if same else []
         if said:
             parts.append(text(opening.format(baseline=verdicts.baseline)) + ", " + "; ".join(said))
+    if verdicts.by_construction:
+        parts.append(text(and_join([run for run, _ in verdicts.by_construction]) + " have no phantom clip by "
+                          "construction (" + "; ".join(f"{run}: {why}" for run, why in verdicts.by_construction)
+                          + "), so theirs is not a comparison"))
     return parts
 
 
@@ -290,8 +292,15 @@ def fp8_result(data) -> str:
             + multiple_comparisons_note(verdicts.compared, verdicts.found))
 
 
+def _moe_result(data) -> str:
+    from .moe_panel import moe_result
+
+    return moe_result(data)
+
+
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
-                              "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result}
+                              "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result,
+                              "moe_result": _moe_result}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
 
 

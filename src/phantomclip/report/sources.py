@@ -47,29 +47,36 @@ class ReportData:
     """`experiment fp8` summaries: the FP8 engine's arms against the bf16 engine."""
     fp8_runs: list[dict] = field(default_factory=list)
     """the runs of an FP8 experiment (or of an FP8 engine), each with its "arm" ('fp8,tis'): kept out of `runs`."""
+    moe: list[dict] = field(default_factory=list)
+    """`moe-r3` experiment summaries (bench/exp_moe_r3.py): routing replay on an MoE model against its baseline."""
+    moe_runs: list[dict] = field(default_factory=list)
+    """the runs of a `moe-r3` experiment: another model's runs, kept out of `runs`."""
 
     def files(self) -> list[Path]:
-        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.fp8 + self.traces + self.growths]
-        for r in self.runs + self.fp8_runs:
+        """Every file the page draws from, in the order found: the JSON files, then each run's config, metrics and
+        (where the run logged them) tokens."""
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.fp8 + self.moe + self.traces + self.growths]
+        for r in self.runs + self.fp8_runs + self.moe_runs:
             out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
+            out += [Path(r["_path"]) / "tokens.jsonl"] if r.get("tokens") else []
         return out
 
     def empty(self) -> bool:
         return not (self.diagnose or self.runs or self.sanity or self.traces or self.growths or self.fp8
-                    or self.fp8_runs)
+                    or self.fp8_runs or self.moe or self.moe_runs)
 
 
 DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
               "traces": {"sites": list, "first_order": dict}, "growths": {"snapshots": list, "prob_edges": list},
-              "fp8": {"runs": list, "arms": list}}
+              "fp8": {"runs": list, "arms": list}, "moe": {"runs": list, "arms": list}}
 """what each kind of JSON file holds at its top level (the keys that tell the kinds apart, with their types)."""
 MARKS = {"diagnose": ("trust_region", "knobs"), "sanity": ("verdict", "baseline"), "traces": ("hook_overhead",),
          "growths": ("reference_step",)}
 """keys only that kind writes besides its shape's: a file with one of them but not all its shape's keys is that kind,
 damaged (an experiment's own experiment.json has "arms" too, and is not a damaged summary)."""
 KIND_WORDS = {"diagnose": "a diagnose JSON", "sanity": "an experiment summary", "traces": "a trace JSON",
-              "growths": "a trace --run JSON", "fp8": "an experiment fp8 summary"}
-OWN_KIND = {"fp8": "fp8"}
+              "growths": "a trace --run JSON", "fp8": "an experiment fp8 summary", "moe": "a moe-r3 summary"}
+OWN_KIND = {"fp8": "fp8", "moe-r3": "moe"}
 """an experiment summary's "experiment" -> the kind it is filed as; every other experiment (sanity, epsilon) is a
 'sanity' summary, drawn in the interventions table."""
 
@@ -161,7 +168,7 @@ def _add(data: ReportData, f: Path, doc: dict, manifests: Manifests) -> bool:
                           f"{len(metrics)} steps it has logged so far", PhantomclipWarning, stacklevel=2)
         run = {"_path": str(f.parent), "name": name, "config": doc, "arm": arm, "experiment": experiment,
                "metrics": metrics, "tokens": read_jsonl(f.parent / "tokens.jsonl")}
-        (data.fp8_runs if experiment == "fp8" else data.runs).append(run)
+        {"fp8": data.fp8_runs, "moe-r3": data.moe_runs}.get(experiment or "", data.runs).append(run)
         return True
     if f.name == "experiment.json" and {"experiment", "arms", "seeds"} <= set(doc):
         return True  # an experiment's plan: its summary.json beside it holds what the page draws
@@ -246,6 +253,9 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
         if skipped:
             _warn_skipped(src, skipped)
     data.fp8_runs.sort(key=fp8_arm_order)  # stable: the seeds of an arm stay in the order found
+    # a diagnose of an MoE model (a route table) first: the sections that read the last diagnose file read a dense
+    # model's where there is one, and the MoE section reads the last with a route table (stable otherwise)
+    data.diagnose.sort(key=lambda d: "routing" not in d)
     if data.empty():
         raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
                           "experiment directory; give the files that diagnose --json, trace --json, train --out or "

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..fp8 import EMULATED
 from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
 from .escape import html_text
 from .interventions_table import finite, seed_values
-from .prose import fp8_clauses, fp8_verdicts, multiple_comparisons_note
+from .prose import fp8_verdicts
 
 
 def short_path(path: str, roots: list[Path]) -> str:
@@ -64,7 +65,7 @@ def _runs_source(runs: list[dict], roots: list[Path]) -> str:
             f"{'s' if len(arms) > 1 else ''}), model {model_words(cfg.get('model', '?'))}, "
             f"{cfg.get('trainer', '?')} trainer "
             f"against a {cfg.get('engine_dtype', '?')} engine{' in the baseline' if len(arms) > 1 else ''}"
-            f"{' (the FP8 arms: ' + ', '.join(quants) + ')' if quants else ''}, task "
+            f"{' (the FP8 arms: ' + ', '.join(quants) + ', ' + EMULATED + ')' if quants else ''}, task "
             f"{cfg.get('task', '?')}; {machine(cfg)}")
 
 
@@ -90,10 +91,15 @@ def model_words(name) -> str:
 
 
 def source_line(kind: str, docs: list[dict], roots: list[Path]) -> str:
-    """The 'Data: ...' line under a figure drawn from `docs` of `kind` ('diagnose', 'runs', 'traces', 'growths',
-    or 'computed' for a figure computed on the spot)."""
+    """The 'Data: ...' line under a figure or table drawn from `docs` of `kind` ('diagnose', 'runs', 'traces',
+    'growths', 'summary': an experiment's summary followed by its runs, or 'computed' for a figure computed on the
+    spot)."""
     if kind == "computed":
         return "Data: computed when the page was built (torch's own rounding), no measurement."
+    if kind == "summary":
+        summary, *runs = docs
+        text = f"{short_path(summary['_path'], roots)}, the summary of experiment {summary.get('experiment', '?')}"
+        return f"Data: {text}" + (f"; {_runs_source(runs, roots)}." if runs else ".")
     if kind == "diagnose":
         text = "; ".join(_diagnose_source(d, roots) for d in docs)
     elif kind == "runs":
@@ -114,13 +120,13 @@ def _diagnose_line(doc: dict) -> str:
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
     e = doc["engine"]
-    line = (f"Before any training step, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
-            f"{html_text(str(e['kind']))} engine disagree on the same weights by a mean |β| of "
-            f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token")
+    line = (f"Before training, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
+            f"{html_text(str(e['kind']))} engine differ by <b>{stats['beta_abs_mean']:.3g} "
+            "<a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
     if finite(outside):
-        line += (f"; <b>{_pct(outside, 1)}</b> of the {html_text(e['tokens'])} sampled tokens already sit outside "
-                 f"the trust region ε = {tr['epsilon_low']:g} on β alone")
-    return line + " (sections 3 and 4)."
+        line += (f"; <b>{_pct(outside, 1)}</b> of tokens already lie outside the trust region "
+                 f"(ε = {tr['epsilon_low']:g})")
+    return line + " (section 4)."
 
 
 def _training_line(summary: dict) -> str | None:
@@ -128,10 +134,8 @@ def _training_line(summary: dict) -> str | None:
     if base is None or not finite(base["phantom_share_of_clipped"].get("mean"), base["phantom_rate"].get("mean")):
         return None  # the baseline clipped no token (no share), or no seed finished
     seeds = len(base["seeds"])
-    return (f"In training (baseline '{html_text(base['run'])}', {seeds} seed{'s' if seeds > 1 else ''}), "
-            f"<b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed were phantom-"
-            f"clipped: β pushed them out, α alone would not have; {_pct(base['phantom_rate']['mean'], 2)} of all "
-            "tokens (section 5).")
+    return (f"In training, <b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed "
+            f"were phantom-clipped (baseline, {seeds} seed{'s' if seeds > 1 else ''}; section 5).")
 
 
 def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
@@ -143,7 +147,7 @@ def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
         vs = a.get("vs_baseline", {}).get("final_length")
         if not vs or not finite(*(vs.get(k) for k in ("low", "high", "mean"))):
             continue
-        with_mean = f"{html_text(a['run'])} ({vs['mean']:+.1f})"
+        with_mean = html_text(a["run"])
         if not detected({"final_length": vs}):
             none.append(html_text(a["run"]))
         elif vs["high"] < 0:
@@ -152,52 +156,52 @@ def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
             hurt.append(with_mean)
     if not (helped or hurt or none):
         return None
-    line = "Against the baseline's final completion length (tokens; shorter is the task's goal), "
-    line += (f"<b>{', '.join(helped)}</b> ended shorter at 95% confidence" if helped else "no arm ended shorter "
-             "at 95% confidence")
+    line = (f"Shorter than the baseline at 95%: <b>{', '.join(helped)}</b>" if helped
+            else "No arm ended shorter than the baseline at 95%")
     if hurt:
-        line += f"; {', '.join(hurt)} ended longer"
+        line += f"; longer: {', '.join(hurt)}"
     if none:
-        line += f"; no difference was detected for {', '.join(none)}"
+        line += f"; {len(none)} other arm{'s' if len(none) > 1 else ''}: no difference detected"
     return line + " (section 7).", len(helped) + len(hurt) + len(none), len(helped) + len(hurt)
 
 
 def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
-    """(the FP8 experiment's line, its comparisons, how many exclude zero): each arm's verdict against the bf16
-    engine by prose.fp8_verdicts (section 8's rule and words, FP8_COMPARED), with its mean difference; None with
-    fewer than two seeds (no interval: nothing to say in a line) or nothing compared."""
-    from .interventions_table import UNITS
-
+    """(the FP8 experiment's line, its comparisons, how many exclude zero): the arms whose interval excludes zero by
+    prose.fp8_verdicts (section 8's rule, FP8_COMPARED), the others counted; None with fewer than two seeds (no
+    interval: nothing to say in a line) or nothing compared. The engine is said to be emulated (fp8.EMULATED's
+    short form): its figures are a CPU's."""
     verdicts = fp8_verdicts(summary)
     if verdicts is None or verdicts.seeds[-1] < 2 or not verdicts.compared:
         return None
-
-    def arm(run: str, d: dict, key: str, digits: int) -> str:  # 'fp8 (+7.07 pp)': the mean difference alone
-        scale, unit = UNITS[key]
-        return f"{html_text(run)} ({scale * d['mean']:+.{digits}f} {unit})"
-
-    parts = fp8_clauses(verdicts, arm, mark=lambda group: f"<b>{group}</b>", text=html_text)
-    line = (f"The FP8 arms ran {verdicts.seeds_words()} each; every difference here is paired by seed, with its 95% "
-            "interval per comparison. " + ". ".join(parts) + " (section 8).")
+    words = (("ended shorter", "ended longer"), ("had fewer phantom clips", "had more phantom clips"))
+    said = []
+    for (lower, higher, _), (below, above) in zip(verdicts.by_key, words):
+        said += [f"{w} with <b>{', '.join(html_text(run) for run, _ in group)}</b>"
+                 for group, w in ((lower, below), (higher, above)) if group]
+    line = ("Against the bf16 engine, the emulated FP8 engine " + ("; ".join(said) if said else
+                                                                      "showed no detectable difference")
+            + " (section 8).")
     return line, verdicts.compared, verdicts.found
 
 
-def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = ()) -> str:
-    """Up to four lines: the gap before training, phantom clipping during training, what the interventions did,
-    what the FP8 arms did. The lines with intervals (sections 7 and 8) share one multiple-comparison note, after the
-    last of them, counting the comparisons of both."""
+def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = (), moe: str = "") -> str:
+    """Up to six short lines (the page's first box, about 120 words): the gap before training, phantom clipping
+    during training, what the interventions did, what the FP8 arms did, what routing replay did on an MoE model
+    (`moe`: the line, from moe_panel), and one note on the intervals of sections 7 and 8 counting the comparisons of
+    both."""
     lines = []
     if diagnose:
         lines.append(_diagnose_line(diagnose[-1]))
     if sanity and (training := _training_line(sanity[-1])):
         lines.append(training)
-    compared = [(section, *found) for section, found in
-                ((7, sanity and _interventions_line(sanity[-1])), (8, fp8 and _fp8_line(fp8[-1]))) if found]
-    lines += [line for _, line, _, _ in compared]
-    if compared:
-        where = (" (" + ", ".join(f"{m} in section {section}" for section, _, m, _ in compared) + ")"
-                 if len(compared) > 1 else "")
-        lines[-1] += multiple_comparisons_note(sum(m for *_, m, _ in compared), sum(d for *_, d in compared), where)
+    compared = [found for found in (sanity and _interventions_line(sanity[-1]), fp8 and _fp8_line(fp8[-1])) if found]
+    lines += [line for line, _, _ in compared]
+    if moe:
+        lines.append(moe)
+    m, found = sum(c for _, c, _ in compared), sum(f for *_, f in compared)
+    if m > 1:
+        lines.append(f"These {m} intervals are 95% each, uncorrected: about {0.05 * m:.2g} would exclude zero by "
+                     f"chance; {found} do.")
     if not lines:
         return ""
     items = "".join(f"<li>{line}</li>" for line in lines)

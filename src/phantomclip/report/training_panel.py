@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from .escape import html_text
-from .plots import arm_colour, mean_line, plot_layout, seed_band, seed_symbol
+from .correlation import spearman
+from .plots import arm_colour, figure, mean_line, note, plot_layout, seed_band, seed_symbol, step_axis
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
 """arms drawn when the page opens; the others start hidden (click the legend to show them)."""
@@ -69,38 +69,60 @@ def band_arms(arms: dict[str, list[dict]], shown_arms: tuple[str, ...] = SHOWN_A
     return shown[:BAND_ARMS]
 
 
-def per_step_title(what: str, arms: dict[str, list[dict]], carry: bool,
-                   shown_arms: tuple[str, ...] = SHOWN_ARMS) -> str:
-    """The title of a per-step figure, saying what its lines and bands are for the seeds actually there: with one
-    seed per arm there is no mean and no band, and with one run no arm to compare."""
+def per_step_caption(arms: dict[str, list[dict]], carry: bool, shown_arms: tuple[str, ...] = SHOWN_ARMS) -> str:
+    """What the lines and bands of a per-step figure are for the seeds actually there: with one seed per arm there
+    is no mean and no band, and with one run no arm to compare."""
     most = max(len(runs) for runs in arms.values())
     fewest = min(len(runs) for runs in arms.values())
     if most == 1:
-        how = "one run" if len(arms) == 1 else "one seed per arm: each line is that run"
+        how = "One run" if len(arms) == 1 else "One seed per arm: each line is that run"
         how += "; no band: a band needs two seeds"
     else:
         banded = band_arms(arms, shown_arms)
         shown = sum(arm_shown(a, len(arms), shown_arms) is True for a in arms)
-        how = "line: mean over seeds; band: the seeds' min–max" + (
+        how = "Line: the mean over seeds; band: the seeds' min–max" + (
             f", drawn for {' and '.join(banded)} (the button below shows every arm's)" if shown > len(banded) else "")
-        how += "; open marker: fewer seeds" if not carry else ""
+        how += "; open marker: a step fewer seeds reached" if not carry else ""
         if fewest == 1:
             how += "; an arm of one seed has no band"
     if carry:
         how += "; a run that stopped after converging keeps its last length"
-    return f"{what} ({how})"
+    return how + "."
+
+
+def _key_points(per_arm: dict[str, list[list[float]]], scale: float, shown: list[str], unit: str) -> list[dict]:
+    """The figure's key point, drawn on it: the baseline's mean at its last step, and the shown arm that ends lowest
+    at its own last step (what a fix does to where the baseline stays)."""
+    def last(arm: str) -> tuple[int, float] | None:
+        values = per_arm[arm]
+        i = max((i for i, v in enumerate(values) if v), default=None)
+        return None if i is None else (i + 1, scale * sum(values[i]) / len(values[i]))
+
+    def amount(v: float) -> str:
+        return f"{v:.2g}%" if unit == "%" else f"{v:.3g} {unit}"
+
+    notes = []
+    base = last("none") if "none" in per_arm else None
+    if base:  # above its point, to the left (the last step is at the right edge)
+        notes.append(note(*base, f"none: {amount(base[1])} at step {base[0]}", ax=-40, ay=-45, xanchor="right"))
+    ends = [(e[1], arm, e) for arm in shown if arm != "none" and (e := last(arm))]
+    if ends:
+        _, arm, (step, v) = min(ends)
+        if not base or v < base[1]:  # further left than the baseline's, at the height of its own point
+            notes.append(note(step, v, f"{arm}: {amount(v)} at step {step}", ax=-110, ay=-12, xanchor="right"))
+    return notes
 
 
 def per_step(data, key: str, what: str, ylabel: str, carry: bool = False, runs: list[dict] | None = None,
              shown: tuple[str, ...] = SHOWN_ARMS) -> dict | None:
     """One line per arm: the mean over its seeds at each step, in the band of their min-max; band and line share a
-    legend entry, so a click shows or hides both. `what`: the title's subject; per_step_title adds the rest. `runs`
-    (the closed loop's `data.runs` by default) and `shown` (the arms drawn on opening) let the FP8 section draw
-    its own experiment's runs."""
+    legend entry, so a click shows or hides both. `what`: the title; per_step_caption says what the marks are.
+    `runs` (the closed loop's `data.runs` by default) and `shown` (the arms drawn on opening) let the FP8 section
+    draw its own experiment's runs."""
     arms = arm_runs(data, key, runs)
     if not arms:
         return None
-    title = per_step_title(what, arms, carry, shown)
+    caption = per_step_caption(arms, carry, shown)
     scale = 100 if key.startswith("clip/") else 1
     traces, used, banded = [], [], band_arms(arms, shown)
     per_arm = {arm: step_values([r["metrics"] for r in runs], key, carry) for arm, runs in arms.items()}
@@ -123,20 +145,23 @@ def per_step(data, key: str, what: str, ylabel: str, carry: bool = False, runs: 
                 traces.append({"type": "scatter", "mode": "markers", "x": [o[0] for o in over],
                                "y": [top] * len(over), "cliponaxis": False, "showlegend": False,
                                "marker": {"symbol": "triangle-up", "size": 10, "color": colour},
-                               "text": [", ".join(f"{v:.3g}" for v in vs) for _, vs in over],
-                               "hovertemplate": f"{html_text(arm)}, step %{{x}}: above the axis, %{{text}}"
-                                                "<extra></extra>",
-                               **common})
+                               "text": [f"{arm}, above the axis: " + ", ".join(f"{v:.3g}" for v in vs)
+                                        for _, vs in over],
+                               "hovertemplate": "step %{x}: %{text}<extra></extra>", **common})
         used += runs
     yaxis = {"rangemode": "tozero"}
     if above:
         yaxis = {"range": [0, top], "autorange": False}
         v, arm, step = max(above)
-        title += (f"; the axis stops at {top:.3g}, {CUT_RULE}: {len(above)} seed value{'s' if len(above) > 1 else ''}"
-                  f" above it, marked ▲ on the top edge (the largest {v:.3g}, {arm} at step {step})")
-    layout = plot_layout("step", ylabel, yaxis=yaxis)
+        caption += (f" The axis stops at {top:.3g}, {CUT_RULE}: {len(above)} seed "
+                    f"value{'s' if len(above) > 1 else ''} above it, marked ▲ on the top edge (the largest {v:.3g}, "
+                    f"{arm} at step {step}).")
+    layout = plot_layout("step", ylabel, yaxis=yaxis, xaxis=step_axis([1, max(len(v) for v in per_arm.values())]))
+    opened = [a for a in arms if arm_shown(a, len(arms), shown) is True]
+    unit = "%" if scale == 100 else "nats" if "nats" in ylabel else ylabel
+    layout["annotations"] = _key_points(per_arm, scale, opened, unit)
     toggle = any(t.get("opacity") == 0 for t in traces if t.get("fill") == "toself")
-    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used), "band_toggle": toggle}
+    return figure(traces, layout, what, caption, ("runs", used), band_toggle=toggle)
 
 
 CUT_FACTOR = 2.0
@@ -180,6 +205,20 @@ def _robust_range(values: list[float]) -> list[float]:
     return [lo - pad, hi + pad]
 
 
+def alpha_beta_points(data) -> dict[str, list[tuple[float, float]]]:
+    """arm -> its runs' per-step (mean α, mean β): the points of fig_alpha_beta_steps."""
+    return {arm: [(m["mismatch/alpha_mean"], m["mismatch/beta_mean"]) for r in runs for m in r["metrics"]
+                  if m.get("mismatch/alpha_mean") is not None and m.get("mismatch/beta_mean") is not None]
+            for arm, runs in arm_runs(data, "mismatch/alpha_mean").items()}
+
+
+def inside_axes(points: list[tuple[float, float]]) -> set[tuple[float, float]]:
+    """The points fig_alpha_beta_steps' axes hold (both coordinates inside _robust_range of all the points): the
+    points its sentence (prose.alpha_beta_steps) reads."""
+    (x0, x1), (y0, y1) = _robust_range([p[0] for p in points]), _robust_range([p[1] for p in points])
+    return {p for p in points if x0 <= p[0] <= x1 and y0 <= p[1] <= y1}
+
+
 def run_seed(run: dict, i: int) -> int:
     """The run's seed from its configuration; its place among the arm's runs for a config without one."""
     seed = run["config"].get("seed")
@@ -188,7 +227,8 @@ def run_seed(run: dict, i: int) -> int:
 
 def fig_alpha_beta_steps(data) -> dict | None:
     """Per step: each run's mean α against its mean β; colour is the arm, the marker the seed. The axes hold the
-    points inside Tukey's far-out fences (_robust_range); the title states the rule and counts those outside."""
+    points inside Tukey's far-out fences (_robust_range); the caption states the rule and counts those outside, and
+    the plot carries the rank correlation its sentence reads (prose.alpha_beta_steps)."""
     arms = arm_runs(data, "mismatch/alpha_mean")
     if not arms:
         return None
@@ -204,20 +244,29 @@ def fig_alpha_beta_steps(data) -> dict | None:
                        "visible": arm_shown(arm, len(arms)), "x": [p[0] for p in points], "y": [p[1] for p in points],
                        "marker": {"color": arm_colour(arm, list(arms)), "size": 7, "opacity": 0.7,
                                   "symbol": [seed_symbol(p[3]) for p in points]},
-                       "text": [f"{arm}, seed {p[3]}, step {p[2]}" for p in points],
-                       "hovertemplate": "%{text}: α %{x:.4f}, β %{y:.4f}<extra></extra>"})
+                       "customdata": [[p[3], p[2]] for p in points],
+                       "hovertemplate": "seed %{customdata[0]}, step %{customdata[1]}: α %{x:.4f}, β %{y:.4f}"})
     if not xs:
         return None
     x_range, y_range = _robust_range(xs), _robust_range(ys)
     outside = sum(not (x_range[0] <= x <= x_range[1] and y_range[0] <= y <= y_range[1]) for x, y in zip(xs, ys))
     seeds = sorted({run_seed(r, i) for runs in arms.values() for i, r in enumerate(runs)})
     if len(seeds) > 1:
-        title = ("Per step and run: mean α against mean β (colour: the arm; marker: the seed, "
-                 + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}" for s in seeds) + ")")
+        caption = ("Colour: the arm; marker: the seed (" + ", ".join(f"{seed_symbol(s).replace('-', ' ')} {s}"
+                                                                     for s in seeds) + ").")
     else:
-        title = f"Per step: mean α against mean β of {'each arm' if len(arms) > 1 else 'the run'} (seed {seeds[0]})"
+        caption = f"{'Colour: the arm; ' if len(arms) > 1 else ''}one seed ({seeds[0]})."
     if outside:
-        title += (f"; the axes reach {FENCE:g} interquartile ranges past the quartiles: {outside} of {len(xs)} points "
-                  "lie outside them (double-click the plot to show them)")
+        caption += (f" The axes reach {FENCE:g} interquartile ranges past the quartiles: {outside} of {len(xs)} "
+                    "points lie outside them (double-click the plot to show them).")
     layout = plot_layout("mean α (nats)", "mean β (nats)", xaxis={"range": x_range}, yaxis={"range": y_range})
-    return {"data": traces, "layout": layout, "title": title, "source": ("runs", used)}
+    every = [p for pts in alpha_beta_points(data).values() for p in pts]
+    inside = inside_axes(every)
+    held = [p for p in every if p in inside]
+    rho = spearman([p[0] for p in held], [p[1] for p in held])
+    if rho is not None:
+        layout["annotations"] = [note(0.98, 0.98, f"Spearman ρ = {rho:+.2f} over the {len(held)} points in view",
+                                      xref="paper", yref="paper", showarrow=False, xanchor="right", yanchor="top")]
+    title = ("Per step and run: mean α against mean β" if len(seeds) > 1 or len(arms) > 1
+             else "Per step: mean α against mean β")
+    return figure(traces, layout, title, caption, ("runs", used))

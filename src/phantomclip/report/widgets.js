@@ -75,6 +75,23 @@ function stepsToCross(w, eta) {
   const q = halfSpacingBf16(w) / eta, odd = (Math.abs(w) / spacing(w, 8, -126)) % 2 === 1;
   return Number.isInteger(q) && odd ? q : Math.floor(q) + 1;
 }
+// The same count when the trainer keeps an fp32 master weight (mixed precision): each step adds η (an fp32 value)
+// and rounds the sum to fp32, and the engine's copy is the master rounded to bf16. Steps are taken one by one with
+// Math.fround. A step that leaves the master where it was leaves it there for good (the same sum, the same rounding):
+// the update is lost (0), as for any η under half an fp32 spacing of w. Otherwise the bf16 copy moves within 2^16
+// steps (each step moves the master by at least one fp32 spacing, 2^-16 of a bf16 one); CAP is past that.
+const CAP = 1 << 18;
+function stepsToCrossFp32(w, eta) {
+  const e = Math.fround(eta);
+  let m = Math.fround(w);
+  for (let k = 1; k <= CAP; k++) {
+    const next = Math.fround(m + e);
+    if (next === m) return 0;
+    m = next;
+    if (toBf16(m) !== w) return k;
+  }
+  return 0;
+}
 
 // One token of the clipped surrogate (loss.clipped_surrogate's rule): which branch min() picks and whether the
 // gradient is zero; and, for a zeroed one, whether the clip would fire on α alone (metrics.phantom_clip_mask:
@@ -142,10 +159,15 @@ function crossing() {
   function update() {
     const w = toBf16(Math.pow(10, +el.querySelector("#cr-w").value)), eta = Math.pow(10, +el.querySelector("#cr-eta").value);
     el.querySelector("#cr-w-out").textContent = w.toExponential(2); el.querySelector("#cr-eta-out").textContent = eta.toExponential(2);
-    const half = halfSpacingBf16(w), k = stepsToCross(w, eta);
+    const half = halfSpacingBf16(w), k = stepsToCross(w, eta), k32 = stepsToCrossFp32(w, eta);
+    const master = k32 ? `after <b id="cr-k32">${k32}</b> step${k32 === 1 ? "" : "s"}` +
+        (k32 === k ? " too" : " (its own rounding moves the count)")
+      : `<b id="cr-k32" data-lost="1">never</b>: η is under half an fp32 spacing of w ` +
+        `(${(spacing(w, 24, -126) / 2).toExponential(3)}), so every update rounds away and the master does not move either`;
     el.querySelector("#cr-text").innerHTML = `A weight stored as <span id="cr-w-bf16">${w.toPrecision(4)}</span> in bf16, updated by ${eta.toExponential(2)} per step, ` +
-      `changes in bf16 after <b id="cr-k">${k}</b> step${k === 1 ? "" : "s"}: the first k at which k·η passes half its bf16 spacing, ` +
-      `<span id="cr-half">${half.toExponential(3)}</span> (between |w|/512 and |w|/256; half/η = ${(half / eta).toPrecision(4)}).`;
+      `changes in bf16 after <b id="cr-k">${k}</b> step${k === 1 ? "" : "s"} if the updates add up exactly: the first k at which k·η passes half its bf16 spacing, ` +
+      `<span id="cr-half">${half.toExponential(3)}</span> (between |w|/512 and |w|/256; half/η = ${(half / eta).toPrecision(4)}). ` +
+      `With an fp32 master weight (each step rounded to fp32, the engine's copy rounded from it to bf16) it changes ${master}.`;
   }
   el.addEventListener("input", update); update();
 }

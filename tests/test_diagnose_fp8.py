@@ -76,3 +76,8 @@ def test_fp8_refusals_are_one_line(capsys):
     line = bad_cli(["train", "--model", "tiny-random", "--engine-quant", "fp8-block", "--steps", "1"], capsys,
                    after_progress=True)
     assert "bf16+fp8-block" in line and "q_proj" in line
+    # an MoE model: its experts are 3-D tensors the emulation does not quantise (vLLM does): refused, not run with
+    # bf16 experts
+    line = bad_cli(["diagnose", "--model", "tiny-moe", "--n", "2", "--max-tokens", "4", "--engine-quant", "fp8-w8a8"],
+                   capsys, after_progress=True)
+    assert "recipe bf16+fp8-w8a8: model.layers.0.mlp.experts.gate_up_proj holds an MoE layer's experts" in line

@@ -58,6 +58,24 @@ def test_anti_correlated_and_small_gain():
         _split(0.03521, 0.03519, 0.05, 0.0), "fp32")
 
 
+def test_an_fp8_engines_split_verdict_counts_beta_quant():
+    """An FP8 engine: β = β_precision + β_quant + β_kernel. Matching the kernels leaves β_precision + β_quant (the
+    recipe against the FP8 shadow, fp8.recipes_fp8_shadow: 0.177 here, the issue's bundled-model figure), not
+    β_precision alone (0.0300): matching the precision (0.0351 left) is then the bigger lever, and the verdict says
+    what the other leaves. The table's title names the plain shadow and the quant part."""
+    r = _split(0.1904, 0.0300, 0.0351, 0.0)
+    r["recipes"]["fp32"]["split"]["quant"] = {"beta_abs_mean": 0.1700}
+    r["fp8"] = {"plain_recipe": "bf16", "engine_recipe": "bf16+fp8-w8a8",
+                "recipes_fp8_shadow": {"fp32": {"beta_abs_mean": 0.1770}}}
+    text = _split_verdict(r, "fp32")
+    assert text.startswith("β = β_precision + β_quant + β_kernel: for fp32 (mean |β| 0.1904), β_precision (fp32 "
+                           "against the plain bf16 shadow) has mean |·| 0.0300, β_quant (that shadow against the "
+                           "bf16+fp8-w8a8 shadow: the quantisers alone, emulated) 0.1700")
+    assert "Matching the precision is the bigger lever (mean |β| 0.1904 -> 0.0351); matching the kernels alone " \
+           "would leave 0.1770." in text
+    assert "-> 0.0300" not in text
+
+
 @pytest.fixture(scope="module")
 def result():
     from phantomclip.diagnose import DiagnoseConfig, run_diagnose

@@ -305,3 +305,65 @@ def test_weight_only_on_exactly_representable_weights_changes_nothing(tiny, tiny
     b = score(quant, get_recipe("bf16+fp8-w8a16"), ids, attn).logp
     assert torch.equal(a, b)
     del model
+
+
+def test_block_weights_follow_vllm_0_32s_reciprocal_of_the_scale():
+    """vLLM 0.32's per_block_cast_to_fp8 computes sf = amax / 448 and q = (x * (1 / sf)).to(fp8); the older rule was
+    x * (448 / amax). In fp32, amax = 0.7572267651557922 and x = 0.5679200887680054 give x * (1 / sf) = 336 exactly,
+    a tie between the E4M3 neighbours 320 and 352 (spacing 32 in [256, 512)), which goes to the even mantissa 320
+    (1.25 * 256, mantissa 010); x * (448 / amax) = 336.00003, which rounds to 352. The block rule gives 320."""
+    amax, x = 0.7572267651557922, 0.5679200887680054
+    w = torch.zeros(128, 128)
+    w[0, 0], w[0, 1] = amax, x
+    q, s = fp8.quant_blocks(w)
+    sf = torch.tensor(amax) / 448.0  # fp32, as vLLM
+    assert s[0, 0].item() == sf.item()
+    assert (torch.tensor(x) * (1.0 / sf)).item() == 336.0 and q.float()[0, 1].item() == 320.0
+    assert fp8.to_e4m3(torch.tensor(x) * (448.0 / torch.tensor(amax))).float().item() == 352.0  # the older rule
+
+
+def test_weight_only_scale_is_rounded_to_the_models_dtype_as_marlin_does(tiny):
+    """Marlin (vLLM's W8A16 kernel) takes the weight scale as layer.weight_scale.to(orig_dtype): a bf16 engine's
+    scale is bf16(amax / 448), not the fp32 amax / 448 of the W8A8 path; the E4M3 values are the same."""
+    model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a16"))
+    lin = model.model.layers[0].mlp.down_proj
+    lin(torch.randn(2, lin.weight.shape[1]).bfloat16())
+    wq, sw = lin._pc_fp8_w
+    q32, s32 = fp8.quant_tensor(lin.weight.detach())
+    assert torch.equal(wq.view(torch.uint8), q32.view(torch.uint8))
+    assert sw.item() == s32.bfloat16().float().item() and sw.item() != s32.item()  # this weight's scale rounds
+
+
+def test_fp8_linear_recipes_refuse_a_model_with_fused_experts():
+    """tiny-moe holds each MoE layer's experts as 3-D tensors (transformers 5): an FP8 Linear recipe would leave them
+    in bf16 while vLLM quantises them, so it is refused in one line naming the tensor; the FP8 KV cache alone runs."""
+    from phantomclip.models import load_model
+
+    moe = load_model("tiny-moe:0")
+    with pytest.raises(QuantError, match=r"recipe bf16\+fp8-w8a8: model\.layers\.0\.mlp\.experts\.\w+ holds an MoE "
+                                         r"layer's experts as one \(8, \d+, \d+\) tensor"):
+        apply_recipe(moe.model, get_recipe("bf16+fp8-w8a8"))
+    apply_recipe(moe.model, get_recipe("bf16+fp8-kv"))
+
+
+def test_the_fp8_query_option_quantises_the_query_in_scoring_and_decode(tiny, tiny_prompts):
+    """fp8-kvq (an FP8-query attention backend: FlashAttention 3, FlashInfer) quantises the query as well as the
+    cache, in scoring and in the engine's decode: the log-probs of the same tokens differ from fp8-kv's on both paths
+    (the query's E4M3 rounding), and fp8-kv and fp8-kvq together are refused."""
+    from phantomclip.engine import Rollout, SamplingParams
+
+    ids = torch.tensor([tiny_prompts[0] + [5, 6, 7, 8]])
+    attn = torch.ones_like(ids)
+    kv = score(apply_recipe(tiny.model, get_recipe("bf16+fp8-kv")), get_recipe("bf16+fp8-kv"), ids, attn).logp
+    kvq = score(apply_recipe(tiny.model, get_recipe("bf16+fp8-kvq")), get_recipe("bf16+fp8-kvq"), ids, attn).logp
+    assert not torch.equal(kv, kvq)
+    given = Rollout(prompt_ids=[tiny_prompts[0]], completion_ids=[[5, 6, 7, 8]], logp_engine=[],
+                    logp_engine_processed=[])
+    reads = {}
+    for name in ("bf16+fp8-kv", "bf16+fp8-kvq"):
+        engine = LocalEngine(tiny.model, recipe=get_recipe(name))
+        assert engine.model._pc_fp8_q == name.endswith("kvq")
+        reads[name] = engine.rescore(given, SamplingParams(max_tokens=4)).logp_engine[0]
+    assert len(reads["bf16+fp8-kvq"]) == 4 and reads["bf16+fp8-kv"] != reads["bf16+fp8-kvq"]
+    with pytest.raises(RecipeError, match="fp8-kv and fp8-kvq: an engine's attention quantises the query or not"):
+        get_recipe("bf16+fp8-kv+fp8-kvq")

@@ -124,6 +124,41 @@ def test_fp8_trace_ranks_the_parts_of_the_quantisation():
     assert r["beta"]["beta_abs_mean"] > 0
     assert {"KV cache", "activations (FP8 weights only)", "weights (per-token FP8 activations only)", "every q_proj",
             "every down_proj", "layer 0", "layer 1"} <= set(rows)
-    gains = [row["gain"] for row in r["quant_what_if"][1:]]
-    assert gains == sorted(gains, reverse=True)
+    # the noise first: the whole recipe in three fp32 summation orders (the kernel's: the depth trace's mean |β|)
+    noise = r["quant_order_noise"]
+    means = [o["beta_abs_mean"] for o in noise["orders"].values()]
+    assert list(noise["orders"]) == ["kernel", "linear", "halves"]
+    assert noise["orders"]["kernel"]["beta_abs_mean"] == whole["beta_abs_mean"]
+    assert noise["noise"] == max(means) - min(means) and -1 <= noise["token_correlation"] <= 1
+    # rows that beat the noise first, by gain; then the rows within it, by gain
+    ranked = r["quant_what_if"][1:]
+    assert all(row["within_noise"] == (abs(row["gain"]) <= noise["noise"]) for row in ranked)
+    flags = [row["within_noise"] for row in ranked]
+    assert flags == sorted(flags)
+    for part in (False, True):
+        gains = [row["gain"] for row in ranked if row["within_noise"] is part]
+        assert gains == sorted(gains, reverse=True)
     assert r["recipe"] == "bf16+fp8-w8a8+fp8-kv" and r["against"] == "bf16"
+
+
+def test_the_sum_orders_are_one_set_of_products_summed_three_ways():
+    """fp8.set_sum_order changes only the order of the fp32 additions: on E4M3 values whose products and sums are
+    exact in fp32 (small integers), the three orders give identical outputs; on general values they differ by fp32
+    rounding only, at most K · 2^-24 · Σ|terms| per output (a sum's error bound), here K = 64."""
+    from phantomclip import fp8
+    from phantomclip.models import load_model
+    from phantomclip.recipes import apply_recipe, get_recipe
+
+    model = apply_recipe(load_model("tiny-random:0").model, get_recipe("bf16+fp8-w8a8"))
+    lin = model.model.layers[0].self_attn.o_proj
+    x = torch.randn(5, lin.weight.shape[1]).bfloat16()
+    outs = {}
+    for order in fp8.SUM_ORDERS:
+        fp8.set_sum_order(model, order)
+        outs[order] = lin(x).float()
+    wq, sw = lin._pc_fp8_w
+    xq, sx = fp8.token_quant(x)
+    bound = lin.weight.shape[1] * 2.0**-24 * ((xq.abs() @ wq.float().abs().T) * sw * sx)  # [5, N]
+    spacing = torch.finfo(torch.bfloat16).eps * outs["kernel"].abs()  # the bf16 output's rounding on top
+    for order in ("linear", "halves"):
+        assert ((outs[order] - outs["kernel"]).abs() <= bound + spacing).all(), order

@@ -318,6 +318,7 @@ class StaticDecoder:
         self.v = torch.zeros(shape, dtype=dtype, device=device).unbind(0)
         self.filled = 0  # slots written so far
         self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8.use_fp8_kv): store E4M3 values
+        self.fp8_q = getattr(model, "_pc_fp8_q", False)  # and an FP8 query (fp8-kvq: an FP8-query attention backend)
         # per layer, q/k/v and gate/up as one packed product each where that is bit-identical (else None: the parts)
         self.qkv = [FusedLinears.of(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
         self.gate_up = [fused_mlp(layer.mlp) for layer in self.layers]
@@ -366,6 +367,8 @@ class StaticDecoder:
         v = v.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         if self.fp8_kv:  # vLLM writes E4M3 into its cache and attends over what it reads back, this step's too
             k, v = dequant_kv(k), dequant_kv(v)
+        if self.fp8_q:
+            q = dequant_kv(q)
         self.k[i].narrow(2, start, T).copy_(k)
         self.v[i].narrow(2, start, T).copy_(v)
         keys, values = self.k[i].narrow(2, 0, end), self.v[i].narrow(2, 0, end)  # [B, Hkv, end, D], views

@@ -30,7 +30,8 @@ class DiagnoseConfig:
     """Everything that determines a diagnose run (written verbatim into the JSON output)."""
 
     model: str = BUNDLED_NAME
-    """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', a local directory or a hub id."""
+    """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', 'tiny-moe[:seed[:init_std]]' (a
+    random 2-layer MoE: its expert routing), a local directory or a hub id."""
     trainer: list[str] = field(default_factory=lambda: list(RECIPES))
     """trainer precision recipes to compare against the engine, comma-separated (recipes.RECIPES; the first is told
     apart in the verdict)."""

@@ -41,7 +41,8 @@ def fp8_figures(cfg: DiagnoseConfig, trainer_logp: dict[str, torch.Tensor], *, e
     """The 'fp8' figures. trainer_logp: each --trainer recipe's log-probs [n, T]; engine, shadow: the FP8 engine's and
     the FP8 shadow's; plain_shadow, plain_engine: the same without the quantisers (plain_engine None where the engine
     cannot read given tokens through its decode path, vLLM: the figures against it are then None; β's split
-    β_precision + β_quant + β_kernel needs only the shadows); `stats(a, b)`: diagnose's split
+    β_precision + β_quant + β_kernel needs only the shadows; `recipes_fp8_shadow`, each recipe against the FP8
+    shadow, is β_precision + β_quant: what matching the engine's kernels would leave); `stats(a, b)`: diagnose's split
     figures of a − b over the run's tokens. `trust_region.pushed_out` counts the first recipe's tokens outside the
     trust region that β − β_quant would have kept inside: what the quantisation costs, token by token."""
     first = cfg.trainer[0]
@@ -58,6 +59,8 @@ def fp8_figures(cfg: DiagnoseConfig, trainer_logp: dict[str, torch.Tensor], *, e
         "kernel_plain": None if plain_engine is None else stats(plain_shadow, plain_engine),
         "recipes_plain_engine": (None if plain_engine is None else
                                  {name: stats(logp, plain_engine) for name, logp in trainer_logp.items()}),
+        # β_precision + β_quant: each recipe against the FP8 shadow, what matching the kernels alone would leave
+        "recipes_fp8_shadow": {name: stats(logp, shadow) for name, logp in trainer_logp.items()},
         "trust_region": {
             "recipe": first, "outside": mean_or_nan(outside.double()),
             "outside_without_quant": mean_or_nan(outside_without.double()),

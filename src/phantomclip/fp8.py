@@ -29,21 +29,33 @@ Sources (vLLM, the file and the commit read):
 - the GEMM epilogue: D = scale_a * (scale_b * acc), rounded once to the output dtype:
   csrc/cutlass_extensions/epilogue/scaled_mm_epilogues_c3x.hpp (`ScaledEpilogue`).
 - block-quantised weights (DeepSeek-V3-style checkpoints, `weight_block_size=[128, 128]`): per 128 x 128 block,
-  amax clamped to 1e-4, q = x * (448 / amax), scale = amax / 448: vllm/utils/deep_gemm.py @779d1fc1
-  (`per_block_cast_to_fp8`); activations in 1 x 128 groups: scale = max(amax, 1e-10) / 448, q = sat(x / scale):
+  amax clamped to 1e-4, scale = amax / 448 and q = x * (1 / scale), as vLLM 0.32.0 writes it (vllm/utils/deep_gemm.py
+  of the 0.32.0 release, `per_block_cast_to_fp8`: `sf = x_amax / fp8_max`, `(x_view * (1.0 / sf)).to(fp8_dtype)`;
+  the older x * (448 / amax) of @779d1fc1 rounds some values one E4M3 step apart); activations in 1 x 128 groups:
+  scale = max(amax, 1e-10) / 448, q = sat(x / scale):
   csrc/quantization/w8a8/fp8/per_token_group_quant.cu @0f5257e2; the product accumulates block by block,
   `acc += dot(a, b) * a_s * b_s`: vllm/model_executor/layers/quantization/utils/fp8_utils.py @364d0192 (the Triton
   `w8a8_block_fp8_matmul`). vLLM's group quantiser needs K % 128 == 0 and merged layers need every part's rows
   % 128 == 0 (fp8.py `create_weights`): a model that breaks either is refused (`check_blocks`).
 - weight-only FP8 (W8A16, GPUs below compute capability 8.9: `use_marlin` in fp8.py @0071b24b): the same per-tensor
-  weight, bf16 activations, the scale applied to the fp32 accumulator (Marlin's channel-wise path; assumed, not read).
+  weight, bf16 activations; Marlin keeps the scale in the model's dtype (`prepare_fp8_layer_for_marlin`:
+  `layer.weight_scale.to(layer.orig_dtype)`, vllm/model_executor/layers/quantization/utils/marlin_utils_fp8.py
+  @02d33ed1), so the scale is amax / 448 rounded to bf16 here; it is applied to the fp32 accumulator (Marlin's
+  channel-wise path; where in the kernel is assumed, not read).
 - the FP8 KV cache: every key (after RoPE) and value stored as sat(x / scale) in E4M3 and read back as e4m3 * scale,
   csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh @0492a439 (`scaled_vec_conversion`, `__NV_SATFINITE`); the scale
   is 1.0 unless the checkpoint carries k/v scales: vllm/model_executor/layers/quantization/kv_cache.py @0531c222
-  (`process_weights_after_loading`). Queries stay in the model's dtype (FlashAttention 3 can quantise them too; not
-  emulated).
+  (`process_weights_after_loading`). Queries stay in the model's dtype, unless the engine's attention backend takes an
+  FP8 query (FlashAttention 3, FlashInfer: `supports_quant_query_input`): vLLM 0.32.0 then quantises the query
+  statically with its q scale, 1.0 by default (vllm/model_executor/layers/attention/attention.py of the 0.32.0
+  release, `Attention.forward`: `query, _ = self.query_quant(query, self._q_scale)`). `fp8-kvq` emulates that backend:
+  the FP8 KV cache and the query quantised the same way.
 - which layers are quantised: every `LinearBase` (fp8.py `get_quant_method`); the LM head is a
-  `VocabParallelEmbedding`, and MoE routers are built with `quant_config=None`, so both stay unquantised.
+  `VocabParallelEmbedding`, and MoE routers are built with `quant_config=None`, so both stay unquantised. vLLM also
+  quantises an MoE model's experts (`Fp8MoEMethod`, one scale per expert, the fused kernels' activations quantised
+  over the batch); transformers 5 keeps each MoE layer's experts as 3-D tensors, not Linears, which this module does
+  not emulate: an FP8 Linear recipe on a model with them is refused (`check_no_experts`) rather than left with bf16
+  experts without a word.
 """
 
 from __future__ import annotations
@@ -122,12 +134,14 @@ def quant_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, tor
 
 def quant_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """128 x 128 block quantisation of a weight w [N, K] (both divisible by `block`): (q [N, K], scale [N / block,
-    K / block]) with amax clamped to 1e-4, q = x * (448 / amax) and scale = amax / 448."""
+    K / block]) with amax clamped to 1e-4, scale = amax / 448 and q = x * (1 / scale), vLLM 0.32.0's order: the
+    reciprocal of the rounded scale, then the product (x * (448 / amax) rounds another way on some values)."""
     N, K = w.shape
     v = w.float().reshape(N // block, block, K // block, block)  # [Nb, block, Kb, block]
     amax = v.abs().amax(dim=(1, 3), keepdim=True).clamp_min(BLOCK_AMAX_FLOOR)  # [Nb, 1, Kb, 1]
-    q = _to_e4m3_(v * (E4M3_MAX / amax)).reshape(N, K)
-    return q, (amax / E4M3_MAX).reshape(N // block, K // block)
+    scale = amax / E4M3_MAX  # [Nb, 1, Kb, 1] fp32
+    q = _to_e4m3_(v * (1.0 / scale)).reshape(N, K)
+    return q, scale.reshape(N // block, K // block)
 
 
 def dequant_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -139,11 +153,25 @@ def dequant_kv(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ GEMMs
 
 
-def product(x: torch.Tensor, wq: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+HALVES = "halves"
+"""`packed` for another valid fp32 summation order: K in two halves, each summed by F.linear, then added (the
+what-if's order noise, SUM_ORDERS)."""
+SUM_ORDERS = ("kernel", "linear", "halves")
+"""the fp32 summation orders an FP8 Linear can sum its exact E4M3 products in (`set_sum_order`): the recipe's kernel
+(oneDNN on the laid-out image where it exists), plain F.linear, and K in two halves. A GPU's FP8 kernel has an order
+of its own; the spread over these three is the emulation's estimate of how much a figure hangs on it."""
+
+
+def product(x: torch.Tensor, wq: torch.Tensor, packed: torch.Tensor | str | None = None) -> torch.Tensor:
     """fp32 [M, N] = x @ wq^T with fp32 accumulation: F.linear, or oneDNN on `packed`, wq's fp32 image laid out once
-    (`pack_weight`; the engine's layout, as `decode.pack_linears` gives its other Linears: another summation order)."""
+    (`pack_weight`; the engine's layout, as `decode.pack_linears` gives its other Linears: another summation order),
+    or with `packed` = HALVES the two halves of K summed apart and added (a third order)."""
     if packed is None:
         return F.linear(x.float(), wq.float())
+    if isinstance(packed, str):
+        half = x.shape[-1] // 2
+        return F.linear(x[:, :half].float(), wq[:, :half].float()).add_(F.linear(x[:, half:].float(),
+                                                                                  wq[:, half:].float()))
     return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "")
 
 
@@ -162,7 +190,7 @@ def pack_weight(wq: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                   packed: torch.Tensor | None = None) -> torch.Tensor:
+                   packed: torch.Tensor | str | None = None) -> torch.Tensor:
     """fp32 [M, N] = sx * (sw * (xq @ wq^T)): E4M3 xq [M, K] and wq [N, K] multiplied exactly with fp32 accumulation,
     then the CUTLASS epilogue's two scalings in its order. sx [M, 1] or [], sw [1, N] or []."""
     # in place on the product's fresh fp32 buffer: sw * acc, then sx * that (each product rounded once, as before)
@@ -170,14 +198,16 @@ def scaled_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
 
 
 def block_product(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                  block: int = BLOCK) -> torch.Tensor:
+                  block: int = BLOCK, reverse: bool = False) -> torch.Tensor:
     """fp32 [M, N] = Σ_k (xq_k @ wq_k^T) * sx_k * sw_k over the K / block blocks, as the Triton block kernel
-    accumulates. xq [M, K], sx [M, K/block], wq [N, K], sw [N/block, K/block]."""
+    accumulates (`reverse`: the last block first, another order). xq [M, K], sx [M, K/block], wq [N, K],
+    sw [N/block, K/block]."""
     x3 = xq.float().unflatten(-1, (-1, block)).transpose(0, 1)  # [Kb, M, block]
     w3 = wq.float().unflatten(-1, (-1, block)).transpose(0, 1)  # [Kb, N, block]
     parts = torch.bmm(x3, w3.transpose(1, 2))  # [Kb, M, N] fp32, one block's products each
     sw_cols = sw.repeat_interleave(block, dim=0)[: wq.shape[0]].T  # [Kb, N]
     scaled = parts * sx.T[:, :, None] * sw_cols[:, None, :]  # [Kb, M, N]
+    scaled = scaled.flip(0) if reverse else scaled
     out = scaled[0]
     for k in range(1, scaled.shape[0]):  # the kernel's order: block 0, then 1, ...
         out = out + scaled[k]
@@ -218,8 +248,11 @@ EMULATED = ("emulated on a CPU by phantomclip's local engine (vLLM's quantisers 
 captions, diagnose's FP8 lines)."""
 KV_QUANT = "fp8-kv"
 """the FP8 KV cache (vLLM kv_cache_dtype='fp8', E4M3, scale 1.0)."""
-FP8_QUANTS = (*LINEAR_QUANTS, KV_QUANT)
-"""every quantiser name an engine recipe can carry (at most one Linear quantiser, and fp8-kv)."""
+KVQ_QUANT = "fp8-kvq"
+"""the FP8 KV cache with the query quantised too (scale 1.0): vLLM's attention backends that take an FP8 query
+(FlashAttention 3, FlashInfer), where fp8-kv is the others' (the query stays in the model's dtype)."""
+FP8_QUANTS = (*LINEAR_QUANTS, KV_QUANT, KVQ_QUANT)
+"""every quantiser name an engine recipe can carry (at most one Linear quantiser, and fp8-kv or fp8-kvq)."""
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM merges into one (QKVParallelLinear, MergedColumnParallelLinear): one per-tensor scale for all."""
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -238,6 +271,8 @@ def check_quants(names: tuple[str, ...]) -> None:
     linear = [n for n in names if n in LINEAR_QUANTS]
     if len(linear) > 1:
         raise Fp8Error(f"{' and '.join(linear)}: an engine quantises its Linears one way; pick one (fp8-kv combines)")
+    if KV_QUANT in names and KVQ_QUANT in names:
+        raise Fp8Error(f"{KV_QUANT} and {KVQ_QUANT}: an engine's attention quantises the query or not; pick one")
 
 
 def quantised_linears(model: nn.Module, skip: set[int]) -> dict[str, nn.Linear]:
@@ -257,6 +292,17 @@ def check_blocks(model: nn.Module, skip: set[int], recipe: str) -> None:
                            f"{BLOCK} block of fp8-block; use fp8-w8a8 or fp8-w8a16 for this model")
 
 
+def check_no_experts(model: nn.Module, recipe: str) -> None:
+    """An MoE model whose experts are 3-D tensors (transformers 5's fused experts, [experts, out, in]) gets one
+    Fp8Error naming the recipe and the tensor: vLLM quantises them (Fp8MoEMethod), this module quantises Linears
+    only, and an engine emulated with bf16 experts would be another engine than the one it stands for."""
+    for name, p in model.named_parameters():
+        if p.dim() == 3:
+            raise Fp8Error(f"recipe {recipe}: {name} holds an MoE layer's experts as one {tuple(p.shape)} tensor, "
+                           "which vLLM quantises to FP8 and phantomclip's emulation does not: FP8 Linear recipes are "
+                           "refused on MoE models (fp8-kv alone runs)")
+
+
 @torch.no_grad()
 def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | None = None):
     """(q E4M3 [N, K], scale) of a Linear's stored weight under `spec`: scale [] for 'tensor' (from `amax` when the
@@ -272,7 +318,7 @@ def quantise_weight(w: torch.Tensor, spec: LinearQuant, amax: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype, packed: torch.Tensor | None = None,
+               bias: torch.Tensor | None, out_dtype: torch.dtype, packed: torch.Tensor | str | None = None,
                tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The FP8 engine's Linear on x [..., K] with the quantised weight (wq, sw): [..., N] in `out_dtype`. `packed`:
     wq laid out for oneDNN (`pack_weight`), for the per-tensor, per-channel and weight-only products. `tokens`:
@@ -283,7 +329,7 @@ def fp8_linear(x: torch.Tensor, spec: LinearQuant, wq: torch.Tensor, sw: torch.T
         out = scaled_product(xq, sx, wq, sw, packed)  # [M, N] fp32
     elif spec.activation == "group":
         xq, sx = quant_groups(x2)  # [M, K], [M, K/128]
-        out = block_product(xq, sx, wq, sw)
+        out = block_product(xq, sx, wq, sw, reverse=packed == HALVES)
     else:  # weight-only: the activations as they are (bf16 values are exact in fp32)
         out = product(x2, wq, packed).mul_(sw)  # [M, N]
     if bias is not None:
@@ -331,7 +377,10 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 shared["key"] = key
                 shared["amax"] = torch.stack([amax_of(m.weight.detach()) for m in group]).amax()
             amax = shared["amax"]
-        self._pc_fp8_w = quantise_weight(self.weight.detach(), spec, amax)
+        wq, sw = quantise_weight(self.weight.detach(), spec, amax)
+        if spec.activation is None:  # Marlin keeps the scale in the model's dtype (marlin_utils_fp8.py)
+            sw = sw.to(self.weight.dtype).float()
+        self._pc_fp8_w = (wq, sw)
         # the image laid out once for oneDNN on a CPU (`use_fp8`; the engine and the scorer alike)
         packs = getattr(self, "_pc_fp8_pack", False) and spec.weight != "block" and self.weight.device.type == "cpu"
         self._pc_fp8_packed = pack_weight(self._pc_fp8_w[0]) if packs else None
@@ -339,13 +388,24 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     wq, sw = self._pc_fp8_w
     spec = self._pc_fp8_spec
     tokens = _shared_tokens(self, x) if spec.activation == "token" else None
-    return fp8_linear(x, spec, wq, sw, self.bias, self.weight.dtype, packed=self._pc_fp8_packed, tokens=tokens)
+    order = getattr(self, "_pc_fp8_order", "kernel")
+    packed = {"kernel": self._pc_fp8_packed, "linear": None, "halves": HALVES}[order]
+    return fp8_linear(x, spec, wq, sw, self.bias, self.weight.dtype, packed=packed, tokens=tokens)
+
+
+def set_sum_order(model: nn.Module, order: str) -> None:
+    """Sum every FP8 Linear's exact E4M3 products in `order` (SUM_ORDERS), in place: the same quantised values, only
+    the fp32 additions in another order (a block recipe's blocks last to first for 'halves')."""
+    for m in model.modules():
+        if is_fp8(m):
+            m._pc_fp8_order = order
 
 
 def use_fp8(model: nn.Module, quant: str, skip: set[int], recipe: str) -> int:
     """Route the Linears an FP8 engine quantises through `_fp8_forward` under `quant` (in place); returns how many.
     Raises Fp8Error for a model the recipe cannot serve."""
     spec = LINEAR_QUANTS[quant]
+    check_no_experts(model, recipe)
     if spec.weight == "block":
         check_blocks(model, skip, recipe)
     linears = quantised_linears(model, skip)
@@ -389,24 +449,28 @@ def is_fp8(linear: nn.Module) -> bool:
 
 
 @functools.cache
-def fp8_kv_attention_name() -> str:
-    """Register (once) an attention function that passes keys and values through the FP8 KV cache before PyTorch's
-    SDPA: what a prefill (scoring) computes when the engine stores its cache in FP8. The decode path
-    (`decode.StaticDecoder`) quantises what it writes into its cache instead."""
+def fp8_kv_attention_name(query: bool = False) -> str:
+    """Register (once) an attention function that passes keys and values (and with `query`, the query) through FP8
+    before PyTorch's SDPA: what a prefill (scoring) computes when the engine stores its cache in FP8. The decode path
+    (`decode.StaticDecoder`) quantises what it writes into its cache (and its query) instead."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, dequant_kv(key), dequant_kv(value), attention_mask, **kwargs)
+    def fp8_kv_sdpa(module, q, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, dequant_kv(q) if query else q, dequant_kv(key), dequant_kv(value),
+                                      attention_mask, **kwargs)
 
-    AttentionInterface.register("phantomclip_fp8_kv_sdpa", fp8_kv_sdpa)
-    AttentionMaskInterface.register("phantomclip_fp8_kv_sdpa", sdpa_mask)
-    return "phantomclip_fp8_kv_sdpa"
+    name = "phantomclip_fp8_kvq_sdpa" if query else "phantomclip_fp8_kv_sdpa"
+    AttentionInterface.register(name, fp8_kv_sdpa)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
 
 
-def use_fp8_kv(model: nn.Module) -> None:
-    """Store the model's keys and values in FP8 (in place): its attention goes through `fp8_kv_attention_name`, and
-    `model._pc_fp8_kv` tells the static decoder to quantise its cache."""
-    model.set_attn_implementation(fp8_kv_attention_name())
+def use_fp8_kv(model: nn.Module, query: bool = False) -> None:
+    """Store the model's keys and values in FP8 (in place), and with `query` quantise its queries as an FP8-query
+    attention backend does: its attention goes through `fp8_kv_attention_name`, and `model._pc_fp8_kv` (and
+    `_pc_fp8_q`) tell the static decoder to do the same."""
+    model.set_attn_implementation(fp8_kv_attention_name(query))
     model._pc_fp8_kv = True
+    model._pc_fp8_q = query

@@ -39,7 +39,14 @@ def fp8_lines(result: dict) -> list[str]:
         vs_fp8 = result["recipes"].get(name, {})
         lines.append(f"  {name:<14}{_num(vs_fp8.get('beta_abs_mean')):>17}{_num(vs_plain['beta_abs_mean']):>12}"
                      f"{_pct(vs_fp8.get('outside_trust_region')):>16}{_pct(vs_plain['outside_trust_region']):>12}")
-    return [*lines, _pushed_line(tr)]
+    return [*lines, _pushed_line(tr), ORDER_LINE]
+
+
+ORDER_LINE = ("  the local FP8 engine is emulated (vLLM's quantisers bit for bit, the E4M3 products summed in fp32 in one "
+              "order; a GPU kernel sums in another): single tokens' β_quant move with the order, so read the means and "
+              "the shares outside, not one token's β (trace --recipe ... --against its plain recipe measures the "
+              "spread over orders)")
+"""said under an emulated FP8 engine's figures (the local engine's; vLLM's own FP8 kernels are not emulated)."""
 
 
 def _pushed_line(tr: dict) -> str:

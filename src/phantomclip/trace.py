@@ -56,7 +56,8 @@ class TraceConfig:
     """One `phantomclip trace` run."""
 
     model: str = "smollm2-135m"
-    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', a model directory or a hub id."""
+    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', 'tiny-moe[:seed[:init_std]]' (a random 2-layer MoE),
+    a model directory or a hub id."""
     recipe: str = "bf16"
     """the precision recipe to trace (fp32, bf16, fp16, bf16-autocast, fp32-head)."""
     against: str = "fp32"
@@ -349,12 +350,33 @@ def what_if_recipes(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     return {"what_if": [plain] + ranked}
 
 
+def quant_order_noise(st: TraceSetup, logp_ref: torch.Tensor) -> dict:
+    """How much the FP8 recipe's figures hang on the fp32 summation order of its exact E4M3 products: the whole recipe
+    scored in each of fp8.SUM_ORDERS; per order its mean |β| and share outside the trust region, `noise` = the
+    spread (max − min) of mean |β| over the orders, and `token_correlation` = the lowest Pearson r of per-token β
+    between two orders (1 where single tokens do not move)."""
+    from .fp8 import SUM_ORDERS, set_sum_order
+
+    betas = {}
+    for order in SUM_ORDERS:
+        model = apply_recipe(st.master, st.recipe, st.cfg.matmul)
+        set_sum_order(model, order)
+        betas[order] = _logp(model, st.recipe, st.packed) - logp_ref  # [N], as the what-if rows compute it
+    orders = {o: _beta_summary(b, st.cfg.epsilon) for o, b in betas.items()}
+    means = [o["beta_abs_mean"] for o in orders.values()]
+    pairs = [(a, b) for i, a in enumerate(SUM_ORDERS) for b in SUM_ORDERS[i + 1:]]
+    corr = min(torch.corrcoef(torch.stack([betas[a], betas[b]]).double())[0, 1].item() for a, b in pairs)
+    return {"orders": orders, "noise": max(means) - min(means), "token_correlation": corr}
+
+
 def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     """5. For an FP8 recipe (--recipe bf16+fp8-w8a8[+fp8-kv], best --against its plain recipe): which part of the
     quantisation kept in the engine's dtype buys the most. Rows: the whole FP8 recipe; the weights kept (activations
     alone quantised, `fp8-a8`), the activations kept (`fp8-w8a16`), the KV cache kept; each Linear kind (q_proj, ...)
-    kept in every layer; each layer's Linears kept. {'quant_what_if': rows} ranked by gain in mean |β|, or {}."""
-    from .fp8 import KV_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
+    kept in every layer; each layer's Linears kept. First the noise (quant_order_noise: the spread of the whole
+    recipe's mean |β| over summation orders): a row whose gain is no larger is marked `within_noise` and ranked after
+    every row that beats it. {'quant_what_if': rows, 'quant_order_noise': ...}, or {}."""
+    from .fp8 import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
 
     recipe = st.recipe
     linear = next((q for q in recipe.quant if q in LINEAR_QUANTS), None)
@@ -376,8 +398,9 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
         rows.append(row("weights (per-token FP8 activations only)", replace(base, quant=(*acts, *base.quant))))
         if acts:
             rows.append(row("activations (FP8 weights only)", replace(base, quant=("fp8-w8a16", *base.quant))))
-    if KV_QUANT in recipe.quant:
-        rows.append(row("KV cache", replace(recipe, quant=tuple(q for q in recipe.quant if q != KV_QUANT))))
+    kv = next((q for q in recipe.quant if q in (KV_QUANT, KVQ_QUANT)), None)
+    if kv:
+        rows.append(row("KV cache", replace(recipe, quant=tuple(q for q in recipe.quant if q != kv))))
     if linear:
         names = list(quantised_linears(st.master, {id(lm_head(st.master))}))
         for kind in dict.fromkeys(n.rpartition(".")[2] for n in names):
@@ -385,9 +408,12 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
         layers = dict.fromkeys(n.split(".layers.")[1].split(".")[0] for n in names if ".layers." in n)
         for i in layers:
             rows.append(row(f"layer {i}", recipe, lambda n, i=i: f".layers.{i}." in n))
+    noise = quant_order_noise(st, logp_ref)
     for r in rows:
         r["gain"] = rows[0]["beta_abs_mean"] - r["beta_abs_mean"]
-    return {"quant_what_if": [rows[0], *sorted(rows[1:], key=lambda r: -r["gain"])]}
+        r["within_noise"] = abs(r["gain"]) <= noise["noise"]
+    ranked = sorted(rows[1:], key=lambda r: (r["within_noise"], -r["gain"]))
+    return {"quant_what_if": [rows[0], *ranked], "quant_order_noise": noise}
 
 
 def run_trace(cfg: TraceConfig, console=None) -> dict:

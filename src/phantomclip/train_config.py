@@ -40,7 +40,8 @@ class TrainConfig:
     """One GRPO run. Every field is a `phantomclip train` flag (underscores become dashes)."""
 
     model: str = "smollm2-135m"
-    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', a model directory or a hub id."""
+    """bundled 'smollm2-135m', 'tiny-random[:seed[:init_std]]', 'tiny-moe[:seed[:init_std]]' (a random 2-layer MoE:
+    train --intervention r3 replays its routes), a model directory or a hub id."""
     task: str = "neglen"
     """reward task: neglen (reward = −length), target-length or add; ignored when --reward is given."""
     reward: str | None = None

@@ -262,10 +262,12 @@ def fig_alpha_beta_tokens(data) -> dict | None:
     layout = plot_layout("α (nats)", "β (nats)", showlegend=True)
     layout["shapes"] = _trust_region_edges([a for xs, _ in groups.values() for a in xs], _epsilons(run))
     xs, ys = groups["phantom-clipped"]
-    if xs:
+    if xs:  # the one furthest out, its words on the side with more room (a phone's plot is 300 px wide)
         k = max(range(len(ys)), key=lambda i: abs(ys[i]))
-        layout["annotations"] = [note(xs[k], ys[k], "phantom-clipped: α alone inside, β pushed it out", ax=60,
-                                      ay=-40 if ys[k] < 0 else 40, xanchor="left")]
+        every = [a for xs_, _ in groups.values() for a in xs_]
+        right = xs[k] < (min(every) + max(every)) / 2
+        layout["annotations"] = [note(xs[k], ys[k], "phantom-clipped: α alone inside", ax=50 if right else -50,
+                                      ay=-40 if ys[k] < 0 else 40, xanchor="left" if right else "right")]
     steps = [t["step"] for t in run["tokens"]]
     caption = (f"Each token with a gradient to lose, by what the clip did to it. Dashed: α + β at the trust region's "
                f"edges; dotted: α alone at them. Not drawn: {zeros} tokens of advantage 0 (groups whose rewards were "

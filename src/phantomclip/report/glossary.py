@@ -24,6 +24,17 @@ TERMS: dict[str, str] = {
     "FP8, E4M3": "8-bit float with 4 exponent and 3 mantissa bits (largest 448); an FP8 engine (fp8-w8a8, vLLM's "
                  "quantization='fp8') stores each Linear's weight in it with one scale per tensor and each token's "
                  "activations with one scale per token (section 8).",
+    "emulated FP8": "the FP8 engine of this page: phantomclip's local engine with vLLM's quantisers bit for bit on a "
+                    "CPU, the E4M3 products summed in fp32 in one order (a GPU's kernel sums in another, which moves "
+                    "single tokens' β_quant; section 8).",
+    "β_quant": "an FP8 engine's own part of β: its recipe without the quantisers against the same recipe with them "
+               "(β = β_precision + β_quant + β_kernel, section 8).",
+    "MoE, router, flip": "mixture of experts: each token runs k of E experts per layer, picked by a router; a flip is "
+                         "an expert choice of the trainer that differs from the engine's (section 9).",
+    "β_route, β_rest": "β split on an MoE model: the trainer's own routes against the engine's replayed, and "
+                       "everything else; they add up to β token by token (section 9).",
+    "r3": "rollout routing replay (R3): the trainer's forwards use the experts the engine chose, removing β_route "
+          "(section 9).",
     "tis, mis, icepop": "corrections that reweigh or mask tokens by the ratio π/μ of trainer to engine: truncated "
                         "(TIS), masked per sequence (MIS), masked outside [0.5, 2] (IcePop).",
     "arm": "one intervention of an experiment (none: the baseline), run under each seed.",

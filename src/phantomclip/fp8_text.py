@@ -42,10 +42,10 @@ def fp8_lines(result: dict) -> list[str]:
     return [*lines, _pushed_line(tr), ORDER_LINE]
 
 
-ORDER_LINE = ("  the local FP8 engine is emulated (vLLM's quantisers bit for bit, the E4M3 products summed in fp32 in one "
-              "order; a GPU kernel sums in another): single tokens' β_quant move with the order, so read the means and "
-              "the shares outside, not one token's β (trace --recipe ... --against its plain recipe measures the "
-              "spread over orders)")
+ORDER_LINE = ("  the local FP8 engine is emulated (vLLM's quantisers bit for bit, the E4M3 products summed in fp32 in "
+              "one order; a GPU kernel sums in another): single tokens' β_quant move with the order, so read the "
+              "means and the shares outside, not one token's β (trace --recipe ... --against its plain recipe "
+              "measures the spread over orders)")
 """said under an emulated FP8 engine's figures (the local engine's; vLLM's own FP8 kernels are not emulated)."""
 
 

@@ -519,7 +519,8 @@ def test_copies_keep_arm_names_and_the_missing_machine_is_said_once(demo_page):
     arms = {r["config"]["intervention"] for r in data.runs}
     # the sanity experiment's 12 arms, the FP8 one's 7 and moe-r3's 3, x 3 seeds
     assert len(arms) == 12 and len(metrics) == 36 + 21 + 9
-    assert names == [n for _, n in sorted((int(n.split("-")[0]), n) for n in names)]  # 140 copies: '099' < '100'
+    assert len(names) == 147  # 3 diagnose, 3 summaries, 1 trace, 6 trace --run; 66 runs x 2 files; 2 tokens.jsonl
+    assert names == [n for _, n in sorted((int(n.split("-")[0]), n) for n in names)]  # '099' < '100'
     for arm in arms:
         assert sum(re.fullmatch(rf"\d\d\d-{re.escape(arm)}-seed-\d-metrics\.jsonl", n) is not None
                    for n in metrics) == 3, arm

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 
 from .answer import answer, answer_lines, bound, engine_label, epsilon_advice, ranking, region_text, user_recipe
+from .fp8_text import QUANT_CELLS, fp8_split_head, split_title
 from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
@@ -111,7 +112,7 @@ def _split_verdict(result: dict, name: str) -> str:
     what = _kernels(eng["kind"])
     fp8 = result.get("fp8")
     if fp8 and "quant" in split:  # an FP8 engine: β = β_precision + β_quant + β_kernel (diagnose_fp8)
-        head, prec = _fp8_split_head(result, name, now, split, what)
+        head, prec = fp8_split_head(result, name, now, split, what)
     else:
         head = (f"β = β_precision + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against its own "
                 f"{shadow} forward) has mean |·| {prec:.4f} and β_kernel (that {shadow} forward against the "
@@ -135,22 +136,6 @@ def _split_verdict(result: dict, name: str) -> str:
         return head + (f" {lever_cap} would shrink it only a little (mean |β| {now:.4f} -> "
                        f"{left[lever]:.4f}) and {rest}: tolerate or correct β instead.")
     return head + f" {lever_cap} is the bigger lever (mean |β| {now:.4f} -> {left[lever]:.4f}); {rest}."
-
-
-def _fp8_split_head(result: dict, name: str, now: float, split: dict, what: str) -> tuple[str, float]:
-    """The FP8 engine's three-part split for recipe `name`, in words, and what matching the kernels alone would
-    leave: β_precision + β_quant (the recipe against the FP8 shadow, fp8.recipes_fp8_shadow), not β_precision alone."""
-    fp8, eng = result["fp8"], result["engine"]
-    prec, quant = split["precision"]["beta_abs_mean"], split["quant"]["beta_abs_mean"]
-    kern = split["kernel"]["beta_abs_mean"]
-    left = (fp8.get("recipes_fp8_shadow") or {}).get(name, {}).get("beta_abs_mean")
-    left = prec + quant if left is None else left  # an older file: the parts' sizes bound what is left
-    head = (f"β = β_precision + β_quant + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against the "
-            f"plain {fp8['plain_recipe']} shadow) has mean |·| {prec:.4f}, β_quant (that shadow against the "
-            f"{fp8['engine_recipe']} shadow: the quantisers alone, emulated) {quant:.4f} and β_kernel (the "
-            f"{fp8['engine_recipe']} shadow against the {eng['dtype']} FP8 engine: {what}) {kern:.4f}; β_precision + "
-            f"β_quant, what matching the kernels would leave, has mean |·| {left:.4f}.")
-    return head, left
 
 
 def _as_float(v) -> float:
@@ -265,9 +250,6 @@ SPLIT_CELLS = {"precision |β|": ("split", "precision", "beta_abs_mean"),
                "precision out": ("split", "precision", "outside_trust_region"),
                "kernel out": ("split", "kernel", "outside_trust_region")}
 """the split table's columns: the path to each figure inside a recipe's result."""
-QUANT_CELLS = {"quant |β|": ("split", "quant", "beta_abs_mean"),
-               "quant out": ("split", "quant", "outside_trust_region")}
-"""the split table's further columns for an FP8 engine (split.quant: β_quant, the quantisers alone)."""
 BATCH_CELLS = {"batch |β|": ("split", "batch", "beta_abs_mean"),
                "batch out": ("split", "batch", "outside_trust_region")}
 """the split table's further columns when rows were scored alone (split.batch: the run's batch against micro-batch
@@ -376,10 +358,7 @@ def render_diagnose(result: dict, console: Console) -> None:
             v = v.get(key) if isinstance(v, dict) else None  # a recipe without the part: n/a
         return _fmt("outside_trust_region" if c.endswith("out") else c, v)
 
-    title = ((f"β = β_precision (vs the plain {fp8['plain_recipe']} shadow) + β_quant (plain vs FP8 shadow) + β_kernel "
-              f"(the {fp8['engine_recipe']} shadow vs the engine)") if fp8 else
-             f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)")
-    title = (title
+    title = (split_title(result)
              + ("; β_batch (the run's batch vs one sequence at a time)" if batched else "")
              + ("; truncation bias log S" if truncated else ""))
     console.print(_table(title, list(recs), list(split), cell))

@@ -53,3 +53,33 @@ def _pushed_line(tr: dict) -> str:
     return (f"  the quantisers push {_pct(tr['pushed_out'])} of the {tr['recipe']} trainer's tokens outside the "
             f"trust region ({_pct(tr['outside'])} outside with β_quant, {_pct(tr['outside_without_quant'])} "
             f"without it; {_pct(tr['pulled_in'])} pulled in)")
+
+
+QUANT_CELLS = {"quant |β|": ("split", "quant", "beta_abs_mean"),
+               "quant out": ("split", "quant", "outside_trust_region")}
+"""diagnose's split table's further columns for an FP8 engine (split.quant: β_quant, the quantisers alone)."""
+
+
+def split_title(result: dict) -> str:
+    """The split table's title: an FP8 engine's three parts (β_precision against the plain shadow), else two."""
+    fp8 = result.get("fp8")
+    if fp8:
+        return (f"β = β_precision (vs the plain {fp8['plain_recipe']} shadow) + β_quant (plain vs FP8 shadow) + "
+                f"β_kernel (the {fp8['engine_recipe']} shadow vs the engine)")
+    return f"β = β_precision (vs the {result['shadow']['recipe']} shadow) + β_kernel (shadow vs engine)"
+
+
+def fp8_split_head(result: dict, name: str, now: float, split: dict, what: str) -> tuple[str, float]:
+    """The FP8 engine's three-part split for recipe `name`, in words, and what matching the kernels alone would
+    leave: β_precision + β_quant (the recipe against the FP8 shadow, fp8.recipes_fp8_shadow), not β_precision alone."""
+    fp8, eng = result["fp8"], result["engine"]
+    prec, quant = split["precision"]["beta_abs_mean"], split["quant"]["beta_abs_mean"]
+    kern = split["kernel"]["beta_abs_mean"]
+    left = (fp8.get("recipes_fp8_shadow") or {}).get(name, {}).get("beta_abs_mean")
+    left = prec + quant if left is None else left  # an older file: the parts' sizes bound what is left
+    head = (f"β = β_precision + β_quant + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against the "
+            f"plain {fp8['plain_recipe']} shadow) has mean |·| {prec:.4f}, β_quant (that shadow against the "
+            f"{fp8['engine_recipe']} shadow: the quantisers alone, emulated) {quant:.4f} and β_kernel (the "
+            f"{fp8['engine_recipe']} shadow against the {eng['dtype']} FP8 engine: {what}) {kern:.4f}; β_precision + "
+            f"β_quant, what matching the kernels would leave, has mean |·| {left:.4f}.")
+    return head, left

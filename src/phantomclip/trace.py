@@ -10,6 +10,7 @@ outputs of one sub-batch are held until the recipe's forward of that sub-batch h
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -362,6 +363,8 @@ def quant_order_noise(st: TraceSetup, logp_ref: torch.Tensor) -> dict:
         model = apply_recipe(st.master, st.recipe, st.cfg.matmul)
         set_sum_order(model, order)
         betas[order] = _logp(model, st.recipe, st.packed) - logp_ref  # [N], as the what-if rows compute it
+        del model
+        gc.collect()  # an FP8 copy is a reference cycle (quant_what_if's row)
     orders = {o: _beta_summary(b, st.cfg.epsilon) for o, b in betas.items()}
     means = [o["beta_abs_mean"] for o in orders.values()]
     pairs = [(a, b) for i, a in enumerate(SUM_ORDERS) for b in SUM_ORDERS[i + 1:]]
@@ -390,7 +393,10 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
         for name, m in quantised_linears(model, {id(lm_head(model))}).items():
             if getattr(m, "_pc_fp8_spec", None) is not None and keep(name):
                 unquantise(m)
-        return {"keep": label, **_beta_summary(_logp(model, r, st.packed) - logp_ref, st.cfg.epsilon)}
+        out = {"keep": label, **_beta_summary(_logp(model, r, st.packed) - logp_ref, st.cfg.epsilon)}
+        del model  # free the copy now: FP8 Linears refer to their merged siblings (a reference cycle), so a copy
+        gc.collect()  # waits for the cycle collector, and forty of the bundled model's held 10 GB in one run
+        return out
 
     rows = [row("(nothing: the whole FP8 recipe)", recipe)]
     if linear:

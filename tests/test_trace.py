@@ -130,15 +130,33 @@ def test_fp8_trace_ranks_the_parts_of_the_quantisation():
     assert list(noise["orders"]) == ["kernel", "linear", "halves"]
     assert noise["orders"]["kernel"]["beta_abs_mean"] == whole["beta_abs_mean"]
     assert noise["noise"] == max(means) - min(means) and -1 <= noise["token_correlation"] <= 1
-    # rows that beat the noise first, by gain; then the rows within it, by gain
+    # the floor: the orders' spread or the largest loss of a row (keeping a part in bf16 should not move away from
+    # bf16: a row that does shows what noise alone does), whichever is larger
     ranked = r["quant_what_if"][1:]
-    assert all(row["within_noise"] == (abs(row["gain"]) <= noise["noise"]) for row in ranked)
+    assert noise["floor"] == max(noise["noise"], max([-row["gain"] for row in ranked if row["gain"] < 0], default=0))
+    # rows that beat the floor first, by gain; then the rows within it, by gain
+    assert all(row["within_noise"] == (abs(row["gain"]) <= noise["floor"]) for row in ranked)
     flags = [row["within_noise"] for row in ranked]
     assert flags == sorted(flags)
     for part in (False, True):
         gains = [row["gain"] for row in ranked if row["within_noise"] is part]
         assert gains == sorted(gains, reverse=True)
     assert r["recipe"] == "bf16+fp8-w8a8+fp8-kv" and r["against"] == "bf16"
+
+
+def test_the_what_if_ranks_past_its_noise_floor():
+    """rank_what_if by hand: orders' spread 0.0085; the rows' gains +0.061, +0.025, +0.010, -0.020: the largest loss
+    (0.020) is the floor, so +0.061 and +0.025 are ranked first, +0.010 and -0.020 are within the noise."""
+    from phantomclip.trace import rank_what_if
+
+    rows = [{"keep": "whole", "gain": 0.0}, *({"keep": k, "gain": g} for k, g in
+                                               (("a", 0.010), ("b", 0.061), ("c", -0.020), ("d", 0.025)))]
+    out = rank_what_if(rows, {"noise": 0.0085})
+    assert [r["keep"] for r in out["quant_what_if"]] == ["whole", "b", "d", "a", "c"]
+    assert [r["within_noise"] for r in out["quant_what_if"][1:]] == [False, False, True, True]
+    assert out["quant_order_noise"]["floor"] == 0.020 and out["quant_order_noise"]["floor_from"] != "orders"
+    calm = rank_what_if([{"keep": "whole", "gain": 0.0}, {"keep": "x", "gain": 0.005}], {"noise": 0.0085})
+    assert calm["quant_order_noise"]["floor"] == 0.0085 and calm["quant_what_if"][1]["within_noise"]
 
 
 def test_the_sum_orders_are_one_set_of_products_summed_three_ways():

@@ -62,9 +62,10 @@ def render_quant_what_if(result: dict, console, table) -> None:
     """trace's FP8 what-if table, ranked with its noise (trace.quant_order_noise), and the orders' line."""
     noise = result.get("quant_order_noise")
     t = table(f"what-if: keep part of the FP8 quantisation in the engine's dtype (against {result['against']}; "
-              "ranked by gain in mean |β|" + (f"; a gain within ±{noise['noise']:.4f}, the spread of the whole "
-                                              "recipe's mean |β| over fp32 summation orders, is noise: marked ~ "
-                                              "and ranked last" if noise else "") + ")")
+              "ranked by gain in mean |β|" + (f"; a gain within ±{noise['floor']:.4f} ({noise['floor_from']}: the "
+                                              "spread of the whole recipe's mean |β| over fp32 summation orders, "
+                                              "or the largest loss of a row) is noise: marked ~ and ranked last"
+                                              if noise else "") + ")")
     for col in ("keep", "mean |β|", "outside %", "gain"):
         t.add_column(col, justify="left" if col == "keep" else "right", overflow="fold")
     for r in result["quant_what_if"]:

@@ -376,9 +376,10 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     """5. For an FP8 recipe (--recipe bf16+fp8-w8a8[+fp8-kv], best --against its plain recipe): which part of the
     quantisation kept in the engine's dtype buys the most. Rows: the whole FP8 recipe; the weights kept (activations
     alone quantised, `fp8-a8`), the activations kept (`fp8-w8a16`), the KV cache kept; each Linear kind (q_proj, ...)
-    kept in every layer; each layer's Linears kept. First the noise (quant_order_noise: the spread of the whole
-    recipe's mean |β| over summation orders): a row whose gain is no larger is marked `within_noise` and ranked after
-    every row that beats it. {'quant_what_if': rows, 'quant_order_noise': ...}, or {}."""
+    kept in every layer; each layer's Linears kept. Ranked past their noise (rank_what_if: the spread of the whole
+    recipe's mean |β| over summation orders, or the largest loss of a row, whichever is larger): a row whose gain is
+    no larger is marked `within_noise` and ranked after every row that beats it. {'quant_what_if': rows,
+    'quant_order_noise': ...}, or {}."""
     from .fp8 import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
 
     recipe = st.recipe
@@ -414,12 +415,25 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
         layers = dict.fromkeys(n.split(".layers.")[1].split(".")[0] for n in names if ".layers." in n)
         for i in layers:
             rows.append(row(f"layer {i}", recipe, lambda n, i=i: f".layers.{i}." in n))
-    noise = quant_order_noise(st, logp_ref)
     for r in rows:
         r["gain"] = rows[0]["beta_abs_mean"] - r["beta_abs_mean"]
-        r["within_noise"] = abs(r["gain"]) <= noise["noise"]
+    return rank_what_if(rows, quant_order_noise(st, logp_ref))
+
+
+def rank_what_if(rows: list[dict], noise: dict) -> dict:
+    """The what-if rows (the whole recipe first, each with its `gain`) ranked past their noise. The noise floor is
+    the larger of the summation orders' spread (quant_order_noise) and the largest loss of any row: keeping part of
+    the quantisation in the engine's dtype brings the recipe towards the plain one, so a row that moves it away
+    measures how far noise alone moves a row. A row whose |gain| is no larger is `within_noise`, ranked after every
+    row that beats it; each group by gain."""
+    loss = max((-r["gain"] for r in rows[1:] if r["gain"] < 0), default=0.0)
+    floor = max(noise["noise"], loss)
+    for r in rows[1:]:
+        r["within_noise"] = abs(r["gain"]) <= floor
     ranked = sorted(rows[1:], key=lambda r: (r["within_noise"], -r["gain"]))
-    return {"quant_what_if": [rows[0], *ranked], "quant_order_noise": noise}
+    return {"quant_what_if": [rows[0], *ranked],
+            "quant_order_noise": {**noise, "floor": floor, "floor_from": "orders" if floor == noise["noise"] else
+                                  "the largest loss of a row"}}
 
 
 def run_trace(cfg: TraceConfig, console=None) -> dict:

@@ -79,7 +79,8 @@ def test_the_fp8_table_shows_the_summarys_numbers(demo):
     # provenance: the FP8 row and the Data: line say the engine is emulated on a CPU, not an FP8 GPU
     fp8_row = table.split("<b>fp8</b>")[1].split("</tbody>")[0]
     assert "the engine samples in FP8, emulated on a CPU by phantomclip&#x27;s local engine" in fp8_row
-    source = table.split('<p class="source">')[1]
+    page = render(demo)  # the page puts the table's Data: line under it
+    source = page.split('id="fp8-table"')[1].split('<p class="source">')[1].split("</p>")[0]
     assert source.startswith("Data: fp8/summary.json, the summary of experiment fp8; demo/fp8: 21 runs")  # no roots
     assert "fp8-w8a8, emulated on a CPU" in source and "CPU (torch" in source
     # fewer phantom clips by construction is said apart, not as a detected difference

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 
 from .answer import answer, answer_lines, bound, engine_label, epsilon_advice, ranking, region_text, user_recipe
-from .fp8_text import QUANT_CELLS, fp8_split_head, split_title
+from .fp8_text import QUANT_CELLS, fp8_lines, fp8_split_head, split_title
 from .frameworks import THRESHOLDS, judge
 from .metrics import HIGH_P, LOW_P
 from .numerics import parse_dtype
 from .recipes import engine_recipe, get_recipe
+from .routing_text import routing_lines
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -110,8 +111,7 @@ def _split_verdict(result: dict, name: str) -> str:
     prec, kern = split["precision"]["beta_abs_mean"], split["kernel"]["beta_abs_mean"]
     shadow, eng = result["shadow"]["recipe"], result["engine"]
     what = _kernels(eng["kind"])
-    fp8 = result.get("fp8")
-    if fp8 and "quant" in split:  # an FP8 engine: β = β_precision + β_quant + β_kernel (diagnose_fp8)
+    if result.get("fp8") and "quant" in split:  # an FP8 engine: β = β_precision + β_quant + β_kernel (diagnose_fp8)
         head, prec = fp8_split_head(result, name, now, split, what)
     else:
         head = (f"β = β_precision + β_kernel: for {name} (mean |β| {now:.4f}), β_precision ({name} against its own "
@@ -348,8 +348,7 @@ def render_diagnose(result: dict, console: Console) -> None:
             console.print(_table(title, cols, list(recs), lambda c, r: _fmt(c, recs[r][c])))
     truncated = any("truncation" in r for r in recs.values())
     batched = any("batch" in r.get("split", {}) for r in recs.values())
-    fp8 = result.get("fp8")
-    split = (SPLIT_CELLS | (QUANT_CELLS if fp8 else {}) | (BATCH_CELLS if batched else {})
+    split = (SPLIT_CELLS | (QUANT_CELLS if result.get("fp8") else {}) | (BATCH_CELLS if batched else {})
              | (TRUNCATION_CELLS if truncated else {}))
 
     def cell(r: str, c: str) -> str:
@@ -382,9 +381,7 @@ def render_diagnose(result: dict, console: Console) -> None:
 def optional_blocks(result: dict) -> list[list[str]]:
     """The blocks a run has only with some settings, in print order: --drift, an FP8 engine (--engine-quant,
     fp8_text.py), an MoE model's route table (routing_text.py), a post-mortem's rows (postmortem_text.py)."""
-    from .fp8_text import fp8_lines
     from .postmortem_text import postmortem_lines
-    from .routing_text import routing_lines
 
     makers = {"drift": lambda: drift_lines(result["drift"]), "fp8": lambda: fp8_lines(result),
               "routing": lambda: routing_lines(result), "postmortem": lambda: postmortem_lines(result)}

@@ -238,11 +238,14 @@ def test_titles_are_short_captions_say_the_rest_and_every_table_names_its_data(d
     import re
 
     from phantomclip.report import ReportData, render
-    from phantomclip.report.page import FIGURES
+    from phantomclip.report.page import FIGURES, USER_ONLY
     from phantomclip.report.plots import TITLE_WORDS
 
     for name, (draw, _) in FIGURES.items():
         fig = draw(demo)
+        if name in USER_ONLY:  # only a reader's own data draws it (tests/test_rollouts.py draws a post-mortem)
+            assert fig is None
+            continue
         assert len(fig["title"].split()) <= TITLE_WORDS == 15 and fig["caption"], (name, fig["title"])
         if fig["layout"]["xaxis"]["title"]["text"] == "step":
             axis = fig["layout"]["xaxis"]

@@ -492,3 +492,25 @@ def test_the_answer_names_each_stand_in_it_measured_against():
     assert all(line in answer(result("vllm", "cpu"))["reasons"] for line in VLLM_CPU_STAND_IN)
     on_gpu, recorded = answer(result("vllm", "NVIDIA H200"))["reasons"], answer(result("recorded", "cpu"))["reasons"]
     assert not set(STAND_IN + VLLM_CPU_STAND_IN) & set(on_gpu + recorded)
+
+
+def test_the_article_draws_a_post_mortem(saved, tmp_path):
+    """A post-mortem JSON given to `report --from` becomes the article's step-by-step figure: the share outside per
+    step, the note being the first-to-last sentence, and the engine's recorded name reaching the page as text (a
+    hostile name is escaped, in the caption and in Plotly)."""
+    from phantomclip.report import collect, render
+    from phantomclip.report.growth_panel import fig_postmortem
+
+    _, path = saved
+    rows = _lines(path)
+    rows[0]["engine"]["name"] = "<b>evil</b>"
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for step in (0, 2):
+        _write(steps / f"step-{step}.jsonl", [rows[0], *[dict(r, step=step) for r in rows[1:]]])
+    d = _diagnose(tmp_path, "pm", "--rollouts", str(steps))
+    fig = fig_postmortem([d])
+    assert fig["data"][0]["x"] == [0, 2] and fig["layout"]["annotations"][0]["text"].startswith(
+        "the share outside the trust region stayed")
+    page = render(collect([str(tmp_path / "pm.json")]))
+    assert "Your run, step by step" in page and "<b>evil</b>" not in page and "&lt;b&gt;evil" in page

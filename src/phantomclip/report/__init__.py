@@ -14,7 +14,7 @@ source line under each figure); `plots` holds the shared look; `page` assembles 
 
 from __future__ import annotations
 
-from .page import FIGURES, WIDGETS, build, render
+from .page import FIGURES, USER_ONLY, WIDGETS, build, render
 from .sources import ReportData, ReportError, collect, demo_sources
 
-__all__ = ["FIGURES", "WIDGETS", "ReportData", "ReportError", "build", "collect", "demo_sources", "render"]
+__all__ = ["FIGURES", "USER_ONLY", "WIDGETS", "ReportData", "ReportError", "build", "collect", "demo_sources", "render"]

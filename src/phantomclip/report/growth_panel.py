@@ -222,3 +222,38 @@ def growth_verdict(parts: list[str], names: list[str], mix_smallest: int) -> str
                    f"{counts[top]} of the {n} runs; the others differ ({others})")
     return verdict + (f". The mix part is the smallest of the three in {mix_smallest} of {n} run"
                       + ("s" if n != 1 else "") + " on the fixed tokens")
+
+
+POSTMORTEM_COMMAND = "phantomclip diagnose --rollouts rollouts/ --checkpoints checkpoints/ --json postmortem.json"
+"""what writes the post-mortem figure's data: a diagnose JSON over a run's recorded rollouts (docs/rollouts.md)."""
+
+
+def fig_postmortem(diagnose: list[dict]) -> dict | None:
+    """A post-mortem of the user's own run (`diagnose --rollouts DIR` over several steps, against their real engine):
+    the share of tokens outside the trust region and, where the records carry advantages, the share phantom-clipped
+    at α = 0, per recorded step; the note on the last step is postmortem_text.change_sentence, computed from the two
+    shares it quotes."""
+    from ..postmortem_text import change_sentence
+
+    docs = [d for d in diagnose if d.get("postmortem")]
+    if not docs:
+        return None
+    doc = docs[-1]
+    rows = doc["postmortem"]["steps"]
+    steps = [r["step"] for r in rows]
+    traces = [{"type": "scatter", "mode": "lines+markers", "name": name, "x": steps,
+               "y": [None if r[key] is None else 100 * r[key] for r in rows], "line": {"dash": dash},
+               "hovertemplate": "step %{x}: %{y:.2f}%<extra></extra>"}
+              for key, name, dash in (("outside_trust_region", "outside the trust region", "solid"),
+                                      ("phantom_share_at_alpha0", "phantom-clipped at α = 0", "dot"))
+              if any(r[key] is not None for r in rows)]
+    layout = plot_layout("step", "% of tokens", xaxis=step_axis(steps))
+    last = rows[-1]
+    layout["annotations"] = [note(last["step"], 100 * (last["outside_trust_region"] or 0),
+                                  change_sentence(rows).split(" (")[0], ax=-120, ay=-30)]
+    engine, tr = doc["engine"], doc["trust_region"]
+    return figure(traces, layout, "Your run, step by step, against the engine that sampled it",
+                  f"The {doc['postmortem']['recipe']} trainer's tokens outside [{1 - tr['epsilon_low']:g}, "
+                  f"{1 + tr['epsilon_high']:g}] per recorded step, against the log-probs "
+                  f"{engine.get('name') or 'the engine'} recorded ({engine.get('source') or 'a rollout file'}).",
+                  ("diagnose", [doc]))

@@ -58,8 +58,13 @@ FIGURES: dict[str, tuple[Callable[[ReportData], dict | None], str]] = {
     "growth": (lambda d: growth_panel.fig_growth(d.growths), growth_panel.COMMAND),
     "growth_buckets": (lambda d: growth_panel.fig_growth_buckets(d.growths), growth_panel.COMMAND),
     "growth_split": (lambda d: growth_panel.fig_growth_split(d.growths), growth_panel.COMMAND),
+    "postmortem": (lambda d: growth_panel.fig_postmortem(d.diagnose), growth_panel.POSTMORTEM_COMMAND),
     "growth_depth": (lambda d: growth_panel.fig_growth_depth(d.growths), growth_panel.COMMAND),
 }
+USER_ONLY = {"postmortem": "drawn from the reader's own recorded rollouts (diagnose --rollouts DIR): the bundled demo "
+                           "holds no user's run"}
+"""figures only the reader's own data can draw: without it the figure is left out, without a 'missing' box (its
+lead-in names the command), and the demo page is complete without them."""
 """figure name -> (draws a figure from the data, or None when its data is missing; the command that makes the data)."""
 
 WIDGETS = ("number_line", "crossing", "grpo_widget")
@@ -254,7 +259,9 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
     if name in FIGURES:
         draw, command = FIGURES[name]
         fig = draw(data)
-        return _figure_block(name, fig, figures, ctx["roots"]) if fig else _missing(command)
+        if fig:
+            return _figure_block(name, fig, figures, ctx["roots"])
+        return "" if name in USER_ONLY else _missing(command)
     return f'<p class="missing">Unknown figure {html_text(name)} in article.md.</p>'
 
 

@@ -182,7 +182,7 @@ def test_nan_weights_are_counted_skipped_and_stop_the_run(tmp_path, capsys, tiny
 
 
 def test_diagnose_says_what_happened_when_no_log_prob_is_finite():
-    from phantomclip.diagnose_text import verdict
+    from phantomclip.verdict_text import verdict
 
     result = {"engine": {"dtype": "bf16", "nonfinite_logprobs": 96}, "config": {"epsilon": 0.2, "epsilon_high": 0.2},
               "recipes": {"fp32": {"tokens": 0, "nonfinite": 96}}}

@@ -72,7 +72,7 @@ def test_library_result_has_figures_and_no_verdict():
 
     d = run_diagnose(DiagnoseConfig(model="tiny-random:0", trainer=["fp32"], n=2, max_tokens=3))
     assert "verdict" not in d and d["recipes"]["fp32"]["tokens"] == d["engine"]["tokens"] > 0
-    assert with_verdict(d)["verdict"].startswith("Fewest tokens outside [0.8, 1.2] against the bf16 engine: fp32")
+    assert with_verdict(d)["verdict"].startswith("Fewest tokens outside [0.8, 1.2] against the bf16 local engine: fp32")
     assert d["answer"]["contract"]["trainer"] == "fp32"  # the answer is added beside the verdict
 
 

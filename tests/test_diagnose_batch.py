@@ -23,8 +23,9 @@ from phantomclip.diagnose import (
     sample,
     score_recipe,
 )
-from phantomclip.diagnose_text import KNOB_LABELS, _batch_verdict, _bound, knob_lines
+from phantomclip.diagnose_text import KNOB_LABELS, _bound, knob_lines
 from phantomclip.knobs import KnobSettings, knob_figures
+from phantomclip.verdict_text import _batch_verdict
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 QUIET = lambda *a, **k: None  # noqa: E731

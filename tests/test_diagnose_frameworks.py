@@ -56,7 +56,7 @@ def test_json_holds_every_framework_computed_from_the_beta_tensors(tmp_path, cap
         other = FRAMEWORKS["trl"](logp[recipe], ref.logp_engine_processed, mask)
         assert other["sampling/sampling_logp_difference/mean"] != got["trl"]["sampling/sampling_logp_difference/mean"]
     # the printed table: the first recipe's headline and bounded figures, with thresholds and verdicts
-    assert "what each framework would log: fp32 trainer against the bf16 engine" in printed
+    assert "what each framework would log: fp32 trainer against the bf16 local engine" in printed
     for fw, figure in list(FRAMEWORK_HEADLINE.items()) + list(THRESHOLDS):
         assert f"{fw} " in printed and figure in printed, (fw, figure)
     assert "<= 1.05" in printed and "<= 0.001" in printed
@@ -200,7 +200,7 @@ def test_render_table_from_the_dict_alone():
     out = io.StringIO()
     render_diagnose(result, Console(file=out, width=120))
     text = " ".join(out.getvalue().split())  # undo the title's wrap
-    assert "fp32 trainer against the bf16 engine" in text and "slime" not in text and "n/a" in text
+    assert "fp32 trainer against the bf16 local engine" in text and "slime" not in text and "n/a" in text
     old = {**base, "recipes": {"fp32": stats}}
     out = io.StringIO()
     render_diagnose(old, Console(file=out, width=120))

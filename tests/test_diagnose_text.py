@@ -4,15 +4,8 @@ import io
 
 import pytest
 
-from phantomclip.diagnose_text import (
-    ANTI_CORRELATED,
-    SAME_GAP_SPREAD,
-    SMALL_GAIN,
-    _advice,
-    _split_verdict,
-    render_diagnose,
-    verdict,
-)
+from phantomclip.diagnose_text import render_diagnose
+from phantomclip.verdict_text import ANTI_CORRELATED, SAME_GAP_SPREAD, SMALL_GAIN, _advice, _split_verdict, verdict
 
 
 def _result(**gaps):

@@ -369,7 +369,7 @@ def test_split_correlation_hand_worked():
 
 def test_split_verdict_names_the_lever():
     """Matching the precision leaves β_kernel, matching the kernels leaves β_precision; compared with |β| now."""
-    from phantomclip.diagnose_text import _split_verdict
+    from phantomclip.verdict_text import _split_verdict
 
     def result(now, prec, kern, corr=0.0):
         split = {"precision": {"beta_abs_mean": prec}, "kernel": {"beta_abs_mean": kern}, "correlation": corr}

@@ -87,6 +87,29 @@ def test_sequence_knobs():
     assert _figures(settings=tight)["geo_mask"]["sequences"] == 0.5
 
 
+def test_effective_sample_size_of_what_each_correction_leaves():
+    """ess = (Σw)² / (n Σw²) of the weights a correction leaves (metrics.ess_share). Worked on BETA (r = e^β):
+    token_truncate C = 1.2: w = [e^0.1, e^-0.3, 1.2, e^0.05, 1, e^-0.1]; token_mask: 0.5's weight is 0 instead;
+    icepop [0.9, 1.1]: 1 for the 3 kept, 0 for the 3 dropped: 3² / (6 · 3) = 0.5; sequence_mask C = 1.25: S = 0.3 is
+    dropped, e^-0.05 kept: ESS = 1/2; sequence_truncate: [1.25, e^-0.05]."""
+    f = _figures()
+
+    def ess(w: list[float]) -> float:
+        return sum(w) ** 2 / (len(w) * sum(x * x for x in w))
+
+    # BETA is fp32: each β is off the decimal by up to half an ulp (|β| · 2^-24 ≤ 3e-8), which moves e^β, and the
+    # ESS (a ratio of sums of them), by a relative 1e-7 at most: 1e-6 bounds it
+    e, rel = math.exp, 1e-6
+    assert f["token_truncate"]["ess"] == pytest.approx(ess([e(0.1), e(-0.3), 1.2, e(0.05), 1.0, e(-0.1)]), rel=rel)
+    assert f["token_mask"]["ess"] == pytest.approx(ess([e(0.1), e(-0.3), 0.0, e(0.05), 1.0, e(-0.1)]), rel=rel)
+    assert f["icepop"]["ess"] == pytest.approx(0.5, rel=rel)
+    assert f["sequence_mask"]["ess"] == pytest.approx(0.5, rel=rel)
+    assert f["sequence_truncate"]["ess"] == pytest.approx(ess([1.25, e(-0.05)]), rel=rel)
+    # sequence_truncate touches the sequences sequence_mask drops (its weight is capped, not zeroed)
+    k, m = f["sequence_truncate"], f["sequence_mask"]
+    assert (k["sequences"], k["tokens"], k["keep"]) == (m["sequences"], m["tokens"], m["keep"])
+
+
 def test_mask_and_nonfinite_tokens_are_left_out():
     beta = torch.tensor([[0.1, -0.3, 0.5, math.nan], [0.05, 0.0, -0.1, 9.0], [7.0, 7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)

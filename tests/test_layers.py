@@ -35,13 +35,14 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs", "files", "owned", "locks", "console", "devices", "fp8", "fp8_vllm", "run_checks"),
+             "frameworks", "knobs", "files", "owned", "locks", "console", "devices", "fp8", "fp8_vllm", "run_checks", "setups"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
              "routing_depth", "diagnose_config", "diagnose_fp8", "diagnose_records", "rollouts", "rollout_readers",
              "rollout_batches", "recorded"),
     "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth", "postmortem"),
-    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "job_text", "config_flags",
-                 "config_sources", "fp8_text", "routing_text", "postmortem_text"),
+    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "answer_changes", "exposure",
+                 "verdict_text", "job_text", "config_flags", "config_sources", "fp8_text", "routing_text",
+                 "postmortem_text"),
 }
 RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
 SIDEWAYS_OK = {"leaf", "core", "surfaces"}

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from conftest import MATMULS, assert_close_eps, eps, report
 from phantomclip.recipes import (
+    DEFAULT_TRAINERS,
     RECIPES,
     RecipeError,
     apply_recipe,
@@ -118,9 +119,34 @@ def test_emulated_weight_cache_follows_in_place_updates():
 
 
 def test_unknown_recipe_lists_valid_names():
-    with pytest.raises(RecipeError, match="fp32, bf16, fp16, bf16-autocast, fp32-head"):
+    with pytest.raises(RecipeError, match="fp32, bf16, fp16, bf16-autocast, fp32-head, bf16-autocast-fp32-head, "
+                                          "fp16-autocast"):
         get_recipe("int4")
-    assert set(RECIPES) == {"fp32", "bf16", "fp16", "bf16-autocast", "fp32-head"}
+    assert set(RECIPES) == {"fp32", "bf16", "fp16", "bf16-autocast", "fp32-head", "bf16-autocast-fp32-head",
+                            "fp16-autocast"}
+    assert DEFAULT_TRAINERS == ("fp32", "bf16", "fp16", "bf16-autocast", "fp32-head")  # diagnose's default five
+
+
+@pytest.mark.parametrize("matmul", ["native", "emulated"])
+def test_bf16_autocast_with_an_fp32_head_is_what_trl_runs(tiny, matmul):
+    """TRL's `bf16: true` with `cast_lm_head_to_fp32: true` (trl 1.16 trl/trainer/grpo_trainer.py
+    _cast_lm_head_to_fp32, trainer/utils.py add_fused_lm_head): fp32 weights (TRL loads in fp32), the body under bf16
+    autocast, then the head's matmul on the hidden state cast to fp32, with autocast off. Worked by hand: the body is
+    bf16-autocast's to the bit (same fp32 weights, same autocast), and the logits are F.linear(h.float(), W_head) in
+    fp32, bit for bit, where bf16-autocast's head rounds them to bf16."""
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    autocast, recipe = get_recipe("bf16-autocast"), get_recipe("bf16-autocast-fp32-head")
+    plain, head32 = apply_recipe(tiny.model, autocast, matmul), apply_recipe(tiny.model, recipe, matmul)
+    with torch.no_grad(), forward_context(recipe):
+        h_plain, h = plain.model(input_ids=ids).last_hidden_state, head32.model(input_ids=ids).last_hidden_state
+        z_plain, z = plain.lm_head(h_plain), head32.lm_head(h)  # [1, T, V] each
+    assert torch.equal(h, h_plain)
+    with torch.no_grad():
+        expected = F.linear(h.float(), tiny.model.lm_head.weight)  # [1, T, V] fp32, no autocast
+    assert z.dtype == torch.float32 and z_plain.dtype == torch.bfloat16
+    assert torch.equal(z, expected)
+    assert not torch.equal(z, z_plain.float())  # the fp32 head is another figure than the bf16 one
+    assert _param_dtypes(head32) == {torch.float32}  # TRL's weights stay fp32 under autocast
 
 
 def test_exact_weights_keep_the_arithmetic_and_drop_the_weight_rounding(tiny):

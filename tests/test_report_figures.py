@@ -206,8 +206,8 @@ def test_no_zero_on_a_log_axis_and_the_scatter_fits_its_bulk(demo):
 
 
 def test_the_answer_of_diagnose_leads_the_page_when_the_result_has_one(demo):
-    """A diagnose result with its `answer` block (answer.answer of the demo result: 'at risk', 0.79% outside, two
-    changes in phantomclip's own flags) puts that answer above the summary, in the terminal's words
+    """A diagnose result with its `answer` block (answer.answer of the demo result: 'at risk', 0.79% outside, one
+    change in phantomclip's own flags) puts that answer above the summary, in the terminal's words
     (answer.answer_lines); the demo files, written before the block existed, draw no answer box."""
     from phantomclip.answer import answer, answer_lines
     from phantomclip.report.page import render
@@ -225,8 +225,9 @@ def test_the_answer_of_diagnose_leads_the_page_when_the_result_has_one(demo):
     assert lines[0].startswith("answer: AT RISK: ") and "AT RISK" in box
     assert html.escape(lines[0].split("AT RISK: ")[1], quote=False) in box
     for ch in result["answer"]["changes"]:
-        assert f"<td><code>{html.escape(ch['setting'])}</code></td><td>{html.escape(ch['effect'])}</td>" in box
-    assert "What to change (phantomclip flags), strongest first" in box and "<b>x</b>" not in box
+        assert (f"<td><pre><code>{html.escape(ch['setting'])}</code></pre></td><td>{html.escape(ch['effect'])}</td>"
+                in box)
+    assert "What to change (phantomclip flags), fewest tokens touched first" in box and "<b>x</b>" not in box
     assert "ε 0.2/0.2" in box and "fp32 trainer against a bf16 local engine" in box
 
 

@@ -66,7 +66,9 @@ def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     figs = figures(cfg, scored, ref, sampled.mask)
     phantom_shares(figs.recipes, {n: scored[n].logp for n in cfg.trainer}, ref.logp_engine, sampled.mask, sampled,
                    (cfg.epsilon, cfg.epsilon_high))  # where the records carry their advantages
-    figs.routing = route_phase(cfg, prep, sampled, scored, ref) if sampled.routes else None
+    if sampled.routes:
+        figs.routing, beta_rest = route_phase(cfg, prep, sampled, scored, ref)
+        figs.per_token[cfg.trainer[0]]["beta_rest"] = rounded(beta_rest[sampled.mask])  # the answer's replay test
     return result_dict(cfg, prep, sampled, ref, figs)
 
 
@@ -257,10 +259,10 @@ def score_alone(cfg: DiagnoseConfig, sampled: Sampled, model, name: str, progres
 
 
 def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: dict[str, Scored],
-                ref: Reference) -> dict:
+                ref: Reference) -> tuple[dict, torch.Tensor]:
     """MoE models: every scored recipe's routes against the engine's, and the first trainer recipe's β split into
     β_route (its own routes against the engine's, one more forward with the engine's replayed) and β_rest
-    (routing.route_figures; keys in docs/metrics.md)."""
+    (routing.route_figures; keys in docs/metrics.md); with β_rest [n, T] itself."""
     first = cfg.trainer[0]
     recipe = get_recipe(first)
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
@@ -269,10 +271,11 @@ def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: d
     split = routing.route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
     where = concat_batches([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
     own = {name: routing.concat(s.routes) for name, s in scored.items() if s.routes}
-    return routing.route_figures(routing.concat(sampled.routes), own, where=where, experts=_num_experts(prep.lm.model),
-                                 split_recipe=first, split=split, mask=sampled.mask, eps_low=cfg.epsilon,
-                                 eps_high=cfg.epsilon_high,
-                                 source="recorded with the tokens" if cfg.rollouts else "local engine decode")
+    figures = routing.route_figures(routing.concat(sampled.routes), own, where=where,
+                                    experts=_num_experts(prep.lm.model), split_recipe=first, split=split,
+                                    mask=sampled.mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                                    source="recorded with the tokens" if cfg.rollouts else "local engine decode")
+    return figures, split["beta_rest"]
 
 
 def _num_experts(model) -> int:

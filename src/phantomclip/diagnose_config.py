@@ -16,7 +16,17 @@ from .knobs import KnobSettings
 from .loss import KNOBS, check_knobs, clip_range
 from .models import BUNDLED_NAME
 from .numerics import parse_dtype
-from .recipes import RECIPES, Recipe, RecipeError, engine_recipe, get_recipe, resolve_matmul, with_quant
+from .recipes import (
+    DEFAULT_TRAINERS,
+    RECIPES,
+    Recipe,
+    RecipeError,
+    engine_recipe,
+    get_recipe,
+    resolve_matmul,
+    with_quant,
+)
+from .setups import get_setup, resolve_mode
 
 KNOB_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "seq_mask_cap": "cap", "token_cap": "cap",
                "icepop_low": "icepop_low", "icepop_high": "icepop_high"}
@@ -32,9 +42,9 @@ class DiagnoseConfig:
     model: str = BUNDLED_NAME
     """model to measure: 'smollm2-135m' (bundled), 'tiny-random[:seed[:init_std]]', 'tiny-moe[:seed[:init_std]]' (a
     random 2-layer MoE: its expert routing), a local directory or a hub id."""
-    trainer: list[str] = field(default_factory=lambda: list(RECIPES))
+    trainer: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINERS))
     """trainer precision recipes to compare against the engine, comma-separated (recipes.RECIPES; the first is told
-    apart in the verdict)."""
+    apart in the verdict); default: recipes.DEFAULT_TRAINERS."""
     engine: str = "local"
     """inference engine: 'local' (in-process, this package) or 'vllm' (vLLM's offline LLM; install it apart, see
     docs/vllm.md)."""
@@ -112,6 +122,15 @@ class DiagnoseConfig:
     answer_in: str = ""
     """whose config fields the answer's changes are written in: 'trl' (GRPOConfig fields), 'verl' (its YAML keys) or
     '' (phantomclip's own flags); --from-trl-config / --from-verl-config set it (answer.py)."""
+    setup: str = ""
+    """the trainer you run, for the answer: which ratio its clip sees and where β enters its loss (setups.SETUPS:
+    trl-grpo, trl-async, verl-decoupled, verl-bypass, slime, slime-rollout-logprobs, nemo-rl, phantomclip);
+    --from-trl-config / --from-verl-config set it. Empty: not named, judged as a clip against the engine's log-probs,
+    where β does the most harm."""
+    is_mode: str = ""
+    """the importance-sampling correction that trainer runs on β (loss.CORRECTIONS: none, token_truncate, token_mask,
+    sequence_truncate, sequence_mask, icepop), at --token-cap, --seq-mask-cap or the IcePop band; the config readers
+    set it. Empty: the setup's default (TRL GRPOTrainer: sequence_mask; the others: none)."""
     unmapped: str = ""
     """what of a --from-trl-config / --from-verl-config file maps to no recipe phantomclip measures (its trainer's
     dtype, say); set by those readers, not a flag. The answer then gives no status, only the generic changes."""
@@ -177,6 +196,7 @@ class DiagnoseConfig:
         if refusal:
             raise ConfigError(f"--engine-quant {self.engine_quant}: {refusal}")
         check_knobs(self, KNOB_FIELDS)
+        self._check_setup()
         if self.answer_in not in ANSWER_FRAMEWORKS:
             raise ConfigError(f"--answer-in {self.answer_in!r}: use trl, verl, or leave it empty for phantomclip's "
                               "own flags")
@@ -214,6 +234,17 @@ class DiagnoseConfig:
         if self.engine == "vllm":
             check_sampling(self.sampling(0), self.logprobs_mode)  # before anything loads
             require_vllm()
+
+    def _check_setup(self) -> None:
+        """--setup names a trainer setups.py knows, and --is-mode a correction that trainer's framework offers."""
+        try:
+            setup = get_setup(self.setup)
+        except ValueError as e:
+            raise ConfigError(f"--setup: {e}") from None
+        try:
+            resolve_mode(setup, self.is_mode)
+        except ValueError as e:
+            raise ConfigError(f"--is-mode: {e}") from None
 
     def _check_recorded(self) -> None:
         """--rollouts measures tokens already sampled: the settings of sampling have nothing to act on, and the

@@ -10,12 +10,16 @@ loss.py or of the PPO clip:
     token_truncate  TIS: r truncated to C where r > C (Yao et al. 2025; loss._corr_token_truncate)
     token_mask      MIS: token dropped where r > C (loss._corr_token_mask)
     sequence_mask   sequence dropped where exp(S) > C (TRL's default vllm_importance_sampling_mode; loss.py)
+    sequence_truncate  the sequence's weight exp(S) truncated to C where exp(S) > C (TRL's sequence_truncate, verl's
+                    rollout_is: sequence): it touches the sequences sequence_mask drops, and keeps their gradient
     geo_mask        sequence dropped where exp(G) is outside [1 − ε_low, 1 + ε_high] (GSPO's sequence-level ratio,
                     Zheng et al. 2025, clipped with the PPO ε)
     icepop          token dropped where r is outside [low, high] (IcePop, Ring-1T; loss._corr_icepop)
 
 Every knob reports the share of tokens and of sequences it touches (truncates, masks or clips) at the sampled
-lengths; a token knob touches a sequence when it touches one of its tokens, a sequence knob touches every token of
+lengths, and each correction the effective sample size of the weights it leaves (`ess`: metrics.ess_share of the
+token weights, or of the sequence weights for a sequence knob; a masked unit weighs 0, a truncated one C); a token
+knob touches a sequence when it touches one of its tokens, a sequence knob touches every token of
 a sequence it drops. The setting for a keep share k leaves at least k of the tokens (token knobs) or of the
 sequences (sequence knobs) untouched on the measured β; a two-sided knob gives each side half of the allowance 1 − k
 (an equal-tailed band). Comparisons are strict and in float64 log space, as metrics.trust_region_split's.
@@ -36,7 +40,7 @@ from statistics import NormalDist
 
 import torch
 
-from .metrics import mean_or_nan, trust_region_split
+from .metrics import ess_share, mean_or_nan, trust_region_split
 
 EXTRAPOLATE_ABOVE = 1.5
 """extrapolate the sequence figures when the target length exceeds the sampled mean length by more than this
@@ -242,22 +246,36 @@ def clip_knob(t: BetaTable, s: KnobSettings, keep: float) -> dict:
     return out
 
 
-def cap_knob(t: BetaTable, cap: float, keep: float) -> dict:
-    """token_truncate and token_mask at cap C: both touch the tokens with r > C (one truncates, one drops them)."""
-    return _token_knob(t, t.beta > math.log(cap), {"cap": cap},
-                       {"cap": cap_for(threshold_above(t.beta[t.ok], 1 - keep))})
+def _capped(log_w: torch.Tensor, cap: float, truncate: bool) -> torch.Tensor:
+    """Log-weights log r [N] as a correction at cap C leaves them: truncated to log C, or −inf (weight 0) past it."""
+    log_c = math.log(cap)
+    return log_w.clamp(max=log_c) if truncate else log_w.masked_fill(log_w > log_c, -math.inf)
+
+
+def cap_knob(t: BetaTable, cap: float, keep: float, truncate: bool = True) -> dict:
+    """token_truncate (`truncate`) and token_mask at cap C: both touch the tokens with r > C (one truncates, one
+    drops them)."""
+    out = _token_knob(t, t.beta > math.log(cap), {"cap": cap},
+                      {"cap": cap_for(threshold_above(t.beta[t.ok], 1 - keep))})
+    out["ess"] = ess_share(_capped(t.beta[t.ok], cap, truncate))
+    return out
 
 
 def icepop_knob(t: BetaTable, low: float, high: float, keep: float) -> dict:
     x, half = t.beta[t.ok], (1 - keep) / 2  # [N]
     touched = (t.beta < math.log(low)) | (t.beta > math.log(high))  # [B, T]
-    return _token_knob(t, touched, {"low": low, "high": high},
-                       {"low": floor_for(threshold_below(x, half)), "high": cap_for(threshold_above(x, half))})
+    out = _token_knob(t, touched, {"low": low, "high": high},
+                      {"low": floor_for(threshold_below(x, half)), "high": cap_for(threshold_above(x, half))})
+    out["ess"] = ess_share(torch.zeros_like(x).masked_fill(touched[t.ok], -math.inf))  # weight 1 kept, 0 dropped
+    return out
 
 
-def sequence_mask_knob(t: BetaTable, cap: float, keep: float) -> dict:
-    return _sequence_knob(t, t.seq_sum > math.log(cap), {"cap": cap},
-                          {"cap": cap_for(threshold_above(t.seq_sum, 1 - keep))})
+def sequence_mask_knob(t: BetaTable, cap: float, keep: float, truncate: bool = False) -> dict:
+    """sequence_mask, or sequence_truncate (`truncate`), at cap C: both touch the sequences with exp(S) > C."""
+    out = _sequence_knob(t, t.seq_sum > math.log(cap), {"cap": cap},
+                         {"cap": cap_for(threshold_above(t.seq_sum, 1 - keep))})
+    out["ess"] = ess_share(_capped(t.seq_sum, cap, truncate))
+    return out
 
 
 def geo_mask_knob(t: BetaTable, s: KnobSettings, keep: float) -> dict:
@@ -306,8 +324,9 @@ def knob_figures(beta: torch.Tensor, mask: torch.Tensor, s: KnobSettings, keep: 
     knobs = {
         "clip": clip_knob(t, s, keep),
         "token_truncate": cap_knob(t, s.token_cap, keep),
-        "token_mask": cap_knob(t, s.token_cap, keep),
+        "token_mask": cap_knob(t, s.token_cap, keep, truncate=False),
         "sequence_mask": sequence_mask_knob(t, s.seq_mask_cap, keep),
+        "sequence_truncate": sequence_mask_knob(t, s.seq_mask_cap, keep, truncate=True),
         "geo_mask": geo_mask_knob(t, s, keep),
         "icepop": icepop_knob(t, s.icepop_low, s.icepop_high, keep),
     }
@@ -315,6 +334,7 @@ def knob_figures(beta: torch.Tensor, mask: torch.Tensor, s: KnobSettings, keep: 
     if extrapolate:
         m = sum_model(length, mu, sigma, rho)
         at = {"sequence_mask": _at_length_sequence_mask(m, s.seq_mask_cap, keep),
+              "sequence_truncate": _at_length_sequence_mask(m, s.seq_mask_cap, keep),
               "geo_mask": _at_length_geo(m, s, keep)}
     for name, knob in knobs.items():
         knob["at_length"] = (at.get(name) or _at_length_token(knob, length)) if extrapolate else None

@@ -66,10 +66,31 @@ RECIPES: dict[str, Recipe] = {
             "fp32-head",
             torch.bfloat16,
             fp32_modules=("final_norm", "lm_head"),
-            doc="bf16 body, final norm and lm_head in fp32 (MiniMax-M1; TRL cast_lm_head_to_fp32)",
+            doc="bf16 body, final norm and lm_head in fp32 (MiniMax-M1)",
+        ),
+        # trl 1.16 trl/trainer/grpo_trainer.py (_cast_lm_head_to_fp32) and trainer/utils.py (add_fused_lm_head):
+        # the head's weight in fp32, its input hidden state cast to fp32 and its matmul run with autocast off,
+        # over a model TRL loads in fp32 (model_init_kwargs dtype defaults to float32) and runs under bf16 autocast.
+        Recipe(
+            "bf16-autocast-fp32-head",
+            torch.float32,
+            autocast_dtype=torch.bfloat16,
+            fp32_modules=("lm_head",),
+            doc="fp32 master weights, bf16 autocast body, lm_head in fp32 outside autocast (TRL bf16=True with "
+                "cast_lm_head_to_fp32=True)",
+        ),
+        Recipe(
+            "fp16-autocast",
+            torch.float32,
+            autocast_dtype=torch.float16,
+            doc="fp32 master weights, fp16 autocast forward (TRL with fp16=True; Qi et al. 2025's fp16 training)",
         ),
     ]
 }
+DEFAULT_TRAINERS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp32-head")
+"""the recipes `diagnose` scores when --trainer is not given; the others are the setups a framework's own settings
+produce (TRL's cast_lm_head_to_fp32 under bf16 autocast, its fp16 mixed precision), scored when a config selects
+them or --trainer names them (each recipe is one more scoring pass)."""
 
 
 class RecipeError(PhantomclipError):
@@ -322,7 +343,28 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
         src = master_buffers.get(name)
         if src is not None and src.is_floating_point():
             _set_buffer(model, name, src.clone())
-    kept: dict[int, tuple[nn.Module, nn.Module]] = {}  # a module named by two roles is kept once
+    kept = _keep_fp32(model, master, recipe)
+    device = next(model.parameters()).device if device is None else device
+    emulated = resolve_matmul(matmul, device, recipe.compute_dtype) == "emulated"
+    if emulated:
+        use_emulated_matmul(model)
+    if recipe.autocast_dtype is not None:
+        for mod in kept:  # TRL's fp32 head under autocast: its matmul runs with autocast off (after the kernels)
+            _outside_autocast(mod)
+    if exact_weights:
+        if not emulated:
+            raise RecipeError(f"exact_weights needs matmul='emulated' (got {matmul!r}): a native kernel can only "
+                              f"multiply by the weights stored in {recipe.weight_dtype}")
+        _use_exact_weights(model, master)
+    if recipe.quant:
+        _use_quant(model, recipe)
+    return model.eval()
+
+
+def _keep_fp32(model: nn.Module, master: nn.Module, recipe: Recipe) -> list[nn.Module]:
+    """The modules of `recipe.fp32_modules` (and fp32 attention) in fp32 with fp32 inputs, their master values copied
+    back; returns them (a module named by two roles once)."""
+    kept: dict[int, tuple[nn.Module, nn.Module]] = {}
     for role in recipe.fp32_modules:
         if role == ATTENTION_FP32:
             model.set_attn_implementation(_fp32_attention_name())
@@ -340,18 +382,20 @@ def apply_recipe(master: nn.Module, recipe: Recipe, matmul: str = "auto", exact_
         if mod is not head and not (mod is final and feeds_fp32_head):
             # A module inside the low-precision body hands its fp32-computed output back in the compute dtype.
             mod.register_forward_hook(_cast_output_hook(recipe.compute_dtype))
-    device = next(model.parameters()).device if device is None else device
-    emulated = resolve_matmul(matmul, device, recipe.compute_dtype) == "emulated"
-    if emulated:
-        use_emulated_matmul(model)
-    if exact_weights:
-        if not emulated:
-            raise RecipeError(f"exact_weights needs matmul='emulated' (got {matmul!r}): a native kernel can only "
-                              f"multiply by the weights stored in {recipe.weight_dtype}")
-        _use_exact_weights(model, master)
-    if recipe.quant:
-        _use_quant(model, recipe)
-    return model.eval()
+    return [mod for mod, _ in kept.values()]
+
+
+def _outside_autocast(module: nn.Module) -> None:
+    """Run `module`'s forward with autocast off (its fp32 weights and fp32 inputs then compute in fp32), as TRL runs
+    its fp32 head inside a bf16-autocast forward."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        with torch.autocast("cpu" if x is None else x.device.type, enabled=False):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
 
 
 def check_fits(model: nn.Module, names) -> None:

@@ -6,7 +6,7 @@ same), so the page and the terminal cannot disagree; a diagnose JSON written bef
 
 from __future__ import annotations
 
-from ..answer import FRAMEWORK_NAMES
+from ..answer_changes import CONFIG_NAMES
 from .escape import html_text
 from .summary import short_path
 
@@ -30,14 +30,16 @@ def html_answer(diagnose: list[dict], roots) -> str:
            f"<p>{reasons[0] if reasons else ''}</p>"
            + ("<ul>" + "".join(f"<li>{r}</li>" for r in reasons[1:]) + "</ul>" if len(reasons) > 1 else "")
            + f"<p>Measured by <code>phantomclip diagnose</code> ({html_text(short_path(result['_path'], roots))}): "
-           f"a {html_text(c['trainer'])} trainer against a {html_text(c['engine_dtype'])} {html_text(c['engine'])} "
-           f"engine, ε {c['epsilon_low']:g}/{c['epsilon_high']:g}.</p>")
+           f"a {html_text(c['trainer'])} trainer against a "
+           f"{html_text(c.get('engine_label') or c['engine_dtype'] + ' ' + c['engine'] + ' engine')}, "
+           f"ε {c['epsilon_low']:g}/{c['epsilon_high']:g}.</p>")
     changes = ans.get("changes") or []
     if changes:
-        framework = FRAMEWORK_NAMES.get(ans.get("framework", ""), str(ans.get("framework")))
-        out += (f"<p>What to change ({html_text(framework)}), strongest first:</p><table><thead><tr><th>setting</th>"
-                "<th>what this run measured for it</th></tr></thead><tbody>"
-                + "".join(f"<tr><td><code>{html_text(ch['setting'])}</code></td><td>{html_text(ch['effect'])}</td>"
-                          "</tr>" for ch in changes)
+        config = ans.get("config") or {"trl": "GRPOConfig", "verl": "verl"}.get(ans.get("framework", ""), "phantomclip")
+        out += (f"<p>What to change ({html_text(CONFIG_NAMES.get(config, config))}), fewest tokens touched first:</p>"
+                "<table><thead><tr><th>setting, as pasted</th><th>what this run measured for it</th></tr></thead>"
+                "<tbody>"
+                + "".join(f"<tr><td><pre><code>{html_text(ch['setting'])}</code></pre></td>"
+                          f"<td>{html_text(ch['effect'])}</td></tr>" for ch in changes)
                 + "</tbody></table>")
     return out + "</section>"

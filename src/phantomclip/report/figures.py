@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from ..answer import measured_engine
 from ..metrics import PROB_EDGES
 from .growth_panel import bucket_labels, site_label
 from .plots import LOG_AXIS, PALETTE, category_axis, figure, log_axis, note, plot_layout
@@ -155,9 +156,8 @@ def fig_beta_split(data) -> dict | None:
                                                                           "kernel"))):
         engines, recipes, y = [], [], []  # a two-level axis: recipes grouped under their engine
         for d in docs:
-            e = d["engine"]
             for name, stats in d["recipes"].items():
-                engines.append(f"{e['kind']} engine, {e['dtype']}")
+                engines.append(measured_engine(d))
                 recipes.append(name)
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y, "marker": {"color": PALETTE[i]},

@@ -9,7 +9,9 @@ note saying how to produce them instead of an empty table.
 
 from __future__ import annotations
 
-from ..diagnose_text import drift_lines, fmt_figure, framework_rows, knob_lines
+from ..answer import measured_engine
+from ..diagnose_text import drift_lines, framework_rows, knob_lines
+from ..verdict_text import fmt_figure
 from .escape import html_text
 
 RERUN = "phantomclip diagnose --json diagnose.json"
@@ -44,7 +46,7 @@ def framework_table_html(result: dict) -> str:
         f"<td>{html_text(threshold or '—')}</td><td>{_verdict_cell(verdict)}</td></tr>"
         for fw, figure, value, threshold, verdict in framework_rows(result))
     return (f"<p>What each framework would log for a <b>{html_text(recipe)}</b> trainer against the "
-            f"{html_text(str(result['engine']['dtype']))} engine, each by its own definition, beside the bound its "
+            f"{html_text(measured_engine(result))}, each by its own definition, beside the bound its "
             "project publishes (every figure: the JSON's <code>recipes." + html_text(recipe) + ".frameworks</code>)"
             ":</p><table><thead><tr><th>framework</th><th>figure</th><th>value</th><th>published threshold</th>"
             f"<th>verdict</th></tr></thead><tbody>{rows}</tbody></table>")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..answer import measured_engine
 from ..fp8 import EMULATED
 from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
 from .escape import html_text
@@ -120,9 +121,8 @@ def _diagnose_line(doc: dict) -> str:
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
     e = doc["engine"]
-    line = (f"Before training, a {html_text(name)} trainer and a {html_text(str(e['dtype']))} "
-            f"{html_text(str(e['kind']))} engine differ by <b>{stats['beta_abs_mean']:.3g} "
-            "<a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
+    line = (f"Before training, a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
+            f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
     if finite(outside):
         line += (f"; <b>{_pct(outside, 1)}</b> of tokens already lie outside the trust region "
                  f"(ε = {tr['epsilon_low']:g})")

@@ -37,8 +37,8 @@ def _rec(outside: float, mean: float = 0.04, tokens: int = N) -> dict:
 
 
 def _result(answer_in: str = "", keep=(0.15, 0.19), engine: str = "vllm", setup: str = "", **recs) -> dict:
-    """A result whose first recipe is the user's, against a bf16 `engine` (vLLM: a real engine, whose kernel gap every
-    recipe's β holds); ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per token (100 sequences of 10),
+    """A result whose first recipe is the user's, against a bf16 `engine` (vLLM on a GPU: a real engine, whose kernel
+    gap every recipe's β holds); ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per token (100 sequences of 10),
     each recipe puts its share of the 1000 tokens outside (β = OUT) from the first token on, so the tokens a better
     recipe keeps inside are all outside under a worse one (the sign test sees only that direction)."""
     clip = {"unit": "token", "setting": {"epsilon_low": 0.2, "epsilon_high": 0.2}, "tokens": 0.0, "sequences": 0.0,
@@ -46,6 +46,7 @@ def _result(answer_in: str = "", keep=(0.15, 0.19), engine: str = "vllm", setup:
     per = {k: {"beta": [OUT if i < round(v["outside_trust_region"] * v["tokens"]) else 0.0 for i in range(N)]}
            for k, v in recs.items()}
     return {"recipes": recs, "engine": {"dtype": "bf16", "kind": engine, "nonfinite_logprobs": 0},
+            "device": {"name": "NVIDIA H100 80GB HBM3"},
             "model": {"name": "m", "source": "a local directory"},
             "trust_region": {"epsilon_low": 0.2, "epsilon_high": 0.2, "log_low": -0.2231, "log_high": 0.1823},
             "config": {"answer_in": answer_in, "epsilon": 0.2, "epsilon_high": 0.2, "setup": setup, "is_mode": "",
@@ -313,5 +314,7 @@ def test_with_shadow_ratio_leaves_the_kernel_gap_in_trl_grpo_weight():
     # 50 dropped against 10: 40 discordant tokens, all one way: p = 2^-40
     assert [(c.setting, c.effect) for c in got] == [
         ("with_shadow_ratio(GRPOTrainer)", f"1.00% dropped (kernel gap only) vs yours 5.00% (p = {2**-40:.1g})")]
+    r["device"] = {"name": "cpu"}  # vLLM's CPU build: its kernel gap is not the user's GPU vLLM's
+    assert changes(r, "trl", status(r)[0]) == []
     r["engine"]["kind"] = "local"
     assert changes(r, "trl", status(r)[0]) == []

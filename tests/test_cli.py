@@ -46,7 +46,7 @@ def test_diagnose_end_to_end_on_tiny(tmp_path, capsys):
     # a bf16 trainer against a bf16 engine sees a much smaller gap than fp32 does (tiny model: kernels agree)
     assert d["recipes"]["bf16"]["beta_abs_mean"] < d["recipes"]["fp32"]["beta_abs_mean"] / 3
     # the ranking puts bf16 first when it has fewer tokens outside, or as many and a smaller mean |β|
-    assert "Fewest tokens outside [0.8, 1.2] against the bf16 engine: bf16" in d["verdict"]
+    assert "Fewest tokens outside [0.8, 1.2] against the bf16 local engine: bf16" in d["verdict"]
     assert d["answer"]["contract"]["trainer"] == "fp32" and d["answer"]["level"] == LEVELS[d["answer"]["status"]]
 
 

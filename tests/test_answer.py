@@ -38,9 +38,9 @@ def _rec(outside: float, mean: float = 0.04, tokens: int = N) -> dict:
 
 def _result(answer_in: str = "", keep=(0.15, 0.19), engine: str = "vllm", setup: str = "", **recs) -> dict:
     """A result whose first recipe is the user's, against a bf16 `engine` (vLLM on a GPU: a real engine, whose kernel
-    gap every recipe's β holds); ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per token (100 sequences of 10),
-    each recipe puts its share of the 1000 tokens outside (β = OUT) from the first token on, so the tokens a better
-    recipe keeps inside are all outside under a worse one (the sign test sees only that direction)."""
+    gap every recipe's β holds); ε 0.2/0.2; the clip's keep setting `keep` (ε_low, ε_high). Per token (100 sequences
+    of 10), each recipe puts its share of the 1000 tokens outside (β = OUT) from the first token on, so the tokens a
+    better recipe keeps inside are all outside under a worse one (the sign test sees only that direction)."""
     clip = {"unit": "token", "setting": {"epsilon_low": 0.2, "epsilon_high": 0.2}, "tokens": 0.0, "sequences": 0.0,
             "keep": {"epsilon_low": keep[0], "epsilon_high": keep[1]}, "at_length": None}
     per = {k: {"beta": [OUT if i < round(v["outside_trust_region"] * v["tokens"]) else 0.0 for i in range(N)]}

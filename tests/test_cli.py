@@ -234,3 +234,12 @@ def test_a_run_from_before_a_plan_key_was_added_resumes(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     as_written_before_run_ids(out)  # nor did its rows carry run/id
     assert main(["train", "--resume", str(out), "--steps", "2"]) == 0
+
+
+def test_version(capsys):
+    """`phantomclip --version`: the package's version on stdout, exit 0, before any command."""
+    from phantomclip import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"phantomclip {__version__}\n"

@@ -105,6 +105,30 @@ def test_progress_bar_draws_on_a_console():
     assert "scoring" in text and "2/2" in text and "|β| 0.01" in text
 
 
+def test_progress_is_lines_when_the_output_is_piped():
+    """A console that is not a terminal (a pipe, a log file) gets a line when a task starts, one when it ends, and
+    one at most every PIPED_EVERY_S seconds between (the clock here is a counter, 30 s a step): rich draws nothing
+    there until the end, and a 27-minute run said nothing for 20."""
+    import io
+
+    from rich.console import Console
+
+    from phantomclip.console import PIPED_EVERY_S, LineProgress
+
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    assert not console.is_terminal and isinstance(progress_bar(console), LineProgress)
+    now = [0.0]
+    with LineProgress(console, clock=lambda: now[0]) as bar:
+        task = bar.add_task("train", total=5, info="")  # at 0 s: said
+        for step in range(5):  # steps end at 30, 60, ... 150 s: said once 60 s passed since the last line, and at 5/5
+            now[0] += 30
+            bar.update(task, advance=1, info=f"step {step + 1}")
+    assert PIPED_EVERY_S == 60.0
+    assert out.getvalue().splitlines() == ["train: 0/5, 0 s", "train: 2/5, 60 s; step 2", "train: 4/5, 120 s; step 4",
+                                           "train: 5/5, 150 s; step 5"]
+
+
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_sampled_records_what_the_local_engine_measured(mode):
     """The local engine computes both columns, whatever --logprobs-mode says (it is vLLM's setting)."""

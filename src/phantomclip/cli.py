@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
 from .config_flags import (
     EXIT_USAGE,
     OneLineParser,
@@ -436,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     with exit_at_once_on_interrupt("phantomclip"):  # the parsers import torch: a Ctrl-C there exits 130, no traceback
         parser = OneLineParser(prog="phantomclip", description="Find, explain and fix the trainer/engine precision "
                                "mismatch in RL fine-tuning.")
+        parser.add_argument("--version", action="version", version=f"phantomclip {__version__}")
         sub = parser.add_subparsers(dest="command", required=True)
         for add_parser in (_diagnose_parser, _train_parser, _experiment_parser, _trace_parser, _engines_parser,
                            _report_parser):

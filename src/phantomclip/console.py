@@ -30,13 +30,67 @@ class _SilentProgress:
         return False
 
 
+PIPED_EVERY_S = 60.0
+"""with output that is not a terminal (a pipe, a log file), a task's progress line at most this often: a run of many
+minutes says it is alive about once a minute (rich draws its bar on a terminal only)."""
+
+
+class LineProgress:
+    """Progress as plain lines, for a console that is not a terminal: one line when a task starts, one when it ends,
+    and one at most every `every` seconds between ('scoring (fp32): 3/5, 42 s'), each with the task's `info`. The
+    methods of rich's Progress that the jobs use (add_task, advance, update, console)."""
+
+    def __init__(self, console, every: float = PIPED_EVERY_S, clock=None):
+        import time
+
+        self.console, self.every, self.clock = console, every, clock or time.monotonic
+        self.tasks: dict[int, dict] = {}
+
+    def add_task(self, description: str, total: float | None = None, completed: float = 0, **fields) -> int:
+        task = len(self.tasks)
+        now = self.clock()
+        self.tasks[task] = {"description": description, "total": total, "completed": completed, "start": now,
+                            "said": now, **fields}
+        self._say(task)
+        return task
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def update(self, task: int, advance: float | None = None, **changes) -> None:
+        t = self.tasks[task]
+        t.update(changes)
+        t["completed"] += advance or 0
+        now = self.clock()
+        done = t["total"] is not None and t["completed"] >= t["total"]
+        if done or now - t["said"] >= self.every:
+            t["said"] = now
+            self._say(task)
+
+    def _say(self, task: int) -> None:
+        t = self.tasks[task]
+        total = "" if t["total"] is None else f"/{t['total']:g}"
+        info = f"; {t['info']}" if t.get("info") else ""
+        self.console.print(f"{t['description']}: {t['completed']:g}{total}, {self.clock() - t['start']:.0f} s{info}",
+                           markup=False, highlight=False, soft_wrap=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 def progress_bar(console, transient: bool = True, info: bool = False):
     """A rich progress bar on `console` (each task: description, bar, done/total, time elapsed), to use as a context
-    manager with rich's add_task / advance / update; silent when console is None (library use, tests).
+    manager with rich's add_task / advance / update; silent when console is None (library use, tests); plain lines
+    (LineProgress) when the console is not a terminal, where rich would draw nothing until the end.
     `info`: one more column, the task's `info` field (add_task(..., info="") then update(task, info=...)).
     `transient`: the bar disappears when done (the job prints its own results after it)."""
     if console is None:
         return _SilentProgress()
+    if not console.is_terminal:
+        return LineProgress(console)
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

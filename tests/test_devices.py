@@ -103,6 +103,7 @@ HOST_SIDE = {
     ("numerics.py", "*"): "scalar helpers",
     ("report/", "*"): "the report reads JSON on the host (every module of report/)",
     ("answer.py", "*"): "the answer reads a result dict (the JSON's per-token arrays) on the host",
+    ("exposure.py", "*"): "the answer's per-token rules, from a result dict's arrays, on the host",
     ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
     ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
     ("rollout_batches.py", "*"): "rollout records -> tensors on the host, as Rollout.pack builds them",

@@ -5,6 +5,7 @@ prints the first recipe's; a gate is parsed before any work and judged after the
 import io
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -109,9 +110,15 @@ def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
+PROGRESS = re.compile(r".*: \d+(/\d+)?, \d+ s(; .*)?$")
+"""a progress line (console.LineProgress: stderr is no terminal under capsys)."""
+
+
 def _said(capsys) -> list[str]:
-    """stderr's lines less the run's cost line (diagnose.cost_line) and blank lines: what the gates said."""
-    return [line for line in capsys.readouterr().err.strip().splitlines() if line and not line.startswith("cost:")]
+    """stderr's lines less the run's cost line (diagnose.cost_line), its progress lines and blank lines: what the gates
+    said."""
+    return [line for line in capsys.readouterr().err.strip().splitlines()
+            if line and not line.startswith("cost:") and not PROGRESS.match(line)]
 
 
 def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):

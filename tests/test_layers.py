@@ -35,7 +35,8 @@ ROOT = ""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs", "files", "owned", "locks", "console", "devices", "fp8", "fp8_vllm", "run_checks", "setups"),
+             "frameworks", "knobs", "files", "owned", "locks", "console", "devices", "fp8", "fp8_vllm", "run_checks",
+             "setups"),
     "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
              "routing_depth", "diagnose_config", "diagnose_fp8", "diagnose_records", "rollouts", "rollout_readers",
              "rollout_batches", "recorded"),

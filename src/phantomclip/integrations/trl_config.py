@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import LENGTH_LIMIT, ConfigError, brief
 from ..files import JSON_ERRORS, json_reason
 from ..loss import clip_range
-from ..recipes import RECIPES
+from ..recipes import DEFAULT_TRAINERS
 from .config_files import (
     CONFIG_DTYPES,
     SAMPLING,
@@ -110,7 +110,7 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     if _flag(cfg, "use_vllm") is False:
         notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a "
                      "precision")
-    settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
+    settings["trainer"] = ",".join([trainer, *(r for r in DEFAULT_TRAINERS if r != trainer)])
     settings["engine_dtype"] = _engine_dtype(cfg)
     settings["answer_in"] = "trl"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import LENGTH_LIMIT, ConfigError, brief
-from ..recipes import RECIPES
+from ..recipes import DEFAULT_TRAINERS
 from .config_files import (
     CONFIG_DTYPES,
     SAMPLING,
@@ -119,7 +119,7 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     if master is not None and _dtype(f"{ACTOR_FSDP}.model_dtype", master, notes) not in (None, "fp32"):
         notes.append(f"model_dtype {brief(master)}: the actor's master weights are in it too, so the optimizer's "
                      "updates are rounded as well; the forward is what diagnose measures")
-    settings["trainer"] = ",".join([trainer, *(r for r in RECIPES if r != trainer)])
+    settings["trainer"] = ",".join([trainer, *(r for r in DEFAULT_TRAINERS if r != trainer)])
     settings["answer_in"] = "verl"
     notes.append(trainer_note(trainer, f"{where}: FSDP runs the actor's forward in it"))
     rollout = get(cfg, "actor_rollout_ref.rollout.dtype")

@@ -120,7 +120,6 @@ def _diagnose_line(doc: dict) -> str:
     name, stats = next(iter(doc["recipes"].items()))
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
-    e = doc["engine"]
     line = (f"Before training, a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
             f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
     if finite(outside):

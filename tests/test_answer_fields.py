@@ -5,7 +5,6 @@ the answer writes for a crafted result paste back as the fields they claim (YAML
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,10 +19,10 @@ from phantomclip.answer_changes import (
     _fp8_off_trl,
     as_pasted,
 )
+from phantomclip.integrations.config_files import known_keys
 from phantomclip.recipes import RECIPES
 
-VERL_KEYS = {line.strip() for line in (Path(__file__).parent / "data" / "verl_b178a3c_keys.txt").read_text()
-             .splitlines() if line.strip() and not line.startswith("#")}
+VERL_KEYS = known_keys("verl")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +73,15 @@ def test_every_trl_field_exists_in_trl_1_16(trl_fields):
     assert "vllm_kwargs" not in trl_fields["GRPOConfig"] and "cast_lm_head_to_fp32" not in trl_fields["AsyncGRPOConfig"]
     assert all(v is None or v.keys() <= trl_fields["AsyncGRPOConfig"] for v in RECIPE_SETTINGS["AsyncGRPOConfig"]
                .values())
+
+
+def test_the_shipped_trl_field_list_is_trl_1_16s(trl_fields):
+    """data/trl_1.16_fields.txt (what --from-trl-config knows) holds exactly the installed trl's fields: its config
+    classes and the CLI's ModelConfig and ScriptArguments."""
+    from trl import ModelConfig, ScriptArguments
+
+    cli = {f.name for cls in (ModelConfig, ScriptArguments) for f in dataclasses.fields(cls)}
+    assert known_keys("trl") == set().union(*trl_fields.values(), cli)
 
 
 def test_every_verl_key_exists_in_verls_config():

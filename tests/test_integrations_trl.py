@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close_eps
+from phantomclip.integrations.trl_config import diagnose_settings_from_trl
 
 trl = pytest.importorskip("trl")
 
@@ -236,7 +237,8 @@ def test_trl_config_preflight(tmp_path, capsys):
                          "top_p: 0.95\n"
                          "epsilon: 0.2\nepsilon_high: 0.28\nmax_completion_length: 8\nmin_p: 0.05\n")
     settings, notes = diagnose_settings_from_trl(yaml_path)
-    assert settings["trainer"].split(",")[0] == "fp32-head" and settings["engine_dtype"] == "bf16"
+    # TRL's default bf16 autocast over its fp32 weights, the head cast to fp32 (trl 1.16 _cast_lm_head_to_fp32)
+    assert settings["trainer"].split(",")[0] == "bf16-autocast-fp32-head" and settings["engine_dtype"] == "bf16"
     assert (settings["temperature"], settings["top_p"], settings["epsilon"], settings["epsilon_high"],
             settings["max_tokens"]) == (0.9, 0.95, 0.2, 0.28, 8)
     assert any("min_p" in n for n in notes)
@@ -254,7 +256,8 @@ def test_trl_config_preflight(tmp_path, capsys):
 
     result = json.loads(out.read_text())
     assert result["config"]["top_p"] == 0.95 and result["config"]["epsilon_high"] == 0.28
-    assert list(result["recipes"])[0] == "fp32-head"
+    assert list(result["recipes"])[0] == "bf16-autocast-fp32-head"
+    assert result["config"]["setup"] == "trl-grpo" and result["answer"]["contract"]["beta_in"] == "weight"
     capsys.readouterr()
     (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
     assert "not valid YAML" in bad_cli(["diagnose", "--from-trl-config", str(tmp_path / "bad.yaml")], capsys)
@@ -290,6 +293,35 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
                  "--json", str(out)]) == 0  # no --max-tokens: the config's length is sampled
     capsys.readouterr()
     assert json.loads(out.read_text())["config"]["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("given, trainer", [
+    ({"cast_lm_head_to_fp32": True}, "bf16-autocast-fp32-head"),  # TRL's bf16 default: autocast, fp32 head
+    ({"cast_lm_head_to_fp32": True, "bf16": False}, "fp32"),  # no autocast: the fp32 head is an fp32 trainer
+    ({"cast_lm_head_to_fp32": True, "model_init_kwargs": {"dtype": "bfloat16"}}, "fp32-head"),  # nearest (noted)
+    ({"fp16": True}, "fp16-autocast"),  # TrainingArguments' fp16: autocast over TRL's fp32 weights
+    ({"model_init_kwargs": {"dtype": "float16"}, "bf16": False}, "fp16"),  # fp16 weights, fp16 forward
+])
+def test_trl_fields_select_the_recipe_they_run(given, trainer):
+    assert diagnose_settings_from_trl(given)[0]["trainer"].split(",")[0] == trainer
+
+
+def test_trl_config_names_its_trainer_setup_and_correction():
+    """GRPOTrainer (its clip on its own log-probs, β in the vLLM IS weight at the config's mode) unless a field only
+    AsyncGRPOConfig has is given; a key no TRL config class has is named in a note, with the nearest real one."""
+    settings = diagnose_settings_from_trl({})[0]  # TRL's defaults: GRPOTrainer, sequence_mask
+    assert (settings["setup"], settings["is_mode"]) == ("trl-grpo", "sequence_mask")
+    settings = diagnose_settings_from_trl({"vllm_importance_sampling_mode": "token_truncate"})[0]
+    assert (settings["setup"], settings["is_mode"]) == ("trl-grpo", "token_truncate")
+    assert diagnose_settings_from_trl({"vllm_importance_sampling_correction": False})[0]["is_mode"] == "none"
+    settings, notes = diagnose_settings_from_trl({"max_staleness": 2, "epsilon": 0.2})
+    assert settings["setup"] == "trl-async" and "is_mode" not in settings
+    assert any(n.startswith("AsyncGRPOTrainer (max_staleness is its field)") for n in notes)
+    settings, notes = diagnose_settings_from_trl({"epsilon_hgh": 0.28, "dataset_name": "x"})
+    assert settings["epsilon_high"] == 0.2  # the typo is read as nothing: TRL's default stands, and is said
+    assert [n for n in notes if n.startswith("not a key")] == [
+        "not a key of trl 1.16's GRPOConfig, AsyncGRPOConfig, ModelConfig or ScriptArguments (TRL refuses it), so "
+        "nothing was read from it: epsilon_hgh (did you mean epsilon_high?); the setting keeps its default here"]
 
 
 @pytest.mark.parametrize("content,fragment", [
@@ -328,11 +360,13 @@ def test_the_api_checks_its_arguments_when_built(make, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("value,trainer", [('"false"', "bf16-autocast"), ("'no'", "bf16-autocast"), ("'1'", "fp16"),
-                                           ('"yes"', "fp16"), ("true", "fp16"), ("false", "bf16-autocast")])
+@pytest.mark.parametrize("value,trainer", [('"false"', "bf16-autocast"), ("'no'", "bf16-autocast"),
+                                           ("'1'", "fp16-autocast"), ('"yes"', "fp16-autocast"),
+                                           ("true", "fp16-autocast"), ("false", "bf16-autocast")])
 def test_trl_config_booleans_read_as_trl_reads_them(tmp_path, value, trainer):
     """A quoted boolean is read with transformers' string_to_bool spelling rules, as TRL's YAML loader does:
-    `fp16: "false"` is False (it used to select the fp16 recipe: bool("false") is True)."""
+    `fp16: "false"` is False (it used to select the fp16 recipe: bool("false") is True). fp16 true is fp16
+    autocast over TRL's fp32 weights."""
     from phantomclip.integrations.trl_config import diagnose_settings_from_trl
 
     path = tmp_path / "grpo.yaml"

@@ -57,6 +57,9 @@ def test_verl_keys_map_to_exact_settings(tmp_path):
         "icepop_low": 0.25, "icepop_high": 2.0,
         "model": "tiny-random:0",
         "answer_in": "verl",  # the answer names verl's keys
+        # bypass_mode true (loss_type ppo_clip, verl's default): the clip is on the rollout's log-probs; its IS weights
+        # are computed for metrics only, its rejection mask (token_k1) still acts
+        "setup": "verl-bypass", "is_mode": "icepop",
     }
     assert any("bypass_mode" in n for n in notes)
     assert not any("not set" in n for n in notes)  # every key the mapping reads is in the fixture
@@ -76,10 +79,35 @@ def test_other_dtypes_and_corrections():
     assert any("rollout_is sequence" in n for n in notes)
 
 
+@pytest.mark.parametrize("block, setup, mode", [
+    (None, "verl-decoupled", "none"),  # no rollout_correction: verl's defaults, bypass_mode false, rollout_is null
+    ({"rollout_is": "token"}, "verl-decoupled", "token_truncate"),
+    ({"rollout_is": "sequence"}, "verl-decoupled", "sequence_truncate"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2}, "verl-decoupled", "icepop"),
+    ({"bypass_mode": True}, "verl-bypass", "none"),
+    ({"bypass_mode": True, "loss_type": "reinforce"}, None, None),  # no clip: not modelled, judged as a clip
+])
+def test_verl_names_its_trainer_setup(block, setup, mode):
+    settings, notes = diagnose_settings_from_verl({"algorithm": {} if block is None else {"rollout_correction": block}})
+    assert (settings.get("setup"), settings.get("is_mode")) == (setup, mode)
+    if setup is None:
+        assert any("loss_type 'reinforce': no clip" in n for n in notes)
+
+
+def test_unknown_verl_keys_are_named():
+    """A key verl's config does not have, in a block the reader takes settings from, is named with the nearest real
+    one (verl's keys at b178a3c: data/verl_b178a3c_keys.txt)."""
+    _, notes = diagnose_settings_from_verl({"actor_rollout_ref": {"actor": {"clip_ratio_hgh": 0.28}}})
+    assert ("not a key of verl's trainer config at b178a3c, so nothing was read from it: "
+            "actor_rollout_ref.actor.clip_ratio_hgh (did you mean actor_rollout_ref.actor.clip_ratio_high?); the "
+            "setting keeps its default here") in notes
+
+
 def test_missing_keys_are_notes_with_verls_defaults():
     settings, notes = diagnose_settings_from_verl({"data": {"max_response_length": 64}})
     assert settings == {"trainer": "bf16,fp32,fp16,bf16-autocast,fp32-head", "engine_dtype": "bf16",
-                        "epsilon": 0.2, "epsilon_high": 0.2, "max_tokens": 64, "answer_in": "verl"}
+                        "epsilon": 0.2, "epsilon_high": 0.2, "max_tokens": 64, "answer_in": "verl",
+                        "setup": "verl-decoupled", "is_mode": "none"}  # verl's defaults: bypass_mode false, no IS
     text = "\n".join(notes)
     for key in ("fsdp_config.dtype", "rollout.dtype", "rollout.temperature", "rollout.top_p", "rollout.top_k",
                 "clip_ratio_low", "clip_ratio_high", "algorithm.rollout_correction", "model.path"):

@@ -204,6 +204,35 @@ def without_trainer_keys(text: str) -> str:
     return "; ".join(part for part in text.split("; ") if part and not part.startswith(TRAINER_KEYS))
 
 
+KNOWN_KEYS = {"trl": "trl_1.16_fields.txt", "verl": "verl_b178a3c_keys.txt"}
+"""each framework's known config keys, as files in phantomclip/data (their headers say where each list was read)."""
+
+
+def known_keys(framework: str) -> frozenset[str]:
+    """The keys a `framework` config may hold (KNOWN_KEYS' file: one a line, '#' lines are its header)."""
+    from importlib.resources import files
+
+    lines = files("phantomclip").joinpath("data", KNOWN_KEYS[framework]).read_text(encoding="utf-8").splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def unknown_keys_note(keys: list[str], known: frozenset[str], where: str) -> str | None:
+    """One note naming the keys a framework would not know (a typo such as `epsilon_hgh` falls back to the default
+    silently otherwise), each with its nearest known key where one is close (difflib, ratio >= 0.8); None for none."""
+    import difflib
+
+    unknown = [k for k in keys if k not in known]
+    if not unknown:
+        return None
+    named = []
+    for key in unknown[:5]:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        named.append(f"{key} (did you mean {near[0]}?)" if near else key)
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    return (f"not a key of {where}, so nothing was read from it: {', '.join(named)}{more}; the setting keeps its "
+            "default here")
+
+
 @contextmanager
 def naming_file(flag: str, config) -> Iterator[None]:
     """A ConfigError of a reader ('--from-trl-config: key ...') names the file it read, when it read one."""

@@ -16,12 +16,14 @@ from .config_files import (
     CONFIG_DTYPES,
     SAMPLING,
     VLLM_QUANT,
+    known_keys,
     mapping,
     naming_file,
     number,
     read_mapping,
     text,
     trainer_note,
+    unknown_keys_note,
     unmapped,
 )
 
@@ -43,9 +45,30 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
         cfg = _as_mapping(config, repeated)
         settings: dict = {}
         notes = [f"{r}: TRL's YAML reader (PyYAML) keeps the last value, as here" for r in repeated]
-        for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction_cap, _model):
+        if isinstance(config, (str, Path, dict)):  # a GRPOConfig object holds its own fields (and properties)
+            said = unknown_keys_note(list(cfg), known_keys("trl"), "trl 1.16's GRPOConfig, AsyncGRPOConfig, "
+                                     "ModelConfig or ScriptArguments (TRL refuses it)")
+            notes += [said] if said else []
+        for part in (_trainer_and_engine, _setup, _quantization, _sampling, _clip, _length, _correction_cap, _model):
             part(cfg, settings, notes)
     return settings, notes
+
+
+ASYNC_KEYS = ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "queue_maxsize", "token_budget",
+              "fork_threshold_tokens", "heartbeat_stale_after_s", "request_timeout", "weight_sync_timeout")
+"""fields AsyncGRPOConfig has and GRPOConfig lacks (trl 1.16 trl/experimental/async_grpo/async_grpo_config.py; its
+`dtype` is left out: a key of model_init_kwargs in GRPOConfig's files too): a config holding one is the asynchronous
+trainer's."""
+
+
+def _setup(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """Which TRL trainer the config is for (setups.SETUPS): AsyncGRPOTrainer, which clips against vLLM's log-probs,
+    where an AsyncGRPOConfig field is given; else GRPOTrainer, which clips against its own and meets β in its vLLM
+    importance-sampling weight."""
+    given = [k for k in ASYNC_KEYS if k in cfg]
+    settings["setup"] = "trl-async" if given else "trl-grpo"
+    notes.append(f"{'AsyncGRPOTrainer (' + given[0] + ' is its field)' if given else 'GRPOTrainer'}: the answer "
+                 "judges the ratio it clips (--setup to say otherwise)")
 
 
 def _as_mapping(config, repeated: list[str]) -> dict:
@@ -78,17 +101,18 @@ def _flag(cfg: dict, key: str, default: bool | None = None) -> bool | None:
 
 
 def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
-    """Trainer recipe: cast_lm_head_to_fp32 -> fp32-head; fp16 -> fp16; a model loaded in bf16 (model_init_kwargs
-    dtype) -> bf16, in fp16 without bf16 autocast -> fp16; bf16 (TRL's default when fp16 is off) -> bf16-autocast;
-    otherwise fp32; the other recipes are measured beside it. Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints;
-    GRPOConfig has no field for it, so a `vllm_dtype` key of our own may say otherwise)."""
+    """Trainer recipe: cast_lm_head_to_fp32 -> `_fp32_head`'s; fp16 (autocast over TRL's fp32 weights) ->
+    fp16-autocast; a model loaded in bf16 (model_init_kwargs dtype) -> bf16, in fp16 without bf16 autocast -> fp16;
+    bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32; the other recipes are measured beside it.
+    Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a `vllm_dtype` key of
+    our own may say otherwise)."""
     fp16 = _flag(cfg, "fp16", False)
     bf16 = _flag(cfg, "bf16", not fp16)  # TRL's default: bf16 unless fp16
     model_dtype = _model_dtype(cfg, notes)
     if _flag(cfg, "cast_lm_head_to_fp32"):
-        trainer = "fp32-head"
+        trainer = _fp32_head(model_dtype, bf16, fp16, settings, notes)
     elif fp16:
-        trainer = "fp16"
+        trainer = "fp16" if model_dtype == "fp16" else "fp16-autocast"  # TRL loads fp32 weights: fp16 autocast
     elif model_dtype == "bf16":
         trainer = "bf16"
     elif model_dtype == "fp16" and not bf16:
@@ -113,6 +137,22 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     settings["trainer"] = ",".join([trainer, *(r for r in DEFAULT_TRAINERS if r != trainer)])
     settings["engine_dtype"] = _engine_dtype(cfg)
     settings["answer_in"] = "trl"
+
+
+def _fp32_head(model_dtype: str, bf16: bool, fp16: bool, settings: dict, notes: list[str]) -> str:
+    """cast_lm_head_to_fp32 (trl 1.16 grpo_trainer.py _cast_lm_head_to_fp32): the head's matmul in fp32, its input
+    cast to fp32, autocast off, over the body as the other fields set it. fp32 weights under bf16 autocast (TRL's
+    default): bf16-autocast-fp32-head; without autocast the head is fp32 anyway: fp32; bf16 weights: fp32-head is the
+    nearest (TRL's cast head holds the bf16-rounded weights and its final norm stays bf16; fp32-head keeps both in
+    fp32, said in a note); under fp16 autocast no recipe matches (unmapped)."""
+    if model_dtype == "bf16":
+        notes.append("cast_lm_head_to_fp32 over bf16 weights: TRL casts the bf16 head to fp32 and keeps the final norm "
+                     "bf16; fp32-head (final norm and head in fp32 from fp32 masters) is the nearest recipe")
+        return "fp32-head"
+    if fp16:
+        unmapped(settings, "cast_lm_head_to_fp32 under fp16 autocast")
+        return "fp16-autocast"
+    return "bf16-autocast-fp32-head" if bf16 else "fp32"
 
 
 def _model_dtype(cfg: dict, notes: list[str]) -> str:
@@ -212,7 +252,10 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
     drops). Nothing when the correction is off. A mode TRL does not have is refused (TRL raises at its first step);
     clip_max given as null (no upper bound) and a lower bound clip_min are named in notes: the advice models an
     upper cap only."""
+    if settings.get("setup") == "trl-async":  # AsyncGRPOTrainer has no IS correction: β is in its clip
+        return
     if _flag(cfg, "vllm_importance_sampling_correction") is False:
+        settings["is_mode"] = "none"
         notes.append("vllm_importance_sampling_correction is false: no correction; the knob advice shows what each "
                      "would do")
         return
@@ -233,6 +276,7 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
     if cfg.get(low_key) is not None:
         low = number(FLAG, low_key, cfg[low_key], low=0)
         notes.append(f"{low_key} = {low:g}: a lower bound the knob advice does not model (it reads the upper cap)")
+    settings["is_mode"] = mode
     if cap is not None:
         settings["token_cap" if mode in TOKEN_MODES else "seq_mask_cap"] = cap
 

@@ -29,16 +29,21 @@ from ..recipes import DEFAULT_TRAINERS
 from .config_files import (
     CONFIG_DTYPES,
     SAMPLING,
+    known_keys,
     mapping,
     naming_file,
     number,
     read_mapping,
     text,
     trainer_note,
+    unknown_keys_note,
     unmapped,
 )
 
 FLAG = "--from-verl-config"
+CORRECTION = "algorithm.rollout_correction"
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+"""the verl commit every key here was read at (module docstring; data/verl_b178a3c_keys.txt)."""
 SECTIONS = ("actor_rollout_ref", "algorithm", "data")
 """a verl trainer config has at least one of these at its top level; a mapping with none of them is another file."""
 TOKEN_RS = "token_k1"
@@ -58,9 +63,22 @@ def diagnose_settings_from_verl(config: str | Path | dict) -> tuple[dict, list[s
                               "the YAML verl was run with, e.g. one written from its resolved config)")
         settings: dict = {}
         notes: list[str] = []
-        for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction, _model):
+        for part in (_trainer_and_engine, _quantization, _sampling, _clip, _length, _correction, _model, _unknown):
             part(cfg, settings, notes)
     return settings, notes
+
+
+CHECKED_BLOCKS = ("actor_rollout_ref.actor", "actor_rollout_ref.rollout", CORRECTION)
+"""the blocks whose keys are checked against verl's own (config_files.known_keys): the ones the reader takes ε,
+sampling and the correction from, where a misspelt key (clip_ratio_hgh) would fall back to verl's default unsaid."""
+
+
+def _unknown(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """One note naming the keys of CHECKED_BLOCKS that verl's config at b178a3c does not have."""
+    keys = [f"{block}.{k}" for block in CHECKED_BLOCKS if isinstance(get(cfg, block), dict) for k in get(cfg, block)]
+    said = unknown_keys_note(keys, known_keys("verl"), f"verl's trainer config at {VERL_COMMIT[:7]}")
+    if said:
+        notes.append(said)
 
 
 def get(cfg: dict, dotted: str):
@@ -203,8 +221,6 @@ def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
     settings["max_tokens"] = _number("data.max_response_length", value, int, low=1, high=LENGTH_LIMIT)
 
 
-CORRECTION = "algorithm.rollout_correction"
-
 
 def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
     """algorithm.rollout_correction as the knob advice's settings: rollout_is token -> the token cap C (TIS
@@ -212,6 +228,7 @@ def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
     is the share a mask at C drops, which the knob advice reports); rollout_rs token_k1 -> IcePop's band."""
     block = get(cfg, CORRECTION)
     if block is None:
+        settings["setup"], settings["is_mode"] = "verl-decoupled", "none"  # verl's defaults: bypass_mode false
         notes.append(f"{CORRECTION} not set: no rollout correction (verl's default rollout_is: null); the knob "
                      "advice shows diagnose's default settings")
         return
@@ -232,9 +249,34 @@ def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
     bypass = block.get("bypass_mode")
     if bypass is not None and not isinstance(bypass, bool):
         raise ConfigError(f"{FLAG}: {CORRECTION}.bypass_mode is {brief(bypass)}, not true or false")
+    _setup(block, bool(bypass), level, settings, notes)
+
+
+def _setup(block: dict, bypass: bool, level: str | None, settings: dict, notes: list[str]) -> None:
+    """Which ratio verl's actor clips (setups.SETUPS) and the correction on β: bypass_mode false (verl's default)
+    clips against the actor's recomputed old_log_prob and meets β in rollout_is's truncated weight (token_truncate,
+    sequence_truncate) or rollout_rs token_k1's mask (icepop); bypass_mode true with loss_type ppo_clip clips against
+    the rollout's log-probs (its IS weights unused: core_algos.compute_policy_loss_bypass_mode); with loss_type
+    reinforce there is no clip, a setup not modelled: left unnamed, judged as a clip."""
+    rejects = settings.get("icepop_low") is not None
+    loss_type = block.get("loss_type")
+    loss_type = "ppo_clip" if loss_type is None else text(FLAG, f"{CORRECTION}.loss_type", loss_type)
+    if bypass and loss_type != "ppo_clip":
+        notes.append(f"bypass_mode with loss_type {brief(loss_type)}: no clip, a setup phantomclip does not model; "
+                     "judged as a clip on the rollout's log-probs, where β does the most harm")
+        return
+    masked = "icepop" if rejects else "none"
+    mode = {"token": "token_truncate", "sequence": "sequence_truncate"}.get(level or "", masked)
     if bypass:
+        settings["setup"], settings["is_mode"] = "verl-bypass", masked
         notes.append("bypass_mode: the PPO ratio is taken against the rollout's log-probs directly, so β sits inside "
-                     "the clipped ratio: the setting where phantom clipping appears")
+                     "the clipped ratio: the setting where phantom clipping appears"
+                     + (f" (rollout_is {level} is computed for its metrics only)" if level else ""))
+        return
+    settings["setup"], settings["is_mode"] = "verl-decoupled", mode
+    if level and rejects:
+        notes.append("rollout_is and rollout_rs token_k1 both act: the answer judges rollout_is's weight; the knob "
+                     "advice's IcePop line shows what the mask drops")
 
 
 def _rejection(options: str, spec, settings: dict, notes: list[str]) -> None:

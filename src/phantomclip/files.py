@@ -78,6 +78,11 @@ def read_input(path: str | Path) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    return input_text_fd(path, fd)
+
+
+def input_text_fd(path: str | Path, fd: int) -> str:
+    """The UTF-8 text of the input file open on `fd` (check_input_fd), which it closes; InputError otherwise."""
     try:
         data = check_input_fd(path, fd)
     finally:

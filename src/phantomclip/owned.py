@@ -29,8 +29,8 @@ from .errors import WriteError
 from .files import (
     TEMP_SUFFIX,
     InputError,
-    check_input_fd,
     check_name_lengths,
+    input_text_fd,
     json_safe,
     printable,
     special_kind,
@@ -307,12 +307,4 @@ def read_owned(root: str | Path, path: str | Path) -> str:
     """The UTF-8 text of the file `path` beneath `root`, reached without following a link at any component: a
     regular file of at most files.input_limit() bytes, opened without blocking. InputError, one line naming the
     file, otherwise (a link inside a run directory or a directory of rollouts is not followed to another file)."""
-    fd = open_reading(root, path)
-    try:
-        data = check_input_fd(path, fd)
-    finally:
-        os.close(fd)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(path, "is not UTF-8 text") from None
+    return input_text_fd(path, open_reading(root, path))

@@ -108,16 +108,23 @@ def _start(summary: dict, arm: str) -> tuple[float, float, float] | None:
     return (sum(xs) / len(xs), min(xs), max(xs)) if xs else None
 
 
+def _baseline_and_r3(data) -> tuple[dict, tuple, tuple] | None:
+    """(the moe-r3 summary, _start of its baseline, _start of r3), or None without the experiment or either arm."""
+    if not data.moe:
+        return None
+    summary = data.moe[-1]
+    base, r3 = _start(summary, summary.get("baseline", "none")), _start(summary, "r3")
+    return None if base is None or r3 is None else (summary, base, r3)
+
+
 def moe_result(data) -> str:
     """The moe-r3 experiment in one sentence: mean |β| over the first steps with the trainer's own routes (the
     baseline) and with the engine's replayed (r3), each with its seeds' range, and whether every seed of one lies
     below every seed of the other; '' without the experiment or either arm."""
-    if not data.moe:
+    found = _baseline_and_r3(data)
+    if found is None:
         return ""
-    summary = data.moe[-1]
-    base, r3 = _start(summary, summary.get("baseline", "none")), _start(summary, "r3")
-    if base is None or r3 is None:
-        return ""
+    summary, base, r3 = found
     seeds = len(seed_values(summary, "r3", "beta_abs_mean_start"))
     apart = ("; every seed of r3 lies below every seed of the baseline" if r3[2] < base[1] else
              "; the seeds' ranges overlap" if seeds > 1 else "; one seed: no range to compare")
@@ -131,11 +138,9 @@ def moe_result(data) -> str:
 def summary_line(data) -> str:
     """The summary's MoE line (HTML): the first steps' mean |β| without and with routing replay; '' without the
     experiment."""
-    if not data.moe:
+    found = _baseline_and_r3(data)
+    if found is None:
         return ""
-    summary = data.moe[-1]
-    base, r3 = _start(summary, summary.get("baseline", "none")), _start(summary, "r3")
-    if base is None or r3 is None:
-        return ""
+    base, r3 = found[1:]
     return (f"On an MoE model, routing replay (r3) cut the first steps' mean |β| from {base[0]:.3f} to "
             f"<b>{r3[0]:.3f}</b> (section 9).")

@@ -165,7 +165,10 @@ def run_ranks(worker: str, out: Path, world: int, timeout: int, **env: str) -> l
     here = Path(__file__).parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(here / worker), str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here), **env},
+    # this checkout's src first: the venv's editable install may point at another checkout (a worktree's tests must
+    # run the worktree's code on every rank, as they do in the main process with PYTHONPATH=src)
+    path = os.pathsep.join([str(here), str(here.parent / "src")])
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env},
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -247,7 +247,7 @@ SIZE_DEBT: dict[str, int] = {}
 LONG_FUNCTIONS_OK = {("metrics.py", "mismatch_stats"): "one dict literal that lists every diagnose figure in the "
                                                         "order docs/metrics.md defines them"}
 POSITIONAL_OK = {("job_text.py", "table.add_row"): "a rich table row: one positional cell per column",
-                 ("integrations/trl_async.py", "ChunkedLogProbFunction.apply"):
+                 ("integrations/trl_async_forward.py", "ChunkedLogProbFunction.apply"):
                      "TRL's autograd Function: torch's Function.apply takes positional arguments only"}
 SAME_NAME_OK = {
     "KNOB_FIELDS": "each command config's own map of its fields onto loss.KNOBS (the same role for each config)",

@@ -35,8 +35,8 @@ def test_cpu_tree_attention_equals_the_plain_forward(tmp_path):
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
     from trl.trainer.utils import add_fused_lm_head
 
-    from phantomclip.integrations.trl_async import _packed_forward
     from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
+    from phantomclip.integrations.trl_async_forward import packed_forward
 
     register_tree_attention()
     use_cpu_stand_ins()
@@ -53,7 +53,7 @@ def test_cpu_tree_attention_equals_the_plain_forward(tmp_path):
     p = row.pack()
     inputs = {k: v.unsqueeze(0) for k, v in p.items()}
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    kwargs, token_index, _ = _packed_forward(inputs)
+    kwargs, token_index, _ = packed_forward(inputs)
     assert kwargs["input_ids"].shape[1] < sum(map(len, seqs))  # the shared prefix is forwarded once
     with torch.no_grad():
         got = packed_model(**kwargs, fused_lm_head=True).log_probs.flatten()[token_index]  # [M]
@@ -82,8 +82,8 @@ def test_shadow_head_on_labelled_rows_equals_trls_full_row_head():
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
     from trl.trainer.utils import add_fused_lm_head
 
-    from phantomclip.integrations.trl_async import HEAD_ROWS_CPU, _packed_forward, _score
     from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
+    from phantomclip.integrations.trl_async_forward import HEAD_ROWS_CPU, packed_forward, score_labelled
     from phantomclip.integrations.weights import build_shadow, sync_shadow
 
     register_tree_attention()
@@ -111,14 +111,14 @@ def test_shadow_head_on_labelled_rows_equals_trls_full_row_head():
                  "group_id": 0, "old_log_probs": torch.zeros(38 + n), "advantage": 1.0})
     inputs = {k: v.unsqueeze(0) for k, v in row.pack().items()}
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    kwargs, token_index, _ = _packed_forward(inputs)
+    kwargs, token_index, _ = packed_forward(inputs)
     labelled = int((kwargs["shift_labels"] != -100).sum())
     n_rows = kwargs["input_ids"].shape[1]
     # several head calls, the last one partial; unlabelled positions left out; the head in two vocabulary chunks
     assert labelled > HEAD_ROWS_CPU and labelled % HEAD_ROWS_CPU != 0 and n_rows > labelled and vocab > 32768
     with torch.no_grad():
         full = shadow(**kwargs, fused_lm_head=True).log_probs.float()  # [1, N] TRL's head on every position
-    got = _score(shadow, kwargs)  # [1, N]
+    got = score_labelled(shadow, kwargs)  # [1, N]
     assert torch.equal(got, full)
     assert torch.equal(got.flatten()[token_index], full.flatten()[token_index]) and token_index.numel() > labelled
 
@@ -129,7 +129,7 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
     step's batch is prefetched, one sync before it trains). Figures equal the stats function on the last batch's
     tensors; the old-version shadow holds the weights TRL sent as that version, not today's; training is unchanged
     by the monitor."""
-    from phantomclip.integrations.trl_async import _score
+    from phantomclip.integrations.trl_async_forward import score_labelled
     from phantomclip.integrations.weights import build_shadow
 
     plain, _ = setup.make_trainer(str(tmp_path / "a"), steps=3)
@@ -163,10 +163,10 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
     for key, value in want.items():
         assert math.isclose(rows[-1][f"precision/{key}"], value, rel_tol=1e-12, abs_tol=1e-15), key
     # versions 1 (initial sync) to 4 (after step 3) were sent; the last step trained version 2's samples at 3
-    shadows = watched._pc_async.shadows
+    shadows = watched._pc_async.stores["engine"]
     assert sorted(sent) == [1, 2, 3, 4] and rec.versions.unique().tolist() == [2] and rec.staleness.max() == 1
-    assert sorted(shadows.versions) == [2, 3, 4]  # max_staleness + 1 kept, the oldest recycled
-    for name, p in shadows.versions[4].named_parameters():  # version 1's copy, refilled: the weights sent as 4
+    assert sorted(shadows.versions) == [1, 2, 3, 4]  # staleness bound (max_staleness 2 + prefetch 1) + 1 kept
+    for name, p in shadows.versions[4].named_parameters():  # the weights sent as 4, rounded to bf16
         assert torch.equal(p, sent[4][name].to(torch.bfloat16)), name
     # keyed by version: the old log-probs are those of the weights TRL sent as version 2, rounded to bf16, on the
     # same packed row (a shadow built apart and filled from what was sent: bit for bit); version 3's differ
@@ -178,7 +178,7 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(apart, temperature=watched.temperature)
-        scored = _score(apart.eval(), rec.row).flatten()[rec.token_index]
+        scored = score_labelled(apart.eval(), rec.row).flatten()[rec.token_index]
         assert torch.equal(scored, rec.logp_shadow_old) == equal, v
 
 
@@ -206,17 +206,18 @@ def test_shadow_ratio_per_token_losses_equal_a_hand_computation(tmp_path):
     it does (summed over the terms sharing a position)."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from phantomclip.integrations.trl_async import _packed_forward, _score
+    from phantomclip.integrations.trl_async_forward import packed_forward, score_labelled
 
     Trainer = with_async_shadow_ratio(AsyncGRPOTrainer)
     trainer, _ = setup.make_trainer(str(tmp_path / "f"), cls=Trainer, epsilon=0.05, reward=setup.spread)
     batch = _batch_with_staleness(trainer)
     hooks = trainer._pc_async
-    kwargs, token_index, selected = _packed_forward(batch)
+    kwargs, token_index, selected = packed_forward(batch)
     versions = batch["pc_sample_version"][0][batch["segment_id"][selected]]
-    assert versions.unique().tolist() == [1] and hooks.shadows.version == 2
-    now = _score(hooks.shadows.versions[2], kwargs).flatten()[token_index]  # [M]
-    old = _score(hooks.shadows.versions[1], kwargs).flatten()[token_index]  # [M]
+    shadows = hooks.stores["engine"]
+    assert versions.unique().tolist() == [1] and hooks.latest == 2
+    now = score_labelled(shadows.versions[2], kwargs).flatten()[token_index]  # [M]
+    old = score_labelled(shadows.versions[1], kwargs).flatten()[token_index]  # [M]
     A = batch["advantages"][selected]  # [M]
     n = batch["global_n_tokens"][0].item()  # one process: tokens per rank = all of them
     captured = {}
@@ -265,24 +266,28 @@ def test_shadow_ratio_leaves_staleness_zero_ratios_at_one(tmp_path):
 
 def test_async_stats_on_constructed_tensors():
     # ε = 0.2 (log bounds −0.223 / +0.182). Tokens: α = [0, 0, 0.3, 0.1], β_precision = [0.25, −0.3, 0, 0],
-    # β_kernel = [0, 0, 0, 0.1]; A = [+1, −1, +1, +1]; staleness [0, 0, 1, 2]; plus one token without a shadow.
-    shadow_old = torch.tensor([-1.0, -2.0, -3.0, -1.5, -2.0])
-    shadow = shadow_old + torch.tensor([0.0, 0.0, 0.3, 0.1, 0.0])
-    logp = shadow + torch.tensor([0.25, -0.3, 0.0, 0.0, 0.0])
-    engine = shadow_old - torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0])
+    # β_kernel = [0, 0, 0, 0.1]; A = [+1, −1, +1, +1]; staleness [0, 0, 1, 2]; plus one token without a shadow
+    # (staleness 3, over max_staleness 2: trained after the prefetch's sync) and one whose engine log-prob is NaN.
+    shadow_old = torch.tensor([-1.0, -2.0, -3.0, -1.5, -2.0, -1.0])
+    shadow = shadow_old + torch.tensor([0.0, 0.0, 0.3, 0.1, 0.0, 0.0])
+    logp = shadow + torch.tensor([0.25, -0.3, 0.0, 0.0, 0.0, 0.0])
+    engine = shadow_old - torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
     shadow_old[4] = math.nan  # its version has no shadow
-    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0])
-    s = async_figures(async_precision_stats(logp, engine, shadow, shadow_old, adv, torch.tensor([0, 0, 1, 2, 0]),
-                                      eps_low=0.2, eps_high=0.2, max_staleness=2))
+    engine[5] = math.nan
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
+    s = async_figures(async_precision_stats(logp, engine, shadow, shadow_old, adv, torch.tensor([0, 0, 1, 2, 3, 0]),
+                                            eps_low=0.2, eps_high=0.2, max_staleness=2))
     tol = 4 * eps(torch.float32) * 3  # each value one fp32 rounding of numbers below 3.3
-    assert s["nonfinite_total"] == 1
+    assert (s["no_shadow_total"], s["nonfinite_total"]) == (1, 1)
     assert s["alpha_mean"] == pytest.approx(0.4 / 4, abs=tol)
     assert s["beta_mean"] == pytest.approx((0.25 - 0.3 + 0.1) / 4, abs=tol)
     assert s["beta_abs_mean"] == pytest.approx(0.65 / 4, abs=tol)
     # TRL's ratio log r = α + β: [0.25, −0.3, 0.3, 0.2]; fires with A: +0.25 (A > 0) yes, −0.3 (A < 0) yes,
     # 0.3 yes, 0.2 yes (> 0.182); on α alone: only 0.3 -> 4 clips, 1 real, 3 phantom
     assert (s["clip_rate"], s["alpha_clip_rate"], s["phantom_rate"]) == (1.0, 0.25, 0.75)
-    assert (s["staleness_share_0"], s["staleness_share_1"], s["staleness_share_2"]) == (0.5, 0.25, 0.25)
+    # staleness over all 6 trained tokens, those without a figure included: [0, 0, 1, 2, 3, 0]
+    shares = (s["staleness_share_0"], s["staleness_share_1"], s["staleness_share_2"], s["staleness_share_over"])
+    assert shares == (3 / 6, 1 / 6, 1 / 6, 1 / 6)
     # |β| sorted [0, 0.1, 0.25, 0.3]: position 0.99 × 3 = 2.97, 0.25 + 0.97 × 0.05 (torch.quantile's linear rule)
     assert s["beta_abs_p99"] == pytest.approx(0.25 + 0.97 * 0.05, abs=tol)
 
@@ -292,6 +297,7 @@ def test_bad_input(tmp_path, monkeypatch):
 
     import phantomclip.integrations.trl_async as integration
     import phantomclip.integrations.trl_async_checks as checks
+    import phantomclip.integrations.trl_async_forward as forward
 
     with pytest.raises(IntegrationError, match="interval must be an integer >= 1"):
         AsyncPrecisionMonitor(interval=0)
@@ -305,12 +311,14 @@ def test_bad_input(tmp_path, monkeypatch):
     with pytest.raises(IntegrationError) as e:
         AsyncPrecisionMonitor().attach(trainer)
     kept, per = integration.shadow_memory(trainer, "bfloat16")
-    assert kept == 3 and per == 2 * sum(p.numel() for p in trainer.model.parameters())
-    assert "need" in str(e.value) and "max_staleness 2 + 1" in str(e.value) and "\n" not in str(e.value)
+    # fixed-count planner, no accumulation, a sync every step: staleness bound 2 + 1, one copy per version 0 .. 3
+    assert kept == 4 and per == 2 * sum(p.numel() for p in trainer.model.parameters())
+    assert "need" in str(e.value) and "staleness bound 3 = max_staleness 2 + prefetch" in str(e.value)
+    assert "\n" not in str(e.value)
     monkeypatch.undo()
     # a newer TRL whose trainer lacks what the hooks read: one line naming it, before anything is replaced
     monkeypatch.delattr(AsyncGRPOTrainer, "_sync_weight")
-    with pytest.raises(IntegrationError, match="has no attribute '_sync_weight'"):
+    with pytest.raises(IntegrationError, match="AsyncGRPOTrainer has no method '_sync_weight'"):
         AsyncPrecisionMonitor().attach(trainer)
     monkeypatch.undo()
     del trainer.model_version
@@ -319,7 +327,7 @@ def test_bad_input(tmp_path, monkeypatch):
     assert "_pc_async" not in trainer.__dict__
     # a fused head without what the shadow forward reads off it (a newer TRL): one line naming it
     with pytest.raises(IntegrationError, match="fused head has no 'backbone_attr'"):
-        integration._fused_head(nn.Linear(2, 2))
+        forward.fused_head(nn.Linear(2, 2))
     # a GRPOTrainer is not an async trainer; one monitor per trainer
     with pytest.raises(IntegrationError, match="not dict"):
         AsyncPrecisionMonitor().attach({})
@@ -333,12 +341,13 @@ def test_weights_that_move_between_syncs(tmp_path):
 
     monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
     trainer, _ = setup.make_trainer(str(tmp_path / "w"), callbacks=[monitor], steps=2, weight_sync_steps=2)
-    assert shadow_memory(trainer, "bfloat16")[0] == 2 + 1 + 1  # max_staleness + 1 versions + the current weights
+    # staleness bound: max_staleness 2 + ⌈1 / (1 · 2)⌉ = 3, so 4 versions, and the current weights
+    assert shadow_memory(trainer, "bfloat16")[0] == 4 + 1
     trainer.train()
     rows = _rows(trainer)
     assert [r["precision/staleness_share_0"] for r in rows] == [1.0, 1.0]
     assert rows[0]["precision/alpha_abs_mean"] == 0.0 and rows[1]["precision/alpha_abs_mean"] > 0
-    shadows = trainer._pc_async.shadows
+    shadows = trainer._pc_async.stores["engine"]
     assert shadows.current is not None and sorted(shadows.versions) == [1, 2]
 
 
@@ -396,4 +405,4 @@ def test_shadow_path_equals_the_reference_path(tmp_path, sync_steps):
     stale = [c[4] for c in checked]
     assert stale == ([0, 1, 1] if sync_steps == 1 else [0, 0, 1]), stale
     if sync_steps == 2:
-        assert trainer._pc_async.shadows.current is not None
+        assert trainer._pc_async.stores["engine"].current is not None

@@ -38,10 +38,11 @@ def model_dir(root: str) -> str:
 
 
 def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 4, groups_per_fill: int = 2,
-                 max_staleness: int = 2, reward=neglen, **config):
+                 max_staleness: int = 2, reward=neglen, token_budget: int = 0, **config):
     """A real AsyncGRPOTrainer (or `cls`) whose worker samples with a bf16 LocalEngine copy of the same weights and
-    whose weight transfer loads that engine. One group per rank per micro-batch; `groups_per_fill` groups sampled at
-    once at the engine's current version, so later ones are trained one or more versions late."""
+    whose weight transfer loads that engine. One group per rank per micro-batch (fixed-count planner, `token_budget`
+    0) or as many samples as fit in `token_budget` tokens per row (TRL's token-budget planner); `groups_per_fill`
+    groups sampled at once at the engine's current version, so later ones are trained one or more versions late."""
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -56,7 +57,7 @@ def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 4, groups_pe
                                 groups_per_fill=groups_per_fill)
     args = AsyncGRPOConfig(output_dir=out_dir, per_device_train_batch_size=G, num_generations=G,
                            max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", bf16=False,
-                           logging_steps=1, max_steps=steps, learning_rate=1e-3, token_budget=0,
+                           logging_steps=1, max_steps=steps, learning_rate=1e-3, token_budget=token_budget,
                            max_staleness=max_staleness, seed=0, **config)
     root = os.path.dirname(out_dir.rstrip("/"))
     trainer = (cls or AsyncGRPOTrainer)(

@@ -19,8 +19,9 @@ def _world() -> int:
 
 
 _SUMS = ("tokens", "alpha_sum", "alpha_abs_sum", "beta_sum", "beta_abs_sum", "beta_kernel_abs_sum",
-         "beta_precision_abs_sum", "clip", "alpha_clip", "phantom", "nonfinite")
-"""the float64 sums and counts reduced across ranks, in this order, then one count per staleness."""
+         "beta_precision_abs_sum", "clip", "alpha_clip", "phantom", "nonfinite", "no_shadow", "trained")
+"""the float64 sums and counts reduced across ranks, in this order, then one count per staleness. `tokens`: those
+the figures are over (every input finite); `trained`: every trained token, over which staleness is counted."""
 MEANS = {"alpha_mean": "alpha_sum", "alpha_abs_mean": "alpha_abs_sum", "beta_mean": "beta_sum",
          "beta_abs_mean": "beta_abs_sum", "beta_kernel_abs_mean": "beta_kernel_abs_sum",
          "beta_precision_abs_mean": "beta_precision_abs_sum", "clip_rate": "clip", "alpha_clip_rate": "alpha_clip",
@@ -34,8 +35,11 @@ def async_precision_stats(logp: torch.Tensor, logp_engine: torch.Tensor, logp_sh
     """The async monitor's figures over every rank's tokens. All tensors are per trained token [M] (M may be 0 on a
     rank): the loss's own log-probs, the server's, the current weights' shadow, the sample version's shadow, the
     advantage and the staleness. Returns {"sums": global sums (keys _SUMS, then staleness_<k> for k = 0 ..
-    max_staleness and staleness_over), "beta_abs_p99": float}. A token with any non-finite input (or no shadow of
-    its version: NaN) is left out of every figure and counted in `nonfinite`.
+    max_staleness and staleness_over), "beta_abs_p99": float}. A token whose version has no shadow (logp_shadow_old
+    NaN, the rest finite) is left out of every figure and counted in `no_shadow`; one with another non-finite input
+    in `nonfinite`. The staleness is counted over every trained token, with or without its shadow: `staleness_over`
+    counts those trained more than max_staleness versions late (TRL's filter runs at dequeue, before the prefetch's
+    syncs: trl_async_versions).
 
     log r = logp − logp_engine (TRL's ratio) = α + β; α = logp_shadow − logp_shadow_old; β = β_precision + β_kernel,
     β_precision = logp − logp_shadow, β_kernel = logp_shadow_old − logp_engine. `clip`: TRL's clip fires on log r
@@ -51,10 +55,12 @@ def async_precision_stats(logp: torch.Tensor, logp_engine: torch.Tensor, logp_sh
     beta = beta_p + beta_k
     clip = phantom_clip_mask(lp - le, adv, eps_low, eps_high)
     alpha_clip = phantom_clip_mask(alpha, adv, eps_low, eps_high)
-    stale = staleness[ok]
+    no_shadow = torch.isnan(logp_shadow_old) & torch.isfinite(logp) & torch.isfinite(logp_engine) & torch.isfinite(
+        logp_shadow)  # [M]
     local = [alpha.numel(), alpha.sum(), alpha.abs().sum(), beta.sum(), beta.abs().sum(), beta_k.abs().sum(),
-             beta_p.abs().sum(), clip.sum(), alpha_clip.sum(), (clip & ~alpha_clip).sum(), (~ok).sum()]
-    local += [(stale == k).sum() for k in range(max_staleness + 1)] + [(stale > max_staleness).sum()]
+             beta_p.abs().sum(), clip.sum(), alpha_clip.sum(), (clip & ~alpha_clip).sum(), (~ok & ~no_shadow).sum(),
+             no_shadow.sum(), logp.numel()]
+    local += [(staleness == k).sum() for k in range(max_staleness + 1)] + [(staleness > max_staleness).sum()]
     sums = torch.tensor([float(v) for v in local], dtype=torch.float64, device=logp.device)
     if _world() > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
@@ -76,8 +82,10 @@ def async_figures(stats: dict) -> dict[str, float]:
     s = stats["sums"]
     n = s["tokens"]
     out = {key: (s[name] / n if n else math.nan) for key, name in MEANS.items()}
-    out.update({key.replace("staleness_", "staleness_share_"): (v / n if n else math.nan)
+    m = s["trained"]
+    out.update({key.replace("staleness_", "staleness_share_"): (v / m if m else math.nan)
                 for key, v in s.items() if key.startswith("staleness_")})
     out["beta_abs_p99"] = stats["beta_abs_p99"]
     out["nonfinite_total"] = s["nonfinite"]
+    out["no_shadow_total"] = s["no_shadow"]
     return out

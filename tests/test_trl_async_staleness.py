@@ -1,0 +1,85 @@
+"""How late TRL 1.16's async trainer trains a sample, and the copies the integration keeps for it
+(integrations.trl_async_versions): the bound worked by hand from TRL's dequeue, accelerate's prefetch and both
+planners, then reached and never passed in TRL's real trainer on one process (two: tests/test_trl_async_ranks.py),
+with every token keeping its shadow and every step training."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("trl")
+
+import trl_async_setup as setup  # noqa: E402
+from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio  # noqa: E402
+from phantomclip.integrations.trl_async_versions import kept_versions, planner_of, staleness_bound  # noqa: E402
+
+
+def _args(max_staleness=2, token_budget=0, ga=1, sync=1):
+    return SimpleNamespace(max_staleness=max_staleness, token_budget=token_budget, gradient_accumulation_steps=ga,
+                           weight_sync_steps=sync)
+
+
+def test_the_bound_worked_by_hand():
+    # S + ⌈c / (G·W)⌉, c = 1 (fixed count: a micro-batch is dequeued one fetch before its step, by the prefetch) or
+    # 2 (token budget: the sample that closed the micro-batch before was dequeued one more fetch earlier)
+    assert staleness_bound(_args()) == 2 + 1
+    assert staleness_bound(_args(token_budget=40)) == 2 + 2
+    assert planner_of(_args(token_budget=None)) == "token_budget"  # TRL's default: vLLM's max_model_len
+    assert staleness_bound(_args(token_budget=None)) == 2 + 2
+    assert staleness_bound(_args(token_budget=40, ga=2)) == 2 + 1  # ⌈2/2⌉: both fetches in the previous step
+    assert staleness_bound(_args(token_budget=40, sync=2)) == 2 + 1  # ⌈2/2⌉: one sync over two steps
+    assert staleness_bound(_args(token_budget=40, ga=2, sync=2)) == 2 + 1  # ⌈2/4⌉
+    assert staleness_bound(_args(max_staleness=0, ga=3, sync=2)) == 0 + 1  # ⌈1/6⌉: still one sync, at times
+    assert kept_versions(_args(token_budget=40)) == 5  # staleness 0 .. 4
+
+
+def _run(tmp_path, name: str, ratio: str, steps: int, **config):
+    """Train with the fix and the monitor; each micro-batch's staleness at the loss as the hooks computed it."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
+    trainer, _ = setup.make_trainer(str(tmp_path / name), cls=with_async_shadow_ratio(AsyncGRPOTrainer, ratio=ratio),
+                                    callbacks=[monitor], steps=steps, **config)
+    seen, loss = [], trainer._pc_async._loss
+
+    def noting(*args):
+        value = loss(*args)
+        seen.append(sorted(set(trainer._pc_async.last.staleness.tolist())))
+        return value
+
+    trainer._pc_async._loss = noting
+    trainer.train()
+    rows = [h for h in trainer.state.log_history if "precision/beta_abs_mean" in h]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, seen, rows, losses
+
+
+def test_fixed_count_planner_trains_one_version_past_max_staleness(tmp_path):
+    """Four groups sampled per fill, one trained per step, max_staleness 2: the fill's last group waits in the queue
+    and is dequeued at staleness 2 while step 3's micro-batch is prefetched, then trained after step 3's sync, at
+    staleness 3 = the bound. Its shadow is kept: every figure finite, every step trained with the fix on (before
+    the bound was kept, this step logged NaN and the fix stopped training)."""
+    trainer, seen, rows, losses = _run(tmp_path, "fixed", "shadow", 6, groups_per_fill=4)
+    assert seen == [[0], [1], [2], [3], [1], [2]] and staleness_bound(trainer.args) == 3
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert [r["precision/staleness_share_over"] for r in rows] == [0, 0, 0, 1, 0, 0]
+    assert all(r["precision/no_shadow_total"] == 0 and math.isfinite(r["precision/alpha_abs_mean"]) for r in rows)
+    assert sorted(trainer._pc_async.stores["engine"].versions) == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(("ga", "bound"), [(1, 4), (2, 3)])
+def test_token_budget_planner_reaches_its_bound(tmp_path, ga, bound):
+    """TRL's token-budget planner, 40 tokens a row (one sample of the tiny model's ~39-45 forwarded tokens, so each
+    sample closes the micro-batch before its own), max_staleness 2, ratio "trainer": at gradient accumulation 1 a
+    sample is trained up to 2 + 2 versions after its sample's, at 2 up to 2 + 1; reached, never passed, every token
+    with its copy in both dtypes, every step trained."""
+    trainer, seen, rows, losses = _run(tmp_path, f"budget{ga}", "trainer", 8, groups_per_fill=4, token_budget=40,
+                                       gradient_accumulation_steps=ga)
+    assert staleness_bound(trainer.args) == bound
+    assert max(s for batch in seen for s in batch) == bound
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert all(r["precision/no_shadow_total"] == 0 for r in rows)
+    assert sum(r["precision/staleness_share_over"] > 0 for r in rows) >= 2

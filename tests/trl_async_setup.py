@@ -65,3 +65,20 @@ def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 4, groups_pe
         processing_class=lm.tokenizer, rollout_worker=worker, weight_transfer=LocalWeightTransfer(engine),
         callbacks=list(callbacks))
     return trainer, engine
+
+
+def batch_with_staleness(trainer):
+    """A real collated micro-batch trained one version late: sync (v1), the first batch (the fill samples two
+    groups at v1), a weight change, sync (v2), then the second batch: group 1 of version 1 at version 2."""
+    trainer.model.train()
+    trainer.weight_transfer.init_weight_transfer()
+    trainer._sync_weight()
+    trainer.rollout_worker.start()
+    loader = iter(trainer.get_train_dataloader())
+    next(loader)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in trainer.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))  # a step large enough to move bf16 values
+    trainer._sync_weight()
+    return trainer._prepare_inputs(next(loader))

@@ -83,3 +83,31 @@ def test_token_budget_planner_reaches_its_bound(tmp_path, ga, bound):
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert all(r["precision/no_shadow_total"] == 0 for r in rows)
     assert sum(r["precision/staleness_share_over"] > 0 for r in rows) >= 2
+
+
+def test_versions_are_carried_per_sample():
+    """The version reaches the loss per sample, not per group: four samples of one group, two tagged 5 and two 6 (a
+    worker that tags each request with the version it was served at), through TRL's own reader, fixed-count planner
+    and collator with the integration's reader and collate, come out as [5, 5, 6, 6] in `segment_id` order. TRL
+    1.16's own worker tags a whole group with the version at its first request (docs/trl.md)."""
+    import queue
+    from collections import defaultdict
+
+    import numpy as np
+    from trl.experimental.async_grpo import async_grpo_trainer as module
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from phantomclip.integrations.trl_async_versions import VERSION_KEY, VersionedCollate, VersionReader
+
+    samples = queue.Queue()
+    for i, version in enumerate([5, 5, 6, 6]):
+        samples.put(RolloutSample(prompt="", completion="", input_ids=np.array([1, 2, 3 + i]),
+                                  completion_mask=np.array([0, 1, 1]), old_log_probs=np.zeros(3, dtype=np.float32),
+                                  advantage=1.0, model_version=version, group_id=0, metrics={}))
+    versions: dict = {}
+    reader = module.RolloutQueueDataset(VersionReader(samples, versions), lambda: 6, lambda s: None, 60.0,
+                                        defaultdict(list), max_staleness=1)
+    rows = next(iter(module.FixedCountBatcher(reader, 1, 4)))
+    batch = VersionedCollate(module.DataCollatorForRollout(0, 1), versions, 3)([rows])
+    assert batch[VERSION_KEY].tolist() == [[5, 5, 6, 6]] and versions == {}
+    assert batch["segment_id"][0].unique().tolist() == [0, 1, 2, 3]

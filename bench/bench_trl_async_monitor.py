@@ -1,26 +1,24 @@
-"""Overhead of AsyncPrecisionMonitor (interval 1, bf16 shadows, max_staleness 2) per step of TRL's AsyncGRPOTrainer
-on the bundled model, CPU, fp32 trainer, one process, the bf16 LocalEngine standing in for the vLLM server
-(integrations.trl_async_cpu). The target: the monitor <= 15% of an async step.
+"""The async integration's cost inside TRL's AsyncGRPOTrainer, as one measure: CPU time of the training thread.
 
-    python bench/bench_trl_async_monitor.py [--steps 4] [--max-tokens 32] [--json out.json]
+    python bench/bench_trl_async_monitor.py [--configs monitor@1,monitor@2,fix:shadow,fix:trainer,fix:decoupled]
+        [--rounds 3] [--steps 6] [--max-tokens 32] [--json out.json]
+    python bench/bench_trl_async_monitor.py --memory      # bytes per kept version, from shapes (bundled, 8B)
 
-Timed by the monitor's own clock (`_Hooks.monitor_seconds`: the shadow snapshot at each sync, the shadow forwards at
-θ_t and at each sample version present, the figures and their reduction) against TRL's own per-step clocks
-(`perf/fwd_bwd_s`, `perf/optimizer_s`, `perf/weight_sync_s`, the monitor's loss-side share included in fwd_bwd):
-the trainer side of an async step. Generation is left out of the denominator: in the real trainer the vLLM server
-samples in parallel, here the stand-in samples in this process. Also printed: the whole wall time, generation
-included, and the CPU seconds other processes used meanwhile (/proc/stat minus this process), since this machine
-is shared. 2 groups sampled per fill, one trained per step: staleness at the loss 0, 1, 1, 2, 1, 2 (one extra shadow
-forward on every step after the first). Per step too: the monitor's seconds in each step (its clock read at each
-step's end, after TRL's sync) over that step's trainer side, and the median of those shares (over all steps, and
-after the first, whose share carries the initial sync and the first shadow copy's allocation). On a shared machine
-run the arms interleaved (A B B A) at the same niceness and compare medians.
+Each run is one fresh process (`--one CONFIG`): the bundled model, fp32 trainer, one thread, TRL 1.16's real async
+trainer with the bf16 LocalEngine standing in for the vLLM server (integrations.trl_async_cpu), one group of 8
+completions up to `--max-tokens` per step, two sampled per fill (staleness at the loss 0, 1, 1, 2, 1, 2), and one
+configuration: the monitor alone at an interval (`monitor@N`), or the fix alone with a ratio (`fix:RATIO`). The
+measure of a run:
 
-The same shares in CPU time of the training thread (`time.thread_time`), which other processes on a shared machine
-do not inflate as they do the wall clock (cache and memory-bandwidth contention remain): the monitor's own CPU clock
-(`_Hooks.monitor_cpu_seconds`) against the CPU time of TRL's `training_step` (its fwd_bwd span), its optimizer
-step and its `_sync_weight` (the monitor's snapshot runs after it, outside). Exact at `--threads 1`, where every
-product runs on that thread; at more threads the pool's CPU time is not counted.
+    cost = hooks' CPU s / TRL's own CPU s
+
+the hooks' thread CPU time (`_Hooks.own_cpu_seconds`: copies at each sync, their forwards, the figures) over the CPU
+time TRL's trainer side spends without them: its `training_step` (forward, backward: the hooks' forwards and figures
+run inside it and are taken out), its optimizer step and its `_sync_weight` (the hooks' copies run after it). At one
+thread every product runs on the timed thread; generation (the stand-in samples in this process, a real server in
+parallel) is outside both. Other processes on a shared machine do not inflate CPU time as they do the wall clock
+(cache and memory-bandwidth contention remain), so the runs of a round are interleaved (the order reversed every
+other round) and the figure is the median over rounds of each configuration's cost.
 """
 
 from __future__ import annotations
@@ -31,10 +29,15 @@ import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+CONFIGS = ("monitor@1", "monitor@2", "fix:shadow", "fix:trainer", "fix:decoupled")
 
 
 def cpu_kind() -> str:
@@ -58,7 +61,7 @@ def own_seconds() -> float:
 
 def cpu_wrap(cls, name: str, sink: dict, key: str | None = None) -> None:
     """Count the CPU time of this thread spent in `cls.name` into sink[key or name] (bench only: the class is
-    patched before the trainer is built, so TRL's callbacks and the monitor's hooks bind the counted method)."""
+    patched before the trainer is built, so TRL's callbacks and the hooks bind the counted method)."""
     original = getattr(cls, name)
 
     def counted(self, *args, **kwargs):
@@ -71,95 +74,125 @@ def cpu_wrap(cls, name: str, sink: dict, key: str | None = None) -> None:
     setattr(cls, name, counted)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--json")
-    ap.add_argument("--interval", type=int, default=1, help="the monitor's interval")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine: no spinning)")
-    args = ap.parse_args()
-    import tempfile
-
+def build(config: str, steps: int, max_tokens: int, out: str):
     import torch
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from phantomclip.engine import LocalEngine
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, shadow_memory
+    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
     from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
     from phantomclip.models import load_model
     from phantomclip.prompts import bundled_prompts
 
-    torch.set_num_threads(args.threads)
     use_cpu_stand_ins()
     lm = load_model("smollm2-135m")
     engine = LocalEngine(copy.deepcopy(lm.model), torch.bfloat16)
     neglen = lambda p, c, ids: [-float(len(i)) for i in ids]  # noqa: E731
-    worker = LocalRolloutWorker(engine, lm.tokenizer, bundled_prompts(), neglen,
-                                num_generations=8, max_tokens=args.max_tokens, groups_per_fill=2)
-    monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=args.interval)
-    from transformers import TrainerCallback
+    worker = LocalRolloutWorker(engine, lm.tokenizer, bundled_prompts(), neglen, num_generations=8,
+                                max_tokens=max_tokens, groups_per_fill=2)
+    kind, _, value = config.replace("@", ":").partition(":")
+    callbacks = [AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2, interval=int(value))] \
+        if kind == "monitor" else []
+    cls = with_async_shadow_ratio(AsyncGRPOTrainer, ratio=value) if kind == "fix" else AsyncGRPOTrainer
+    args = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
+                           max_completion_length=max_tokens, learning_rate=1e-4, max_steps=steps, logging_steps=1,
+                           report_to=[], save_strategy="no", bf16=False, use_cpu=True, token_budget=0, max_staleness=2,
+                           seed=0)
+    return cls(model=lm.path, args=args, reward_funcs=[], processing_class=lm.tokenizer,
+               train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}), rollout_worker=worker,
+               weight_transfer=LocalWeightTransfer(engine), callbacks=callbacks)
 
-    cpu = {"training_step": 0.0, "optimizer": 0.0, "sync": 0.0}  # the trainer side's CPU seconds, TRL's parts
+
+def one(config: str, steps: int, max_tokens: int) -> dict:
+    """One run of one configuration in this process (the parent starts a fresh one per run)."""
+    import tempfile
+
+    import torch
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    torch.set_num_threads(1)
+    cpu = {"training_step": 0.0, "optimizer": 0.0, "sync": 0.0}  # TRL's trainer side, CPU s of this thread
     cpu_wrap(AsyncGRPOTrainer, "training_step", cpu)
     cpu_wrap(AsyncGRPOTrainer, "_sync_weight", cpu, "sync")
-    per_step: list[tuple[float, float, float]] = []  # (monitor s, monitor CPU s, trainer side CPU s) up to each
-    # step's end, that step's weight sync included (this callback is added after TRL's sync callback)
+    from transformers import TrainerCallback
 
-    class StepClock(TrainerCallback):
+    class OptimizerClock(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             self.c0 = time.thread_time()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             cpu["optimizer"] += time.thread_time() - self.c0
 
-        def on_step_end(self, args, state, control, **kwargs):
-            hooks = trainer._pc_async
-            per_step.append((hooks.monitor_seconds, hooks.monitor_cpu_seconds, sum(cpu.values())))
     with tempfile.TemporaryDirectory() as out:
-        config = AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=8,
-                                 max_completion_length=args.max_tokens, learning_rate=1e-4, max_steps=args.steps,
-                                 logging_steps=1, report_to=[], save_strategy="no", bf16=False, use_cpu=True,
-                                 token_budget=0, max_staleness=2, seed=0)
-        trainer = AsyncGRPOTrainer(model=lm.path, args=config, reward_funcs=[], processing_class=lm.tokenizer,
-                                   train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}),
-                                   rollout_worker=worker, weight_transfer=LocalWeightTransfer(engine),
-                                   callbacks=[monitor])
-        trainer.add_callback(StepClock())  # after TRL's own callbacks: its step-end sync comes first
+        trainer = build(config, steps, max_tokens, out)
+        trainer.add_callback(OptimizerClock())
         busy0, own0, t0 = busy_seconds(), own_seconds(), time.perf_counter()
         trainer.train()
         wall, busy, own = time.perf_counter() - t0, busy_seconds() - busy0, own_seconds() - own0
-    rows = [h for h in trainer.state.log_history if "perf/fwd_bwd_s" in h]
-    trainer_side = sum(h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0)
-                       for h in rows)
     hooks = trainer._pc_async
-    sides = [h["perf/fwd_bwd_s"] + h.get("perf/optimizer_s", 0) + h.get("perf/weight_sync_s", 0) for h in rows]
-    mon = [b[0] - a[0] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]  # the monitor's seconds per step
-    shares = [m / t for m, t in zip(mon, sides)]
-    mon_cpu = [b[1] - a[1] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]
-    side_cpu = [b[2] - a[2] for a, b in zip([(0.0, 0.0, 0.0), *per_step], per_step)]  # the first: initial sync too
-    cpu_shares = [m / t for m, t in zip(mon_cpu, side_cpu)]
-    kept, per = shadow_memory(trainer, "bfloat16")
-    result = {
-        "cpu": cpu_kind(), "steps": args.steps, "interval": args.interval, "max_tokens": args.max_tokens,
-        "wall_s": wall,
-        "trainer_side_s": trainer_side, "monitor_s": hooks.monitor_seconds,
-        "monitor_share_of_trainer_side": hooks.monitor_seconds / trainer_side,
-        "monitor_share_of_wall": hooks.monitor_seconds / wall,
-        "monitor_parts_s": {**hooks.seconds, "of which building copies": hooks.shadows.build_seconds},
-        "monitor_share_without_building": (hooks.monitor_seconds - hooks.shadows.build_seconds) / trainer_side,
-        "per_step_monitor_s": mon, "per_step_trainer_side_s": sides, "per_step_share": shares,
-        "median_step_share": statistics.median(shares),
-        "median_step_share_after_first": statistics.median(shares[1:]) if len(shares) > 1 else None,
-        "monitor_cpu_s": hooks.monitor_cpu_seconds, "trainer_side_cpu_s": dict(cpu),
-        "cpu_share": hooks.monitor_cpu_seconds / sum(cpu.values()), "per_step_cpu_share": cpu_shares,
-        "median_step_cpu_share": statistics.median(cpu_shares),
-        "loadavg": os.getloadavg(), "phantomclip": __import__("phantomclip").__file__,
-        "others_cpu_s_per_wall_s": (busy - own) / wall, "shadow_bytes": per, "shadows_kept": kept,
-        "staleness_1_steps": sum(1 for h in trainer.state.log_history if h.get("precision/staleness_share_1") == 1.0),
-    }
-    print(json.dumps(result, indent=1))
+    inside = hooks.cpu_by_part["forwards"] + hooks.cpu_by_part["figures"]  # ran within training_step
+    trl_own = sum(cpu.values()) - inside
+    stale = [h.get("precision/staleness_share_0") for h in trainer.state.log_history if "loss" in h]
+    return {"config": config, "steps": steps, "max_tokens": max_tokens, "cost": hooks.own_cpu_seconds / trl_own,
+            "hooks_cpu_s": hooks.own_cpu_seconds, "hooks_cpu_by_part_s": hooks.cpu_by_part, "trl_own_cpu_s": trl_own,
+            "trl_cpu_by_part_s": cpu, "copies_built_s": sum(s.build_seconds for s in hooks.stores.values()),
+            "wall_s": wall, "others_cpu_per_wall_s": (busy - own) / wall, "loadavg": os.getloadavg(),
+            "staleness_0_by_step": stale}
+
+
+def memory_table() -> list[dict]:
+    """Bytes of one kept version per copy kind, from parameter shapes on the meta device: the bundled SmolLM2-135M
+    (its own config) and an 8B Llama (Llama-3.1-8B's published shapes: hidden 4096, 32 layers, MLP 14336, 32/8
+    heads, vocabulary 128256, untied head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    from phantomclip.models import load_model
+
+    bundled = AutoConfig.from_pretrained(load_model("smollm2-135m").path)
+    llama8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+    rows = []
+    for name, config in (("SmolLM2-135M (bundled)", bundled), ("Llama 8B", llama8b)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
+        rows.append({"model": name, "parameters": params, "shadow bf16 (ratio shadow, monitor)": 2 * params,
+                     "trainer fp32 (ratio trainer)": 4 * params, "decoupled": 0})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.steps, args.max_tokens)))
+        return
+    if args.memory:
+        print(json.dumps(memory_table(), indent=1))
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    configs, runs = args.configs.split(","), []
+    for r in range(args.rounds):
+        for config in (configs if r % 2 == 0 else configs[::-1]):
+            start = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            proc = subprocess.run([sys.executable, __file__, "--one", config, "--steps", str(args.steps),
+                                   "--max-tokens", str(args.max_tokens)], capture_output=True, text=True, check=True)
+            runs.append({**json.loads(proc.stdout.strip().splitlines()[-1]), "round": r, "start": start})
+            print(f"round {r} {config}: cost {100 * runs[-1]['cost']:.1f}% ({runs[-1]['hooks_cpu_s']:.1f} / "
+                  f"{runs[-1]['trl_own_cpu_s']:.1f} CPU s), others {runs[-1]['others_cpu_per_wall_s']:.2f} cores",
+                  flush=True)
+    medians = {c: statistics.median(x["cost"] for x in runs if x["config"] == c) for c in configs}
+    result = {"cpu": cpu_kind(), "commit": commit, "median_cost": medians, "runs": runs}
+    print(json.dumps(medians, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

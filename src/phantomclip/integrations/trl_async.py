@@ -88,7 +88,9 @@ class _Hooks:
         """the hooks' own work (copies at each sync, their forwards, the figures) in wall and this thread's CPU time
         (which other processes on a shared machine do not inflate)."""
         self.seconds = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
-        """the same wall clock by part (bench/bench_trl_async_monitor.py)."""
+        self.cpu_by_part = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
+        """the same clocks by part (bench/bench_trl_async_monitor.py: forwards and figures run inside TRL's
+        training_step, the snapshots after its _sync_weight)."""
         self._install()
 
     def want(self, kind: str, built: bool = True) -> None:
@@ -159,6 +161,7 @@ class _Hooks:
         self.own_seconds += wall
         self.own_cpu_seconds += cpu
         self.seconds[part] += wall
+        self.cpu_by_part[part] += cpu
 
     def _measuring(self) -> bool:
         m = self.monitor

@@ -119,3 +119,20 @@ def test_a_reader_or_sample_that_differs_is_refused_at_attach(tmp_path, monkeypa
     monkeypatch.setattr(async_rollout_worker, "RolloutSample", dataclasses.make_dataclass("RolloutSample", fields))
     with pytest.raises(IntegrationError, match="RolloutSample has no field 'model_version'"):
         AsyncPrecisionMonitor().attach(trainer)
+
+
+def test_the_fix_refuses_an_unknown_ratio_and_copies_that_do_not_fit(tmp_path, monkeypatch):
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from phantomclip.integrations.trl_async import with_async_shadow_ratio
+
+    with pytest.raises(IntegrationError, match="ratio must be one of shadow, trainer, decoupled, got 'fp32'"):
+        with_async_shadow_ratio(AsyncGRPOTrainer, ratio="fp32")
+    monkeypatch.setattr(checks, "available_memory", lambda device: 10_000)
+    # fixed-count planner, max_staleness 2: 4 versions kept, in the trainer's float32 for ratio "trainer"
+    with pytest.raises(IntegrationError, match=r"the async copies need .* GiB \(4 copies of .* GiB in float32: "
+                                               r"staleness bound 3 = max_staleness 2 \+ prefetch, plus one\)"):
+        setup.make_trainer(str(tmp_path / "t"), cls=with_async_shadow_ratio(AsyncGRPOTrainer, ratio="trainer"))
+    trainer, _ = setup.make_trainer(str(tmp_path / "d"), cls=with_async_shadow_ratio(AsyncGRPOTrainer,
+                                                                                   ratio="decoupled"))
+    assert trainer._pc_async.fix == "decoupled" and trainer._pc_async.wanted == set()  # no copies to keep

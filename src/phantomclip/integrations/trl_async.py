@@ -204,7 +204,8 @@ class _Hooks:
             tokens.shadow_now_row, scored["engine_now"], tokens.shadow_old = self._store("engine").score_tokens(
                 kwargs, token_index, versions, self.latest)
         if "trainer" in self.wanted:
-            _, _, tokens.trainer_old = self._store("trainer").score_tokens(kwargs, token_index, versions, self.latest)
+            _, _, tokens.trainer_old = self._store("trainer").score_tokens(kwargs, token_index, versions, self.latest,
+                                                                           need_now=False)
         if need == "prox":
             tokens.logp_prox = score_as_trl(model, kwargs).flatten()[token_index]  # [M] π_prox: θ_t, no grad
         return scored

@@ -194,17 +194,19 @@ def available_memory(device: torch.device) -> int:
 
 
 def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str]) -> None:
-    """The copies of every kind in `kinds` ("engine": the engine's dtype, "trainer": the parameters' dtype) fit in
-    the device's free memory, else one line with the need and what is available."""
-    kept, _ = shadow_memory(trainer, engine_dtype)
+    """The copies of every kind in `kinds` fit in the device's free memory, else one line with the need and what is
+    available: "engine" (the engine's dtype: one per version a trained token may have, plus the current weights when
+    they move between syncs) and "trainer" (the parameters' dtype, one per version: the loss's own forward is the
+    current side)."""
+    args = trainer.args
+    kept = {"engine": shadow_memory(trainer, engine_dtype)[0], "trainer": kept_versions(args)}
     dtypes = {"engine": parse_dtype(engine_dtype), "trainer": next(sharded_root(trainer.model).parameters()).dtype}
-    need = {kind: copy_bytes(trainer, dtypes[kind]) for kind in sorted(kinds)}
-    total = kept * sum(need.values())
+    need = {kind: (kept[kind], copy_bytes(trainer, dtypes[kind])) for kind in sorted(kinds)}
+    total = sum(n * b for n, b in need.values())
     free = available_memory(trainer.accelerator.device)
     if total > free:
-        args = trainer.args
-        parts = ", ".join(f"{kept} copies of {b / 2**30:.2f} GiB in {str(dtypes[k]).removeprefix('torch.')}"
-                          for k, b in need.items())
+        parts = ", ".join(f"{n} copies of {b / 2**30:.2f} GiB in {str(dtypes[k]).removeprefix('torch.')}"
+                          for k, (n, b) in need.items())
         raise IntegrationError(
             f"the async copies need {total / 2**30:.2f} GiB ({parts}: staleness bound {staleness_bound(args)} = "
             f"max_staleness {args.max_staleness} + prefetch, plus one) but {free / 2**30:.2f} GiB is available on "

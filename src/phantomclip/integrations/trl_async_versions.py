@@ -134,15 +134,16 @@ class VersionCopies:
             self.current_step = step
         return self.current
 
-    def score_tokens(self, kwargs: dict, token_index: torch.Tensor, versions: torch.Tensor, latest: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def score_tokens(self, kwargs: dict, token_index: torch.Tensor, versions: torch.Tensor, latest: int,
+                     need_now: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(now_row [1, N], now [M], old [M]): the row scored at the current weights, each token's log-prob at the
         current weights and at its sample's version (NaN where that version has no copy: named once, in a
-        warning). One forward per version present, none twice."""
-        current = self.now(latest)
-        now_row = self.score(current, kwargs)  # [1, N]
-        now = now_row.flatten()[token_index]  # [M]
-        old = torch.full_like(now, math.nan)  # [M]
+        warning). One forward per version present, none twice; without `need_now` (the trainer ratio, whose
+        current side is the loss's own forward) the current weights are not scored: now_row and now are None."""
+        current = self.now(latest) if need_now else None
+        now_row = self.score(current, kwargs) if need_now else None  # [1, N]
+        now = now_row.flatten()[token_index] if need_now else None  # [M]
+        old = torch.full(token_index.shape, math.nan, device=token_index.device)  # [M]
         for v in versions.unique().tolist():
             at = versions == v
             copy = self.versions.get(v)

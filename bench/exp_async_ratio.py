@@ -11,7 +11,8 @@ completion length of every group sampled (learning). Paired by seed: the same se
 the first step, the same completions in every arm.
 
 Run: nice -n 15 python bench/exp_async_ratio.py [--out results/trl-async-ratio] [--steps 14] [--seeds 3]
-(rerun to continue: each finished run is one JSON file, written atomically; a killed run restarts from its start);
+(rerun to continue: each finished run is one JSON file, written atomically; a killed run restarts from its start;
+each run is its own process: a trainer's memory, about 6 GB here with its copies, is returned when it ends);
 --summary only reads what is there and prints the comparison.
 """
 
@@ -22,6 +23,7 @@ import copy
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -167,27 +169,31 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--summary", action="store_true", help="only summarise the runs already there")
+    ap.add_argument("--one", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import torch
-
     from phantomclip.files import atomic_write
 
-    torch.set_num_threads(1)
     out = Path(args.out)
+    if args.one:
+        import torch
+
+        torch.set_num_threads(1)
+        arm, seed = args.one[0], int(args.one[1])
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        result = {**run_one(arm, seed, args.steps), "commit": os.environ.get("EXP_COMMIT", "?"), "started": started,
+                  "cpu": cpu_kind(), "loadavg_end": os.getloadavg()}
+        path = out / arm / f"seed-{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1)))
+        print(f"{arm} seed {seed}: final length {result['final_length']:.1f}, {result['wall_s']:.0f} s", flush=True)
+        return
     if not args.summary:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         for seed in range(args.seeds):  # seed-major: every arm of a seed before the next seed (pairs complete early)
             for arm in args.arms.split(","):
-                path = out / arm / f"seed-{seed}.json"
-                if path.exists():
-                    continue
-                started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-                result = {**run_one(arm, seed, args.steps), "commit": commit, "started": started,
-                          "cpu": cpu_kind(), "loadavg_end": os.getloadavg()}
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(path, lambda tmp, r=result: Path(tmp).write_text(json.dumps(r, indent=1)))
-                print(f"{arm} seed {seed}: final length {result['final_length']:.1f}, {result['wall_s']:.0f} s",
-                      flush=True)
+                if not (out / arm / f"seed-{seed}.json").exists():
+                    subprocess.run([sys.executable, __file__, "--one", arm, str(seed), "--out", str(out), "--steps",
+                                    str(args.steps)], check=True, env={**os.environ, "EXP_COMMIT": commit})
     s = summary(out, args.seeds)
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(s, indent=1)))
     print(json.dumps(s["mean"], indent=1), json.dumps(s["paired_vs_shadow"], indent=1))

@@ -162,6 +162,29 @@ def summary(out: Path, seeds: int) -> dict:
     return result
 
 
+def _ci(x: dict, scale: float = 1.0, digits: int = 1) -> str:
+    if x["n"] < 2:
+        return f"{scale * x['mean']:.{digits}f}"
+    return f"{scale * x['mean']:.{digits}f} [{scale * x['low']:.{digits}f}, {scale * x['high']:.{digits}f}]"
+
+
+def markdown(s: dict) -> str:
+    """The comparison as the tables docs/results.md holds: means over seeds with 95% t intervals, and each arm's
+    paired difference from "shadow"."""
+    m, d = s["mean"], s["paired_vs_shadow"]
+    lines = [f"Seeds {s['seeds']}; clip decisions on {sum(v['tokens'] for v in s['per_seed'].values()):.0f} tokens.",
+             "", "| ratio | clip decisions ≠ the fp32 policy-move clip, % of tokens | − shadow's, points | "
+             "final length (tokens) | − shadow's |", "|---|---:|---:|---:|---:|"]
+    for a in ARMS:
+        dis, fin = m[f"disagree_{a}"], m[f"final_length_{a}"]
+        lines.append(f"| {a} | {_ci(dis, 100, 2)} | {'—' if a == 'shadow' else _ci(d[f'disagree_{a}'], 100, 2)} | "
+                     f"{_ci(fin)} | {'—' if a == 'shadow' else _ci(d[f'final_length_{a}'])} |")
+    lines += ["", f"Reference clip rate {_ci(m['reference_clip_rate'], 100, 2)}%; on stale tokens mean |α_fp32| "
+              f"{_ci(m['alpha32_abs_mean'], 1, 4)}, mean |α_bf16 − α_fp32| {_ci(m['alpha_err_abs_mean'], 1, 4)}, "
+              f"correlation of the two bf16 roundings {_ci(m['rounding_corr'], 1, 2)}."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/trl-async-ratio")
@@ -196,7 +219,7 @@ def main() -> None:
                                     str(args.steps)], check=True, env={**os.environ, "EXP_COMMIT": commit})
     s = summary(out, args.seeds)
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(s, indent=1)))
-    print(json.dumps(s["mean"], indent=1), json.dumps(s["paired_vs_shadow"], indent=1))
+    print(markdown(s))
 
 
 if __name__ == "__main__":

@@ -76,13 +76,13 @@ def test_token_budget_planner_reaches_its_bound(tmp_path, ga, bound):
     sample closes the micro-batch before its own), max_staleness 2, ratio "trainer": at gradient accumulation 1 a
     sample is trained up to 2 + 2 versions after its sample's, at 2 up to 2 + 1; reached, never passed, every token
     with its copy in both dtypes, every step trained."""
-    trainer, seen, rows, losses = _run(tmp_path, f"budget{ga}", "trainer", 8, groups_per_fill=4, token_budget=40,
+    trainer, seen, rows, losses = _run(tmp_path, f"budget{ga}", "trainer", 6, groups_per_fill=4, token_budget=40,
                                        gradient_accumulation_steps=ga)
     assert staleness_bound(trainer.args) == bound
     assert max(s for batch in seen for s in batch) == bound
-    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert all(r["precision/no_shadow_total"] == 0 for r in rows)
-    assert sum(r["precision/staleness_share_over"] > 0 for r in rows) >= 2
+    assert any(r["precision/staleness_share_over"] > 0 for r in rows)
 
 
 def test_versions_are_carried_per_sample():

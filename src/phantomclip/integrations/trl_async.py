@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import IntegrationError
 from ..loss import clip_range
 from ..numerics import dtype_name
-from .trl import check_engine_args, check_monitor_args, trainer_precision
+from .trl import check_engine_args, check_monitor_args, find_trainer, trainer_precision
 from .trl_async_checks import (
     async_trainer_class,
     check_async_internals,
@@ -246,19 +246,6 @@ except ImportError:  # pragma: no cover
     _Callback = object
 
 
-def _trainer_being_built():
-    """The Trainer whose __init__ is calling the callbacks' on_init_end (callbacks get no trainer)."""
-    import inspect
-
-    from transformers import Trainer
-
-    for frame in inspect.stack()[1:]:
-        obj = frame.frame.f_locals.get("self")
-        if isinstance(obj, Trainer):
-            return obj
-    return None
-
-
 def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: bool = True) -> _Hooks:
     """The trainer's hooks, installed on first use after TRL's internals are checked; the copies of `kinds` (with
     those already kept) are checked to fit first. Nothing is replaced when a check refuses."""
@@ -310,7 +297,7 @@ class AsyncPrecisionMonitor(_Callback):
             self._eps = clip_range(self.epsilon, self.epsilon_high)
 
     def on_init_end(self, args, state, control, **kwargs):
-        trainer = _trainer_being_built()
+        trainer = find_trainer()  # the Trainer whose __init__ calls this (callbacks are not handed it)
         if trainer is None:
             return
         if self.trainer is None:

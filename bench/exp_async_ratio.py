@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,8 @@ DECISIONS = ("trl", "shadow", "trainer", "decoupled")
 """whose clip decision is held against the reference on every token: TRL's exp(α + β), exp(α_bf16), exp(α_fp32)
 (the reference itself: a check), decoupled PPO's exp(logp − π_prox) = 1 (never fires with one step per sample)."""
 FINAL_GROUPS = 4
-"""final length: the mean completion length of the last FINAL_GROUPS groups sampled (the last two fills)."""
+"""final length: the mean completion length of the last FINAL_GROUPS groups sampled (the last two fills); beside it
+the mean length over every group the run sampled (the whole run, no window chosen)."""
 EPS = 0.2
 
 
@@ -149,16 +151,17 @@ def summary(out: Path, seeds: int) -> dict:
                        "reference_clip_rate": sum(x["reference_clips"] for x in c) / n, "tokens": n,
                        "alpha32_abs_mean": sum(x["alpha32_abs_sum"] for x in c) / stale,
                        "alpha_err_abs_mean": sum(x["alpha_err_abs_sum"] for x in c) / stale, "rounding_corr": corr,
-                       **{f"final_length_{a}": runs[(a, s)]["final_length"] for a in ARMS}}
+                       **{f"final_length_{a}": runs[(a, s)]["final_length"] for a in ARMS},
+                       **{f"run_length_{a}": statistics.fmean(g["length"] for g in runs[(a, s)]["lengths"])
+                          for a in ARMS}}
     figures = sorted({k for v in per_seed.values() for k in v})
     result = {"seeds": done, "per_seed": per_seed,
               "mean": {k: t_interval([per_seed[s][k] for s in done]) for k in figures},
               "paired_vs_shadow": {
                   **{f"disagree_{d}": t_interval([per_seed[s][f"disagree_{d}"] - per_seed[s]["disagree_shadow"]
                                                    for s in done]) for d in DECISIONS if d != "shadow"},
-                  **{f"final_length_{a}": t_interval([per_seed[s][f"final_length_{a}"] -
-                                                      per_seed[s]["final_length_shadow"] for s in done])
-                     for a in ARMS if a != "shadow"}}}
+                  **{f"{k}_{a}": t_interval([per_seed[s][f"{k}_{a}"] - per_seed[s][f"{k}_shadow"] for s in done])
+                     for k in ("final_length", "run_length") for a in ARMS if a != "shadow"}}}
     return result
 
 
@@ -174,11 +177,13 @@ def markdown(s: dict) -> str:
     m, d = s["mean"], s["paired_vs_shadow"]
     lines = [f"Seeds {s['seeds']}; clip decisions on {sum(v['tokens'] for v in s['per_seed'].values()):.0f} tokens.",
              "", "| ratio | clip decisions ≠ the fp32 policy-move clip, % of tokens | − shadow's, points | "
-             "final length (tokens) | − shadow's |", "|---|---:|---:|---:|---:|"]
+             "final length (tokens) | − shadow's | mean length over the run | − shadow's |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for a in ARMS:
-        dis, fin = m[f"disagree_{a}"], m[f"final_length_{a}"]
-        lines.append(f"| {a} | {_ci(dis, 100, 2)} | {'—' if a == 'shadow' else _ci(d[f'disagree_{a}'], 100, 2)} | "
-                     f"{_ci(fin)} | {'—' if a == 'shadow' else _ci(d[f'final_length_{a}'])} |")
+        cells = [_ci(m[f"disagree_{a}"], 100, 2), "—" if a == "shadow" else _ci(d[f"disagree_{a}"], 100, 2)]
+        for k in ("final_length", "run_length"):
+            cells += [_ci(m[f"{k}_{a}"]), "—" if a == "shadow" else _ci(d[f"{k}_{a}"])]
+        lines.append(f"| {a} | {' | '.join(cells)} |")
     lines += ["", f"Reference clip rate {_ci(m['reference_clip_rate'], 100, 2)}%; on stale tokens mean |α_fp32| "
               f"{_ci(m['alpha32_abs_mean'], 1, 4)}, mean |α_bf16 − α_fp32| {_ci(m['alpha_err_abs_mean'], 1, 4)}, "
               f"correlation of the two bf16 roundings {_ci(m['rounding_corr'], 1, 2)}."]

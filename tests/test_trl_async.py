@@ -182,13 +182,15 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
         assert torch.equal(scored, rec.logp_shadow_old) == equal, v
 
 
-def test_shadow_ratio_leaves_staleness_zero_ratios_at_one(tmp_path):
+@pytest.mark.parametrize("ratio", ["shadow", None])
+def test_shadow_ratio_leaves_staleness_zero_ratios_at_one(tmp_path, ratio):
     """With the fix, a batch trained at its sampling version has α = 0 exactly: TRL's logged ratio is 1 and no
-    clip fires, whatever β is (the trainer's first step)."""
+    clip fires, whatever β is (the trainer's first step). None: the default ratio ("decoupled": its clip is on
+    π_θ/π_prox, 1 at every step)."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    trainer, _ = setup.make_trainer(str(tmp_path / "z"), cls=with_async_shadow_ratio(AsyncGRPOTrainer), steps=1,
-                                    epsilon=0.001)
+    cls = with_async_shadow_ratio(AsyncGRPOTrainer, **({"ratio": ratio} if ratio else {}))
+    trainer, _ = setup.make_trainer(str(tmp_path / "z"), cls=cls, steps=1, epsilon=0.001)
     trainer.train()
     row = next(h for h in trainer.state.log_history if "ratio" in h)
     assert row["ratio"] == 1.0 and row["clip_ratio/region_mean"] == 0.0 and row["kl"] == 0.0

@@ -96,6 +96,10 @@ EPSILON_FIELDS = {"GRPOConfig": ("epsilon", "epsilon_high"), "AsyncGRPOConfig": 
 CAP_FIELDS = {"GRPOConfig": "vllm_importance_sampling_clip_max",
               "verl": "algorithm.rollout_correction.rollout_is_threshold"}
 """the correction's cap C as each config names it (TRL grpo_config.py; verl algorithm/rollout_correction.yaml)."""
+WHY_OUT_OF_CLIP = {name: "decoupled PPO: β in a capped weight"
+                   for name in ("trl-async", "GRPOConfig", "AsyncGRPOConfig")}
+"""how the SHADOW change takes β out of the clip where it is not the α-alone clip (integrations.trl_async's
+DEFAULT_RATIO)."""
 SHADOW = {"trl-async": "with_async_shadow_ratio(AsyncGRPOTrainer)", "phantomclip": "train --intervention shadow-ratio",
           "GRPOConfig": "with_async_shadow_ratio(AsyncGRPOTrainer)", "AsyncGRPOConfig":
           "with_async_shadow_ratio(AsyncGRPOTrainer)"}
@@ -344,7 +348,8 @@ def changes(result: dict, framework: str, word: str, stand_in: str | None = None
     kept = sorted((ch for ch, g in tested if g["p"] < SIGNIFICANCE / len(tested)), key=lambda ch: ch.share)
     shadow = SHADOW.get(exp.setup.name or config) if exp.where == IN_CLIP else None
     if shadow:
-        kept.append(Change(shadow, "β leaves the clip (it clips on α alone), by construction"))
+        how = WHY_OUT_OF_CLIP.get(exp.setup.name or config, "it clips on α alone")
+        kept.append(Change(shadow, f"β leaves the clip ({how}), by construction"))
     return kept
 
 

@@ -110,9 +110,10 @@ HOST_SIDE = {
     ("recorded.py", "phantom_shares"): "recorded advantages broadcast on the host, where the figures are computed",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
     ("decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the CPU only",
-    ("integrations/trl_async.py", "_snapshot"): "the weight version as a host number before it is broadcast",
-    ("integrations/trl_async.py", "__call__"): "the samples' versions added to the collated batch on the host, as "
-                                               "TRL's collator builds it (moved with the batch)",
+    ("integrations/trl_async_versions.py", "current_version"): "the weight version as a host number before it is "
+                                                               "broadcast",
+    ("integrations/trl_async_versions.py", "__call__"): "the samples' versions added to the collated batch on the "
+                                                        "host, as TRL's collator builds it (moved with the batch)",
 }
 """allocations without a device, each on the host by design; anything else on a job's path must name its device."""
 

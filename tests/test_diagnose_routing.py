@@ -118,7 +118,7 @@ def test_the_route_split_of_identical_routes_is_zero_with_a_scorer_whose_two_for
     # the trainer's routes as the engine's, valid where the engine routed (the last column never is: nothing was
     # decoded after it)
     as_engine = [replace(o, valid=e.valid) for o, e in zip(own, sampled.routes)]
-    table = diagnose.route_phase(cfg, prep, replace(sampled, routes=as_engine), scored, ref)
+    table, _ = diagnose.route_phase(cfg, prep, replace(sampled, routes=as_engine), scored, ref)  # (figures, β_rest)
     assert table["fp32"]["tokens"] > 0
     assert table["fp32"]["route_touched_share"] == 0.0
     assert table["fp32"]["beta_route"]["abs_mean"] == 0.0

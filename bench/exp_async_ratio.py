@@ -31,6 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_trl_async_monitor import cpu_kind  # noqa: E402  (the same CPU line as the cost bench)
 
 ARMS = ("trl", "shadow", "trainer", "decoupled")
 DECISIONS = ("trl", "shadow", "trainer", "decoupled")
@@ -40,14 +42,6 @@ FINAL_GROUPS = 4
 """final length: the mean completion length of the last FINAL_GROUPS groups sampled (the last two fills); beside it
 the mean length over every group the run sampled (the whole run, no window chosen)."""
 EPS = 0.2
-
-
-def cpu_kind() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    kind = "avx512_bf16" if "avx512_bf16" in flags else ("avx2" if "avx2" in flags else "?")
-    return f"{os.cpu_count()}-core {model} ({kind}{', amx' if 'amx_bf16' in flags else ''})"
 
 
 def token_counts(rec, eps: float = EPS) -> dict[str, float]:

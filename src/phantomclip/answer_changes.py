@@ -96,15 +96,12 @@ EPSILON_FIELDS = {"GRPOConfig": ("epsilon", "epsilon_high"), "AsyncGRPOConfig": 
 CAP_FIELDS = {"GRPOConfig": "vllm_importance_sampling_clip_max",
               "verl": "algorithm.rollout_correction.rollout_is_threshold"}
 """the correction's cap C as each config names it (TRL grpo_config.py; verl algorithm/rollout_correction.yaml)."""
-WHY_OUT_OF_CLIP = {name: "decoupled PPO: β in a capped weight"
-                   for name in ("trl-async", "GRPOConfig", "AsyncGRPOConfig")}
-"""how the SHADOW change takes β out of the clip where it is not the α-alone clip (integrations.trl_async's
-DEFAULT_RATIO)."""
-SHADOW = {"trl-async": "with_async_shadow_ratio(AsyncGRPOTrainer)", "phantomclip": "train --intervention shadow-ratio",
-          "GRPOConfig": "with_async_shadow_ratio(AsyncGRPOTrainer)", "AsyncGRPOConfig":
-          "with_async_shadow_ratio(AsyncGRPOTrainer)"}
-"""where the clip can be taken on α alone (the shadow ratio; phantomclip.integrations.trl_async, docs/trl.md), by
-setup, or by config for an unnamed setup (judged as a clip on the engine's log-probs: TRL's asynchronous trainer)."""
+_ASYNC_FIX = ("with_async_shadow_ratio(AsyncGRPOTrainer)", "decoupled PPO: β in a capped weight")
+SHADOW = {"trl-async": _ASYNC_FIX, "GRPOConfig": _ASYNC_FIX, "AsyncGRPOConfig": _ASYNC_FIX,
+          "phantomclip": ("train --intervention shadow-ratio", "it clips on α alone")}
+"""where β can be taken out of the clip, by setup, or by config for an unnamed setup (judged as a clip on the
+engine's log-probs: TRL's asynchronous trainer): (the change, how it does it). TRL's async fix with its default ratio
+(integrations.trl_async.DEFAULT_RATIO, docs/trl.md); phantomclip's shadow ratio."""
 CORRECTION_ON = {"trl-grpo": "vllm_importance_sampling_correction: true",
                  "verl-decoupled": "algorithm.rollout_correction.rollout_is=token", "slime": "--use-tis",
                  "nemo-rl": "loss_fn.use_importance_sampling_correction=true"}
@@ -348,8 +345,8 @@ def changes(result: dict, framework: str, word: str, stand_in: str | None = None
     kept = sorted((ch for ch, g in tested if g["p"] < SIGNIFICANCE / len(tested)), key=lambda ch: ch.share)
     shadow = SHADOW.get(exp.setup.name or config) if exp.where == IN_CLIP else None
     if shadow:
-        how = WHY_OUT_OF_CLIP.get(exp.setup.name or config, "it clips on α alone")
-        kept.append(Change(shadow, f"β leaves the clip ({how}), by construction"))
+        change, how = shadow
+        kept.append(Change(change, f"β leaves the clip ({how}), by construction"))
     return kept
 
 

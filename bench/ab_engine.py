@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from phantomclip.engine import LocalEngine, SamplingParams
-from phantomclip.models import load_model
+from phantomclip.engines.local import LocalEngine, SamplingParams
+from phantomclip.models.load import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds after one warm-up (>= 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
-    if not (args.before / "phantomclip" / "engine.py").exists() or args.rounds < 2:
-        print(f"ab_engine: {args.before} holds no phantomclip/engine.py, or --rounds < 2", file=sys.stderr)
+    if not (args.before / "phantomclip" / "engines/local.py").exists() or args.rounds < 2:
+        print(f"ab_engine: {args.before} holds no phantomclip/engines/local.py, or --rounds < 2", file=sys.stderr)
         raise SystemExit(2)
     torch.set_num_threads(args.threads)
     old = import_before(args.before)

@@ -23,9 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from phantomclip import decode
-from phantomclip.engine import LocalEngine
-from phantomclip.models import load_model
+from phantomclip.engines import decode
+from phantomclip.engines.local import LocalEngine
+from phantomclip.models.load import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]

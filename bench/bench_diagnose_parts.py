@@ -32,9 +32,9 @@ def median_seconds(fn, repeats: int = 5) -> float:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from conftest import cpu_kind
-    from phantomclip.diagnose import DiagnoseConfig, figures, measure
-    from phantomclip.frameworks import framework_figures
-    from phantomclip.knobs import knob_figures
+    from phantomclip.diagnose.job import DiagnoseConfig, figures, measure
+    from phantomclip.diagnose.knobs import knob_figures
+    from phantomclip.maths.frameworks import framework_figures
 
     cfg = DiagnoseConfig()
     cfg.validate()

@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from phantomclip.engine import LocalEngine, SamplingParams, _Sampler
-from phantomclip.models import load_model
-from phantomclip.recipes import kernel_name
+from phantomclip.engines.local import LocalEngine, SamplingParams, _Sampler
+from phantomclip.models.load import load_model
+from phantomclip.precision.recipes import kernel_name
 
 PROMPT_LEN, NEW = 24, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -183,7 +183,7 @@ def step_parts(engine: LocalEngine, batch: list[list[int]], repeats: int = 7) ->
     LocalEngine runs), both on the engine's own Linears."""
     from transformers import DynamicCache
 
-    from phantomclip.decode import StaticDecoder
+    from phantomclip.engines.decode import StaticDecoder
 
     model, n = engine.model, len(batch)
     ids = torch.tensor(batch)  # [n, 24]

@@ -30,11 +30,11 @@ import time
 
 import torch
 
-from phantomclip.engine import LocalEngine, SamplingParams
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts, encode_within
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.scoring import score
+from phantomclip.engines.local import LocalEngine, SamplingParams
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts, encode_within
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.precision.scoring import score
 
 RECIPES = ("bf16", "bf16+fp8-w8a8", "bf16+fp8-w8a8+fp8-kv", "bf16+fp8-w8a16")
 B, T, PROMPTS, TOKENS = 4, 128, 4, 8

@@ -1,9 +1,9 @@
 """The same `phantomclip diagnose` under both low-precision matmul kernels, on one machine: what the CPU kind changes.
 
 `--matmul auto` picks PyTorch's native bf16 kernels (oneDNN) on CPUs with AVX-512-BF16 or AMX, and the emulated ones
-(bf16 operands, fp32 accumulation; recipes.py) on AVX2-only CPUs. On a native-capable CPU both can run, so this script
-runs the default diagnose (bundled model, bf16 engine, 64 x 48 tokens, every trainer recipe) once per kernel and
-prints, side by side: the engine's sampling speed, and per recipe the mean |β| with its split into β_kernel (the
+(bf16 operands, fp32 accumulation; precision/recipes.py) on AVX2-only CPUs. On a native-capable CPU both can run, so
+this script runs the default diagnose (bundled model, bf16 engine, 64 x 48 tokens, every trainer recipe) once per kernel
+and prints, side by side: the engine's sampling speed, and per recipe the mean |β| with its split into β_kernel (the
 engine's decode path against a prefill of the same weights in the same kernels) and β_precision.
 
 Different kernels sample different tokens (the same seed, other rounding), so the two runs score different
@@ -23,8 +23,8 @@ torch.set_num_threads(2)
 
 
 def main() -> None:
-    from phantomclip.diagnose import DiagnoseConfig, run_diagnose
-    from phantomclip.recipes import cpu_description
+    from phantomclip.diagnose.job import DiagnoseConfig, run_diagnose
+    from phantomclip.precision.recipes import cpu_description
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=64)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from phantomclip import decode
-from phantomclip.models import load_model
-from phantomclip.recipes import apply_recipe, engine_recipe
+from phantomclip.engines import decode
+from phantomclip.models.load import load_model
+from phantomclip.precision.recipes import apply_recipe, engine_recipe
 
 
 def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

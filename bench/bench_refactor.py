@@ -39,7 +39,7 @@ PRELUDE = """
 import json, statistics, time, torch
 torch.manual_seed(0)
 torch.set_num_threads(min(2, torch.get_num_threads()))
-from phantomclip.models import load_model
+from phantomclip.models.load import load_model
 master = load_model("smollm2-135m", progress=lambda *a, **k: None).model.float().eval()
 def median_rate(call, units, repeats):
     call()  # warm-up: kernels chosen, weights packed
@@ -50,8 +50,8 @@ def median_rate(call, units, repeats):
 """
 
 ENGINE = PRELUDE + """
-from phantomclip.engine import LocalEngine, SamplingParams
-from phantomclip.recipes import engine_recipe
+from phantomclip.engines.local import LocalEngine, SamplingParams
+from phantomclip.precision.recipes import engine_recipe
 engine = LocalEngine(master, recipe=engine_recipe({dtype}), matmul="auto")
 g = torch.Generator().manual_seed(1)
 prompts = torch.randint(100, 49000, (16, 24), generator=g).tolist()
@@ -61,8 +61,8 @@ print(json.dumps({{"figure": rate, "unit": "tokens/s"}}))
 """
 
 SCORING = PRELUDE + """
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.scoring import score
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.precision.scoring import score
 recipe = get_recipe("bf16")
 model = apply_recipe(master, recipe, matmul="auto")
 g = torch.Generator().manual_seed(0)
@@ -89,7 +89,7 @@ def _snippet(code: str, src: Path, tmp: Path) -> tuple[float, str]:
 
 def _train(src: Path, tmp: Path) -> tuple[float, str]:
     run = tmp / f"run-{time.monotonic_ns()}"
-    subprocess.run([sys.executable, "-m", "phantomclip.cli", *TRAIN_FLAGS, "--out", str(run)], env=_env(src),
+    subprocess.run([sys.executable, "-m", "phantomclip.cli.main", *TRAIN_FLAGS, "--out", str(run)], env=_env(src),
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["time/step_s"] for r in rows if r["step"] >= 2]
@@ -99,7 +99,7 @@ def _train(src: Path, tmp: Path) -> tuple[float, str]:
 
 def _diagnose(src: Path, tmp: Path) -> tuple[float, str]:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "phantomclip.cli", *DIAGNOSE_FLAGS, "--json", str(tmp / "d.json")],
+    subprocess.run([sys.executable, "-m", "phantomclip.cli.main", *DIAGNOSE_FLAGS, "--json", str(tmp / "d.json")],
                    env=_env(src), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return 1 / (time.perf_counter() - t0), ""
 

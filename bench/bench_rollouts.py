@@ -36,7 +36,7 @@ RECIPES = "fp32,bf16"
 
 def diagnose(args: list[str], out: Path) -> dict:
     """One `phantomclip diagnose` in a fresh process, its JSON."""
-    cmd = [sys.executable, "-m", "phantomclip.cli", "diagnose", "--trainer", RECIPES, "--no-batch-invariance",
+    cmd = [sys.executable, "-m", "phantomclip.cli.main", "diagnose", "--trainer", RECIPES, "--no-batch-invariance",
            "--json", str(out), *args]
     subprocess.run(cmd, check=True, capture_output=True, env={"PYTHONPATH": str(ROOT / "src"), **_env()})
     return json.loads(out.read_text())
@@ -74,9 +74,9 @@ def speed(rounds: int, n: int, load: Load, tmp: Path) -> dict[str, list[float]]:
 
 MEMORY_CHILD = """
 import json, resource, sys, time
-from phantomclip.diagnose_config import DiagnoseConfig
-from phantomclip.models import load_model
-from phantomclip.recorded import read_sampled
+from phantomclip.diagnose.config import DiagnoseConfig
+from phantomclip.models.load import load_model
+from phantomclip.diagnose.recorded import read_sampled
 lm = load_model("tiny-random:0")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()

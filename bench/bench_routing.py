@@ -1,4 +1,4 @@
-"""Routing on the tiny MoE (models.load_tiny_moe, routing.py).
+"""Routing on the tiny MoE (models.load_tiny_moe, routing/routes.py).
 
 --scales: how the router's weight scale shapes routing (models.TINY_MOE_ROUTER_STD was chosen from this): per
 router std, the top-k margin (k-th minus (k+1)-th logit), the mixing weight of the first expert, the expert load's
@@ -32,9 +32,10 @@ import torch
 
 
 def scales(stds: list[float], seed: int = 0) -> None:
-    from phantomclip import models, routing
-    from phantomclip.recipes import apply_recipe, get_recipe
-    from phantomclip.scoring import score
+    from phantomclip.models import load as models
+    from phantomclip.precision.recipes import apply_recipe, get_recipe
+    from phantomclip.precision.scoring import score
+    from phantomclip.routing import routes as routing
 
     ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))  # [8, 64] random bytes
     att = torch.ones_like(ids)
@@ -65,8 +66,8 @@ def scales(stds: list[float], seed: int = 0) -> None:
 
 
 def overhead(rounds: int) -> None:
-    from phantomclip.diagnose import run_diagnose
-    from phantomclip.diagnose_config import DiagnoseConfig
+    from phantomclip.diagnose.config import DiagnoseConfig
+    from phantomclip.diagnose.job import run_diagnose
 
     def once(routes: bool) -> float:
         cfg = DiagnoseConfig(model="tiny-moe:0", n=16, max_tokens=32, batch_size=8, routing=routes)
@@ -74,7 +75,7 @@ def overhead(rounds: int) -> None:
         run_diagnose(cfg)
         return time.perf_counter() - t0
 
-    from phantomclip import diagnose
+    from phantomclip.diagnose import job as diagnose
 
     phase = []  # wall time of the replayed forward and the route table, inside the runs with routing on
     real_phase = diagnose.route_phase
@@ -109,12 +110,13 @@ def _load() -> str:
 
 
 def parts(rounds: int) -> None:
-    from phantomclip import routing, routing_train
-    from phantomclip.engine import LocalEngine, SamplingParams
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts, encode_prompts
-    from phantomclip.recipes import get_recipe
-    from phantomclip.scoring import TrainerForward
+    from phantomclip.engines.local import LocalEngine, SamplingParams
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts, encode_prompts
+    from phantomclip.precision.recipes import get_recipe
+    from phantomclip.precision.scoring import TrainerForward
+    from phantomclip.routing import routes as routing
+    from phantomclip.routing import train as routing_train
 
     lm = load_model("tiny-moe:0")
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:1]) * 8  # train's defaults: 1 prompt, group 8
@@ -162,8 +164,9 @@ def parts(rounds: int) -> None:
 def train_cost(rounds: int, steps: int) -> None:
     from dataclasses import replace
 
-    from phantomclip import routing_train, trainer
-    from phantomclip.train_config import TrainConfig
+    from phantomclip.routing import train as routing_train
+    from phantomclip.training import trainer
+    from phantomclip.training.config import TrainConfig
 
     real = trainer.routed_step
 

@@ -35,10 +35,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from phantomclip.models import load_model
-from phantomclip.numerics import dtype_name
-from phantomclip.recipes import RECIPES, apply_recipe, decoder_body, kernel_name, lm_head
-from phantomclip.scoring import logprobs_from_logits, naive_logprobs, score
+from phantomclip.base.numerics import dtype_name
+from phantomclip.models.load import load_model
+from phantomclip.precision.recipes import RECIPES, apply_recipe, decoder_body, kernel_name, lm_head
+from phantomclip.precision.scoring import logprobs_from_logits, naive_logprobs, score
 
 B, T, FLOP_PER_TOKEN = 8, 256, 269e6
 

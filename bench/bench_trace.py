@@ -23,7 +23,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             out = Path(d) / "trace.json"
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "phantomclip.cli", "trace", "--json", str(out)], check=True,
+            subprocess.run([sys.executable, "-m", "phantomclip.cli.main", "trace", "--json", str(out)], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             walls.append(time.perf_counter() - t0)
             result = json.loads(out.read_text())

@@ -24,7 +24,7 @@ if __name__ == "__main__":  # vLLM starts worker processes that re-import this f
     from bench_trainer import our_rows
 
     from conftest import cpu_kind
-    from phantomclip.prompts import bundled_prompts
+    from phantomclip.models.prompts import bundled_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)

@@ -33,7 +33,7 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     lm = load_model("smollm2-135m")
     from trl_clock import StepClock
@@ -62,10 +62,10 @@ def trl_steps(prompts: list[str], group: int, steps: int) -> tuple[list[float], 
 def our_rows(prompts: list[str], group: int, steps: int, staleness: int, **engine: str) -> list[dict]:
     """Our trainer's metric rows for `steps` timed steps (a warm-up step first, left out); `engine`: TrainConfig's
     engine and engine_dtype (default: the local bf16 engine)."""
-    import phantomclip.models
-    from phantomclip.trainer import TrainConfig, train
+    import phantomclip.models.load
+    from phantomclip.training.trainer import TrainConfig, train
 
-    phantomclip.models.stop_token_ids = lambda lm: ()  # no stop token: every completion is MAX_TOKENS long
+    phantomclip.models.load.stop_token_ids = lambda lm: ()  # no stop token: every completion is MAX_TOKENS long
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "prompts.txt"
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--large-steps", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    from phantomclip.prompts import bundled_prompts
+    from phantomclip.models.prompts import bundled_prompts
 
     pool = bundled_prompts()
     for label, prompts, steps, repeats in (("1 prompt x 8", pool[:1], args.steps, args.repeats),
@@ -121,7 +121,7 @@ def main() -> None:
                   f"| {rate[n] / rate[names[0]]:.2f}x |")
         print(f"the split's forward (time/shadow_old_s) as a share of our step, staleness 1 (median): "
               f"{100 * statistics.median(overhead):.0f}%")
-    from phantomclip.recipes import native_low_precision_cpu
+    from phantomclip.precision.recipes import native_low_precision_cpu
 
     kind = "AVX-512-BF16/AMX (native bf16)" if native_low_precision_cpu() else "AVX2 only (emulated bf16)"
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, CPU: {kind}")

@@ -79,11 +79,11 @@ def build(config: str, steps: int, max_tokens: int, out: str):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from phantomclip.engine import LocalEngine
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
-    from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts
+    from phantomclip.engines.local import LocalEngine
+    from phantomclip.integrations.trl_async.cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor, with_async_shadow_ratio
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts
 
     use_cpu_stand_ins()
     lm = load_model("smollm2-135m")
@@ -148,7 +148,7 @@ def memory_table() -> list[dict]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     bundled = AutoConfig.from_pretrained(load_model("smollm2-135m").path)
     llama8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

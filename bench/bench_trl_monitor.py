@@ -103,8 +103,8 @@ def one_run(monitored: bool, steps: int, out_dir: str, timers: Timers) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from phantomclip.integrations.trl import PrecisionMonitor
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts
 
     class Clock(TrainerCallback):
         def __init__(self):

@@ -16,9 +16,9 @@ import os
 import time
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import this file
-    from phantomclip.compare import CompareConfig, compare_engines
+    from phantomclip.engines.compare import CompareConfig, compare_engines
     from phantomclip.engines.vllm import ENV_DEFAULTS
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)

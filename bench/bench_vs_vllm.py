@@ -47,7 +47,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 def child(kind: str, dtype_name: str, rows: list[int]) -> None:
     """A worker: load the engine, warm it up at every row count, say READY, then one generate per line read
     (a row count) and one JSON line back: tokens, wall and process CPU seconds."""
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     lm = load_model("smollm2-135m", progress=lambda *a: None)
     dtype = DTYPES[dtype_name]
@@ -56,7 +56,7 @@ def child(kind: str, dtype_name: str, rows: list[int]) -> None:
 
         engine = VLLMEngine.for_model(lm, dtype, max_model_len=256)
     else:
-        from phantomclip.engine import LocalEngine
+        from phantomclip.engines.local import LocalEngine
 
         engine = LocalEngine(lm.model, dtype)
     batches = {n: prompts(n) for n in rows}

@@ -49,7 +49,7 @@ def token_counts(rec, eps: float = EPS) -> dict[str, float]:
     disagreements with it, and sums for the bf16 α's error and its two roundings' correlation (stale tokens)."""
     import torch
 
-    from phantomclip.metrics import phantom_clip_mask
+    from phantomclip.maths.metrics import phantom_clip_mask
 
     ok = torch.ones_like(rec.logp, dtype=torch.bool)  # [M]
     for x in (rec.logp, rec.logp_engine, rec.logp_shadow, rec.logp_shadow_old, rec.logp_trainer_old):
@@ -75,11 +75,11 @@ def build(arm: str, seed: int, steps: int, out_dir: str, lengths: list):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from phantomclip.engine import LocalEngine
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
-    from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts
+    from phantomclip.engines.local import LocalEngine
+    from phantomclip.integrations.trl_async.cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor, with_async_shadow_ratio
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts
 
     use_cpu_stand_ins()
     lm = load_model("smollm2-135m")
@@ -130,7 +130,7 @@ def summary(out: Path, seeds: int) -> dict:
     """Per seed: each decision's disagreement share with the reference (pooled over the seed's four runs: the
     same tokens judged by every decision) and each arm's final length; then paired differences against "shadow"
     (today's default), as 95% t intervals over seeds (metrics.t_interval)."""
-    from phantomclip.metrics import t_interval
+    from phantomclip.maths.metrics import t_interval
 
     runs = {(r["arm"], r["seed"]): r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*/seed-*.json")))}
     done = sorted({s for (_, s) in runs if all((a, s) in runs for a in ARMS)})[:seeds]
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--summary", action="store_true", help="only summarise the runs already there")
     ap.add_argument("--one", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from phantomclip.files import atomic_write
+    from phantomclip.base.files import atomic_write
 
     out = Path(args.out)
     if args.one:

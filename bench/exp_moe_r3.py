@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from phantomclip.experiments import Matrix, run_experiment
-from phantomclip.train_config import TrainConfig
+from phantomclip.training.config import TrainConfig
+from phantomclip.training.experiments import Matrix, run_experiment
 
 ARMS = ("none", "r3", "shadow-ratio")
 

@@ -14,9 +14,9 @@ Prints one line per figure; docs/results.md records them with the machine, the d
 
 import torch
 
-from phantomclip import fp8
-from phantomclip.models import load_model
-from phantomclip.recipes import lm_head
+from phantomclip.models.load import load_model
+from phantomclip.precision import fp8
+from phantomclip.precision.recipes import lm_head
 
 
 def main() -> None:

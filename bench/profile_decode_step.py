@@ -20,8 +20,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from phantomclip.engine import LocalEngine, SamplingParams, _Sampler
-from phantomclip.models import load_model
+from phantomclip.engines.local import LocalEngine, SamplingParams, _Sampler
+from phantomclip.models.load import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -24,7 +24,7 @@ def run(shadow: bool, steps: int, dropout: float, bias_correction: bool, out: st
     from trl import GRPOConfig, GRPOTrainer
 
     from phantomclip.integrations.trl import with_shadow_ratio
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     torch.manual_seed(0)
     lm = load_model("tiny-random:30")

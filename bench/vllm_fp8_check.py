@@ -43,10 +43,10 @@ N_SEQ, TOKENS = 16, 32
 
 def sequences():
     """(token ids [N_SEQ lists], prompt lengths): bundled prompts + 32 tokens of the local bf16 engine."""
-    from phantomclip.engine import LocalEngine, SamplingParams
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts, encode_prompts
-    from phantomclip.recipes import get_recipe
+    from phantomclip.engines.local import LocalEngine, SamplingParams
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts, encode_prompts
+    from phantomclip.precision.recipes import get_recipe
 
     lm = load_model("smollm2-135m")
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:N_SEQ])
@@ -62,7 +62,7 @@ def child(name: str, args: dict, seqs: list[list[int]], out: str) -> None:
     import torch
     import vllm
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     lm = load_model("smollm2-135m")
     res: dict = {"case": name, "args": args, "vllm": vllm.__version__}
@@ -109,7 +109,7 @@ def _weights_match(model, weights) -> dict:
     weights (q/k/v and gate/up concatenated along the output rows, as vLLM merges them)."""
     import torch
 
-    from phantomclip.fp8 import LINEAR_QUANTS, quantise_weight
+    from phantomclip.precision.fp8 import LINEAR_QUANTS, quantise_weight
 
     spec = LINEAR_QUANTS["fp8-w8a8-channel"]
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -129,9 +129,9 @@ def emulated(seqs, prompt_lens, recipe_names):
     """Completion-token log-probs of each local recipe's scorer (fp64 lists, one per sequence)."""
     import torch
 
-    from phantomclip.models import load_model
-    from phantomclip.recipes import apply_recipe, get_recipe
-    from phantomclip.scoring import score
+    from phantomclip.models.load import load_model
+    from phantomclip.precision.recipes import apply_recipe, get_recipe
+    from phantomclip.precision.scoring import score
 
     lm = load_model("smollm2-135m")
     out = {}

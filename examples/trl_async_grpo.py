@@ -27,12 +27,12 @@ import time
 import torch
 from datasets import Dataset
 
-from phantomclip.engine import LocalEngine
+from phantomclip.engines.local import LocalEngine
 from phantomclip.integrations.trl_async import DEFAULT_RATIO, AsyncPrecisionMonitor, with_async_shadow_ratio
-from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
-from phantomclip.integrations.trl_async_ratio import RATIOS
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts
+from phantomclip.integrations.trl_async.cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
+from phantomclip.integrations.trl_async.ratio import RATIOS
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402

@@ -29,8 +29,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from phantomclip.engines.vllm import set_env_defaults
 from phantomclip.integrations.trl import PrecisionMonitor, sync_vllm_by_reload, with_shadow_ratio
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts
 
 VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024,
             vllm_importance_sampling_correction=True)

@@ -40,7 +40,7 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 from phantomclip.integrations.trl import PrecisionMonitor
-from phantomclip.models import load_model
+from phantomclip.models.load import load_model
 
 lm = load_model(sys.argv[2])
 args = GRPOConfig(output_dir=f"{sys.argv[1]}/trl", per_device_train_batch_size=8, num_generations=8,

@@ -28,7 +28,7 @@ stash)  # device call 1: keep part 1 and the wheels; install the wheels; a tiny 
   mkdir -p /tmp/stash /tmp/site /tmp/bin && cp .gpu/a/* /tmp/stash/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/stash/*.whl
   printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python
-  printf '#!/bin/sh\nexec python3 -m phantomclip.cli "$@"\n' > /tmp/bin/phantomclip && chmod +x /tmp/bin/*
+  printf '#!/bin/sh\nexec python3 -m phantomclip.cli.main "$@"\n' > /tmp/bin/phantomclip && chmod +x /tmp/bin/*
   export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src PHANTOMCLIP_CACHE=/tmp/pc
   python3 -c "import gguf, trl, torch; print('gguf', gguf.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
   timeout 120 phantomclip diagnose --device cuda --model tiny-random:0 --n 8 --max-tokens 8 --trainer fp32,bf16 \

@@ -36,7 +36,7 @@ FP8_DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converge
                  "mismatch/beta_abs_mean", "mismatch/beta_quant_abs_mean", "clip/rate", "clip/phantom_rate",
                  "time/step_s")
 """the FP8 section draws length and phantom-clip rate per step; the rest are the keys every metrics row must hold
-(run_checks.METRIC_KEYS) and β_quant, the FP8 engine's own part of β."""
+(runs.checks.METRIC_KEYS) and β_quant, the FP8 engine's own part of β."""
 MOE_DEMO_KEYS = ("step", "reward/mean", "completion/length_mean", "task/converged", "mismatch/tokens",
                  "mismatch/beta_abs_mean", "clip/rate", "clip/phantom_rate", "route/flip_rate",
                  "route/beta_route_abs_mean", "time/step_s")
@@ -45,8 +45,8 @@ the copies."""
 
 
 def _finished(run: Path) -> bool:
-    from phantomclip.runs import RunDir
-    from phantomclip.trainer import run_finished
+    from phantomclip.runs.rundir import RunDir
+    from phantomclip.training.trainer import run_finished
 
     cfg = json.loads((run / "config.json").read_text())
     rows = RunDir(run).metrics()
@@ -64,12 +64,12 @@ def main() -> None:
     args = ap.parse_args()
     DEMO.mkdir(parents=True, exist_ok=True)
     if not args.skip_measure:
-        cli = [sys.executable, "-m", "phantomclip.cli"]
+        cli = [sys.executable, "-m", "phantomclip.cli.main"]
         # --drift 3: the article's "Your framework" panel shows the drift block too (about 4 more decodes of 16)
         subprocess.run([*cli, "diagnose", "--n", "16", "--max-tokens", "32", "--drift", "3",
                         "--json", str(DEMO / "diagnose.json")], check=True)
         if args.vllm_python:
-            subprocess.run([args.vllm_python, "-m", "phantomclip.cli", "diagnose", "--engine", "vllm", "--n", "16",
+            subprocess.run([args.vllm_python, "-m", "phantomclip.cli.main", "diagnose", "--engine", "vllm", "--n", "16",
                             "--max-tokens", "32", "--json", str(DEMO / "diagnose-vllm.json")], check=True)
         subprocess.run([*cli, "diagnose", "--model", "tiny-moe:0", "--n", "8", "--max-tokens", "16", "--trainer",
                         "fp32,bf16", "--json", str(DEMO / "diagnose-moe.json")], check=True)
@@ -95,10 +95,10 @@ def copy_experiment(src: Path, name: str, keys: tuple[str, ...], keep_tokens: bo
     `keep_tokens` the baseline's first seed also keeps tokens.jsonl), its experiment.json (which tells the report
     whose runs they are: an FP8 experiment's 'none' is not the sanity experiment's) and a summary of exactly those
     runs (an experiment still running is summarised as far as it got; its current run is left out)."""
-    from phantomclip.experiments import Matrix, run_dir, summarize, summarize_run, write_summary
-    from phantomclip.files import json_safe
-    from phantomclip.runs import RunDir
-    from phantomclip.trainer import TrainConfig
+    from phantomclip.base.files import json_safe
+    from phantomclip.runs.rundir import RunDir
+    from phantomclip.training.experiments import Matrix, run_dir, summarize, summarize_run, write_summary
+    from phantomclip.training.trainer import TrainConfig
 
     manifest = json.loads((src / "experiment.json").read_text())
     dst = DEMO / name

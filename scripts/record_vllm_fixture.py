@@ -7,11 +7,11 @@ with the user-facing recorder (phantomclip.integrations.recorders.record_vllm), 
 
 import sys
 
-from phantomclip.engine import SamplingParams
+from phantomclip.engines.local import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, set_env_defaults
 from phantomclip.integrations.recorders import record_vllm
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts, encode_prompts
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts, encode_prompts
 
 
 def main(path: str) -> None:

@@ -17,14 +17,14 @@ AVX2, so a test that left it to 'auto' would check only one of them on any one m
 @pytest.fixture(scope="session")
 def tiny():
     """A 2-layer random Llama with the byte tokenizer (init std 0.3: peaked enough to show a gap)."""
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     return load_model("tiny-random:0")
 
 
 @pytest.fixture(scope="session")
 def tiny_prompts(tiny):
-    from phantomclip.prompts import bundled_prompts, encode_prompts
+    from phantomclip.models.prompts import bundled_prompts, encode_prompts
 
     return encode_prompts(tiny.tokenizer, bundled_prompts()[:6])
 
@@ -104,7 +104,7 @@ def bad_cli(args: list[str], capsys, after_progress: bool = False) -> str:
 
     `after_progress`: errors found only once work has started (an engine refusing the model) may follow
     progress lines; the error must still be one line, the last."""
-    from phantomclip.cli import main
+    from phantomclip.cli.main import main
 
     try:
         code = main(args)

@@ -53,14 +53,14 @@ def rows(batch: dict, lo: int, hi: int, trainer) -> dict:
 def make_trainer(out_dir: str, **config):
     """A GRPOTrainer on tiny-moe (its tokenizer is the tiny one trl_ranks_worker uses)."""
     import trl_ranks_worker
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     return trl_ranks_worker.make_trainer(out_dir, model=load_model(MODEL).model, **config)
 
 
 def recording_flips(store: list):
     """routing.flat_flips, keeping each result in `store` (the flips a monitor counted on this process)."""
-    from phantomclip import routing
+    from phantomclip.routing import routes as routing
 
     original = routing.flat_flips
 
@@ -75,8 +75,8 @@ def recording_flips(store: list):
 def main(out: str) -> None:
     torch.set_num_threads(1)  # as the one-process reference: the same GEMM blocking, the same routes
     import trl_ranks_worker
-    from phantomclip import routing
     from phantomclip.integrations.trl import PrecisionMonitor
+    from phantomclip.routing import routes as routing
 
     batch = global_batch()
     monitor = PrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import as_written_before_run_ids, bad_cli, over
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 
 TINY = ["--model", "tiny-random"]
 T = ["train", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--checkpoint-every", "1"]
@@ -92,7 +92,7 @@ def _no_model_work(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr("phantomclip.models.check_vocab", loaded)
+    monkeypatch.setattr("phantomclip.models.load.check_vocab", loaded)
 
 
 @pytest.mark.parametrize("argv,fragment", ONE_LINE, ids=[" ".join(a) for a, _ in ONE_LINE])
@@ -111,7 +111,7 @@ def test_prompts_beyond_the_context_are_refused_before_work(tmp_path, capsys, mo
     out = tmp_path / "run"
     assert "exceeds the model's context of 512" in bad_cli([*T, "--prompts", str(long), "--out", str(out)], capsys)
     with monkeypatch.context() as m:  # the 5M-character line is refused without tokenizing it
-        m.setattr("phantomclip.prompts.encode_prompts", lambda *a: pytest.fail("the huge prompt was tokenized"))
+        m.setattr("phantomclip.models.prompts.encode_prompts", lambda *a: pytest.fail("the huge prompt was tokenized"))
         assert "5,000,000 characters" in bad_cli([*T, "--prompts", str(huge), "--out", str(out)], capsys)
     assert not out.exists()
     assert "exceeds the model's context of 512" in bad_cli(
@@ -157,8 +157,8 @@ def test_experiment_refuses_to_file_old_runs_under_new_settings(tmp_path, capsys
 def test_nan_weights_are_counted_skipped_and_stop_the_run(tmp_path, capsys, tiny):
     """A NaN in the weights: every log-prob is non-finite. Each step counts them (mismatch/nonfinite), skips its
     update, and the run stops with one line after NONFINITE_STOP steps; metrics.jsonl stays strict JSON."""
-    from phantomclip.models import tiny_tokenizer
-    from phantomclip.trainer import NONFINITE_STOP
+    from phantomclip.models.load import tiny_tokenizer
+    from phantomclip.training.trainer import NONFINITE_STOP
 
     model_dir = tmp_path / "nan-model"
     with torch.no_grad():
@@ -182,7 +182,7 @@ def test_nan_weights_are_counted_skipped_and_stop_the_run(tmp_path, capsys, tiny
 
 
 def test_diagnose_says_what_happened_when_no_log_prob_is_finite():
-    from phantomclip.verdict_text import verdict
+    from phantomclip.answer.verdict_text import verdict
 
     result = {"engine": {"dtype": "bf16", "nonfinite_logprobs": 96}, "config": {"epsilon": 0.2, "epsilon_high": 0.2},
               "recipes": {"fp32": {"tokens": 0, "nonfinite": 96}}}
@@ -195,7 +195,7 @@ def test_diagnose_says_what_happened_when_no_log_prob_is_finite():
 def test_a_failed_resume_releases_the_lock_and_rewrites_nothing(tmp_path, capsys):
     """A checkpoint without the trainer's state (or with a step past --steps) is refused before any file is
     rewritten, and the refusal releases the directory: the same process can try again and gets the same line."""
-    from phantomclip.runs import jsonl_line
+    from phantomclip.runs.rundir import jsonl_line
 
     out = tmp_path / "run"
     assert main([*T, "--out", str(out)]) == 0
@@ -251,7 +251,7 @@ def test_a_knob_means_the_same_in_every_command(train_flag, diagnose_flag, value
     """One definition per knob (loss.KNOBS): the same out-of-range value is refused by train, experiment and
     diagnose with the same range in the same words (only the flag's name differs where the commands name it so).
     Before, --icepop-low 1 was refused by train and accepted by diagnose, --epsilon-high 1.5 the other way round."""
-    from phantomclip.loss import KNOBS
+    from phantomclip.maths.loss import KNOBS
 
     _no_model_work(monkeypatch)
     lines = [bad_cli(["train", train_flag, value], capsys),
@@ -262,8 +262,8 @@ def test_a_knob_means_the_same_in_every_command(train_flag, diagnose_flag, value
     knob = KNOBS[{"--correction-cap": "cap"}.get(train_flag, train_flag[2:].replace("-", "_"))]
     assert ranges.pop().startswith(f"a finite number {'>' if knob.low_open else '>='} {knob.low:g}"), lines
     # a value at the edge of every range (1 for the caps and IcePop's bounds, a ratio of 1 is never cut) is accepted
-    from phantomclip.diagnose import DiagnoseConfig
-    from phantomclip.trainer import TrainConfig
+    from phantomclip.diagnose.job import DiagnoseConfig
+    from phantomclip.training.trainer import TrainConfig
 
     TrainConfig(correction_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()
     DiagnoseConfig(token_cap=1.0, seq_mask_cap=1.0, icepop_low=1.0, icepop_high=1.0, epsilon_high=1.5).validate()
@@ -589,10 +589,10 @@ def test_trace_run_names_the_damaged_file_and_key(tmp_path, capsys):
 # ------------------------------------------------------------------------ the API's configs, each field
 
 def _configs():
-    from phantomclip.compare import CompareConfig
-    from phantomclip.diagnose_config import DiagnoseConfig
-    from phantomclip.trace import TraceConfig
-    from phantomclip.train_config import TrainConfig
+    from phantomclip.diagnose.config import DiagnoseConfig
+    from phantomclip.engines.compare import CompareConfig
+    from phantomclip.trace.job import TraceConfig
+    from phantomclip.training.config import TrainConfig
 
     return (TrainConfig, DiagnoseConfig, TraceConfig, CompareConfig)
 
@@ -607,7 +607,7 @@ def test_every_config_field_of_a_wrong_type_is_one_line(cls, monkeypatch):
     DiagnoseConfig(trainer=5), TrainConfig(intervention=None), TraceConfig(keep_fp32=None), CompareConfig(dtypes=5))."""
     import dataclasses
 
-    from phantomclip.errors import FIELD_KINDS, PhantomclipError
+    from phantomclip.base.errors import FIELD_KINDS, PhantomclipError
 
     _no_model_work(monkeypatch)
     refused = 0
@@ -642,7 +642,7 @@ def test_seeds_past_the_range_say_which_flag_to_lower(capsys, monkeypatch):
 
 def test_the_whole_run_line_prints_no_nan():
     """A temperature of 1e-30 samples the argmax: no step has any β, and its growth (0 / 0) printed 'x nan'."""
-    from phantomclip.cli import whole_run_line
+    from phantomclip.cli.main import whole_run_line
 
     summary = {"phantom_rate": 0.0, "phantom_rate_last": 0.0, "phantom_share_of_clipped": float("nan"),
                "phantom_adv_share": float("nan"), "beta_abs_mean_start": 0.0, "beta_abs_mean_end": 0.0,
@@ -657,9 +657,9 @@ def test_digits_python_reads_as_digits_but_int_refuses():
     """'²' passes str.isdigit and fails int(): errors.ascii_digits is the one test before int() on part of a key or a
     name (--fail-if's list indices, a snapshot's step), and a snapshot named other than snapshot_path names it (step-2
     beside step-000002) is not read as a second copy of its step."""
-    from phantomclip.errors import ascii_digits
-    from phantomclip.frameworks import _walk
-    from phantomclip.runs import RunDir
+    from phantomclip.base.errors import ascii_digits
+    from phantomclip.maths.frameworks import _walk
+    from phantomclip.runs.rundir import RunDir
 
     assert [ascii_digits(t) for t in ("12", "²", "١", "", "1a", "007")] == [True, False, False, False, False, True]
     summary = {"tokens": {"sequence": [5, 6]}}
@@ -708,7 +708,7 @@ ROW_DAMAGE = {  # name -> (the damaged second row, from the good one; the fragme
 
 @pytest.mark.parametrize("damage", list(ROW_DAMAGE))
 def test_a_damaged_metrics_row_is_one_line_for_every_reader(damage, tmp_path, capsys):
-    """run_checks.check_metrics_rows is every reader's check of metrics.jsonl: resume, an experiment's rerun and
+    """runs.checks.check_metrics_rows is every reader's check of metrics.jsonl: resume, an experiment's rerun and
     report --from each refuse the same damaged row in one line naming the file, the line and the key (a row {} was a
     KeyError, a row of no figures accepted, a string a TypeError)."""
     out = _resumable(tmp_path, capsys)
@@ -722,8 +722,8 @@ def test_a_damaged_metrics_row_is_one_line_for_every_reader(damage, tmp_path, ca
         line = bad_cli(argv, capsys)
         assert f"metrics.jsonl, {fragment}" in line, line
     assert metrics.read_bytes() == before
-    from phantomclip.run_checks import RunFileError
-    from phantomclip.runs import RunDir
+    from phantomclip.runs.checks import RunFileError
+    from phantomclip.runs.rundir import RunDir
 
     with pytest.raises(RunFileError) as e:
         RunDir(out).metrics()  # what an experiment's rerun reads a finished run with

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import bad_cli, over
-from phantomclip.cli import main
-from phantomclip.errors import ConfigError
-from phantomclip.integrations.config_files import EXPANSION_LIMIT
-from phantomclip.integrations.trl_config import diagnose_settings_from_trl
-from phantomclip.integrations.verl import diagnose_settings_from_verl
+from phantomclip.base.errors import ConfigError
+from phantomclip.cli.main import main
+from phantomclip.integrations.configs.load import EXPANSION_LIMIT
+from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
+from phantomclip.integrations.configs.verl import diagnose_settings_from_verl
 
 TINY = ["--model", "tiny-random"]
 
@@ -27,7 +27,7 @@ def _no_model_work(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr("phantomclip.models.check_vocab", loaded)
+    monkeypatch.setattr("phantomclip.models.load.check_vocab", loaded)
 
 
 # ------------------------------------------------------------------------------ 1. YAML aliases without bound
@@ -167,8 +167,8 @@ def test_an_empty_list_of_quantisers_or_interventions_is_refused(capsys, monkeyp
 
 def test_the_async_monitor_refuses_a_negative_staleness(tmp_path):
     import trl_async_setup as setup
-    from phantomclip.errors import IntegrationError
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor
+    from phantomclip.base.errors import IntegrationError
+    from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor
 
     trainer, _ = setup.make_trainer(str(tmp_path / "x"), steps=1)
     for name, value in (("max_staleness", -1), ("weight_sync_steps", 0)):
@@ -357,8 +357,8 @@ def test_rows_copied_from_another_run_are_refused(tmp_path, capsys):
     audit's instance); every row carries its run's id (run/id, from config.json), so the resume is refused naming
     the line and nothing is rewritten. Variants: a copied tokens.jsonl on resume, and the copied metrics read back
     as an experiment reads a finished run, and by the report."""
-    from phantomclip.run_checks import RunFileError
-    from phantomclip.runs import RunDir
+    from phantomclip.runs.checks import RunFileError
+    from phantomclip.runs.rundir import RunDir
 
     own, other = tmp_path / "own", tmp_path / "other"
     assert main([*T, "--out", str(own)]) == 0
@@ -419,7 +419,7 @@ def test_every_key_the_json_and_the_docs_name_is_a_gate_root(tmp_path, capsys, m
     fp8') though the result has it (the audit's instance): one key table, frameworks.DIAGNOSE_KEYS, equal to the
     docs' list and holding every top-level key of real results (with --engine-quant and --drift, which add keys).
     Variant: a key the run's settings leave out (fp8.* without --engine-quant) is refused before any model loads."""
-    from phantomclip.frameworks import DIAGNOSE_KEYS
+    from phantomclip.maths.frameworks import DIAGNOSE_KEYS
 
     assert _documented_gate_roots() == list(DIAGNOSE_KEYS)
     out = tmp_path / "d.json"
@@ -447,7 +447,7 @@ def test_a_recipe_the_model_shape_refuses_is_refused_before_sampling(command, ca
     def sampled(*args, **kwargs):
         raise AssertionError("tokens were sampled before the recipe was refused")
 
-    monkeypatch.setattr("phantomclip.engine.LocalEngine.generate", sampled)
+    monkeypatch.setattr("phantomclip.engines.local.LocalEngine.generate", sampled)
     line = bad_cli([*command[:1], *TINY, *command[1:]], capsys, after_progress=True)
     assert line.endswith("recipe bf16+fp8-block: layer model.layers.0.self_attn.q_proj has weight 64 x 64, not "
                          "divisible by the 128 x 128 block of fp8-block; use fp8-w8a8 or fp8-w8a16 for this model")
@@ -463,7 +463,7 @@ def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkey
     the engine starts, with the floor it needs worked out from the model's shape."""
     import re
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     with monkeypatch.context() as m:
         _no_model_work(m)
@@ -482,7 +482,7 @@ def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkey
     def started(*args, **kwargs):
         raise AssertionError("the engine started for a step that cannot fit")
 
-    monkeypatch.setattr("phantomclip.trainer.start_engine", started)
+    monkeypatch.setattr("phantomclip.training.trainer.start_engine", started)
     line = bad_cli(["train", *TINY, "--group-size", "50000", "--prompts-per-step", "20", "--max-tokens", "400",
                     "--steps", "1"], capsys)
     positions = int(re.search(r"of up to ([0-9,]+) positions", line)[1].replace(",", ""))
@@ -496,7 +496,7 @@ def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkey
 
 INTERRUPT_AT = """
 import builtins, os, signal, sys
-from phantomclip import cli
+from phantomclip.cli import main as cli
 real = builtins.__import__
 def ctrl_c_at(name, *args, **kwargs):  # Ctrl-C the moment the module named argv[1] is first imported
     if name == sys.argv[1]:
@@ -509,7 +509,7 @@ sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-toke
 
 
 @pytest.mark.parametrize("module,said", [("torch", "phantomclip: interrupted"),  # the parsers' first heavy import
-                                         ("diagnose", "phantomclip diagnose: interrupted")])  # the command's
+                                         ("diagnose.job", "phantomclip diagnose: interrupted")])  # the command's
 def test_ctrl_c_while_the_libraries_import_is_one_line_and_130(module, said):
     """Ctrl-C in the first seconds, while torch imports, printed a KeyboardInterrupt traceback (the audit's instance):
     the signal is sent from inside the import itself, so the moment is exact. Variant: during the command's own

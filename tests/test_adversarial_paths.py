@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import bad_cli, over
-from phantomclip.cli import main
-from phantomclip.files import atomic_write_bytes, output_target
-from phantomclip.prompts import PromptError, read_prompts
+from phantomclip.base.files import atomic_write_bytes, output_target
+from phantomclip.cli.main import main
+from phantomclip.models.prompts import PromptError, read_prompts
 
 TINY = ["--model", "tiny-random"]
 ENGINES = ["engines", *TINY, "--n", "2", "--max-tokens", "4", "--repeats", "1", "--engines", "local",
@@ -46,7 +46,7 @@ def _no_model_work(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad path was refused")
 
-    monkeypatch.setattr("phantomclip.models.check_vocab", loaded)
+    monkeypatch.setattr("phantomclip.models.load.check_vocab", loaded)
 
 
 def _kind(path: Path) -> str:
@@ -139,7 +139,7 @@ def test_atomic_write_by_kind_of_target(tmp_path):
     assert got == [b"through the pipe"] and _kind(fifo) == "fifo"
     assert output_target(fifo) == (fifo, True) and output_target(Path("/dev/stdout"))[1] is True
 
-    from phantomclip.errors import WriteError
+    from phantomclip.base.errors import WriteError
 
     with pytest.raises(WriteError, match="is a directory"):
         atomic_write_bytes(tmp_path, b"x")
@@ -183,7 +183,7 @@ def test_json_through_symlink_fifo_and_regular_file(tmp_path, capsys):
 def test_json_to_dev_stdout_and_a_full_stdout(tmp_path):
     """In a real process: `--json /dev/stdout > file` keeps the table and the JSON (the file is written through
     the shell's descriptor, not replaced); `> /dev/full` is one line on stderr, exit 2, no 'Exception ignored'."""
-    cmd = [sys.executable, "-m", "phantomclip.cli", *ENGINES]
+    cmd = [sys.executable, "-m", "phantomclip.cli.main", *ENGINES]
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
         done = subprocess.run([*cmd, "--json", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
@@ -240,8 +240,8 @@ def test_train_tokenizes_only_the_prompts_its_steps_draw(tmp_path, capsys, monke
     """train draws its prompts from the seed before it starts (producer.drawn_prompts): only those are tokenized and
     checked against the context, and they are the ones the steps sample; a prompt past the context where no step
     draws is never encoded (every line of a 500,000-line file was)."""
-    import phantomclip.prompts
-    from phantomclip.producer import drawn_prompts
+    import phantomclip.models.prompts
+    from phantomclip.training.producer import drawn_prompts
 
     lines = [f"prompt {i}" for i in range(5000)]
     drawn = [drawn_prompts(0, k, 1, len(lines))[0] for k in range(2)]
@@ -249,8 +249,9 @@ def test_train_tokenizes_only_the_prompts_its_steps_draw(tmp_path, capsys, monke
     lines[far] = "ab " * 700  # past tiny-random's 512 positions
     path, out = tmp_path / "p.txt", tmp_path / "run"
     path.write_text("\n".join(lines) + "\n")
-    encoded, encode = [], phantomclip.prompts.encode_prompts
-    monkeypatch.setattr(phantomclip.prompts, "encode_prompts", lambda tok, ps: encoded.extend(ps) or encode(tok, ps))
+    encoded, encode = [], phantomclip.models.prompts.encode_prompts
+    monkeypatch.setattr(phantomclip.models.prompts, "encode_prompts",
+                        lambda tok, ps: encoded.extend(ps) or encode(tok, ps))
     assert main(["train", *TINY, "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--prompts", str(path),
                  "--out", str(out)]) == 0
     capsys.readouterr()

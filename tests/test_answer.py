@@ -11,8 +11,7 @@ from importlib.resources import files
 import pytest
 import yaml
 
-from phantomclip.answer import LEVELS, OK_SHARE, STALL_SHARE, answer, answer_lines, ranking, status
-from phantomclip.answer_changes import (
+from phantomclip.answer.changes import (
     SIGNIFICANCE,
     WIDEN_AT_MOST,
     bound,
@@ -20,9 +19,10 @@ from phantomclip.answer_changes import (
     changes,
     epsilon_advice,
 )
-from phantomclip.diagnose_text import knob_lines, render_diagnose
-from phantomclip.exposure import exposure, recipe_gain, sign_test
-from phantomclip.verdict_text import verdict
+from phantomclip.answer.decide import LEVELS, OK_SHARE, STALL_SHARE, answer, answer_lines, ranking, status
+from phantomclip.answer.exposure import exposure, recipe_gain, sign_test
+from phantomclip.answer.verdict_text import verdict
+from phantomclip.diagnose.text import knob_lines, render_diagnose
 
 N, LENGTH = 1000, 10
 """tokens of a crafted result, and tokens per sequence (100 sequences)."""

@@ -1,7 +1,8 @@
 """Every field the answer can propose exists in the framework version it names: TRL's in the installed trl 1.16's own
 config classes (GRPOConfig, AsyncGRPOConfig, `trl vllm-serve`'s ScriptArguments), verl's among the keys of verl's
-default trainer config at the commit integrations/verl.py cites (tests/data/verl_b178a3c_keys.txt), and the changes
-the answer writes for a crafted result paste back as the fields they claim (YAML for TRL, overrides for verl)."""
+default trainer config at the commit integrations/configs/verl.py cites (tests/data/verl_b178a3c_keys.txt), and the
+changes the answer writes for a crafted result paste back as the fields they claim (YAML for TRL, overrides for
+verl)."""
 
 import dataclasses
 import warnings
@@ -9,7 +10,7 @@ import warnings
 import pytest
 import yaml
 
-from phantomclip.answer_changes import (
+from phantomclip.answer.changes import (
     CAP_FIELDS,
     CORRECTION_ON,
     EPSILON_FIELDS,
@@ -19,8 +20,8 @@ from phantomclip.answer_changes import (
     _fp8_off_trl,
     as_pasted,
 )
-from phantomclip.integrations.config_files import known_keys
-from phantomclip.recipes import RECIPES
+from phantomclip.integrations.configs.load import known_keys
+from phantomclip.precision.recipes import RECIPES
 
 VERL_KEYS = known_keys("verl")
 
@@ -41,7 +42,7 @@ def trl_fields() -> dict[str, set[str]]:
 
 
 def _proposed() -> dict[str, set[str]]:
-    """Every field, by config class, that any table of answer_changes can put in a change."""
+    """Every field, by config class, that any table of answer.changes can put in a change."""
     out: dict[str, set[str]] = {}
     for config, recipes in RECIPE_SETTINGS.items():
         for fields in recipes.values():
@@ -58,7 +59,7 @@ def _proposed() -> dict[str, set[str]]:
     out.setdefault(config, set()).update(fields)
     out["GRPOConfig"].add(CORRECTION_ON["trl-grpo"].split(":")[0])
     out["verl"].add(CORRECTION_ON["verl-decoupled"].split("=")[0])
-    out["verl"].add("algorithm.rollout_correction.rollout_rs_threshold")  # the IcePop band's (answer_changes)
+    out["verl"].add("algorithm.rollout_correction.rollout_rs_threshold")  # the IcePop band's (answer.changes)
     return out
 
 

@@ -16,8 +16,8 @@ import math
 
 import pytest
 
-from phantomclip.answer import answer
-from phantomclip.diagnose import DiagnoseConfig, run_diagnose
+from phantomclip.answer.decide import answer
+from phantomclip.diagnose.job import DiagnoseConfig, run_diagnose
 
 TINY = dict(model="tiny-random:0", n=16, max_tokens=16, seed=0, batch_invariance=False, framework=["trl"])
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import as_written_before_run_ids, bad_cli, eps, fp32_forward_noise, offline, over
-from phantomclip.answer import LEVELS
-from phantomclip.cli import main
+from phantomclip.answer.decide import LEVELS
+from phantomclip.cli.main import main
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12"]
 
@@ -83,7 +83,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):
 
 
 def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
-    from phantomclip.models import tiny_tokenizer
+    from phantomclip.models.load import tiny_tokenizer
 
     tiny.model.save_pretrained(tmp_path)
     tok = tiny_tokenizer()
@@ -95,7 +95,7 @@ def test_vocab_mismatch_and_offline_hub_id(tmp_path, capsys, monkeypatch, tiny):
 
 
 def test_real_process_bad_input_has_no_traceback():
-    p = subprocess.run([sys.executable, "-m", "phantomclip.cli", "diagnose", "--epsilon", "2"],
+    p = subprocess.run([sys.executable, "-m", "phantomclip.cli.main", "diagnose", "--epsilon", "2"],
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.strip() == "phantomclip diagnose: error: --epsilon must be a finite number > 0 and < 1, got 2.0"
@@ -137,7 +137,7 @@ def test_nonfinite_logprobs_are_counted_not_fatal(tmp_path, capsys, monkeypatch)
     """An fp16 overflow (simulated: inf on the first scored token of each row) is reported, and JSON stays strict."""
     import torch
 
-    import phantomclip.diagnose as diag
+    import phantomclip.diagnose.job as diag
 
     real_score = diag.score
 
@@ -169,15 +169,15 @@ def test_diagnose_flags_are_the_config_fields():
     import argparse
     import dataclasses
 
-    from phantomclip.cli import _diagnose_parser
-    from phantomclip.diagnose import DiagnoseConfig
+    from phantomclip.cli.main import _diagnose_parser
+    from phantomclip.diagnose.job import DiagnoseConfig
 
     sub = argparse.ArgumentParser().add_subparsers()
     _diagnose_parser(sub)
     args = vars(sub.choices["diagnose"].parse_args([]))
     assert args.pop("json") is None and args.pop("from_trl_config") is None and args.pop("fail_if") is None
     assert args.pop("from_verl_config") is None and args.pop("max_tokens") is None
-    assert args.pop("n") is None  # None: 64 when sampling, every record with --rollouts (config_sources)
+    assert args.pop("n") is None  # None: 64 when sampling, every record with --rollouts (cli.sources)
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(DiagnoseConfig)}
     defaults["trainer"] = ",".join(defaults["trainer"])
@@ -225,7 +225,7 @@ def test_a_configs_length_and_the_cost_are_said_before_the_work(tmp_path, capsys
 
 def test_a_run_from_before_a_plan_key_was_added_resumes(tmp_path):
     """The plan gained `routes` (expert routing replay); a run whose config.json lacks it reads it as its default
-    (train_config.ADDED_SINCE_SCHEMA_1, merged one level into the plan) and resumes."""
+    (training.config.ADDED_SINCE_SCHEMA_1, merged one level into the plan) and resumes."""
     out = tmp_path / "run"
     assert main(["train", "--model", "tiny-random:0", "--group-size", "2", "--max-tokens", "4", "--steps", "1",
                  "--out", str(out)]) == 0

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import assert_close_eps, eps, forward_terms, report
-from phantomclip import decode
-from phantomclip.engine import LocalEngine, SamplingParams, left_pad
-from phantomclip.recipes import apply_recipe, engine_recipe, get_recipe
-from phantomclip.scoring import position_ids_from_mask
+from phantomclip.engines import decode
+from phantomclip.engines.local import LocalEngine, SamplingParams, left_pad
+from phantomclip.precision.recipes import apply_recipe, engine_recipe, get_recipe
+from phantomclip.precision.scoring import position_ids_from_mask
 
 PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 8], [300, 2, 64, 64]]
 """Three prompts of other lengths, so that two of them are left-padded (padding slots must be masked out)."""
@@ -179,7 +179,7 @@ def test_packed_emulated_linear_is_the_emulated_kernel_in_another_summation_orde
     most eps(dtype) |out|. Such straddles need the sums within fp32 noise (~1e-6 relative) of a boundary spaced
     eps(dtype) (~1e-2 relative) apart: fewer than 1% of outputs may differ (a forgotten rounding of x or of the
     weight would change most of them). After a sync the packed forward follows the new weight."""
-    from phantomclip.recipes import use_emulated_matmul
+    from phantomclip.precision.recipes import use_emulated_matmul
 
     K, N = 96, 80
     g = torch.Generator().manual_seed(0)

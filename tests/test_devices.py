@@ -15,8 +15,8 @@ import torch
 
 import phantomclip
 from conftest import bad_cli
-from phantomclip.cli import main
-from phantomclip.devices import DeviceError, describe_device, resolve_device
+from phantomclip.base.devices import DeviceError, describe_device, resolve_device
+from phantomclip.cli.main import main
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -42,7 +42,7 @@ def test_a_device_this_machine_lacks_is_one_line_before_any_load(argv, capsys, m
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad --device was refused")
 
-    monkeypatch.setattr("phantomclip.models.check_vocab", loaded)
+    monkeypatch.setattr("phantomclip.models.load.check_vocab", loaded)
     line = bad_cli(argv, capsys)
     assert "--device" in line and ("no CUDA device" in line or "use auto, cpu, cuda or cuda:N" in line), line
 
@@ -92,27 +92,29 @@ PACKAGE = Path(phantomclip.__file__).parent
 ALLOCATORS = {"zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "tensor", "Generator",
               "linspace", "eye"}
 HOST_SIDE = {
-    ("engine.py", "pack"): "token lists -> tensors on the host, moved to the device once at the end",
-    ("engine.py", "left_pad"): "token lists -> tensors on the host; callers move them",
-    ("engine.py", "__init__"): "_Forced: the given tokens built on the host, then moved",
-    ("decode.py", "packs_bit_identically"): "a CPU-only probe of oneDNN's bf16 packing",
-    ("diagnose.py", "score_alone"): "the host copy of the alone-scored log-probs (figures are computed on the host)",
-    ("trainer.py", "_rollout_row"): "completion lengths for the step's row (host figures)",
+    ("engines/local.py", "pack"): "token lists -> tensors on the host, moved to the device once at the end",
+    ("engines/local.py", "left_pad"): "token lists -> tensors on the host; callers move them",
+    ("engines/local.py", "__init__"): "_Forced: the given tokens built on the host, then moved",
+    ("engines/decode.py", "packs_bit_identically"): "a CPU-only probe of oneDNN's bf16 packing",
+    ("diagnose/job.py", "score_alone"): "the host copy of the alone-scored log-probs (figures are computed there)",
+    ("training/trainer.py", "_rollout_row"): "completion lengths for the step's row (host figures)",
     ("engines/drift.py", "*"): "drift compares host token and log-prob lists",
-    ("knobs.py", "*"): "knob advice: host figures",
-    ("numerics.py", "*"): "scalar helpers",
+    ("diagnose/knobs.py", "*"): "knob advice: host figures",
+    ("base/numerics.py", "*"): "scalar helpers",
     ("report/", "*"): "the report reads JSON on the host (every module of report/)",
-    ("answer.py", "*"): "the answer reads a result dict (the JSON's per-token arrays) on the host",
-    ("exposure.py", "*"): "the answer's per-token rules, from a result dict's arrays, on the host",
-    ("routing.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
-    ("routing_depth.py", "*"): "route flips along the depth: host figures from host routes",
-    ("rollout_batches.py", "*"): "rollout records -> tensors on the host, as Rollout.pack builds them",
-    ("recorded.py", "phantom_shares"): "recorded advantages broadcast on the host, where the figures are computed",
+    ("answer/decide.py", "*"): "the answer reads a result dict (the JSON's per-token arrays) on the host",
+    ("answer/exposure.py", "*"): "the answer's per-token rules, from a result dict's arrays, on the host",
+    ("routing/routes.py", "*"): "expert routes live on the host (k small ints per token and layer), compared there",
+    ("routing/depth.py", "*"): "route flips along the depth: host figures from host routes",
+    ("rollouts/batches.py", "*"): "rollout records -> tensors on the host, as Rollout.pack builds them",
+    ("diagnose/recorded.py", "phantom_shares"): "recorded advantages broadcast on the host, where the figures are "
+                                                "computed",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
-    ("decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the CPU only",
-    ("integrations/trl_async_versions.py", "current_version"): "the weight version as a host number before it is "
+    ("engines/decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the "
+                                                    "CPU only",
+    ("integrations/trl_async/versions.py", "current_version"): "the weight version as a host number before it is "
                                                                "broadcast",
-    ("integrations/trl_async_versions.py", "__call__"): "the samples' versions added to the collated batch on the "
+    ("integrations/trl_async/versions.py", "__call__"): "the samples' versions added to the collated batch on the "
                                                         "host, as TRL's collator builds it (moved with the batch)",
 }
 """allocations without a device, each on the host by design; anything else on a job's path must name its device."""

@@ -1,5 +1,6 @@
 """The diagnose job's phases on hand-made records (the whole command runs in tests/test_cli.py and, against the
-recorded numbers, tests/test_golden.py), and the runs.py helpers it takes its JSON rounding and progress bar from."""
+recorded numbers, tests/test_golden.py), and the runs/rundir.py helpers it takes its JSON rounding and progress bar
+from."""
 
 import dataclasses
 import math
@@ -7,8 +8,9 @@ import math
 import pytest
 import torch
 
-from phantomclip.console import progress_bar
-from phantomclip.diagnose import (
+from phantomclip.base.console import progress_bar
+from phantomclip.base.files import rounded
+from phantomclip.diagnose.job import (
     DiagnoseConfig,
     Sampled,
     Scored,
@@ -16,7 +18,6 @@ from phantomclip.diagnose import (
     reference,
     run_diagnose,
 )
-from phantomclip.files import rounded
 
 
 def _sampled(measured, raw, processed):
@@ -54,8 +55,8 @@ def test_reference_rebuilds_the_column_the_engine_did_not_measure():
 
 
 def test_every_config_field_has_a_docstring():
-    """The CLI's help texts are the field docstrings (config_flags.add_config_args)."""
-    from phantomclip.config_flags import field_docs
+    """The CLI's help texts are the field docstrings (cli.flags.add_config_args)."""
+    from phantomclip.cli.flags import field_docs
 
     docs = field_docs(DiagnoseConfig)
     assert [f.name for f in dataclasses.fields(DiagnoseConfig) if not docs.get(f.name)] == []
@@ -67,8 +68,8 @@ def test_epsilon_high_defaults_to_epsilon():
 
 
 def test_library_result_has_figures_and_no_verdict():
-    """run_diagnose returns figures; the words are diagnose_text's (the CLI adds them to the JSON)."""
-    from phantomclip.diagnose_text import with_verdict
+    """run_diagnose returns figures; the words are diagnose.text's (the CLI adds them to the JSON)."""
+    from phantomclip.diagnose.text import with_verdict
 
     d = run_diagnose(DiagnoseConfig(model="tiny-random:0", trainer=["fp32"], n=2, max_tokens=3))
     assert "verdict" not in d and d["recipes"]["fp32"]["tokens"] == d["engine"]["tokens"] > 0
@@ -113,7 +114,7 @@ def test_progress_is_lines_when_the_output_is_piped():
 
     from rich.console import Console
 
-    from phantomclip.console import PIPED_EVERY_S, LineProgress
+    from phantomclip.base.console import PIPED_EVERY_S, LineProgress
 
     out = io.StringIO()
     console = Console(file=out, width=200)
@@ -132,7 +133,7 @@ def test_progress_is_lines_when_the_output_is_piped():
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_sampled_records_what_the_local_engine_measured(mode):
     """The local engine computes both columns, whatever --logprobs-mode says (it is vLLM's setting)."""
-    from phantomclip.diagnose import prepare, sample
+    from phantomclip.diagnose.job import prepare, sample
 
     cfg = DiagnoseConfig(model="tiny-random:0", n=3, max_tokens=4, top_p=0.8, logprobs_mode=mode)
     prep = prepare(cfg, lambda *a, **k: None)

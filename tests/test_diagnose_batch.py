@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import assert_close_eps, bad_cli, forward_terms, fp32_forward_noise, logit_bound
-from phantomclip.cli import main
-from phantomclip.console import progress_bar
-from phantomclip.diagnose import (
+from phantomclip.answer.verdict_text import _batch_verdict
+from phantomclip.base.console import progress_bar
+from phantomclip.cli.main import main
+from phantomclip.diagnose.job import (
     BATCH_INVARIANCE_SEQUENCES,
     SPLIT_KEYS,
     DiagnoseConfig,
@@ -23,9 +24,8 @@ from phantomclip.diagnose import (
     sample,
     score_recipe,
 )
-from phantomclip.diagnose_text import KNOB_LABELS, _bound, knob_lines
-from phantomclip.knobs import KnobSettings, knob_figures
-from phantomclip.verdict_text import _batch_verdict
+from phantomclip.diagnose.knobs import KnobSettings, knob_figures
+from phantomclip.diagnose.text import KNOB_LABELS, _bound, knob_lines
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 QUIET = lambda *a, **k: None  # noqa: E731

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import bad_cli
-from phantomclip.cli import main
-from phantomclip.diagnose import DiagnoseConfig
-from phantomclip.engine import LocalEngine, Rollout, SamplingParams
+from phantomclip.base.errors import ConfigError
+from phantomclip.cli.main import main
+from phantomclip.diagnose.job import DiagnoseConfig
 from phantomclip.engines.drift import first_rows, measure_drift, reading_gap
-from phantomclip.errors import ConfigError
+from phantomclip.engines.local import LocalEngine, Rollout, SamplingParams
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "4", "--max-tokens", "6", "--trainer", "fp32",
         "--no-batch-invariance"]

@@ -6,10 +6,10 @@ import math
 import torch
 
 from conftest import bad_cli
-from phantomclip.diagnose import figures, measure, result_dict
-from phantomclip.diagnose_config import DiagnoseConfig
-from phantomclip.engine import LocalEngine
-from phantomclip.recipes import get_recipe
+from phantomclip.diagnose.config import DiagnoseConfig
+from phantomclip.diagnose.job import figures, measure, result_dict
+from phantomclip.engines.local import LocalEngine
+from phantomclip.precision.recipes import get_recipe
 
 CFG = dict(model="tiny-random:0:0.3", n=6, max_tokens=6, batch_size=3, trainer=["fp32", "bf16"], framework=["trl"],
            batch_invariance=False)
@@ -48,8 +48,8 @@ def test_fp8_engine_split_adds_up_exactly_per_token():
 
 def _reread(engine, packed, cfg, prep):
     """The first batch's completions teacher-forced through `engine`, as [3, T] engine log-probs."""
-    from phantomclip.engine import Rollout
-    from phantomclip.models import stop_token_ids
+    from phantomclip.engines.local import Rollout
+    from phantomclip.models.load import stop_token_ids
 
     P = packed["attention_mask"].shape[1] - packed["completion_mask"].sum(-1).max().item()
     prompts = [ids[a.bool()][: int(a[:P].sum())].tolist() for ids, a in zip(packed["input_ids"],

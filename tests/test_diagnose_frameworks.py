@@ -1,4 +1,4 @@
-"""`diagnose` with every RL framework's own mismatch figures (frameworks.py) and the `--fail-if` CI gate: the JSON
+"""`diagnose` with every RL framework's own mismatch figures (maths/frameworks.py) and the `--fail-if` CI gate: the JSON
 holds each selected framework's figures per recipe, computed from the very tensors the β figures use; the table
 prints the first recipe's; a gate is parsed before any work and judged after the run (exit 0 / 1 / 2)."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import bad_cli, over
-from phantomclip.cli import _check_gates, main
-from phantomclip.diagnose import DiagnoseConfig, figures, measure
-from phantomclip.diagnose_text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
-from phantomclip.frameworks import DIAGNOSE_KEYS, FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
+from phantomclip.cli.main import _check_gates, main
+from phantomclip.diagnose.job import DiagnoseConfig, figures, measure
+from phantomclip.diagnose.text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
+from phantomclip.maths.frameworks import DIAGNOSE_KEYS, FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 
@@ -27,8 +27,8 @@ def _tensors(cfg: DiagnoseConfig):
 
 
 def test_json_holds_every_framework_computed_from_the_beta_tensors(tmp_path, capsys):
-    """Every framework's figures in the JSON are frameworks.py's functions of (logp, logp_engine, completion mask),
-    the same full-vocabulary logp_engine as β. Compared against the unrounded tensors of an in-process run of the
+    """Every framework's figures in the JSON are maths/frameworks.py's functions of (logp, logp_engine, completion
+    mask), the same full-vocabulary logp_engine as β. Compared against the unrounded tensors of an in-process run of the
     same phases with the same config and seeds, which gives bit-identical tensors (the golden test holds whole runs
     to 1e-12), so the only slack is the JSON's float round trip: exact. top-p 0.8 makes the engine's processed
     column differ from the full one, so a wiring to the wrong column (or to the shadow's logp) would show."""
@@ -83,13 +83,13 @@ def test_unknown_or_empty_framework_is_one_line(capsys):
     assert line == ("phantomclip diagnose: error: --framework deepspeed-chat: unknown; choose from trl, verl, nemo-rl, "
                     "slime, skyrl, prime-rl, openrlhf")
     assert "--framework is empty: give one or more of trl, verl" in bad_cli(TINY + ["--framework", ","], capsys)
-    from phantomclip.diagnose import DiagnoseConfig
+    from phantomclip.diagnose.job import DiagnoseConfig
 
     assert DiagnoseConfig(framework="all").framework == list(FRAMEWORKS)  # the default, spelt out
 
 
 def test_malformed_gate_exits_2_before_any_work(tmp_path, capsys, monkeypatch):
-    import phantomclip.diagnose as diag
+    import phantomclip.diagnose.job as diag
 
     def no_work(*a, **k):
         raise AssertionError("diagnose ran despite a malformed --fail-if")

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from phantomclip import cli, routing
-from phantomclip.diagnose import run_diagnose
-from phantomclip.diagnose_config import DiagnoseConfig
-from phantomclip.routing_text import routing_lines
+from phantomclip.cli import main as cli
+from phantomclip.diagnose.config import DiagnoseConfig
+from phantomclip.diagnose.job import run_diagnose
+from phantomclip.routing import routes as routing
+from phantomclip.routing.text import routing_lines
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def test_route_table_keys_and_the_split_agree_with_the_recipes_beta(moe_result):
 
 def test_replayed_forward_makes_the_split_exact_per_token():
     """route_phase's parts, per token: β_route + β_rest == β bit for bit, from the measured tensors."""
-    from phantomclip import diagnose
+    from phantomclip.diagnose import job as diagnose
 
     cfg = DiagnoseConfig(model="tiny-moe:1", n=2, max_tokens=8, trainer=["fp32"], batch_invariance=False)
     prep, sampled, scored, ref = diagnose.measure(cfg)
     assert sampled.routes is not None and scored["fp32"].routes is not None
-    from phantomclip.recipes import apply_recipe, get_recipe
+    from phantomclip.precision.recipes import apply_recipe, get_recipe
 
     model = apply_recipe(prep.lm.model, get_recipe("fp32"), matmul=prep.matmul)
     replayed = routing.replayed_logprobs(model, get_recipe("fp32"), sampled.packed, sampled.routes, 1.0)[0]
@@ -52,7 +53,7 @@ def test_replayed_forward_makes_the_split_exact_per_token():
     # the replaying forward routes exactly as the engine did at every position it routed
     with routing.replay(model, sampled.routes[0], routing.full_layout(m.shape[1])), routing.capture(model) as rec:
         p = sampled.packed[0]
-        from phantomclip.scoring import score
+        from phantomclip.precision.scoring import score
 
         score(model, get_recipe("fp32"), p["input_ids"], p["attention_mask"], p["completion_mask"])
     got = rec.routes(routing.full_layout(m.shape[1]), *p["input_ids"].shape)
@@ -102,7 +103,8 @@ def test_the_route_split_of_identical_routes_is_zero_with_a_scorer_whose_two_for
     read 76.6% on the docs' example."""
     from dataclasses import replace
 
-    from phantomclip import diagnose, scoring
+    from phantomclip.diagnose import job as diagnose
+    from phantomclip.precision import scoring
 
     honest = scoring.logprobs_from_logits
 

@@ -4,8 +4,15 @@ import io
 
 import pytest
 
-from phantomclip.diagnose_text import render_diagnose
-from phantomclip.verdict_text import ANTI_CORRELATED, SAME_GAP_SPREAD, SMALL_GAIN, _advice, _split_verdict, verdict
+from phantomclip.answer.verdict_text import (
+    ANTI_CORRELATED,
+    SAME_GAP_SPREAD,
+    SMALL_GAIN,
+    _advice,
+    _split_verdict,
+    verdict,
+)
+from phantomclip.diagnose.text import render_diagnose
 
 
 def _result(**gaps):
@@ -71,7 +78,7 @@ def test_an_fp8_engines_split_verdict_counts_beta_quant():
 
 @pytest.fixture(scope="module")
 def result():
-    from phantomclip.diagnose import DiagnoseConfig, run_diagnose
+    from phantomclip.diagnose.job import DiagnoseConfig, run_diagnose
 
     return run_diagnose(DiagnoseConfig(model="tiny-random:0", trainer=["fp32", "bf16"], n=3, max_tokens=4))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import phantomclip.cli as cli
+import phantomclip.cli.main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

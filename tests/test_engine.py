@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
-from phantomclip.engine import LocalEngine, Rollout, SamplingParams, sample_next_token
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.scoring import position_ids_from_mask, score
+from phantomclip.engines.local import LocalEngine, Rollout, SamplingParams, sample_next_token
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.precision.scoring import position_ids_from_mask, score
 
 
 def test_sample_next_token_is_seeded_and_returns_exact_logprobs():

@@ -11,8 +11,8 @@ a bias read from the wrong part, a stale layout after a sync)."""
 import pytest
 import torch
 
-from phantomclip import decode
-from phantomclip.engine import LocalEngine, SamplingParams
+from phantomclip.engines import decode
+from phantomclip.engines.local import LocalEngine, SamplingParams
 from test_decode import tiny_family
 
 pytestmark = pytest.mark.skipif(not decode.can_pack(torch.float32),

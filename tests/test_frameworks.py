@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from phantomclip.errors import ConfigError, PhantomclipError
-from phantomclip.frameworks import (
+from phantomclip.base.errors import ConfigError, PhantomclipError
+from phantomclip.maths.frameworks import (
     FRAMEWORKS,
     THRESHOLDS,
     Gate,

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cpu_kind
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 
 GOLDEN = Path(__file__).parent / "golden"
 ARGS = ["diagnose", "--model", "tiny-random:0", "--n", "8", "--max-tokens", "8", "--seed", "0"]

@@ -1,4 +1,4 @@
-"""`phantomclip trace --run DIR` (growth.py): how β grows along a run, from the snapshots `train --keep-snapshots`
+"""`phantomclip trace --run DIR` (trace/growth.py): how β grows along a run, from the snapshots `train --keep-snapshots`
 kept. On tiny-random: a 4-step run with snapshots every 2 gives every figure, and each change of mean |β| splits
 into mix + within + interaction exactly."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import bad_cli
-from phantomclip.cli import main
-from phantomclip.recipes import cpu_description
-from phantomclip.scoring import LOGIT_STATS
+from phantomclip.cli.main import main
+from phantomclip.precision.recipes import cpu_description
+from phantomclip.precision.scoring import LOGIT_STATS
 
 RUN = ["train", "--model", "tiny-random:30", "--steps", "4", "--group-size", "4", "--max-tokens", "8", "--lr", "3e-3",
        "--keep-snapshots", "2"]
@@ -100,9 +100,9 @@ def test_both_sides_of_beta_precision_go_through_one_head_formula(monkeypatch):
     """measure_tokens' β_precision = trainer − shadow: with a scorer whose two head formulas differ by 2^-10 (entropy
     on: log-softmax then gather; off: gather − logsumexp), a bf16 trainer against a bf16 engine reads 0 on every
     token (the same recipe, the same layout of the same weights); the shadow scored without the entropy read 2^-10."""
-    from phantomclip import scoring
-    from phantomclip.growth import measure_tokens
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
+    from phantomclip.precision import scoring
+    from phantomclip.trace.growth import measure_tokens
 
     honest = scoring.logprobs_from_logits
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close_eps
-from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
 trl = pytest.importorskip("trl")
 
@@ -17,14 +17,14 @@ from phantomclip.integrations.trl import (  # noqa: E402
     sync_vllm_by_reload,
     with_shadow_ratio,
 )
-from phantomclip.metrics import phantom_clip_mask  # noqa: E402
+from phantomclip.maths.metrics import phantom_clip_mask  # noqa: E402
 
 
 def _trainer(tmp_path, callbacks=(), cls=None, steps=3, seed=0):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     torch.manual_seed(seed)
     lm = load_model("tiny-random:30")
@@ -53,7 +53,7 @@ def test_monitor_logs_precision_keys_and_changes_nothing(tmp_path):
     assert logged[-1]["precision/beta_abs_mean"] > 0  # fp32 trainer vs bf16 shadow: a real gap
     assert "precision/changed_share_at_sync" in logged[-1]
     # the last logged figures equal diagnose's own metric function on the same tensors (the monitor's last batch)
-    from phantomclip.metrics import mismatch_stats
+    from phantomclip.maths.metrics import mismatch_stats
 
     logp, logp_shadow, mask, adv = monitor.last_tensors
     ref = mismatch_stats(logp, logp_shadow, mask, 0.2, 0.2, advantages=adv.reshape(-1))
@@ -229,8 +229,8 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_trl_config_preflight(tmp_path, capsys):
     from conftest import bad_cli
-    from phantomclip.cli import main
-    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+    from phantomclip.cli.main import main
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
     yaml_path = tmp_path / "grpo.yaml"
     yaml_path.write_text("model_name_or_path: tiny-random:0\ncast_lm_head_to_fp32: true\ntemperature: 0.9\n"
@@ -269,8 +269,8 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
     --knob-length, and --max-tokens only where it was not given."""
     import json
 
-    from phantomclip.cli import main
-    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+    from phantomclip.cli.main import main
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
     assert diagnose_settings_from_trl({})[0]["seq_mask_cap"] == 3.0  # TRL's defaults: sequence_mask, clip_max 3
     token = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.5}
@@ -367,7 +367,7 @@ def test_trl_config_booleans_read_as_trl_reads_them(tmp_path, value, trainer):
     """A quoted boolean is read with transformers' string_to_bool spelling rules, as TRL's YAML loader does:
     `fp16: "false"` is False (it used to select the fp16 recipe: bool("false") is True). fp16 true is fp16
     autocast over TRL's fp32 weights."""
-    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
     path = tmp_path / "grpo.yaml"
     path.write_text(f"fp16: {value}\n")  # YAML: quoted strings and plain booleans
@@ -375,8 +375,8 @@ def test_trl_config_booleans_read_as_trl_reads_them(tmp_path, value, trainer):
 
 
 def test_trl_config_wrong_types_are_one_line(tmp_path):
-    from phantomclip.errors import ConfigError
-    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+    from phantomclip.base.errors import ConfigError
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
     for config, fragment in ((b"x", "got bytes"), (42, "got int"), ({"fp16": 2}, "fp16 is 2, not a boolean"),
                              ({"bf16": "maybe"}, "bf16 is 'maybe', not a boolean")):
@@ -387,7 +387,7 @@ def test_trl_config_wrong_types_are_one_line(tmp_path):
 def test_trl_config_fp8_keys_map_to_engine_quantisers():
     """vLLM's quantization='fp8' (vllm_kwargs) -> fp8-w8a8, kv_cache_dtype='fp8' (vllm_kwargs or vllm-serve's field)
     -> fp8-kv; 'auto' and absent -> nothing; an unknown scheme is a note, not a quantiser."""
-    from phantomclip.integrations.trl_config import diagnose_settings_from_trl
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
 
     s, _ = diagnose_settings_from_trl({"vllm_kwargs": {"quantization": "fp8", "kv_cache_dtype": "fp8"}})
     assert s["engine_quant"] == "fp8-w8a8,fp8-kv"

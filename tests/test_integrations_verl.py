@@ -7,9 +7,9 @@ import json
 import pytest
 
 from conftest import bad_cli
-from phantomclip.cli import main
-from phantomclip.errors import ConfigError
-from phantomclip.integrations.verl import diagnose_settings_from_verl
+from phantomclip.base.errors import ConfigError
+from phantomclip.cli.main import main
+from phantomclip.integrations.configs.verl import diagnose_settings_from_verl
 
 VERL_YAML = """\
 actor_rollout_ref:
@@ -152,7 +152,7 @@ def test_cli_reads_the_verl_config_and_keeps_an_explicit_max_tokens(tmp_path, ca
 def test_verl_fp8_rollout_maps_to_block_fp8():
     """verl's FP8 rollout is DeepSeek's block scheme (docs/advance/fp8.md): actor_rollout_ref.rollout.quantization
     fp8 -> --engine-quant fp8-block; absent -> none; another scheme is named and not applied."""
-    from phantomclip.integrations.verl import diagnose_settings_from_verl
+    from phantomclip.integrations.configs.verl import diagnose_settings_from_verl
 
     base = {"actor_rollout_ref": {"rollout": {"quantization": "fp8"}}}
     settings, notes = diagnose_settings_from_verl(base)

@@ -9,9 +9,11 @@ from importlib.resources import files
 import pytest
 from rich.console import Console
 
-from phantomclip.compare import CompareConfig
-from phantomclip.diagnose_text import render_diagnose
-from phantomclip.job_text import column_groups, render_engines, render_experiment, render_growth, render_trace
+from phantomclip.diagnose.text import render_diagnose
+from phantomclip.engines.compare import CompareConfig
+from phantomclip.engines.compare_text import render_engines
+from phantomclip.trace.text import render_growth, render_trace
+from phantomclip.training.experiment_text import column_groups, render_experiment
 
 DEMO = files("phantomclip.report").joinpath("demo")
 

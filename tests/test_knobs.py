@@ -1,5 +1,5 @@
-"""knobs.py on tiny made-up β tables, every expected number worked out by hand in the comments; the AR(1) variance
-against a brute-force covariance sum; the keep settings against the shares they promise."""
+"""diagnose/knobs.py on tiny made-up β tables, every expected number worked out by hand in the comments; the AR(1)
+variance against a brute-force covariance sum; the keep settings against the shares they promise."""
 
 import math
 from statistics import NormalDist
@@ -7,7 +7,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from phantomclip.knobs import (
+from phantomclip.diagnose.knobs import (
     EXTRAPOLATE_ABOVE,
     KnobSettings,
     ar1_fit,

@@ -1,21 +1,18 @@
-"""The house plan, enforced: every import between phantomclip modules goes down the layers, none forms a cycle,
-and none reaches for another module's private name.
+"""The house plan, enforced on packages: phantomclip is one package per concept, each package's __init__ docstring
+says what it may import ("May import: a, b."), and every import between packages follows those lines; the lines
+together form no cycle, so they are layers; no module imports another's private name, and no modules form a cycle
+inside a package. docs/architecture.md's map is checked against the tree (tests/test_docs_architecture.py).
 
-Layers, bottom to top (docs: /work/shared/DESIGN.md section 3):
-  leaf      numerics, recipes, models, prompts, metrics, loss, tasks, runs, errors, interventions, frameworks, knobs,
-            files, console, devices
-  core      scoring, engine, engines (engines/__init__, engines/vllm), producer, decode, depth, train_config, routing,
-            diagnose_config
-  jobs      diagnose, trainer, trace, experiments, growth, compare (the `phantomclip engines` command)
-  surfaces  report, integrations, cli, diagnose_text, answer, job_text, config_flags, routing_text
-The package root (phantomclip/__init__.py: version constants) is below them all: anyone may import it, it imports
-nothing of the package.
-
-Within a layer: leaf, core and surface modules may import each other as long as no cycle forms (the engine needs
-scoring's log-softmax, the producer the engine's Rollout, cli dispatches to report and integrations). Jobs are
-independent drivers: a job never imports another job, except experiments -> trainer (an experiment is a matrix
-of training runs) and postmortem -> diagnose (a post-mortem is a diagnose per recorded step). Helpers two jobs need
-belong in the layer below them.
+The plan (docs: /work/shared/DESIGN.md section 3), bottom to top:
+  base                                    errors, files, owned paths, locks, console, devices, numerics
+  precision, maths, models, runs          recipes and scoring; loss, metrics, frameworks' figures; the model and
+                                          prompts; run directories
+  engines -> routing -> rollouts          the engines; expert routes; the rollout record
+  answer                                  the answer, from a result dict alone
+  training, trace, diagnose               the jobs (none imports another)
+  report, integrations, cli               the surfaces
+The package root (phantomclip/__init__.py: version constants, where the old flat paths went) is below them all:
+anyone may import it, it imports nothing of the package.
 
 Imports are read with `ast`, at module level and inside functions alike (the package imports lazily a lot), so
 the check is about the code's dependencies, not about what happens to run first.
@@ -24,6 +21,7 @@ the check is about the code's dependencies, not about what happens to run first.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,23 +30,8 @@ import phantomclip
 PACKAGE = Path(phantomclip.__file__).parent
 ROOT = ""
 """module name of phantomclip/__init__.py (displayed as 'phantomclip')."""
-
-LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("numerics", "recipes", "models", "prompts", "metrics", "loss", "tasks", "runs", "errors", "interventions",
-             "frameworks", "knobs", "files", "owned", "locks", "console", "devices", "fp8", "fp8_vllm", "run_checks",
-             "setups"),
-    "core": ("scoring", "engine", "engines", "producer", "decode", "depth", "train_config", "routing", "routing_train",
-             "routing_depth", "diagnose_config", "diagnose_fp8", "diagnose_records", "rollouts", "rollout_readers",
-             "rollout_batches", "recorded"),
-    "jobs": ("diagnose", "trainer", "trace", "experiments", "compare", "growth", "postmortem"),
-    "surfaces": ("report", "integrations", "cli", "diagnose_text", "answer", "answer_changes", "exposure",
-                 "verdict_text", "job_text", "config_flags", "config_sources", "fp8_text", "routing_text",
-                 "postmortem_text"),
-}
-RANK = {"root": -1, **{layer: i for i, layer in enumerate(LAYERS)}}
-SIDEWAYS_OK = {"leaf", "core", "surfaces"}
-"""layers whose modules may import each other (acyclically); jobs may not."""
-JOB_TO_JOB_OK = {("experiments", "trainer"), ("postmortem", "diagnose")}
+EVERY = "every package"
+"""what the top surface (cli) writes in its May import line."""
 
 
 @dataclass(frozen=True)
@@ -73,16 +56,30 @@ def show(module: str) -> str:
     return module or "phantomclip"
 
 
-def layer_of(module: str) -> str:
-    """The layer of a module: its own entry, else its package's (engines.vllm -> engines -> core)."""
-    if module == ROOT:
-        return "root"
-    parts = module.split(".")
-    for n in range(len(parts), 0, -1):
-        for layer, members in LAYERS.items():
-            if ".".join(parts[:n]) in members:
-                return layer
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+def package_of(module: str) -> str:
+    """The top-level package a module belongs to ('integrations.trl_async.ratio' -> 'integrations'); '' for the
+    root."""
+    return module.split(".")[0]
+
+
+def may_import(init: Path) -> set[str] | None:
+    """The packages a package's __init__ docstring says it may import ("May import: base, precision." -> {'base',
+    'precision'}; "nothing" -> set(); "every package" -> None, meaning any), or an AssertionError naming the file."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    found = re.search(r"^May import: (.+?)\.?$", doc, re.M)
+    assert found, f"{init}: its docstring has no 'May import: ...' line (the house plan, tests/test_layers.py)"
+    line = found[1].strip()
+    if line == EVERY:
+        return None
+    if line.startswith("nothing"):
+        return set()
+    return {name.strip() for name in line.split(",")}
+
+
+def plan() -> dict[str, set[str] | None]:
+    """Every top-level package -> what its __init__ says it may import."""
+    return {p.name: may_import(p / "__init__.py") for p in sorted(PACKAGE.iterdir())
+            if (p / "__init__.py").is_file()}
 
 
 def is_private(name: str) -> bool:
@@ -135,19 +132,20 @@ def import_graph() -> list[Import]:
     return [i for m, p in mods.items() for i in imports_of(m, p, set(mods))]
 
 
-def violations(edges: list[Import]) -> list[str]:
-    """'kind: src -> dst (names)' for every import against the plan, one line per module pair and kind."""
+def violations(edges: list[Import], rules: dict[str, set[str] | None]) -> list[str]:
+    """'kind: src -> dst (names)' for every import against the plan `rules` (package -> what it may import, None for
+    any), one line per module pair and kind: an import between packages that the importer's plan does not name, a
+    private name, a cycle of modules."""
     bad: dict[tuple[str, str, str], set[str]] = {}
 
     def flag(kind: str, e: Import, name: str | None = None) -> None:
         bad.setdefault((kind, e.src, e.dst), set()).add(name or e.name or "module")
 
     for e in edges:
-        src, dst = layer_of(e.src), layer_of(e.dst)
-        if RANK[dst] > RANK[src]:
-            flag("upward import", e)
-        elif src == dst and src not in SIDEWAYS_OK and (e.src, e.dst) not in JOB_TO_JOB_OK:
-            flag("job imports a job", e)
+        src, dst = package_of(e.src), package_of(e.dst)
+        allowed = rules.get(src, set())
+        if dst != ROOT and dst != src and allowed is not None and dst not in allowed:
+            flag(f"{src} may not import {dst}", e)
         if e.name and is_private(e.name):
             flag("private name", e)
     for cycle in cycles(edges):
@@ -157,6 +155,13 @@ def violations(edges: list[Import]) -> list[str]:
                     flag("cycle " + " -> ".join(map(show, cycle)), e)
     return [f"{kind}: {show(s)} -> {show(d)} ({', '.join(sorted(names))})"
             for (kind, s, d), names in sorted(bad.items())]
+
+
+def plan_cycles(rules: dict[str, set[str] | None]) -> list[list[str]]:
+    """Cycles in the plan itself (a package that may import one that may import it back): the plan must be layers."""
+    edges = [Import(src, dst, None, 0) for src, allowed in rules.items()
+             for dst in (set(rules) - {src} if allowed is None else allowed)]
+    return cycles(edges)
 
 
 def cycles(edges: list[Import]) -> list[list[str]]:
@@ -198,34 +203,61 @@ def _path_back(graph: dict[str, set[str]], start: str) -> list[str] | None:
 
 
 def test_every_import_follows_the_house_plan():
-    bad = violations(import_graph())
-    assert not bad, "imports against the layers (tests/test_layers.py docstring):\n" + "\n".join(bad)
+    bad = violations(import_graph(), plan())
+    assert not bad, "imports against the packages' plan (their __init__ docstrings):\n" + "\n".join(bad)
 
 
-def test_every_module_is_in_a_layer():
-    for m in modules():
-        layer_of(m)  # raises naming the module
+def test_the_plan_is_layers():
+    rules = plan()
+    unknown = {p: sorted(allowed - set(rules)) for p, allowed in rules.items() if allowed and allowed - set(rules)}
+    assert not unknown, f"May import lines naming no package: {unknown}"
+    assert rules["base"] == set(), "base is the leaf: it imports nothing of the package"
+    # cli may import every package, so it is left out: the rest must form layers (no package reachable from itself)
+    assert plan_cycles({p: a for p, a in rules.items() if a is not None}) == []
+
+
+def test_every_module_is_in_a_package():
+    flat = [m for m in modules() if m != ROOT and "." not in m and not (PACKAGE / m / "__init__.py").is_file()]
+    assert not flat, f"modules outside any package (the tree is packages by concept): {flat}"
 
 
 def test_the_checker_sees_what_it_should(tmp_path):
-    # A core module importing a job's private helper lazily inside a function, a leaf importing a core module, a job
-    # importing a job, and a two-module cycle: each must be reported, with relative imports resolved from inside a
-    # subpackage.
-    edges = imports_of("engines.vllm", _write(tmp_path, "def f():\n    from ..trace import _x\n"), {"trace"})
-    assert edges == [Import("engines.vllm", "trace", "_x", 2)]
-    edges += [Import("compare", "trace", "run_trace", 1)]
-    edges += [Import("metrics", "scoring", "score", 1), Import("loss", "tasks", None, 1),
-              Import("tasks", "loss", "clip_range", 1), Import("trainer", "", "SCHEMA_VERSION", 1)]
-    assert violations(edges) == [
-        "cycle loss -> tasks -> loss: loss -> tasks (module)",
-        "cycle loss -> tasks -> loss: tasks -> loss (clip_range)",
-        "job imports a job: compare -> trace (run_trace)",
-        "private name: engines.vllm -> trace (_x)",
-        "upward import: engines.vllm -> trace (_x)",
-        "upward import: metrics -> scoring (score)",
+    # An engine module importing trace's private helper lazily inside a function (upward and private), maths
+    # importing precision (beside it, not named in its plan), a job package importing another job package, a
+    # package importing the root (always allowed), and a two-module cycle inside one package: each must be reported,
+    # with relative imports resolved from inside a subpackage.
+    rules = {"base": set(), "precision": {"base"}, "maths": {"base"}, "engines": {"base", "precision"},
+             "trace": {"base", "engines"}, "training": {"base", "engines"}, "cli": None}
+    edges = imports_of("engines.vllm", _write(tmp_path, "def f():\n    from ..trace.job import _x\n"),
+                       {"trace.job"})
+    assert edges == [Import("engines.vllm", "trace.job", "_x", 2)]
+    edges += [Import("training.experiments", "trace.job", "run_trace", 1)]
+    edges += [Import("maths.metrics", "precision.scoring", "score", 1), Import("maths.loss", "maths.tasks", None, 1),
+              Import("maths.tasks", "maths.loss", "clip_range", 1), Import("training.trainer", "", "SCHEMA", 1),
+              Import("engines.local", "precision.recipes", "Recipe", 1), Import("cli.main", "trace.job", "run", 1)]
+    assert violations(edges, rules) == [
+        "cycle maths.loss -> maths.tasks -> maths.loss: maths.loss -> maths.tasks (module)",
+        "cycle maths.loss -> maths.tasks -> maths.loss: maths.tasks -> maths.loss (clip_range)",
+        "engines may not import trace: engines.vllm -> trace.job (_x)",
+        "maths may not import precision: maths.metrics -> precision.scoring (score)",
+        "private name: engines.vllm -> trace.job (_x)",
+        "training may not import trace: training.experiments -> trace.job (run_trace)",
     ]
-    aliased = imports_of("trace", _write(tmp_path, "from . import recipes\nrecipes._final_norm(m)\n"), {"recipes"})
-    assert Import("trace", "recipes", "_final_norm", 2) in aliased
+    aliased = imports_of("trace.job", _write(tmp_path, "from ..precision import recipes\nrecipes._final_norm(m)\n"),
+                         {"precision.recipes"})
+    assert Import("trace.job", "precision.recipes", "_final_norm", 2) in aliased
+    # a plan in which two packages may import each other is not layers
+    assert plan_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b", "a"]]
+
+
+def test_the_plan_reads_the_init_docstrings(tmp_path):
+    init = tmp_path / "__init__.py"
+    init.write_text('"""What it holds.\n\nMay import: base, precision.\n"""\n')
+    assert may_import(init) == {"base", "precision"}
+    init.write_text('"""Leaf.\n\nMay import: nothing (the package root only).\n"""\n')
+    assert may_import(init) == set()
+    init.write_text('"""Top.\n\nMay import: every package.\n"""\n')
+    assert may_import(init) is None
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -244,10 +276,10 @@ MAX_POSITIONAL = 6
 
 SIZE_DEBT: dict[str, int] = {}
 """modules allowed over MAX_MODULE_LINES until they are split, each with a ceiling (none now)."""
-LONG_FUNCTIONS_OK = {("metrics.py", "mismatch_stats"): "one dict literal that lists every diagnose figure in the "
-                                                        "order docs/metrics.md defines them"}
-POSITIONAL_OK = {("job_text.py", "table.add_row"): "a rich table row: one positional cell per column",
-                 ("integrations/trl_async_forward.py", "ChunkedLogProbFunction.apply"):
+LONG_FUNCTIONS_OK = {("maths/metrics.py", "mismatch_stats"): "one dict literal that lists every diagnose figure in "
+                                                              "the order docs/metrics.md defines them"}
+POSITIONAL_OK = {("trace/text.py", "table.add_row"): "a rich table row: one positional cell per column",
+                 ("integrations/trl_async/forward.py", "ChunkedLogProbFunction.apply"):
                      "TRL's autograd Function: torch's Function.apply takes positional arguments only"}
 SAME_NAME_OK = {
     "KNOB_FIELDS": "each command config's own map of its fields onto loss.KNOBS (the same role for each config)",
@@ -311,7 +343,7 @@ def test_one_public_name_means_one_thing():
 
 def test_the_size_checks_see_what_they_should():
     tree = ast.parse("def f():\n" + "    x = 1\n" * 70 + "g(1, 2, 3, 4, 5, 6, 7)\nh(*a, 1, k=2)\nFIGURES = 1\n")
-    found = size_findings({"m.py": tree}, {"m.py": 501, "trainer.py": 1})
+    found = size_findings({"m.py": tree}, {"m.py": 501, "training/trainer.py": 1})
     assert found == ["m.py: 501 lines (limit 500)", "m.py: function f has 71 lines (limit 60)",
                      "m.py:72: g(...) with 7 positional arguments (limit 6: name them)"], found
     other = ast.parse("FIGURES = 2\n")

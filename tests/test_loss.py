@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import assert_close_eps
-from phantomclip.loss import (
+from phantomclip.maths.loss import (
     AGGREGATIONS,
     CORRECTIONS,
     CorrectionParams,

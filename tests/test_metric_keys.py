@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 from phantomclip.integrations.trl import MONITOR_KEYS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

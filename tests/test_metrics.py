@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from phantomclip.metrics import (
+from phantomclip.maths.metrics import (
     ess_share,
     kl_estimators,
     mismatch_stats,
@@ -85,7 +85,7 @@ def test_shift_share_by_hand():
     bucket 1 holds 12, 14, 10 (w = 1/4, 3/4; m = 2, 12; mean 9.5). Change 29/6 = mix (−5/12·2 + 5/12·10 = 10/3)
     + within (2/3·0 + 1/3·2 = 2/3) + interaction (−5/12·0 + 5/12·2 = 5/6). Float64 sums of a few terms of size
     ≤ 10: exact to a few ulps of 10 (1e-14 is ~50 ulps)."""
-    from phantomclip.metrics import shift_share
+    from phantomclip.maths.metrics import shift_share
 
     out = shift_share(torch.tensor([1.0, 3.0, 10.0]), torch.tensor([0, 0, 1]),
                       torch.tensor([2.0, 12.0, 14.0, 10.0]), torch.tensor([0, 1, 1, 1]), n_buckets=3)
@@ -96,7 +96,7 @@ def test_shift_share_by_hand():
 
 
 def test_shift_share_empty_buckets_count_as_mix_and_the_identity_holds_on_random_data():
-    from phantomclip.metrics import shift_share
+    from phantomclip.maths.metrics import shift_share
 
     # bucket 2 is empty in A: B's 6 there takes A's side as its own mean, so it adds w_B·6 = 6/2 to mix only
     out = shift_share(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 6.0]), torch.tensor([0, 2]),
@@ -114,7 +114,7 @@ def test_shift_share_empty_buckets_count_as_mix_and_the_identity_holds_on_random
 
 
 def test_prob_buckets_edges():
-    from phantomclip.metrics import PROB_EDGES, prob_buckets
+    from phantomclip.maths.metrics import PROB_EDGES, prob_buckets
 
     p = torch.tensor([0.005, 0.01, 0.05, 0.4, 0.95, 0.995, 1.0], dtype=torch.float64)
     assert prob_buckets(p.log()).tolist() == [0, 1, 1, 3, 6, 7, 7]

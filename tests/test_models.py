@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import offline
-from phantomclip.models import ModelError, atomic_save_dir, load_model, tiny_tokenizer
+from phantomclip.models.load import ModelError, atomic_save_dir, load_model, tiny_tokenizer
 
 
 def test_tiny_random_is_seeded_and_sized():
@@ -20,7 +20,7 @@ def test_tiny_random_is_seeded_and_sized():
 
 
 def test_tiny_moe_is_a_seeded_qwen3_moe_with_its_router_scale():
-    from phantomclip.models import TINY_MOE_ROUTER_STD
+    from phantomclip.models.load import TINY_MOE_ROUTER_STD
 
     a, b, c = load_model("tiny-moe:1"), load_model("tiny-moe:1"), load_model("tiny-moe:2")
     ga, gb, gc = (m.model.model.layers[0].mlp.gate.weight for m in (a, b, c))  # [8 experts, 64]
@@ -86,7 +86,7 @@ def _fake_gguf(monkeypatch, tmp_path, tiny):
     """Stand in for the GGUF path and transformers' GGUF reader with the tiny model (fast)."""
     import transformers
 
-    import phantomclip.models as models
+    import phantomclip.models.load as models
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF")

@@ -1,6 +1,6 @@
 import torch
 
-from phantomclip.numerics import parse_dtype, round_to, steps_to_cross, ulp
+from phantomclip.base.numerics import parse_dtype, round_to, steps_to_cross, ulp
 
 
 def test_ulp_hand_worked():

@@ -1,6 +1,6 @@
 import pytest
 
-from phantomclip.prompts import (
+from phantomclip.models.prompts import (
     PromptError,
     bundled_prompts,
     encode_prompts,

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MATMULS, assert_close_eps, eps, report
-from phantomclip.recipes import (
+from phantomclip.precision.recipes import (
     DEFAULT_TRAINERS,
     RECIPES,
     RecipeError,
@@ -12,7 +12,7 @@ from phantomclip.recipes import (
     get_recipe,
     use_emulated_matmul,
 )
-from phantomclip.scoring import score
+from phantomclip.precision.scoring import score
 
 
 def _param_dtypes(model):

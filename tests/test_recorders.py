@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from phantomclip.errors import IntegrationError
+from phantomclip.base.errors import IntegrationError
 from phantomclip.integrations.recorders import RolloutRecorder, record_verl_batch, record_vllm, rows_as_records
-from phantomclip.rollout_readers import read_rollouts
+from phantomclip.rollouts.readers import read_rollouts
 
 
 def _lines(path) -> list[dict]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import bad_cli
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 from phantomclip.report import (
     FIGURES,
     USER_ONLY,
@@ -205,7 +205,7 @@ def test_serve_builds_the_demo_and_serves_it(tmp_path):
     import sys
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli", "report", "--serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "phantomclip.cli.main", "report", "--serve", "--port", "0",
                              "--out", str(tmp_path / "r")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -257,8 +257,8 @@ def test_arm_bands_are_the_seed_min_max(sources):
 
 
 def test_your_framework_panel_shows_the_framework_table_and_knob_advice(sources):
-    """The panel holds every row of diagnose_text.framework_rows and every line of knob_lines, from the JSON alone."""
-    from phantomclip.diagnose_text import framework_rows, knob_lines
+    """The panel holds every row of diagnose.text.framework_rows and every line of knob_lines, from the JSON alone."""
+    from phantomclip.diagnose.text import framework_rows, knob_lines
     from phantomclip.report.framework_panel import html_framework_panel
 
     diag = json.loads((sources / "diagnose.json").read_text())

@@ -209,7 +209,7 @@ def test_the_answer_of_diagnose_leads_the_page_when_the_result_has_one(demo):
     """A diagnose result with its `answer` block (answer.answer of the demo result: 'at risk', 0.79% outside, one
     change in phantomclip's own flags) puts that answer above the summary, in the terminal's words
     (answer.answer_lines); the demo files, written before the block existed, draw no answer box."""
-    from phantomclip.answer import answer, answer_lines
+    from phantomclip.answer.decide import answer, answer_lines
     from phantomclip.report.page import render
 
     assert 'id="answer"' not in render(demo)

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from conftest import bad_cli
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 from phantomclip.report import build, demo_sources
 from phantomclip.report.plots import plotly_text
 

@@ -416,8 +416,8 @@ def _grpo_rule(A: float, alpha: float, beta: float, eps: float) -> tuple[str, st
     stands. A = 0: no gradient on either branch, nothing to clip."""
     import torch
 
-    from phantomclip.loss import clipped_surrogate
-    from phantomclip.metrics import phantom_clip_mask, trust_region_split
+    from phantomclip.maths.loss import clipped_surrogate
+    from phantomclip.maths.metrics import phantom_clip_mask, trust_region_split
 
     adv = torch.tensor([A], dtype=torch.float64)
     out = clipped_surrogate(torch.tensor([[alpha + beta]], dtype=torch.float64), adv, eps, eps)
@@ -441,7 +441,7 @@ def _bf16(x: float) -> float:
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_theory_widgets_say_what_the_projects_rules_say(demo_page):
     """The GRPO widget over a grid of (A, α, β, ε): its verdict and where it says α alone stands equal the rule of
-    loss.py and metrics.py (_grpo_rule); its words follow the verdict (no 'inside the trust region' for an α
+    maths/loss.py and maths/metrics.py (_grpo_rule); its words follow the verdict (no 'inside the trust region' for an α
     outside it, no 'Gradient flows' at A = 0); the token's dot lies on the drawn curves for every α + β the sliders
     reach (±1). The bf16 step counter: k·η passes the half spacing it prints and (k − 1)·η does not, k steps of η move
     the bf16 copy where k − 1 do not (w a bf16 value; _bf16 rounds w + k·η once, exactly); with an fp32 master weight

@@ -1,6 +1,7 @@
-"""Rollout records (rollouts.py, rollout_batches.py, rollout_readers.py, recorded.py): `diagnose --rollouts` on what
-an engine recorded gives the figures `diagnose` gives on the same tokens, bit for bit; every malformed record is one
-line naming the file, the line and the field; slime/miles dumps load without running code; a post-mortem across steps.
+"""Rollout records (rollouts/record.py, rollouts/batches.py, rollouts/readers.py, diagnose/recorded.py): `diagnose
+--rollouts` on what an engine recorded gives the figures `diagnose` gives on the same tokens, bit for bit; every
+malformed record is one line naming the file, the line and the field; slime/miles dumps load without running code; a
+post-mortem across steps.
 """
 
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from conftest import bad_cli, eps
-from phantomclip.cli import main
+from phantomclip.cli.main import main
 
 TINY = ["--model", "tiny-random:0"]
 RECIPES = ["--trainer", "fp32,bf16"]
@@ -334,8 +335,8 @@ def test_pack_records_keeps_to_batches_and_columns(saved, tiny):
     """The records as Rollouts: batches of batch_size in file order; the measured column in its place and, without
     truncation, the other the same numbers (S = 1; with truncation it is NaN, rebuilt later from the shadow's kept
     mass: test_truncated_records_rebuild_the_column_they_lack)."""
-    from phantomclip.rollout_batches import ModelShape, pack_records
-    from phantomclip.rollout_readers import read_rollouts
+    from phantomclip.rollouts.batches import ModelShape, pack_records
+    from phantomclip.rollouts.readers import read_rollouts
 
     _, path = saved
     header, records = read_rollouts(str(path))
@@ -395,7 +396,7 @@ def test_a_real_engines_record_of_the_bundled_model(tmp_path):
     sqrt(terms), |logit| bounded by the head's norm), and a kernel gap on nearly every token (vLLM's bf16 kernels
     are not this forward's, unlike the local engine's)."""
     from conftest import forward_terms, logit_bound
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     out = tmp_path / "v.json"
     assert main(["diagnose", "--trainer", "fp32", "--no-batch-invariance", "--rollouts", str(VLLM_CPU),
@@ -423,7 +424,7 @@ def test_a_real_engines_record_of_the_bundled_model(tmp_path):
 def test_the_post_mortem_sentence_says_the_direction_its_numbers_show(shares, word):
     """The first-to-last sentence takes its verb from the two shares it quotes (altered rows: up, down, equal), and
     says when later steps were measured against an earlier checkpoint."""
-    from phantomclip.postmortem_text import change_sentence
+    from phantomclip.diagnose.postmortem_text import change_sentence
 
     rows = [{"step": s, "tokens": 10, "outside_trust_region": v, "lag": lag}
             for s, v, lag in ((0, shares[0], 0), (4, shares[1], 0))]
@@ -480,7 +481,7 @@ def test_parquet_files_read_as_their_records(saved, tmp_path):
 def test_the_answer_names_each_stand_in_it_measured_against():
     """The local engine (its own recipe's gap zero by construction) and vLLM's CPU build (a real engine, not the
     user's GPU one) each add their two lines to the answer; a recorded engine adds neither."""
-    from phantomclip.answer import STAND_IN, VLLM_CPU_STAND_IN, answer
+    from phantomclip.answer.decide import STAND_IN, VLLM_CPU_STAND_IN, answer
 
     def result(kind: str, device: str) -> dict:
         rec = {"tokens": 100, "nonfinite": 0, "beta_abs_mean": 0.04, "outside_trust_region": 0.0}

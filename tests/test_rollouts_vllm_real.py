@@ -17,12 +17,12 @@ else:
     pytest.importorskip("vllm")
     pytest.importorskip("trl")
 
-from phantomclip.cli import main
-from phantomclip.engine import SamplingParams
+from phantomclip.cli.main import main
+from phantomclip.engines.local import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, set_env_defaults
 from phantomclip.integrations.recorders import RolloutRecorder, record_vllm
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts, encode_prompts
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts, encode_prompts
 
 BUNDLED = ["--model", "smollm2-135m", "--trainer", "fp32,bf16"]
 

@@ -1,15 +1,15 @@
-"""routing.py: route capture and replay on MoE routers, the flip rate, and the exact split of β into β_route and the
-rest."""
+"""routing/routes.py: route capture and replay on MoE routers, the flip rate, and the exact split of β into β_route and
+the rest."""
 
 import pytest
 import torch
 from torch import nn
 
-from phantomclip import routing
-from phantomclip.engine import LocalEngine, SamplingParams
-from phantomclip.models import load_model
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.scoring import TrainerForward, score
+from phantomclip.engines.local import LocalEngine, SamplingParams
+from phantomclip.models.load import load_model
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.precision.scoring import TrainerForward, score
+from phantomclip.routing import routes as routing
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""routing_depth.py: where expert-routing flips start along the depth (trace on an MoE model)."""
+"""routing/depth.py: where expert-routing flips start along the depth (trace on an MoE model)."""
 
 import math
 
 import torch
 
-from phantomclip.models import load_model
-from phantomclip.recipes import apply_recipe, get_recipe
-from phantomclip.routing_depth import route_depth, trace_routing
+from phantomclip.models.load import load_model
+from phantomclip.precision.recipes import apply_recipe, get_recipe
+from phantomclip.routing.depth import route_depth, trace_routing
 
 
 def _packed(T=32, B=4):

@@ -3,9 +3,9 @@ routing replay) in the trainer's forwards; refused in one line on a dense model.
 
 import pytest
 
-from phantomclip import cli
-from phantomclip.train_config import TrainConfig
-from phantomclip.trainer import train
+from phantomclip.cli import main as cli
+from phantomclip.training.config import TrainConfig
+from phantomclip.training.trainer import train
 
 MOE = dict(model="tiny-moe:0", max_tokens=6, prompts_per_step=2, group_size=2, lr=3e-3)
 ROUTE_KEYS = {"route/flip_rate", "route/any_flip_share", "route/beta_route_abs_mean",
@@ -41,7 +41,7 @@ def test_r3_on_a_dense_model_is_one_line(tmp_path, capsys):
 def _two_forward_step(step_fn, batch, ctx):
     """The route figures as first built: both forwards (own routes, the engine's replayed) run no-grad before the
     step, the loss forward apart (a third forward of the batch). The reference routed_step must equal."""
-    from phantomclip import routing_train
+    from phantomclip.routing import train as routing_train
 
     cfg, P = ctx.cfg, batch.rollout.prompt_width
     figures = routing_train.step_route_figures(ctx.policy, batch.packed, batch.routes, P, cfg.group_size,
@@ -61,7 +61,7 @@ def test_figures_from_the_loss_forward_equal_two_extra_forwards(tmp_path, monkey
     changed)."""
     import json
 
-    from phantomclip import trainer
+    from phantomclip.training import trainer
 
     def run(name):
         train(TrainConfig(**MOE, steps=2, intervention=intervention), out=tmp_path / name)
@@ -82,10 +82,10 @@ def moe_batch():
     routes."""
     import torch
 
-    from phantomclip import routing
-    from phantomclip.engine import LocalEngine, SamplingParams
-    from phantomclip.models import load_model
-    from phantomclip.prompts import bundled_prompts, encode_prompts
+    from phantomclip.engines.local import LocalEngine, SamplingParams
+    from phantomclip.models.load import load_model
+    from phantomclip.models.prompts import bundled_prompts, encode_prompts
+    from phantomclip.routing import routes as routing
 
     lm = load_model("tiny-moe:0")
     prompts = [p for p in encode_prompts(lm.tokenizer, bundled_prompts()[:2]) for _ in range(2)]
@@ -101,9 +101,9 @@ def test_the_loss_forward_gives_the_no_grad_forwards_log_probs_and_routes(moe_ba
     (the same kernels on the same shapes; autograd only records). Also under replay of the engine's routes."""
     import torch
 
-    from phantomclip import routing_train
-    from phantomclip.recipes import get_recipe
-    from phantomclip.scoring import TrainerForward
+    from phantomclip.precision.recipes import get_recipe
+    from phantomclip.precision.scoring import TrainerForward
+    from phantomclip.routing import train as routing_train
 
     lm, packed, P, routes = moe_batch
     policy = TrainerForward(lm.model, get_recipe(recipe), "auto")

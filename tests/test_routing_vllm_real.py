@@ -28,8 +28,8 @@ if os.environ.get("PHANTOMCLIP_REQUIRE_VLLM") == "1":  # CI's vLLM stage: a brok
 else:
     pytest.importorskip("vllm")
 
-from phantomclip import routing
-from phantomclip.models import TINY_MOE_ROUTER_STD, load_model
+from phantomclip.models.load import TINY_MOE_ROUTER_STD, load_model
+from phantomclip.routing import routes as routing
 
 
 @pytest.fixture(scope="module")

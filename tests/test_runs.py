@@ -3,17 +3,17 @@ import json
 import pytest
 import torch
 
-from phantomclip.errors import PhantomclipWarning, WriteError
-from phantomclip.locks import LockError
-from phantomclip.run_checks import METRIC_KEYS
-from phantomclip.runs import RunDir, RunError, config_diff, read_jsonl
+from phantomclip.base.errors import PhantomclipWarning, WriteError
+from phantomclip.base.locks import LockError
+from phantomclip.runs.checks import METRIC_KEYS
+from phantomclip.runs.rundir import RunDir, RunError, config_diff, read_jsonl
 
 RUN = {"versions": {"phantomclip": "test"}}
 """what makes a config.json a run's (runs.is_run_config): every test run's configuration holds it."""
 
 
 def _row(step: int, **figures) -> dict:
-    """A metrics row with every figure readers need (run_checks.METRIC_KEYS, at 0) and `figures`."""
+    """A metrics row with every figure readers need (runs.checks.METRIC_KEYS, at 0) and `figures`."""
     return {**dict.fromkeys(METRIC_KEYS, 0.0), "step": step, **figures}
 
 
@@ -199,7 +199,7 @@ def test_a_write_error_is_one_line_naming_the_path(tmp_path, monkeypatch):
 
 LOCK_HOLDER = """
 import sys, time
-from phantomclip.runs import RunDir
+from phantomclip.runs.rundir import RunDir
 run = RunDir.create(sys.argv[1], {"versions": {"phantomclip": "test"}, "seed": 1})
 print("locked", flush=True)
 time.sleep(60)

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from conftest import MATMULS, assert_close_eps, eps, forward_terms, report
-from phantomclip.engine import left_pad
-from phantomclip.recipes import apply_recipe, forward_context, get_recipe
-from phantomclip.scoring import (
+from phantomclip.engines.local import left_pad
+from phantomclip.precision.recipes import apply_recipe, forward_context, get_recipe
+from phantomclip.precision.scoring import (
     LOGIT_STATS,
     logit_statistics,
     logprobs_from_logits,
@@ -123,7 +123,7 @@ def test_logprob_only_path_matches_the_entropy_path(tiny, tiny_prompts, matmul):
 
 def test_truncate_logprobs_hand_worked():
     """p = [0.5, 0.3, 0.15, 0.05] (one row), worked by hand; kept mass S and the renormalised log-probs."""
-    from phantomclip.scoring import log_kept_mass, truncate_logprobs
+    from phantomclip.precision.scoring import log_kept_mass, truncate_logprobs
 
     logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     cases = {
@@ -155,8 +155,8 @@ def test_truncate_logprobs_hand_worked():
 
 def test_score_reports_kept_mass(tiny, tiny_prompts):
     """score(truncation=...) gives log S per scored token, equal to the head's full distribution truncated by hand."""
-    from phantomclip.recipes import get_recipe
-    from phantomclip.scoring import log_kept_mass, score, truncate_logprobs
+    from phantomclip.precision.recipes import get_recipe
+    from phantomclip.precision.scoring import log_kept_mass, score, truncate_logprobs
 
     ids = torch.tensor([tiny_prompts[0]])
     attn = torch.ones_like(ids)

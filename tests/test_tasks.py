@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from phantomclip.tasks import TASKS, TaskError, compute_rewards, get_task, load_reward
+from phantomclip.training.tasks import TASKS, TaskError, compute_rewards, get_task, load_reward
 
 
 def test_builtin_rewards():

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from conftest import assert_close_eps, bad_cli, eps, logit_bound, report
-from phantomclip.recipes import cpu_description
-from phantomclip.trace import (
+from phantomclip.precision.recipes import cpu_description
+from phantomclip.trace.job import (
     TraceConfig,
     TraceError,
     first_order_logprob_change,
@@ -147,7 +147,7 @@ def test_fp8_trace_ranks_the_parts_of_the_quantisation():
 def test_the_what_if_ranks_past_its_noise_floor():
     """rank_what_if by hand: orders' spread 0.0085; the rows' gains +0.061, +0.025, +0.010, -0.020: the largest loss
     (0.020) is the floor, so +0.061 and +0.025 are ranked first, +0.010 and -0.020 are within the noise."""
-    from phantomclip.trace import rank_what_if
+    from phantomclip.trace.job import rank_what_if
 
     rows = [{"keep": "whole", "gain": 0.0}, *({"keep": k, "gain": g} for k, g in
                                                (("a", 0.010), ("b", 0.061), ("c", -0.020), ("d", 0.025)))]
@@ -163,9 +163,9 @@ def test_the_sum_orders_are_one_set_of_products_summed_three_ways():
     """fp8.set_sum_order changes only the order of the fp32 additions: on E4M3 values whose products and sums are
     exact in fp32 (small integers), the three orders give identical outputs; on general values they differ by fp32
     rounding only, at most K · 2^-24 · Σ|terms| per output (a sum's error bound), here K = 64."""
-    from phantomclip import fp8
-    from phantomclip.models import load_model
-    from phantomclip.recipes import apply_recipe, get_recipe
+    from phantomclip.models.load import load_model
+    from phantomclip.precision import fp8
+    from phantomclip.precision.recipes import apply_recipe, get_recipe
 
     model = apply_recipe(load_model("tiny-random:0").model, get_recipe("bf16+fp8-w8a8"))
     lin = model.model.layers[0].self_attn.o_proj

@@ -18,12 +18,12 @@ from conftest import (
     fp32_forward_noise,
     report,
 )
-from phantomclip.metrics import alpha_beta_stats, ratio_split
-from phantomclip.recipes import apply_recipe, forward_context, get_recipe
-from phantomclip.runs import RunDir, read_jsonl
-from phantomclip.scoring import TrainerForward, position_ids_from_mask, score, score_completions
-from phantomclip.tasks import TaskError
-from phantomclip.trainer import (
+from phantomclip.maths.metrics import alpha_beta_stats, ratio_split
+from phantomclip.precision.recipes import apply_recipe, forward_context, get_recipe
+from phantomclip.precision.scoring import TrainerForward, position_ids_from_mask, score, score_completions
+from phantomclip.runs.rundir import RunDir, read_jsonl
+from phantomclip.training.tasks import TaskError
+from phantomclip.training.trainer import (
     INTERVENTIONS,
     TrainConfig,
     TrainConfigError,
@@ -147,7 +147,7 @@ def test_three_way_split_is_exact_per_token():
 
 
 def _grouped_rollout(tiny, tiny_prompts, group=3):
-    from phantomclip.engine import LocalEngine, SamplingParams
+    from phantomclip.engines.local import LocalEngine, SamplingParams
 
     prompts = [p for p in tiny_prompts[:2] for _ in range(group)]  # two groups of 3, prompts of different lengths
     return LocalEngine(tiny.model, torch.float32).generate(prompts, SamplingParams(max_tokens=6, seed=3))
@@ -296,7 +296,7 @@ def test_small_updates_are_invisible_to_the_bf16_engine(tmp_path, monkeypatch):
     assert all(r["train/grad_norm"] > 0 for r in tiny_lr + big_lr)
     # Only weights within ~256 lr of zero can move: here exactly the zero-initialised padding row of the tied
     # embedding (64 values), against more than half of all weights with lr 3e-3.
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     params = list(load_model(TINY["model"]).model.parameters())
     zero_share = sum(int((p == 0).sum()) for p in params) / sum(p.numel() for p in params)
@@ -333,7 +333,7 @@ def test_a_failing_reward_names_the_function_and_keeps_the_run_valid(tmp_path, m
 
 
 def _cli(out, *extra) -> list[str]:
-    return [sys.executable, "-m", "phantomclip.cli", "train", "--model", TINY["model"], "--max-tokens", "8",
+    return [sys.executable, "-m", "phantomclip.cli.main", "train", "--model", TINY["model"], "--max-tokens", "8",
             "--prompts-per-step", "2", "--lr", "3e-3", "--steps", "40", "--checkpoint-every", "3", "--out", str(out),
             *extra]
 
@@ -410,7 +410,7 @@ def test_trainer_scores_at_the_sampling_temperature():
     rows = train(cfg).metrics
     # fp32 decode against fp32 prefill of logits / 0.7: the fp32 noise of a reordered forward at 1/0.7 the logit
     # scale (context at most the model's positions). Scoring at temperature 1 instead would be off by ~0.1.
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     model = load_model(TINY["model"]).model
     noise = fp32_forward_noise(model, model.config.max_position_embeddings) / 0.7

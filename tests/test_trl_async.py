@@ -15,7 +15,7 @@ from conftest import assert_close_eps, eps
 pytest.importorskip("trl")
 
 import trl_async_setup as setup  # noqa: E402
-from phantomclip.integrations.trl_async import (  # noqa: E402
+from phantomclip.integrations.trl_async.monitor import (  # noqa: E402
     AsyncPrecisionMonitor,
     IntegrationError,
     async_figures,
@@ -35,8 +35,8 @@ def test_cpu_tree_attention_equals_the_plain_forward(tmp_path):
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
     from trl.trainer.utils import add_fused_lm_head
 
-    from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
-    from phantomclip.integrations.trl_async_forward import packed_forward
+    from phantomclip.integrations.trl_async.cpu import use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.forward import packed_forward
 
     register_tree_attention()
     use_cpu_stand_ins()
@@ -82,8 +82,8 @@ def test_shadow_head_on_labelled_rows_equals_trls_full_row_head():
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
     from trl.trainer.utils import add_fused_lm_head
 
-    from phantomclip.integrations.trl_async_cpu import use_cpu_stand_ins
-    from phantomclip.integrations.trl_async_forward import HEAD_ROWS_CPU, packed_forward, score_labelled
+    from phantomclip.integrations.trl_async.cpu import use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.forward import HEAD_ROWS_CPU, packed_forward, score_labelled
     from phantomclip.integrations.weights import build_shadow, sync_shadow
 
     register_tree_attention()
@@ -129,7 +129,7 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
     step's batch is prefetched, one sync before it trains). Figures equal the stats function on the last batch's
     tensors; the old-version shadow holds the weights TRL sent as that version, not today's; training is unchanged
     by the monitor."""
-    from phantomclip.integrations.trl_async_forward import score_labelled
+    from phantomclip.integrations.trl_async.forward import score_labelled
     from phantomclip.integrations.weights import build_shadow
 
     plain, _ = setup.make_trainer(str(tmp_path / "a"), steps=3)
@@ -227,9 +227,9 @@ def test_async_stats_on_constructed_tensors():
 def test_bad_input(tmp_path, monkeypatch):
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    import phantomclip.integrations.trl_async as integration
-    import phantomclip.integrations.trl_async_checks as checks
-    import phantomclip.integrations.trl_async_forward as forward
+    import phantomclip.integrations.trl_async.checks as checks
+    import phantomclip.integrations.trl_async.forward as forward
+    import phantomclip.integrations.trl_async.monitor as integration
 
     with pytest.raises(IntegrationError, match="interval must be an integer >= 1"):
         AsyncPrecisionMonitor(interval=0)
@@ -269,7 +269,7 @@ def test_weights_that_move_between_syncs(tmp_path):
     """weight_sync_steps 2: the second step trains a sample of the version synced at the start (staleness 0) with
     weights one optimizer step newer, so α is measured against a separate copy of the current weights (one more
     shadow kept, counted in the memory check), not the version's."""
-    from phantomclip.integrations.trl_async import shadow_memory
+    from phantomclip.integrations.trl_async.monitor import shadow_memory
 
     monitor = AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)
     trainer, _ = setup.make_trainer(str(tmp_path / "w"), callbacks=[monitor], steps=2, weight_sync_steps=2)

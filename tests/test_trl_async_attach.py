@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("trl")
 
 import trl_async_setup as setup  # noqa: E402
-from phantomclip.integrations import trl_async_checks as checks  # noqa: E402
-from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, IntegrationError  # noqa: E402
+from phantomclip.integrations.trl_async import checks  # noqa: E402
+from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor, IntegrationError  # noqa: E402
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_a_monitor_given_to_a_grpo_trainer_is_refused_while_it_is_built(tmp_path
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     lm = load_model("tiny-random:30")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
@@ -124,7 +124,7 @@ def test_a_reader_or_sample_that_differs_is_refused_at_attach(tmp_path, monkeypa
 def test_the_fix_refuses_an_unknown_ratio_and_copies_that_do_not_fit(tmp_path, monkeypatch):
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from phantomclip.integrations.trl_async import with_async_shadow_ratio
+    from phantomclip.integrations.trl_async.monitor import with_async_shadow_ratio
 
     with pytest.raises(IntegrationError, match="ratio must be one of shadow, trainer, decoupled, got 'fp32'"):
         with_async_shadow_ratio(AsyncGRPOTrainer, ratio="fp32")

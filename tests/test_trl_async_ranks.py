@@ -1,7 +1,7 @@
 """AsyncPrecisionMonitor and with_async_shadow_ratio on two processes (torchrun over gloo, CPU): TRL's async trainer
 hands each rank one packed row of every micro-batch; the monitor's figures are over both rows, the same on both
 ranks, equal to the stats of the two rows' tokens together; both planners train samples as late as
-trl_async_versions.staleness_bound says, never later, with every version's copy kept. The ranks run
+trl_async.versions.staleness_bound says, never later, with every version's copy kept. The ranks run
 tests/trl_async_ranks_worker.py."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _same(got: float, want: float, scale: float, tokens: int, name: str) -> None
 
 
 def test_every_rank_logs_the_figures_of_both_rows(ranks):
-    from phantomclip.integrations.trl_async import async_figures, async_precision_stats
+    from phantomclip.integrations.trl_async.monitor import async_figures, async_precision_stats
 
     runs = [r["fixed"] for r in ranks]
     assert runs[0]["rows"] == runs[1]["rows"]  # every logged precision figure, on both ranks
@@ -61,7 +61,7 @@ def test_staleness_and_the_fix_on_two_ranks(ranks):
     loss trains staleness 0, 1, 2 on both ranks (step 3's groups were dequeued one version late, then the prefetch's
     sync came: max_staleness + 1, the bound), every token with its shadow, the fix training on; at staleness 0 the
     ratio TRL logs is exactly 1 on both ranks' tokens."""
-    from phantomclip.integrations.trl_async import staleness_bound
+    from phantomclip.integrations.trl_async.monitor import staleness_bound
 
     assert [r["fixed"]["staleness"] for r in ranks] == [[[0], [1], [2]]] * WORLD
     rows = [h for h in ranks[0]["fixed"]["rows"] if "precision/beta_abs_mean" in h]
@@ -104,7 +104,7 @@ def test_decoupled_ratio_on_two_ranks(ranks):
 
 def test_uneven_ranks_and_nonfinite_values(ranks):
     """A rank with no token and a NaN on the other neither hang nor skew: the sums are those of the concatenation."""
-    from phantomclip.integrations.trl_async import async_precision_stats
+    from phantomclip.integrations.trl_async.monitor import async_precision_stats
 
     whole = [torch.cat([worker.uneven_inputs(r)[i] for r in range(WORLD)]) for i in range(6)]
     want = async_precision_stats(*whole, eps_low=0.2, eps_high=0.2, max_staleness=2)

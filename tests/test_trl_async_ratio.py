@@ -15,8 +15,8 @@ from conftest import assert_close_eps
 pytest.importorskip("trl")
 
 import trl_async_setup as setup  # noqa: E402
-from phantomclip.integrations.trl_async import with_async_shadow_ratio  # noqa: E402
-from phantomclip.integrations.trl_async_ratio import DECOUPLED_WEIGHT_CAP  # noqa: E402
+from phantomclip.integrations.trl_async.monitor import with_async_shadow_ratio  # noqa: E402
+from phantomclip.integrations.trl_async.ratio import DECOUPLED_WEIGHT_CAP  # noqa: E402
 
 EPS = 0.05
 """a trust region narrow enough that some clips fire on the tiny model's move."""
@@ -58,7 +58,7 @@ def _trl_loss(tmp_path, ratio: str, before=None):
 def _check(batch, loss, captured, r, weight, clipped: bool):
     """TRL's loss against Σ −w·min(r A, clip(r) A) / n, and the gradient per position against Σ −w A r / n over its
     terms where the clip does not fire (where it does: 0)."""
-    from phantomclip.integrations.trl_async_forward import packed_forward
+    from phantomclip.integrations.trl_async.forward import packed_forward
 
     _, token_index, selected = packed_forward(batch)
     A = batch["advantages"][selected] * weight  # [M] the advantage TRL is handed
@@ -78,7 +78,7 @@ def _check(batch, loss, captured, r, weight, clipped: bool):
 
 def test_shadow_ratio_equals_a_hand_computation(tmp_path):
     """ratio "shadow": r = exp(α), α = shadow(θ_t) − shadow(θ_v) from the engine-dtype copies on the same row."""
-    from phantomclip.integrations.trl_async_forward import packed_forward, score_labelled
+    from phantomclip.integrations.trl_async.forward import packed_forward, score_labelled
 
     trainer, batch, loss, captured, _ = _trl_loss(tmp_path, "shadow")
     kwargs, token_index, selected = packed_forward(batch)
@@ -93,7 +93,7 @@ def test_shadow_ratio_equals_a_hand_computation(tmp_path):
 def test_trainer_ratio_equals_a_hand_computation(tmp_path):
     """ratio "trainer": r = exp(logp(θ_t) − logp(θ_v)) in the trainer's fp32, the old side from a copy of the model
     taken before training (version 1's weights) through TRL's own fused forward: independent of the hooks' copies."""
-    from phantomclip.integrations.trl_async_forward import packed_forward
+    from phantomclip.integrations.trl_async.forward import packed_forward
 
     trainer, batch, loss, captured, v1 = _trl_loss(tmp_path, "trainer")
     kwargs, token_index, _ = packed_forward(batch)
@@ -107,7 +107,7 @@ def test_trainer_ratio_equals_a_hand_computation(tmp_path):
 def test_decoupled_ratio_equals_a_hand_computation(tmp_path):
     """ratio "decoupled": r = π_θ / π_prox ≡ 1 (π_prox the live model's forward at θ_t), never clipped, and the
     advantage weighted by min(π_prox / μ, 2): loss Σ −w A / n, gradient −w A / n on every term."""
-    from phantomclip.integrations.trl_async_forward import packed_forward
+    from phantomclip.integrations.trl_async.forward import packed_forward
 
     _, batch, loss, captured, _ = _trl_loss(tmp_path, "decoupled")
     _, token_index, selected = packed_forward(batch)
@@ -121,7 +121,7 @@ def test_decoupled_ratio_equals_a_hand_computation(tmp_path):
 def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):
     """The stated fallback: with version 1's copy gone (as for a monitor attached after training started), ratio
     "shadow" clips those tokens on exp(shadow(θ_t) − μ(θ_v)), named once in a warning; the step trains."""
-    from phantomclip.integrations.trl_async_forward import packed_forward, score_labelled
+    from phantomclip.integrations.trl_async.forward import packed_forward, score_labelled
 
     def forget_version_1(trainer):
         trainer._pc_async.stores["engine"].versions.pop(1)

@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("trl")
 
 import trl_async_setup as setup  # noqa: E402
-from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio  # noqa: E402
-from phantomclip.integrations.trl_async_versions import kept_versions, planner_of, staleness_bound  # noqa: E402
+from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor, with_async_shadow_ratio  # noqa: E402
+from phantomclip.integrations.trl_async.versions import kept_versions, planner_of, staleness_bound  # noqa: E402
 
 
 def _args(max_staleness=2, token_budget=0, ga=1, sync=1):
@@ -97,7 +97,7 @@ def test_versions_are_carried_per_sample():
     from trl.experimental.async_grpo import async_grpo_trainer as module
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-    from phantomclip.integrations.trl_async_versions import VERSION_KEY, VersionedCollate, VersionReader
+    from phantomclip.integrations.trl_async.versions import VERSION_KEY, VersionedCollate, VersionReader
 
     samples = queue.Queue()
     for i, version in enumerate([5, 5, 6, 6]):

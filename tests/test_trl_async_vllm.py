@@ -29,8 +29,8 @@ else:
     pytest.importorskip("aiohttp")
 
 import trl_async_setup as setup  # noqa: E402
-from phantomclip.models import load_model  # noqa: E402
-from phantomclip.prompts import bundled_prompts  # noqa: E402
+from phantomclip.models.load import load_model  # noqa: E402
+from phantomclip.models.prompts import bundled_prompts  # noqa: E402
 
 CHATML_CONTENT = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
                   "fields": {"content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
@@ -102,8 +102,8 @@ def test_async_trainer_with_trl_worker_on_a_vllm_cpu_server(server, tmp_path):
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor
-    from phantomclip.integrations.trl_async_cpu import DiskWeightTransfer, use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.cpu import DiskWeightTransfer, use_cpu_stand_ins
+    from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor
     from test_vllm_real import TEXT, _torch_bf16_logprobs
 
     url, lm = server

@@ -29,7 +29,7 @@ def test_the_page_names_the_install_and_the_defaults():
 
 def test_the_quick_start_runs(tmp_path, monkeypatch, capsys):
     pytest.importorskip("trl")
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     model_dir = tmp_path / "tiny"
     lm = load_model("tiny-random:30")

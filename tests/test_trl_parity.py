@@ -14,14 +14,14 @@ from conftest import assert_close_eps, eps, forward_terms
 
 trl = pytest.importorskip("trl")
 
-from phantomclip.loss import (  # noqa: E402
+from phantomclip.maths.loss import (  # noqa: E402
     CorrectionParams,
     group_advantages,
     grpo_loss,
     rollout_correction,
 )
-from phantomclip.recipes import get_recipe  # noqa: E402
-from phantomclip.scoring import score  # noqa: E402
+from phantomclip.precision.recipes import get_recipe  # noqa: E402
+from phantomclip.precision.scoring import score  # noqa: E402
 
 G = 4  # completions per prompt
 P_LEN = 5  # every prompt has 5 tokens: no left padding (TRL does not pass position ids; we count real tokens)
@@ -31,7 +31,7 @@ P_LEN = 5  # every prompt has 5 tokens: no left padding (TRL does not pass posit
 def trl_setup(tmp_path_factory):
     from datasets import Dataset
 
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     lm = load_model("tiny-random:30")
     torch.manual_seed(0)

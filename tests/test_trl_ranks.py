@@ -155,7 +155,7 @@ def test_training_loop_logs_the_same_rows_on_every_rank(ranks):
 
 
 def test_sharded_shadow_holds_a_whole_model_in_the_engine_dtype(ranks):
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     n = sum(p.numel() for p in load_model(worker.MODEL).model.parameters())
     for rank in ranks:

@@ -18,8 +18,8 @@ else:
     pytest.importorskip("vllm")
     pytest.importorskip("trl")
 
-from phantomclip.models import load_model
-from phantomclip.prompts import bundled_prompts
+from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts
 from test_vllm_real import GROUPS, TEXT, _perturbed, _torch_bf16_logprobs, _vllm_logprobs
 
 

@@ -56,7 +56,7 @@ def test_zero3_shadow_is_the_gathered_weights_in_bf16(ranks):
     """The shadow filled through GatheredParameters is bit for bit the one filled from the same model unsharded
     (plain and with LoRA merged: W + s·BA computed on the gathered base, A and B), each parameter gathered once and
     alone, and the trainer's parameters are placeholders again afterwards."""
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     n_params = len(list(load_model(worker.MODEL).model.parameters()))  # the tied head counts once
     for rank in ranks:

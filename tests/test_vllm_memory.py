@@ -21,7 +21,7 @@ from phantomclip.engines.vllm_memory import (
     plan_share,
     vllm_share,
 )
-from phantomclip.models import load_model
+from phantomclip.models.load import load_model
 
 SHAPE = {"params": 1000, "layers": 2, "hidden": 16, "kv_width": 8, "vocab": 50}
 

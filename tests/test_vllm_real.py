@@ -16,14 +16,14 @@ else:
     pytest.importorskip("vllm")
 
 from conftest import report
-from phantomclip.diagnose import DiagnoseConfig, run_diagnose
-from phantomclip.engine import SamplingParams
+from phantomclip.diagnose.job import DiagnoseConfig, run_diagnose
+from phantomclip.engines.local import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine
-from phantomclip.models import load_model, stop_token_ids
-from phantomclip.prompts import bundled_prompts, encode_prompts
-from phantomclip.recipes import get_recipe
-from phantomclip.runs import read_jsonl
-from phantomclip.scoring import score
+from phantomclip.models.load import load_model, stop_token_ids
+from phantomclip.models.prompts import bundled_prompts, encode_prompts
+from phantomclip.precision.recipes import get_recipe
+from phantomclip.precision.scoring import score
+from phantomclip.runs.rundir import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def _vllm_logprobs(engine, ids):
 
 def _torch_bf16_logprobs(model, ids):
     """A PyTorch forward of `model`'s weights in bf16 (the bf16 recipe), the same tokens, fp64 [T - 1]."""
-    from phantomclip.recipes import apply_recipe
+    from phantomclip.precision.recipes import apply_recipe
 
     recipe = get_recipe("bf16")
     x = torch.tensor([ids])
@@ -266,7 +266,7 @@ def test_train_with_vllm_splits_the_ratio_and_resumes_losslessly(tmp_path):
     """train --engine vllm on the bundled model: bf16 vLLM against the fp32 trainer has a real kernel gap and a real
     precision gap, the split adds up per token, and a run stopped after 2 steps and resumed (a new vLLM, synced to
     the checkpoint's weights) gives the uninterrupted run's numbers exactly."""
-    from phantomclip.trainer import TrainConfig, train
+    from phantomclip.training.trainer import TrainConfig, train
 
     full = train(TrainConfig(**TRAIN), out=tmp_path / "full").metrics
     assert [r["time/engine_sync_s"] > 0 for r in full] == [True, False, True]
@@ -285,7 +285,7 @@ def test_train_with_vllm_splits_the_ratio_and_resumes_losslessly(tmp_path):
 
 def test_train_with_fp32_vllm_is_the_zero_mismatch_control(tmp_path):
     """--engine-dtype fp32: vLLM fp32 against the fp32 trainer, β at fp32 kernel noise (< 1e-3, as for diagnose)."""
-    from phantomclip.trainer import TrainConfig, train
+    from phantomclip.training.trainer import TrainConfig, train
 
     rows = train(TrainConfig(**{**TRAIN, "steps": 2, "engine_dtype": "fp32"}), out=tmp_path / "run").metrics
     for t in read_jsonl(tmp_path / "run" / "tokens.jsonl"):

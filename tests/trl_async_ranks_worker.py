@@ -43,7 +43,7 @@ def _train(out: str, name: str, ratio: str, monitor: bool, **config) -> dict:
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     import trl_async_setup as setup
-    from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
+    from phantomclip.integrations.trl_async.monitor import AsyncPrecisionMonitor, with_async_shadow_ratio
 
     callbacks = [AsyncPrecisionMonitor(engine_dtype="bfloat16", epsilon=0.2)] if monitor else []
     trainer, _ = setup.make_trainer(f"{out}/{name}", cls=with_async_shadow_ratio(AsyncGRPOTrainer, ratio=ratio),
@@ -68,7 +68,7 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from phantomclip.integrations.trl_async import async_precision_stats
+    from phantomclip.integrations.trl_async.monitor import async_precision_stats
 
     record = {
         "fixed": _train(out, "fixed", "shadow", True, steps=3, groups_per_fill=6, max_staleness=1),

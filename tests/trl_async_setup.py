@@ -27,7 +27,7 @@ def spread(prompts, completions, completion_ids, **kwargs):
 
 def model_dir(root: str) -> str:
     """The tiny model saved where TRL's async trainer can load it (it takes a path, not a module)."""
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     path = os.path.join(root, "tiny")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -46,9 +46,9 @@ def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 4, groups_pe
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from phantomclip.engine import LocalEngine
-    from phantomclip.integrations.trl_async_cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
-    from phantomclip.models import load_model
+    from phantomclip.engines.local import LocalEngine
+    from phantomclip.integrations.trl_async.cpu import LocalRolloutWorker, LocalWeightTransfer, use_cpu_stand_ins
+    from phantomclip.models.load import load_model
 
     use_cpu_stand_ins()
     lm = load_model(MODEL)

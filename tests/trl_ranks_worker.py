@@ -26,7 +26,7 @@ def make_trainer(out_dir: str, cls=None, callbacks=(), steps: int = 1, model=Non
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from phantomclip.models import load_model, tiny_tokenizer
+    from phantomclip.models.load import load_model, tiny_tokenizer
 
     torch.manual_seed(0)
     lm = load_model(MODEL) if model is None else None

@@ -110,7 +110,7 @@ def main(out: str) -> None:
 
     from phantomclip.integrations.trl import PrecisionMonitor, with_shadow_ratio
     from phantomclip.integrations.weights import build_shadow, sharding_of, sync_shadow
-    from phantomclip.models import load_model
+    from phantomclip.models.load import load_model
 
     record: dict = {"seconds": {}}
     batch = global_batch()

@@ -1,8 +1,14 @@
-"""Inference engines other than the in-process `phantomclip.engine.LocalEngine`; each is an optional import."""
+"""Inference engines: anything that samples completions and reports each sampled token's log-prob. The in-process
+engine (local, over its static-cache decode forward: decode), vLLM (vllm, an optional import, with its share of a
+shared GPU: vllm_memory), weights pushed K times (drift), and `phantomclip engines`, which compares them on speed
+(compare, compare_text). This module is the registry: which engine a job starts, and what each cannot run.
+
+May import: base, precision, models.
+"""
 
 from __future__ import annotations
 
-from ..recipes import Recipe, engine_recipe
+from ..precision.recipes import Recipe, engine_recipe
 from .vllm_memory import BesideVllm
 
 ENGINE_KINDS = ("local", "vllm")
@@ -19,7 +25,7 @@ def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str 
     dtype only. Call close() after."""
     recipe = recipe or engine_recipe(dtype)
     if kind == "local":
-        from ..engine import LocalEngine
+        from .local import LocalEngine
 
         return LocalEngine(lm.model, recipe=recipe, matmul=matmul)
     from .vllm import VLLMEngine, VLLMError
@@ -27,7 +33,7 @@ def start_engine(kind: str, lm, dtype, matmul: str = "auto", logprobs_mode: str 
     unsupported = cannot_run(kind, recipe, weight_sync)
     if unsupported:
         raise VLLMError(unsupported)
-    from ..fp8_vllm import engine_args
+    from ..precision.fp8_vllm import engine_args
     from .vllm_memory import vllm_share
 
     share = vllm_share(lm.model, recipe.weight_dtype, max_model_len or lm.context_length,
@@ -41,7 +47,7 @@ def cannot_run(kind: str, recipe: Recipe, weight_sync: bool = False) -> str | No
     recipe that keeps modules in fp32 over a lower-precision body (fp32-head) exists only in the local engine; an FP8
     recipe runs where the installed vLLM serves it, and not in a job that loads new weights (`weight_sync`)."""
     if kind == "vllm" and recipe.quant:  # what this vLLM build does with the recipe (found by running it: fp8_vllm)
-        from ..fp8_vllm import installed_build, vllm_refusal
+        from ..precision.fp8_vllm import installed_build, vllm_refusal
 
         return vllm_refusal(recipe.name, recipe.quant, installed_build(), weight_sync)
     if kind == "vllm" and recipe != engine_recipe(recipe.weight_dtype):

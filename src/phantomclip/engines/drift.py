@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..engine import Rollout, SamplingParams
+from .local import Rollout, SamplingParams
 
 DRIFT_SEQUENCES = 16
 """at most this many sequences (the first of the first batch) are read after each push: a reading is a full decode

@@ -1,5 +1,5 @@
 """The vLLM backend: sampling through vLLM's offline `LLM` API, behind the same `Engine` interface as
-`phantomclip.engine.LocalEngine`. Nothing else in phantomclip imports vLLM.
+`phantomclip.engines.local.LocalEngine`. Nothing else in phantomclip imports vLLM.
 
 vLLM reports each sampled token's log-prob when asked for `SamplingParams(logprobs=0)` (the sampled token
 only). Which log-prob is an engine setting, `logprobs_mode` (vLLM v1 sampler):
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine import Rollout, SamplingParams, check_prompts
-from ..errors import PhantomclipError
-from ..numerics import dtype_name
+from ..base.errors import PhantomclipError
+from ..base.numerics import dtype_name
+from .local import Rollout, SamplingParams, check_prompts
 from .vllm_memory import CPU_SHARE
 
 INSTALL_HINT = (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, PhantomclipError, check_number
+from ..base.errors import ConfigError, PhantomclipError, check_number
 
 GIB = 1 << 30
 

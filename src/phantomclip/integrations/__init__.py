@@ -1,0 +1,7 @@
+"""phantomclip inside the stacks people train with: TRL's GRPOTrainer (trl, with the figures over every rank: ranks, and
+the policy's full weights under DDP, FSDP, ZeRO-3 and LoRA: weights), TRL's AsyncGRPOTrainer (trl_async), recorders
+that write a run's rollouts as files diagnose reads (recorders), and trainer config files read into diagnose's
+settings (configs).
+
+May import: base, precision, maths, models, engines, routing, rollouts.
+"""

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..metrics import phantom_clip_mask, trust_region_split
+from ..maths.metrics import phantom_clip_mask, trust_region_split
 
 P99 = 0.99
 _SUMS = ("tokens", "beta_sum", "beta_abs_sum", "outside", "phantom", "nonfinite", "alpha_sum", "alpha_tokens")

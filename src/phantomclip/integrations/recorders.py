@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import IntegrationError
-from ..fp8_vllm import installed_build
-from ..rollouts import EngineInfo, Header, Record, RecordedSampling, RecordError, parse_record, write_records
+from ..base.errors import IntegrationError
+from ..precision.fp8_vllm import installed_build
+from ..rollouts.record import EngineInfo, Header, Record, RecordedSampling, RecordError, parse_record, write_records
 
 VLLM_LOGPROBS = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw", "processed": "processed"}
 """vLLM's `logprobs_mode` values (vllm/config/model.py, LogprobsMode; default 'raw_logprobs') -> the record's."""

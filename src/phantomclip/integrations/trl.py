@@ -22,11 +22,11 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from torch import nn
 
-from .. import routing
-from ..errors import IntegrationError
-from ..loss import KNOBS, clip_range
-from ..numerics import parse_dtype
-from ..recipes import resolve_matmul
+from ..base.errors import IntegrationError
+from ..base.numerics import parse_dtype
+from ..maths.loss import KNOBS, clip_range
+from ..precision.recipes import resolve_matmul
+from ..routing import routes as routing
 from .ranks import precision_stats, route_flip_stats
 from .weights import build_shadow, check_supported, sharded_root, sharding_of, sync_shadow
 
@@ -312,8 +312,8 @@ class PrecisionMonitor(_Callback):
 
 
 def _moe_policy(trainer) -> nn.Module | None:
-    """The policy module whose routers the monitor hooks: the unwrapped model of an MoE family routing.py supports,
-    else None (a dense model; an MoE family without an adapter is measured without route figures)."""
+    """The policy module whose routers the monitor hooks: the unwrapped model of an MoE family routing/routes.py
+    supports, else None (a dense model; an MoE family without an adapter is measured without route figures)."""
     policy = _unwrap(trainer)
     try:
         return policy if routing.routers(policy) else None

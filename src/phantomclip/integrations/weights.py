@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..errors import IntegrationError
-from ..numerics import parse_dtype
-from ..recipes import apply_recipe, engine_recipe
+from ..base.errors import IntegrationError
+from ..base.numerics import parse_dtype
+from ..precision.recipes import apply_recipe, engine_recipe
 
 SHARDINGS = ("none", "fsdp1", "fsdp2", "zero3")
 """How a model's parameters are held: whole on each rank (one process or DDP), or sharded by one of three systems."""

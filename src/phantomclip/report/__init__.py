@@ -10,6 +10,8 @@ Modules, by concept: `sources` reads and classifies the files; `figures` draws t
 `training_panel` the closed loop, `growth_panel` the gap along training, `interventions_table` the arms' table,
 `framework_panel` "Your framework"; `summary` writes the words that come from the data (the summary at the top, the
 source line under each figure); `plots` holds the shared look; `page` assembles and writes the page.
+
+May import: base, precision, maths, models, runs, answer, training, diagnose.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The answer `phantomclip diagnose` gives first (answer.py's JSON block `answer`), near the top of the article:
+"""The answer `phantomclip diagnose` gives first (answer/decide.py's JSON block `answer`), near the top of the article:
 the status with its reasons, the contract that was measured, and each change as the user's framework spells it with
 what this run measured for it. Drawn from the block alone, with the terminal's words (answer.answer_lines says the
 same), so the page and the terminal cannot disagree; a diagnose JSON written before the block existed draws nothing.
@@ -6,7 +6,7 @@ same), so the page and the terminal cannot disagree; a diagnose JSON written bef
 
 from __future__ import annotations
 
-from ..answer_changes import CONFIG_NAMES
+from ..answer.changes import CONFIG_NAMES
 from .escape import html_text
 from .summary import short_path
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import html
 import json
 
-from ..files import printable
+from ..base.files import printable
 
 SCRIPT_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026"}
 """characters the HTML tokenizer acts on inside a <script> block, as the JSON escapes that mean the same string."""

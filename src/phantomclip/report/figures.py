@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from ..answer import measured_engine
-from ..metrics import PROB_EDGES
+from ..answer.decide import measured_engine
+from ..maths.metrics import PROB_EDGES
 from .growth_panel import bucket_labels, site_label
 from .plots import LOG_AXIS, PALETTE, category_axis, figure, log_axis, note, plot_layout
 
@@ -21,7 +21,7 @@ from .plots import LOG_AXIS, PALETTE, category_axis, figure, log_axis, note, plo
 def fig_spacing(data) -> dict:
     import torch
 
-    from ..numerics import ulp
+    from ..base.numerics import ulp
 
     x = torch.logspace(-6, 4, 200, dtype=torch.float64)
     traces = [{"type": "scatter", "mode": "lines", "name": name, "x": x.tolist(),
@@ -209,7 +209,7 @@ def _token_groups(run: dict) -> tuple[dict[str, tuple[list, list]], int]:
     count of tokens of advantage 0."""
     import torch
 
-    from ..metrics import phantom_clip_mask
+    from ..maths.metrics import phantom_clip_mask
 
     eps_low, eps_high = _epsilons(run)
     groups: dict[str, tuple[list, list]] = {k: ([], []) for k in TOKEN_STYLES}

@@ -1,6 +1,6 @@
 """The article's "Your framework" panel: what the user's own RL framework would log for their last diagnose run
-(`diagnose_text.framework_rows`: each framework's headline figure and every figure with a published bound, judged
-against it) and the "for your config" knob advice (`diagnose_text.knob_lines`), as HTML, from the diagnose JSON
+(`diagnose.text.framework_rows`: each framework's headline figure and every figure with a published bound, judged
+against it) and the "for your config" knob advice (`diagnose.text.knob_lines`), as HTML, from the diagnose JSON
 alone. The words are the terminal's, so the page and `phantomclip diagnose` cannot disagree.
 
 A diagnose JSON written before these keys existed (schema 1 files may lack `recipes.*.frameworks` and `knobs`) gets a
@@ -9,9 +9,9 @@ note saying how to produce them instead of an empty table.
 
 from __future__ import annotations
 
-from ..answer import measured_engine
-from ..diagnose_text import drift_lines, framework_rows, knob_lines
-from ..verdict_text import fmt_figure
+from ..answer.decide import measured_engine
+from ..answer.verdict_text import fmt_figure
+from ..diagnose.text import drift_lines, framework_rows, knob_lines
 from .escape import html_text
 
 RERUN = "phantomclip diagnose --json diagnose.json"

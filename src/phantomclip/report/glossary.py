@@ -49,7 +49,7 @@ TERMS: dict[str, str] = {
 
 def terms() -> dict[str, str]:
     """TERMS and every task name (task: its description from tasks.TASKS)."""
-    from ..tasks import TASKS
+    from ..training.tasks import TASKS
 
     return {**TERMS, **{f"{name} (task)": t.doc for name, t in TASKS.items()}}
 

@@ -1,5 +1,5 @@
 """The article's "The gap along training" section: what `phantomclip trace --run` measured along training runs, drawn
-from its JSON alone (growth.py writes it; every key is defined in docs/metrics.md,
+from its JSON alone (trace/growth.py writes it; every key is defined in docs/metrics.md,
 "Metrics of `phantomclip trace --run`").
 
 Four pieces: mean |β| and its parts at each snapshot on the fixed reference tokens (`fig_growth`); mean |β| per
@@ -233,7 +233,7 @@ def fig_postmortem(diagnose: list[dict]) -> dict | None:
     the share of tokens outside the trust region and, where the records carry advantages, the share phantom-clipped
     at α = 0, per recorded step; the note on the last step is postmortem_text.change_sentence, computed from the two
     shares it quotes."""
-    from ..postmortem_text import change_sentence
+    from ..diagnose.postmortem_text import change_sentence
 
     docs = [d for d in diagnose if d.get("postmortem")]
     if not docs:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from ..metrics import RUN_WINDOW
+from ..maths.metrics import RUN_WINDOW
 from .escape import html_text
 from .plots import arm_colour
 
@@ -59,7 +59,7 @@ def phantom_free(arm: str) -> str | None:
     clip is one α alone would not fire), forces r = 1 (no ratio, no clip) or never clips (ε = ∞). Its phantom-clip
     rate is 0 whatever β does, so its difference from the baseline is the baseline's rate, not a measured effect.
     Read from the Plan fields the arm's interventions set (interventions.INTERVENTIONS; an FP8 arm 'fp8,X' by X)."""
-    from ..interventions import INTERVENTIONS
+    from ..training.interventions import INTERVENTIONS
 
     for part in arm.split(","):
         name, _, arg = part.partition("=")
@@ -88,7 +88,7 @@ def arm_verdict(arm: dict, baseline: str) -> str:
     """The differences whose paired interval excludes zero (experiments.detected, the terminal verdict's rule), in
     their units, or 'no detectable difference'; a difference that holds by construction (phantom_free) is said
     apart, after them."""
-    from ..experiments import DIFFERENCE_LABELS, detected
+    from ..training.experiments import DIFFERENCE_LABELS, detected
 
     diffs = arm.get("vs_baseline")
     if not diffs:
@@ -130,20 +130,20 @@ def _cells(summary: dict, a: dict, arms: list[str]) -> list[str]:
 
 
 def intervention_words(arm: str) -> str:
-    """What an arm of `experiment sanity` (or epsilon) changes: its intervention's line in interventions.py."""
-    from ..interventions import INTERVENTIONS
+    """What an arm of `experiment sanity` (or epsilon) changes: its intervention's line in training/interventions.py."""
+    from ..training.interventions import INTERVENTIONS
 
     doc = INTERVENTIONS.get(arm.split(",")[0].split("=")[0])
     return doc.doc if doc else "the baseline run"
 
 
 def fp8_words(arm: str) -> str:
-    """What an arm of `experiment fp8` changes ('none', 'fp8', 'fp8,tis'): the engine's FP8 recipe (fp8.py's line),
-    said to be emulated (fp8.EMULATED: the local engine on this CPU, not a GPU's kernels), and the correction's line
-    in interventions.py."""
-    from ..experiments import FP8_QUANT
-    from ..fp8 import EMULATED, LINEAR_QUANTS
-    from ..interventions import INTERVENTIONS
+    """What an arm of `experiment fp8` changes ('none', 'fp8', 'fp8,tis'): the engine's FP8 recipe (precision/fp8.py's
+    line), said to be emulated (fp8.EMULATED: the local engine on this CPU, not a GPU's kernels), and the correction's
+    line in training/interventions.py."""
+    from ..precision.fp8 import EMULATED, LINEAR_QUANTS
+    from ..training.experiments import FP8_QUANT
+    from ..training.interventions import INTERVENTIONS
 
     engine, _, correction = arm.partition(",")
     if engine != "fp8":

@@ -10,14 +10,15 @@ with how far each alone reaches (`html_route_split`); and what replaying the eng
 
 from __future__ import annotations
 
-from ..metrics import RUN_WINDOW
+from ..maths.metrics import RUN_WINDOW
 from .escape import html_text
 from .interventions_table import finite, html_arms_table, intervention_words, seed_values
 from .plots import PALETTE, category_axis, figure, note, plot_layout
 from .training_panel import per_step
 
 DIAGNOSE = "phantomclip diagnose --model tiny-moe --json diagnose-moe.json"
-"""what writes the route table (any MoE model of routing.py's families; tiny-moe is a random 2-layer Qwen3-MoE)."""
+"""what writes the route table (any MoE model of routing/routes.py's families; tiny-moe is a random 2-layer
+Qwen3-MoE)."""
 EXPERIMENT = "python bench/exp_moe_r3.py"
 """what writes the moe-r3 experiment."""
 SHOWN = ("none", "r3", "shadow-ratio")

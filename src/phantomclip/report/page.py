@@ -17,8 +17,8 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from ..files import json_safe
-from ..owned import write_owned, write_owned_bytes
+from ..base.files import json_safe
+from ..base.owned import write_owned, write_owned_bytes
 from . import figures as diagnose_figures
 from . import growth_panel, moe_panel
 from .answer_panel import html_answer

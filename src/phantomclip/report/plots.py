@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 
-from ..files import printable
+from ..base.files import printable
 
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 """Okabe-Ito: distinguishable with the common colour-vision deficiencies."""

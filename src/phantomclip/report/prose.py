@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..metrics import PROB_EDGES
+from ..maths.metrics import PROB_EDGES
 from .correlation import pearson_and_slope, spearman
 from .interventions_table import and_join
 
@@ -213,7 +213,7 @@ def fp8_verdicts(summary: dict) -> Fp8Verdicts | None:
     """The verdicts of an `experiment fp8` summary's arms on FP8_COMPARED's quantities; None when no arm has a
     paired difference (no seed counted). An interval counts only when its mean and bounds are finite (one seed: no
     interval, nothing compared), and only when it measures something (interventions_table.measured)."""
-    from ..experiments import detected
+    from ..training.experiments import detected
     from .interventions_table import finite, measured, phantom_free
 
     arms = [a for a in summary["arms"] if a.get("vs_baseline")]

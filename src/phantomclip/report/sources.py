@@ -22,11 +22,11 @@ from importlib import resources
 from pathlib import Path
 
 from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
-from ..errors import PhantomclipError, PhantomclipWarning
-from ..files import InputError, json_reason, read_input
-from ..locks import writer_of
-from ..run_checks import check_metrics_rows, check_run_ids
-from ..runs import read_jsonl, run_id
+from ..base.errors import PhantomclipError, PhantomclipWarning
+from ..base.files import InputError, json_reason, read_input
+from ..base.locks import writer_of
+from ..runs.checks import check_metrics_rows, check_run_ids
+from ..runs.rundir import read_jsonl, run_id
 
 
 class ReportError(PhantomclipError):
@@ -188,7 +188,7 @@ def experiment_arm(run: Path, config: dict, manifests: Manifests) -> tuple[str |
     a run outside one is 'fp8' when its engine quantised (config "engine_quant", the FP8 arms' only difference from
     the bf16 engine's: their intervention alone would call the FP8 engine 'none'), else nobody's, its arm the
     intervention. `manifests`: the experiment.json files already read in this collect (read_manifest)."""
-    from ..experiments import run_dir
+    from ..training.experiments import run_dir
 
     intervention = str(config.get("intervention", run.name))
     quant = config.get("engine_quant") or ""
@@ -211,8 +211,8 @@ def experiment_arm(run: Path, config: dict, manifests: Manifests) -> tuple[str |
 def fp8_arm_order(run: dict) -> int:
     """The place of the run's arm in `experiment fp8`'s order (the bf16 engine, the FP8 engine, then each correction
     as experiments.fp8_arms builds them; an arm it does not build last): legends and tables read alike."""
-    from ..experiments import fp8_arms
-    from ..train_config import TrainConfig
+    from ..training.config import TrainConfig
+    from ..training.experiments import fp8_arms
 
     order = list(fp8_arms(TrainConfig()))
     return order.index(run["arm"]) if run["arm"] in order else len(order)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..answer import measured_engine
-from ..fp8 import EMULATED
-from ..models import BUNDLED_NAME, BUNDLED_ORIGIN
+from ..answer.decide import measured_engine
+from ..models.load import BUNDLED_NAME, BUNDLED_ORIGIN
+from ..precision.fp8 import EMULATED
 from .escape import html_text
 from .interventions_table import finite, seed_values
 from .prose import fp8_verdicts
@@ -139,7 +139,7 @@ def _training_line(summary: dict) -> str | None:
 
 def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
     """(the interventions' line, its comparisons, how many exclude zero); None when no arm has an interval."""
-    from ..experiments import detected
+    from ..training.experiments import detected
 
     helped, hurt, none = [], [], []
     for a in summary["arms"]:

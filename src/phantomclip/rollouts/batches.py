@@ -1,0 +1,172 @@
+"""Rollout records as the engines' own output: the records of one measurement checked against the checkpoint and
+packed batch by batch as `Rollout`s (and `Routes` where they carry the engine's experts), and an engine's Rollout
+written back as records (`diagnose --save-rollouts`). The record format itself is rollouts/record.py's."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..engines.local import Rollout
+from ..routing.routes import Routes, id_dtype
+from .record import Header, Located, Record, RecordedSampling, RecordError, fail
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a record is checked against: the checkpoint's vocabulary and context, and its MoE routing (None: dense)."""
+
+    vocab: int
+    context: int
+    moe: tuple[int, int, int] | None = None
+    """(MoE layers, experts, k) of an MoE model."""
+
+
+@dataclass
+class Batches:
+    """The records of one measurement packed as the engines' own output is (`Rollout`, batch by batch), with what
+    each sequence carried beside its tokens."""
+
+    header: Header
+    rollouts: list[Rollout]
+    routes: list[Routes] | None
+    """per batch, the engine's routes on the packed grid, where the records carry them."""
+    steps: list[int | None]
+    """per sequence: its step (or, without one, its weight version)."""
+    advantages: list[float | None]
+    """per sequence: its recorded advantage."""
+    logprobs: str
+    sampling: RecordedSampling | None
+
+
+def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, batch_size: int,
+                 limit: int = 0) -> Batches:
+    """Every record (at most `limit` of them; 0: all) checked against the model (`check_against_model`) and against
+    the first record's log-prob kind and sampling (one distribution is measured at a time), then grouped into
+    batches of `batch_size` as `Rollout`s. The file is read once, as a stream; what stays is the packed token lists,
+    so nothing is scored before every record has passed its checks."""
+    rollouts: list[Rollout] = []
+    routes: list[Routes] = []
+    steps: list[int | None] = []
+    advantages: list[float | None] = []
+    batch: list[Record] = []
+    first: tuple[str, str, RecordedSampling | None] | None = None
+    has_routes = None
+    for located in records:
+        r, where = located.record, located.where
+        check_against_model(r, where, shape)
+        kind = (r.logprobs or header.logprobs, r.sampling or header.sampling)
+        if first is None:
+            first = (where, *kind)
+        elif kind != first[1:]:
+            raise fail(where, f"logprobs/sampling ({kind[0]}, {kind[1]}) differ from {first[0]}'s ({first[1]}, "
+                               f"{first[2]}): one run measures one sampling distribution; split the file")
+        if has_routes is None:
+            has_routes = r.routed_experts is not None
+        elif has_routes != (r.routed_experts is not None):
+            raise fail(where, "routed_experts is given for some records and not others: record them for every "
+                               "sequence or for none")
+        steps.append(r.step if r.step is not None else r.weight_version)
+        advantages.append(r.advantage)
+        batch.append(r)
+        if len(batch) == batch_size:
+            _close_batch(batch, rollouts, routes, kind, shape)
+        if limit and len(steps) == limit:
+            break
+    if batch:
+        _close_batch(batch, rollouts, routes, first[1:], shape)
+    if first is None:
+        raise RecordError("the rollout file holds a header and no record: nothing to measure")
+    logprobs, sampling = first[1:]
+    return Batches(header=header, rollouts=rollouts, routes=routes if has_routes else None, steps=steps,
+                   advantages=advantages, logprobs=logprobs, sampling=sampling)
+
+
+def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
+    """A record the checkpoint can score: its ids inside the vocabulary, prompt + completion inside the context, its
+    routes of the model's MoE layers, experts and k (RecordError naming the field)."""
+    for name, ids in (("prompt_ids", r.prompt_ids), ("completion_ids", r.completion_ids)):
+        top = max(ids)
+        if top >= shape.vocab:
+            i = ids.index(top)
+            raise fail(where, f"{name}[{i}] = {top} is outside the model's vocabulary ({shape.vocab} ids): these "
+                               "tokens come from another tokenizer or model; give the checkpoint that sampled them")
+    length = len(r.prompt_ids) + len(r.completion_ids)
+    if length > shape.context:
+        raise fail(where, f"prompt + completion is {length} tokens, longer than the model's context "
+                           f"({shape.context}): give the checkpoint that sampled them")
+    if r.routed_experts is None:
+        return
+    if shape.moe is None:
+        raise fail(where, "routed_experts is given but the model has no MoE layers: give the MoE checkpoint that "
+                           "sampled these tokens, or records without routes")
+    layers, experts, k = shape.moe
+    got = (len(r.routed_experts[0]), len(r.routed_experts[0][0]))
+    if got != (layers, k):
+        raise fail(where, f"routed_experts has {got[0]} layers x {got[1]} experts per position; the model routes "
+                           f"{layers} MoE layers to k = {k} experts")
+    top = max(max(max(layer) for layer in pos) for pos in r.routed_experts)
+    if top >= experts:
+        raise fail(where, f"routed_experts names expert {top}; the model has {experts} experts per layer")
+
+
+def _close_batch(batch: list[Record], rollouts: list[Rollout], routes: list[Routes], kind: tuple,
+                 shape: ModelShape) -> None:
+    """Pack the batch's records as a Rollout (and their routes), then empty the batch."""
+    rollouts.append(to_rollout(batch, *kind))
+    if batch[0].routed_experts is not None:
+        routes.append(routes_on_grid(batch, shape))
+    batch.clear()
+
+
+def to_rollout(records: list[Record], logprobs: str, sampling: RecordedSampling | None) -> Rollout:
+    """The records as an engine's Rollout: the recorded log-probs in their own column, the other column NaN where it
+    differs (truncation on; rebuilt from the shadow's kept mass, as for vLLM: diagnose.reference) and equal where it
+    cannot (no truncation: both columns are the same numbers)."""
+    truncated = sampling is not None and (sampling.top_p < 1 or sampling.top_k > 0 or sampling.min_p > 0)
+    measured = [list(r.logp_engine) for r in records]
+    other = [[math.nan] * len(m) for m in measured] if truncated else measured
+    raw, processed = (measured, other) if logprobs == "raw" else (other, measured)
+    return Rollout(prompt_ids=[r.prompt_ids for r in records], completion_ids=[r.completion_ids for r in records],
+                   logp_engine=raw, logp_engine_processed=processed,
+                   finished=[bool(r.finished) for r in records])
+
+
+def routes_on_grid(records: list[Record], shape: ModelShape) -> Routes:
+    """The records' routes on the packed batch's [B, T] grid (`Rollout.pack`: prompts left-padded to the widest, P
+    columns, completions from column P): position q of a sequence with a prompt of p tokens sits at column P − p + q.
+    Weights and margins are not recorded (zeros, NaN): replay recomputes the weights from the router's own logits."""
+    layers, experts, k = shape.moe
+    P = max(len(r.prompt_ids) for r in records)
+    T = P + max(max(len(r.completion_ids) for r in records), 1)
+    ids = torch.zeros(layers, len(records), T, k, dtype=id_dtype(experts))  # [layers, B, T, k]
+    valid = torch.zeros(len(records), T, dtype=torch.bool)  # [B, T]
+    for b, r in enumerate(records):
+        start = P - len(r.prompt_ids)
+        given = torch.tensor(r.routed_experts, dtype=torch.long)  # [positions, layers, k]
+        cols = slice(start, start + given.shape[0])
+        ids[:, b, cols] = given.permute(1, 0, 2).to(ids.dtype)  # [layers, positions, k]
+        valid[b, cols] = True
+    return Routes(ids=ids, weights=torch.zeros(ids.shape), margin=torch.full(ids.shape[:3], math.nan), valid=valid)
+
+
+def records_from_rollout(rollout: Rollout, logprobs: str, routes: Routes | None = None,
+                         step: int | None = None) -> list[Record]:
+    """An engine's Rollout as records (the measured log-prob column, and the routes of each sequence's prompt +
+    completion but its last position, where the engine captured them): what `diagnose --save-rollouts` writes."""
+    column = rollout.logp_engine if logprobs == "raw" else rollout.logp_engine_processed
+    P = rollout.prompt_width
+    out = []
+    for b, (prompt, completion) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids)):
+        given = None
+        if routes is not None:
+            cols = torch.arange(P - len(prompt), P + len(completion) - 1)  # [positions] every routed position
+            cols = cols[routes.valid[b, cols]]
+            given = routes.ids[:, b, cols].permute(1, 0, 2).long().tolist()  # [positions, layers, k]
+        out.append(Record(prompt_ids=list(prompt), completion_ids=list(completion), logp_engine=list(column[b]),
+                          step=step, routed_experts=given or None,
+                          finished=rollout.finished[b] if rollout.finished else None))
+    return out

@@ -1,0 +1,396 @@
+"""Rollout records: the token ids a real engine sampled and the log-probs it gave them, as a user's run recorded them.
+
+A record is the boundary between the user's engine (vLLM or SGLang on their GPUs, inside TRL, verl, slime or their
+own loop) and phantomclip: past `to_rollout` nothing knows where the tokens came from, and every table, split, answer
+and gate of `diagnose` works unchanged (docs/rollouts.md has the format field by field, and what each framework adds
+to write it).
+
+The file is JSON Lines, read as a stream (one record in memory at a time, never the whole file): an optional first
+line, the header, holds what every record shares (`Header`: the engine, the sampling settings, which log-probs); each
+further line is one sequence (`Record`). A value a record gives for a header field wins for that record. Every field
+is checked as it is read, and every record against the model before anything is scored (`check_against_model`); a
+malformed one is one line naming the file, the line and the field (`RecordError`, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..base.errors import PhantomclipError
+from ..base.files import JSON_ERRORS, InputError, atomic_write, json_reason, printable
+
+ROLLOUTS_SCHEMA = 1
+"""the header's `phantomclip_rollouts` value this reader understands."""
+LOGPROBS = {"raw": "log-softmax over the full vocabulary of the logits before temperature and truncation (vLLM "
+                   "logprobs_mode='raw_logprobs', its default)",
+            "tempered": "log-softmax over the full vocabulary after temperature, before truncation (SGLang's default, "
+                        "so slime's and miles' rollout_log_probs)",
+            "processed": "after temperature and top-p/top-k/min-p, renormalised over the kept tokens (vLLM "
+                         "logprobs_mode='processed_logprobs', as TRL asks vLLM for them)"}
+"""which log-probs a record holds; β is measured against the same definition on the trainer's side."""
+LINE_LIMIT = 2**26
+"""the longest line read (64 MiB): a sequence of 100,000 tokens with its routes (48 layers x 8 experts) is about 40
+MB of JSON; a longer line is refused rather than read without bound."""
+
+
+class RecordError(PhantomclipError):
+    """A rollout file or record that cannot be measured: the message names the file, the line and the field."""
+
+
+@dataclass(frozen=True)
+class RecordedSampling:
+    """How the engine sampled: the settings that decide which distribution a 'processed' log-prob is of."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or vLLM's -1): off."""
+    min_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine that sampled, as the run knew it (all optional, all said in the output)."""
+
+    name: str = ""
+    """'vllm', 'sglang', 'phantomclip-local', ..."""
+    version: str = ""
+    dtype: str = ""
+    """the dtype it computed in: 'bfloat16', 'float16', 'float32' (or bf16/fp16/fp32)."""
+    quantization: str = ""
+    """vLLM's `quantization` argument ('fp8', 'fp8_per_channel', ...); empty: none."""
+    kv_cache_dtype: str = ""
+    """vLLM's `kv_cache_dtype` ('fp8', 'fp8_e4m3'; 'auto' or empty: the model's dtype)."""
+    device: str = ""
+    """where it ran, e.g. 'NVIDIA H100 80GB HBM3'."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """The first line of a rollout file: what every record shares. Every field optional; `phantomclip_rollouts`
+    marks the line as a header."""
+
+    phantomclip_rollouts: int = ROLLOUTS_SCHEMA
+    source: str = ""
+    """what wrote the file: 'vllm' (record_vllm), 'trl', 'verl', 'slime', 'phantomclip diagnose', or the user's."""
+    model: str = ""
+    """the checkpoint the tokens were sampled from, as the run named it (said, not checked: β checks it)."""
+    engine: EngineInfo = field(default_factory=EngineInfo)
+    sampling: RecordedSampling | None = None
+    """None: not recorded ('raw' log-probs are then measured at temperature 1, as they are defined; 'processed' ones
+    are refused, since their distribution is unknown)."""
+    logprobs: str = "raw"
+    """'raw', 'tempered' or 'processed' (LOGPROBS)."""
+    recorded_at: str = ""
+    """when, ISO 8601."""
+
+
+@dataclass
+class Record:
+    """One sampled sequence."""
+
+    prompt_ids: list[int]
+    """the prompt's token ids as the engine saw them (chat template applied), at least one."""
+    completion_ids: list[int]
+    """the sampled tokens, at least one (a stop token the engine sampled is included)."""
+    logp_engine: list[float]
+    """the engine's log-prob of each completion token (one per completion id, finite, <= 0)."""
+    step: int | None = None
+    """the training step whose rollout this was."""
+    weight_version: int | None = None
+    """the version of the weights that sampled it (TRL's async model_version, slime's weight_versions); selects the
+    checkpoint in a post-mortem when `step` is absent."""
+    advantage: float | None = None
+    """the sequence's advantage (GRPO's group-normalised reward): where recorded, the share of tokens phantom-clipped
+    at α = 0 is measured (a token is clipped when exp(β) leaves the trust region on its advantage's side)."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE models: the experts the engine chose, [positions][layers][k], for the first positions of prompt +
+    completion (vLLM's `routed_experts` covers every position but the last, whose output is never used); replayed in
+    the trainer's forward to split off β_route."""
+    finished: bool | None = None
+    """True where the sequence ended on a stop token."""
+    logprobs: str | None = None
+    """overrides the header's; None: the header's."""
+    sampling: RecordedSampling | None = None
+    """overrides the header's; None: the header's."""
+
+
+@dataclass(frozen=True)
+class Located:
+    """A record and where it was read: 'file:line N' (or 'file record N' for a binary source)."""
+
+    where: str
+    record: Record
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def fail(where: str, what: str) -> RecordError:
+    """The one RecordError of a field: where it was read, then what is wrong and what to do."""
+    return RecordError(f"{where}: {what}")
+
+
+def _int_list(value, where: str, name: str, minimum: int = 1) -> list[int]:
+    if not isinstance(value, list) or len(value) < minimum:
+        raise fail(where, f"{name} must be a list of at least {minimum} token id(s), got "
+                           f"{_show(value)}")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise fail(where, f"{name}[{i}] = {_show(v)} is not a token id (a whole number >= 0)")
+    return value
+
+
+def _show(value) -> str:
+    """A value as a short, printable fragment (never a megabyte of a hostile file)."""
+    text = printable(repr(value) if not isinstance(value, (list, dict)) else json.dumps(value)[:60])
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_logprobs(values, n: int, where: str) -> list[float]:
+    """The engine's log-probs of n completion tokens: a list of n finite numbers <= 0. A positive log-prob is no
+    probability (an engine computes log-softmax in fp32, whose largest value is exactly 0), a NaN or -inf one cannot
+    be compared: both are refused with the token's index."""
+    if not isinstance(values, list) or len(values) != n:
+        got = len(values) if isinstance(values, list) else _show(values)
+        raise fail(where, f"logp_engine has {got} values for {n} completion tokens: give one log-prob per sampled "
+                           "token")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > 0:
+            why = "is not finite" if isinstance(v, float) and not math.isfinite(v) else "is not a log-prob (<= 0)"
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                why = "is not a number"
+            raise fail(where, f"logp_engine[{i}] = {_show(v)} {why}: record the engine's own log-prob of each "
+                               "sampled token")
+    return [float(v) for v in values]
+
+
+def _sampling(value, where: str) -> RecordedSampling | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fail(where, f"sampling must be an object, got {_show(value)}")
+    unknown = set(value) - {f.name for f in fields(RecordedSampling)}
+    if unknown:
+        raise fail(where, f"sampling has unknown field(s) {', '.join(sorted(map(str, unknown)))}: use temperature, "
+                           "top_p, top_k, min_p")
+    s = RecordedSampling(**{k: value[k] for k in value})
+    checks = {"temperature": (s.temperature, 0, math.inf), "top_p": (s.top_p, 0, 1), "min_p": (s.min_p, 0, 1)}
+    for name, (v, low, high) in checks.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v <= high) or v != v:
+            raise fail(where, f"sampling.{name} = {_show(v)} is outside [{low:g}, {high:g}]")
+    if s.temperature == 0 or s.top_p == 0:
+        raise fail(where, f"sampling.{'temperature' if s.temperature == 0 else 'top_p'} = 0 is greedy decoding: its "
+                           "log-probs are not those of the distribution the tokens came from")
+    if isinstance(s.top_k, bool) or not isinstance(s.top_k, int) or s.top_k < -1:
+        raise fail(where, f"sampling.top_k = {_show(s.top_k)} is not a whole number >= -1 (-1 or 0: off)")
+    return RecordedSampling(float(s.temperature), float(s.top_p), max(s.top_k, 0), float(s.min_p))
+
+
+def _optional_int(value, where: str, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail(where, f"{name} = {_show(value)} is not a whole number >= 0")
+    return value
+
+
+def _routes(value, where: str, positions: int) -> list | None:
+    """[positions][layers][k] expert ids: the same layers and k at every position, at most prompt + completion
+    positions (checked against the model's layers and experts later, `check_against_model`)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(value) > positions:
+        raise fail(where, f"routed_experts must list the experts of 1 to {positions} positions (prompt + "
+                           f"completion), got {len(value) if isinstance(value, list) else _show(value)}")
+    shape = None
+    for i, pos in enumerate(value):
+        if not isinstance(pos, list) or not pos or not all(isinstance(layer, list) for layer in pos):
+            raise fail(where, f"routed_experts[{i}] must be a list of layers, each a list of expert ids")
+        here = (len(pos), len(pos[0]))
+        if shape is None:
+            shape = here
+        if here != shape or any(len(layer) != shape[1] for layer in pos):
+            raise fail(where, f"routed_experts[{i}] has another shape than routed_experts[0] ({shape[0]} layers x "
+                               f"{shape[1]} experts): every position routes every layer to k experts")
+        for layer in pos:
+            for e in layer:
+                if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+                    raise fail(where, f"routed_experts[{i}] holds {_show(e)}, not an expert id (a whole number "
+                                       ">= 0)")
+    return value
+
+
+RECORD_FIELDS = {f.name for f in fields(Record)}
+
+
+def parse_record(obj, where: str) -> Record:
+    """A Record from one JSON object, every field checked (RecordError naming `where` and the field)."""
+    if not isinstance(obj, dict):
+        raise fail(where, f"a record must be a JSON object, got {_show(obj)}")
+    unknown = sorted(str(k) for k in set(obj) - RECORD_FIELDS)
+    if unknown:
+        raise fail(where, f"unknown field(s) {', '.join(unknown)[:120]}: a record has "
+                           f"{', '.join(f.name for f in fields(Record))} (docs/rollouts.md)")
+    for name in ("prompt_ids", "completion_ids", "logp_engine"):
+        if name not in obj:
+            raise fail(where, f"missing {name}: a record needs prompt_ids, completion_ids and logp_engine")
+    prompt = _int_list(obj["prompt_ids"], where, "prompt_ids")
+    completion = _int_list(obj["completion_ids"], where, "completion_ids")
+    advantage = obj.get("advantage")
+    if advantage is not None and (isinstance(advantage, bool) or not isinstance(advantage, (int, float))
+                                  or not math.isfinite(advantage)):
+        raise fail(where, f"advantage = {_show(advantage)} is not a finite number")
+    finished = obj.get("finished")
+    if finished is not None and not isinstance(finished, bool):
+        raise fail(where, f"finished = {_show(finished)} is not true or false")
+    return Record(
+        prompt_ids=prompt, completion_ids=completion,
+        logp_engine=check_logprobs(obj["logp_engine"], len(completion), where),
+        step=_optional_int(obj.get("step"), where, "step"),
+        weight_version=_optional_int(obj.get("weight_version"), where, "weight_version"),
+        advantage=None if advantage is None else float(advantage),
+        routed_experts=_routes(obj.get("routed_experts"), where, len(prompt) + len(completion)),
+        finished=finished, logprobs=_logprobs_mode(obj.get("logprobs"), where, optional=True),
+        sampling=_sampling(obj.get("sampling"), where),
+    )
+
+
+def _logprobs_mode(value, where: str, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if value not in LOGPROBS:
+        raise fail(where, f"logprobs = {_show(value)}: use {', '.join(LOGPROBS)} (docs/rollouts.md says which is "
+                          "which)")
+    return value
+
+
+def _text(value, where: str, name: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise fail(where, f"{name} = {_show(value)} is not a string")
+    text = str(value)
+    if len(text) > 200:
+        raise fail(where, f"{name} is {len(text)} characters long: at most 200")
+    return text
+
+
+def parse_header(obj: dict, where: str) -> Header:
+    """A Header from the first line's object (RecordError naming the field)."""
+    known = {f.name for f in fields(Header)}
+    unknown = sorted(str(k) for k in set(obj) - known)
+    if unknown:
+        raise fail(where, f"unknown header field(s) {', '.join(unknown)[:120]}: a header has {', '.join(known)}")
+    if obj.get("phantomclip_rollouts") != ROLLOUTS_SCHEMA:
+        raise fail(where, f"phantomclip_rollouts = {_show(obj.get('phantomclip_rollouts'))}: this phantomclip reads "
+                           f"version {ROLLOUTS_SCHEMA}")
+    engine = obj.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise fail(where, f"engine must be an object, got {_show(engine)}")
+    unknown = sorted(str(k) for k in set(engine) - {f.name for f in fields(EngineInfo)})
+    if unknown:
+        raise fail(where, f"unknown engine field(s) {', '.join(unknown)[:120]}: use "
+                           f"{', '.join(f.name for f in fields(EngineInfo))}")
+    info = EngineInfo(**{k: _text(v, where, f"engine.{k}") for k, v in engine.items()})
+    return Header(source=_text(obj.get("source"), where, "source"), model=_text(obj.get("model"), where, "model"),
+                  engine=info, sampling=_sampling(obj.get("sampling"), where),
+                  logprobs=_logprobs_mode(obj.get("logprobs", "raw"), where),
+                  recorded_at=_text(obj.get("recorded_at"), where, "recorded_at"))
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def open_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 text file, streamed: a regular file only (opened without blocking, so a FIFO
+    cannot hang it), each line at most LINE_LIMIT bytes, blank lines skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    try:
+        import stat
+
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(path, "is not a regular file: give the rollout file itself (a directory of them is "
+                                   "read with --rollouts DIR)" if stat.S_ISDIR(mode) else "is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            for number, raw in enumerate(iter(lambda: f.readline(LINE_LIMIT + 1), b""), start=1):
+                if len(raw) > LINE_LIMIT:
+                    raise fail(f"{printable(str(path))}:{number}", f"the line is longer than {LINE_LIMIT >> 20} MiB")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise fail(f"{printable(str(path))}:{number}", "is not UTF-8 text") from None
+                if text.strip():
+                    yield number, text
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def read_rollout_lines(path: str | Path) -> tuple[Header, Iterator[Located]]:
+    """(the header, the records as a stream) of a phantomclip rollout file. A file without a header line has the
+    default header (raw log-probs, nothing else known)."""
+    lines = open_lines(path)
+    name = printable(str(path))
+    first = next(lines, None)
+    if first is None:
+        raise RecordError(f"{name}: holds no record")
+    number, text = first
+    obj = parse_json(text, f"{name}:{number}")
+    if isinstance(obj, dict) and "phantomclip_rollouts" in obj:
+        header, pending = parse_header(obj, f"{name}:{number}"), None
+    else:
+        header, pending = Header(), (number, obj)
+
+    def records() -> Iterator[Located]:
+        if pending is not None:
+            yield Located(f"{name}:{pending[0]}", parse_record(pending[1], f"{name}:{pending[0]}"))
+        for n, line in lines:
+            yield Located(f"{name}:{n}", parse_record(parse_json(line, f"{name}:{n}"), f"{name}:{n}"))
+
+    return header, records()
+
+
+def parse_json(text: str, where: str):
+    """One JSON value of a rollout file (a line, or a Parquet file's header metadata); RecordError naming `where`."""
+    try:
+        return json.loads(text)
+    except JSON_ERRORS as e:
+        raise fail(where, f"is not JSON ({json_reason(e)})") from None
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def write_records(path: str | Path, header: Header, records: list[Record]) -> None:
+    """A rollout file: the header line, then one record a line, written atomically (temp file, then rename), so a
+    job killed while writing leaves the old file or none."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(_compact(asdict(header)), allow_nan=False) + "\n")
+            for r in records:
+                f.write(json.dumps(_compact(asdict(r)), allow_nan=False) + "\n")
+
+    atomic_write(Path(path), write)
+
+
+def _compact(obj: dict) -> dict:
+    """A record or header without its empty optional fields (None, '', an empty EngineInfo)."""
+    out = {}
+    for k, v in obj.items():
+        if isinstance(v, dict):
+            v = _compact(v)
+        if v not in (None, "", {}):
+            out[k] = v
+    return out

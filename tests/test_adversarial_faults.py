@@ -406,20 +406,20 @@ def test_a_model_folder_is_never_taken_for_a_run(tmp_path, capsys):
 
 
 def _documented_gate_roots() -> list[str]:
-    """The top-level keys docs/metrics.md's CI gate section names (the bullet citing frameworks.DIAGNOSE_KEYS)."""
+    """The top-level keys docs/metrics.md's CI gate section names (the bullet citing gates.DIAGNOSE_KEYS)."""
     import re
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text(encoding="utf-8")
-    listed = text.split("(`frameworks.DIAGNOSE_KEYS`):", 1)[1].split("Any other start", 1)[0]
+    listed = text.split("(`gates.DIAGNOSE_KEYS`):", 1)[1].split("Any other start", 1)[0]
     return [k for k in re.findall(r"`([a-z_0-9-]+)`", listed) if not k.startswith("-")]
 
 
 def test_every_key_the_json_and_the_docs_name_is_a_gate_root(tmp_path, capsys, monkeypatch):
     """`--fail-if 'fp8.beta_quant.outside_trust_region>=0'` with --engine-quant was refused ('no figure starts with
-    fp8') though the result has it (the audit's instance): one key table, frameworks.DIAGNOSE_KEYS, equal to the
+    fp8') though the result has it (the audit's instance): one key table, gates.DIAGNOSE_KEYS, equal to the
     docs' list and holding every top-level key of real results (with --engine-quant and --drift, which add keys).
     Variant: a key the run's settings leave out (fp8.* without --engine-quant) is refused before any model loads."""
-    from phantomclip.maths.frameworks import DIAGNOSE_KEYS
+    from phantomclip.diagnose.gates import DIAGNOSE_KEYS
 
     assert _documented_gate_roots() == list(DIAGNOSE_KEYS)
     out = tmp_path / "d.json"

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest import bad_cli, over
-from phantomclip.cli.main import _check_gates, main
+from phantomclip.cli.main import main
+from phantomclip.diagnose.gates import DIAGNOSE_KEYS, GateError, check_gates, lookup, parse_gate
 from phantomclip.diagnose.job import DiagnoseConfig, figures, measure
 from phantomclip.diagnose.text import FRAMEWORK_HEADLINE, SHAPE_COLUMNS, TOKEN_COLUMNS, framework_rows, render_diagnose
-from phantomclip.maths.frameworks import DIAGNOSE_KEYS, FRAMEWORKS, THRESHOLDS, GateError, lookup, parse_gate
+from phantomclip.maths.frameworks import FRAMEWORKS, THRESHOLDS
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "3", "--max-tokens", "6", "--trainer", "fp32,bf16"]
 
@@ -123,7 +124,7 @@ def _said(capsys) -> list[str]:
 
 def test_unknown_gate_key_exits_2_after_the_json(tmp_path, capsys):
     """A key whose root exists but whose path does not is only known from the result: refused after it is written.
-    Every top-level key of a real result is one the pre-run check knows (frameworks.DIAGNOSE_KEYS)."""
+    Every top-level key of a real result is one the pre-run check knows (gates.DIAGNOSE_KEYS)."""
     out = tmp_path / "d.json"
     line = bad_cli(TINY + ["--framework", "verl", "--json", str(out),
                            "--fail-if", "fp32.frameworks.verl.training/rollout_probs_diff_mean>1",
@@ -160,14 +161,14 @@ def test_gates_that_hold_exit_0(tmp_path, capsys):
 def test_check_gates_nan_warns_and_holds(capsys):
     """A NaN figure (nothing measured; JSON null) satisfies no comparison: the gate holds, with a warning line."""
     result = {"recipes": {"fp32": {"lowp_highp_ratio": math.nan, "tokens": 0, "inf": math.inf}}}
-    assert _check_gates([parse_gate("fp32.lowp_highp_ratio>1"), parse_gate("fp32.tokens>5")], result) == 0
+    assert check_gates([parse_gate("fp32.lowp_highp_ratio>1"), parse_gate("fp32.tokens>5")], result) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["phantomclip diagnose: warning: --fail-if fp32.lowp_highp_ratio>1: the figure is NaN (nothing "
                    "measured), so this gate cannot fail",
                    "phantomclip diagnose: all 2 --fail-if gates hold (1 on a NaN figure, which no gate can fail)"]
-    assert _check_gates([parse_gate("fp32.tokens<1")], result) == 1  # gate on a count to require data
-    assert _check_gates([parse_gate("fp32.inf>1e300")], result) == 1  # +inf compares as a number
-    assert _check_gates([], result) == 0
+    assert check_gates([parse_gate("fp32.tokens<1")], result) == 1  # gate on a count to require data
+    assert check_gates([parse_gate("fp32.inf>1e300")], result) == 1  # +inf compares as a number
+    assert check_gates([], result) == 0
 
 
 def test_lookup_under_recipes():

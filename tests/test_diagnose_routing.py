@@ -9,6 +9,7 @@ import torch
 
 from phantomclip.cli import main as cli
 from phantomclip.diagnose.config import DiagnoseConfig
+from phantomclip.diagnose.gates import EXIT_GATE
 from phantomclip.diagnose.job import run_diagnose
 from phantomclip.routing import routes as routing
 from phantomclip.routing.text import routing_lines
@@ -76,7 +77,7 @@ def test_fail_if_reads_route_figures_and_refuses_them_on_a_dense_model(tmp_path,
                      "--no-batch-invariance", "--json", str(out), "--fail-if", "routing.fp32.flip_rate>1",
                      "--fail-if", "routing.fp32.beta_route.outside_trust_region>=0"])
     err = capsys.readouterr().err
-    assert code == cli.EXIT_GATE and "gate failed: routing.fp32.beta_route.outside_trust_region" in err
+    assert code == EXIT_GATE and "gate failed: routing.fp32.beta_route.outside_trust_region" in err
     assert "flip_rate" not in err.split("gate failed")[-1]  # a flip rate above 1 cannot be
     assert "routing" in json.loads(out.read_text())
     code = cli.main(["diagnose", "--model", "tiny-random:0", "--n", "2", "--max-tokens", "8", "--trainer", "fp32",

@@ -11,16 +11,8 @@ import pytest
 import torch
 
 from phantomclip.base.errors import ConfigError, PhantomclipError
-from phantomclip.maths.frameworks import (
-    FRAMEWORKS,
-    THRESHOLDS,
-    Gate,
-    GateError,
-    failed_gates,
-    judged_figures,
-    lookup,
-    parse_gate,
-)
+from phantomclip.diagnose.gates import Gate, GateError, failed_gates, lookup, parse_gate
+from phantomclip.maths.frameworks import FRAMEWORKS, THRESHOLDS, judged_figures
 
 REL = 1e-12
 

@@ -19,8 +19,6 @@ from .flags import (
 )
 from .sources import apply_run_config, apply_trainer_config
 
-EXIT_GATE = 1
-"""`diagnose --fail-if`: a gate failed (the run itself succeeded)."""
 JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's target is replaced, the link kept; a "
               "device or FIFO such as /dev/stdout is written into; a directory is refused)")
 """what --json does with what is already at PATH (files.output_target)."""
@@ -29,6 +27,7 @@ JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's targ
 def _diagnose_parser(sub) -> None:
     from ..diagnose.config import KNOB_FIELDS as DIAGNOSE_KNOBS
     from ..diagnose.config import DiagnoseConfig
+    from ..diagnose.gates import DRIFT_GATE
 
     p = sub.add_parser(
         "diagnose",
@@ -63,58 +62,11 @@ def _diagnose_parser(sub) -> None:
                    "Exit 2 for a malformed EXPR (before any work) or a KEY the result lacks")
 
 
-DIAGNOSE_GATE_UNDER = ("recipes",)
-"""where a --fail-if key absent from the result's top level is looked up next: 'fp32.x' reads recipes.fp32.x."""
-DRIFT_GATE = "drift.max_abs>0"
-"""the gate --drift adds: any movement of a log-prob with unchanged weights is an engine defect. It goes through
---fail-if's machinery (exit 1, one line naming key, value and bound) rather than a separate exit path, so a user
-who must tolerate some drift (a GPU engine without batch-invariant kernels) replaces it with a --fail-if of their
-own on any drift.* key."""
-
-
-def _check_gates(gates, result: dict) -> int:
-    """Evaluate the --fail-if gates on the finished result: one stderr line per failed gate and exit 1, else 0.
-    A key the result lacks is a GateError (exit 2); a gate on a NaN figure cannot fail, so it is named in a
-    warning line."""
-    import math
-
-    from ..maths.frameworks import failed_gates, lookup
-
-    if not gates:
-        return 0
-    failed = failed_gates(result, gates, DIAGNOSE_GATE_UNDER)
-    for g in gates:
-        if math.isnan(lookup(result, g.key, DIAGNOSE_GATE_UNDER)):
-            print(f"phantomclip diagnose: warning: --fail-if {g}: the figure is NaN (nothing measured), so this gate "
-                  "cannot fail", file=sys.stderr)
-    for line in failed:
-        print(f"phantomclip diagnose: gate failed: {line}", file=sys.stderr)
-    if not failed:
-        unjudged = sum(math.isnan(lookup(result, g.key, DIAGNOSE_GATE_UNDER)) for g in gates)
-        note = f" ({unjudged} on a NaN figure, which no gate can fail)" if unjudged else ""
-        print(f"phantomclip diagnose: all {len(gates)} --fail-if gates hold{note}", file=sys.stderr)
-    return EXIT_GATE if failed else 0
-
-
-def _check_gate_roots(gates, cfg) -> None:
-    """Refuse, before any work, a gate on a key the result cannot have (frameworks.check_gate_roots), or on routing
-    figures an engine other than the local one cannot give."""
-    from ..maths.frameworks import check_gate_roots
-
-    for g in gates:
-        if g.key.split(".")[0] == "routing" and cfg.engine != "local":
-            from ..maths.frameworks import GateError
-            from ..routing.routes import no_engine_routes
-
-            raise GateError(no_engine_routes(cfg.engine, f"--fail-if {g.key}"))
-    check_gate_roots(gates, cfg)
-
-
 def _run_diagnose(args) -> int:
+    from ..diagnose.gates import DRIFT_GATE, check_gate_roots, check_gates, parse_gate
     from ..diagnose.job import DiagnoseConfig
     from ..diagnose.postmortem import run_rollouts
     from ..diagnose.text import render_diagnose, with_verdict
-    from ..maths.frameworks import parse_gate
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
@@ -122,8 +74,8 @@ def _run_diagnose(args) -> int:
     apply_trainer_config(args)
     args.typed_sampling = sorted(set(getattr(args, "typed", ())) & {"temperature", "top_p", "top_k", "min_p"})
     return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_rollouts(cfg, console=err)),
-                           render_diagnose, check=lambda result: _check_gates(gates, result),
-                           precheck=lambda cfg: _check_gate_roots(gates, cfg))
+                           render_diagnose, check=lambda result: check_gates(gates, result),
+                           precheck=lambda cfg: check_gate_roots(gates, cfg))
 
 
 def _train_parser(sub) -> None:

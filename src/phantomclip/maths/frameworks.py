@@ -1,4 +1,4 @@
-"""Every RL framework's own mismatch figures, each computed by that framework's definition, and a CI gate.
+"""Every RL framework's own mismatch figures, each computed by that framework's definition, and its published bars.
 
 The frameworks all log some trainer/engine mismatch figure, each under its own name and by its own formula (a
 mean |Δlog p|, a mean |Δp|, a k1 or k3 KL, a mean exp|Δlog p|, per token or per sequence). Here each is one pure
@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..base.errors import ConfigError, PhantomclipError, ascii_digits
+from ..base.errors import ConfigError
 from .metrics import mean_or_nan, pearson
 
 FrameworkFigures = dict[str, float]
@@ -310,7 +309,7 @@ THRESHOLDS: dict[tuple[str, str], tuple[str, float, str]] = {
 }
 """(framework, figure) -> (op, bound, source): the figure is "ok" when `value op bound` holds."""
 
-_OPS: dict[str, Callable[[float, float], bool]] = {
+OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
 }
 
@@ -343,7 +342,7 @@ def judge(framework: str, figure: str, value: float | None) -> tuple[str | None,
     op, limit, _ = bound
     if value is None or math.isnan(value):
         return f"{op} {limit:g}", "-"
-    return f"{op} {limit:g}", "ok" if _OPS[op](value, limit) else "over"
+    return f"{op} {limit:g}", "ok" if OPS[op](value, limit) else "over"
 
 
 def judged_figures(
@@ -358,129 +357,3 @@ def judged_figures(
             rows.append({"framework": name, "figure": figure, "value": value, "threshold": threshold,
                          "verdict": verdict})
     return rows
-
-
-# ---- CI gate: `--fail-if 'KEY OP NUMBER'` ----
-
-
-class GateError(PhantomclipError):
-    """A --fail-if expression that cannot be read, or that names no figure of the summary."""
-
-
-@dataclass(frozen=True)
-class Gate:
-    """A bad condition: the gate fails when `summary[key] op bound` is true."""
-
-    key: str
-    op: str
-    bound: float
-
-    def __str__(self) -> str:
-        return f"{self.key}{self.op}{self.bound:g}"
-
-
-_GATE = re.compile(r"\s*([^<>=!\s]+)\s*(>=|<=|>|<)\s*([^<>=!\s]+)\s*")
-_GATE_FORM = "expected KEY OP NUMBER with OP one of > >= < <=, e.g. 'fp32.outside_trust_region>0.01'"
-
-
-def parse_gate(expr: str) -> Gate:
-    """'fp32.outside_trust_region>0.01' -> Gate("fp32.outside_trust_region", ">", 0.01). KEY is a dotted path into
-    the summary (no spaces, no empty part), NUMBER a finite float; spaces around OP are allowed."""
-    m = _GATE.fullmatch(expr)
-    if m is None:
-        raise GateError(f"--fail-if {expr!r}: {_GATE_FORM}")
-    key, op, number = m.groups()
-    if any(part == "" for part in key.split(".")):
-        raise GateError(f"--fail-if {expr!r}: the key {key!r} has an empty part between dots")
-    try:
-        bound = float(number)
-    except ValueError:
-        raise GateError(f"--fail-if {expr!r}: the bound {number!r} is not a number") from None
-    if not math.isfinite(bound):
-        raise GateError(f"--fail-if {expr!r}: the bound must be a finite number, got {number!r}")
-    return Gate(key=key, op=op, bound=bound)
-
-
-DIAGNOSE_KEYS: dict[str, str | None] = {
-    "schema": None, "config": None, "versions": None, "cpu": None, "device": None, "model": None, "engine": None,
-    "trust_region": None, "shadow": None, "recipes": None, "knobs": None, "drift": "drift", "fp8": "engine_quant",
-    "routing": "routing", "tokens": None, "answer": None, "verdict": None}
-"""the top-level keys of diagnose's result (diagnose.result_dict, answer/decide.py's `answer`, diagnose.text's
-`verdict`; docs/metrics.md, 'The CI gate', lists them) -> the DiagnoseConfig field without which the key is absent
-(None: always there): `drift` with --drift, `fp8` with --engine-quant, `routing` on a mixture-of-experts model unless
---no-routing. The one table --fail-if's roots are checked against before any work."""
-KEY_NEEDS = {"drift": "--drift K", "engine_quant": "--engine-quant", "routing": "a mixture-of-experts model (and no "
-             "--no-routing)"}
-
-
-def check_gate_roots(gates: list[Gate], cfg) -> None:
-    """Refuse, before any work, a gate whose key cannot start a path in the result: neither one of DIAGNOSE_KEYS nor
-    one of the run's --trainer recipes (`cfg.trainer`; a misspelt recipe would be found only after the whole run),
-    or a key the run's settings leave out of the result (fp8.* without --engine-quant)."""
-    for g in gates:
-        root = g.key.split(".")[0]
-        if root not in DIAGNOSE_KEYS and root not in cfg.trainer:
-            raise GateError(f"--fail-if {g.key}: no figure starts with {root!r}; a key starts with a recipe of "
-                            f"--trainer ({', '.join(cfg.trainer)}) or one of {', '.join(DIAGNOSE_KEYS)}")
-        needs = DIAGNOSE_KEYS.get(root)
-        if root not in cfg.trainer and needs is not None and not getattr(cfg, needs):
-            raise GateError(f"--fail-if {g.key}: the result has {root!r} only with {KEY_NEEDS[needs]}; add it, or "
-                            "drop this gate")
-
-
-_MISSING = object()
-
-
-def _walk(summary: dict, key: str):
-    """The node at dotted path `key` in `summary`, or _MISSING."""
-    parts = key.split(".")
-    node, i = summary, 0
-    while i < len(parts):
-        for j in range(len(parts), i, -1):
-            part = ".".join(parts[i:j])
-            if isinstance(node, dict) and part in node:
-                node, i = node[part], j
-                break
-            if isinstance(node, list) and ascii_digits(part) and int(part) < len(node):
-                node, i = node[int(part)], j
-                break
-        else:
-            return _MISSING
-    return node
-
-
-def lookup(summary: dict, key: str, under: tuple[str, ...] = ()) -> float:
-    """The number at dotted path `key` in a nested dict (a list is indexed by a whole-number part). A dict key that
-    itself holds dots ("eps=0.2") is matched whole, longest first. JSON null reads as NaN. A path absent from the
-    top level is tried under each group of `under` in turn (diagnose passes ("recipes",), so that
-    'fp32.outside_trust_region' reads recipes.fp32.outside_trust_region); the path as given wins.
-
-    GateError, naming the key and listing the top-level keys (and those of `under`'s groups), when the path is
-    absent or does not end on a number."""
-    for prefix in ("", *under):
-        node = _walk(summary, f"{prefix}.{key}" if prefix else key)
-        if node is not _MISSING:
-            break
-    else:
-        groups = "".join(f"; under {g}: {', '.join(map(str, summary[g])) or '(none)'}"
-                         for g in under if isinstance(summary.get(g), dict))
-        raise GateError(f"--fail-if: no figure {key!r} in the summary; its top-level keys: "
-                        f"{', '.join(map(str, summary)) or '(none)'}{groups}")
-    if node is None:
-        return float("nan")
-    if isinstance(node, (int, float)):
-        return float(node)
-    kind = "a group" if isinstance(node, (dict, list)) else f"a {type(node).__name__}"
-    raise GateError(f"--fail-if: {key!r} is {kind}, not a number; name a figure inside it")
-
-
-def failed_gates(summary: dict, gates: list[Gate], under: tuple[str, ...] = ()) -> list[str]:
-    """One line per gate whose bad condition holds: "key = value, bound: op bound" (keys read by `lookup`, with
-    `under`). A NaN figure (nothing measured) satisfies no comparison and so fails no gate; gate on a count (e.g.
-    'fp32.tokens<1') to require data. ±inf compares as a number: 'x>0.1' fails on +inf."""
-    lines = []
-    for g in gates:
-        value = lookup(summary, g.key, under)
-        if _OPS[g.op](value, g.bound):
-            lines.append(f"{g.key} = {value:g}, bound: {g.op} {g.bound:g}")
-    return lines

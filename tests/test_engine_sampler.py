@@ -2,9 +2,9 @@
 
 The sampler's CDF now lives in one reused fp64 buffer (cast, exp and cumsum in place), temperature 1 skips its
 division, and the "last token with mass" pass runs only when u reaches the total; none of that may move a sampled
-token or a log-prob. `reference_sample_next_token` is the first version (engines/local.py at cbddab7), kept here
-verbatim in its arithmetic, and every case compares tokens and both log-probs with torch.equal (NaN-aware where a row is
-NaN).
+token or a log-prob. `reference_sample_next_token` is the first version (engine.py at cbddab7, now engines/local.py),
+kept here verbatim in its arithmetic, and every case compares tokens and both log-probs with torch.equal (NaN-aware
+where a row is NaN).
 """
 
 import pytest

@@ -205,7 +205,7 @@ def nemo_rl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -
 
 
 # slime, THUDM/slime commit 624b824a898ab0ec1fcb4d373004c7f3852bf515 (v0.3.1+38), slime/backends/megatron_utils/
-# maths/loss.py, policy_loss_function (`train_rollout_logprob_abs_diff = sum_of_sample_mean(|log_probs −
+# loss.py, policy_loss_function (`train_rollout_logprob_abs_diff = sum_of_sample_mean(|log_probs −
 # rollout_log_probs|)`) with sum_of_sample_mean from slime/backends/megatron_utils/cp_utils.py get_sum_of_sample_mean,
 # divided by the step's sample count in slime/observability/train_metric_utils.py reduce_train_step_metrics.
 
@@ -222,7 +222,7 @@ def slime(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> 
 
 
 # SkyRL, NovaSky-AI/SkyRL commit a9564572eb8e91076be43c1bd5e4615e3de17265 (skyrl_train-v0.4.0+516), skyrl/train/
-# training/trainer.py, the `policy/rollout_train_logprobs_abs_diff_*` block after the policy forward pass.
+# trainer.py, the `policy/rollout_train_logprobs_abs_diff_*` block after the policy forward pass.
 
 
 def skyrl(logp: torch.Tensor, logp_engine: torch.Tensor, mask: torch.Tensor) -> FrameworkFigures:

@@ -36,10 +36,9 @@ Sources (vLLM, the file and the commit read):
   csrc/quantization/w8a8/fp8/per_token_group_quant.cu @0f5257e2; the product accumulates block by block,
   `acc += dot(a, b) * a_s * b_s`: vllm/model_executor/layers/quantization/utils/fp8_utils.py @364d0192 (the Triton
   `w8a8_block_fp8_matmul`). vLLM's group quantiser needs K % 128 == 0 and merged layers need every part's rows
-  % 128 == 0 (precision/fp8.py `create_weights`): a model that breaks either is refused (`check_blocks`).
-- weight-only FP8 (W8A16, GPUs below compute capability 8.9: `use_marlin` in precision/fp8.py @0071b24b): the same
-per-tensor
-  weight, bf16 activations; Marlin keeps the scale in the model's dtype (`prepare_fp8_layer_for_marlin`:
+  % 128 == 0 (vLLM's fp8.py `create_weights`): a model that breaks either is refused (`check_blocks`).
+- weight-only FP8 (W8A16, GPUs below compute capability 8.9: `use_marlin` in vLLM's fp8.py @0071b24b): the same
+  per-tensor weight, bf16 activations; Marlin keeps the scale in the model's dtype (`prepare_fp8_layer_for_marlin`:
   `layer.weight_scale.to(layer.orig_dtype)`, vllm/model_executor/layers/quantization/utils/marlin_utils_fp8.py
   @02d33ed1), so the scale is amax / 448 rounded to bf16 here; it is applied to the fp32 accumulator (Marlin's
   channel-wise path; where in the kernel is assumed, not read).
@@ -51,7 +50,7 @@ per-tensor
   statically with its q scale, 1.0 by default (vllm/model_executor/layers/attention/attention.py of the 0.32.0
   release, `Attention.forward`: `query, _ = self.query_quant(query, self._q_scale)`). `fp8-kvq` emulates that backend:
   the FP8 KV cache and the query quantised the same way.
-- which layers are quantised: every `LinearBase` (precision/fp8.py `get_quant_method`); the LM head is a
+- which layers are quantised: every `LinearBase` (vLLM's fp8.py `get_quant_method`); the LM head is a
   `VocabParallelEmbedding`, and MoE routers are built with `quant_config=None`, so both stay unquantised. vLLM also
   quantises an MoE model's experts (`Fp8MoEMethod`, one scale per expert, the fused kernels' activations quantised
   over the batch); transformers 5 keeps each MoE layer's experts as 3-D tensors, not Linears, which this module does

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from phantomclip.engines.local import LocalEngine
-from phantomclip.precision import fp8
+from phantomclip.precision import fp8, fp8_layers
 from phantomclip.precision.recipes import QuantError, RecipeError, apply_recipe, get_recipe, lm_head, without_quant
 from phantomclip.precision.scoring import score
 
@@ -183,9 +183,9 @@ def test_block_recipe_refuses_a_shape_naming_recipe_and_layer(tiny):
 
 def test_which_layers_are_quantised_and_merged_scales(tiny):
     model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a8"))
-    assert not fp8.is_fp8(lm_head(model))  # the head stays bf16
+    assert not fp8_layers.is_fp8(lm_head(model))  # the head stays bf16
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert all(fp8.is_fp8(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.down_proj))
+    assert all(fp8_layers.is_fp8(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.down_proj))
     x = torch.randn(3, 64).bfloat16()
     for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         m(x if m is not mlp.down_proj else torch.randn(3, 128).bfloat16())
@@ -215,8 +215,8 @@ def test_a_merged_group_quantises_its_input_once(tiny, monkeypatch):
     two members is quantised again, not taken stale."""
     model = apply_recipe(tiny.model, get_recipe("bf16+fp8-w8a8"))
     calls = []
-    real = fp8.token_quant
-    monkeypatch.setattr(fp8, "token_quant", lambda x: calls.append(1) or real(x))
+    real = fp8_layers.token_quant
+    monkeypatch.setattr(fp8_layers, "token_quant", lambda x: calls.append(1) or real(x))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         model(input_ids=ids)
@@ -224,14 +224,14 @@ def test_a_merged_group_quantises_its_input_once(tiny, monkeypatch):
     attn = model.model.layers[0].self_attn
     x = torch.randn(3, 64).bfloat16()
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
-        alone = fp8.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias, torch.bfloat16, packed=m._pc_fp8_packed)
+        alone = fp8_layers.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias, torch.bfloat16, packed=m._pc_fp8_packed)
         assert torch.equal(m(x), alone)
     calls.clear()
     attn.q_proj(x)
     x.mul_(2)  # changed in place: k_proj must not take q_proj's quantisation of the old values
     out = attn.k_proj(x)
     m = attn.k_proj
-    assert len(calls) == 2 and torch.equal(out, fp8.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias,
+    assert len(calls) == 2 and torch.equal(out, fp8_layers.fp8_linear(x, m._pc_fp8_spec, *m._pc_fp8_w, m.bias,
                                                                torch.bfloat16, packed=m._pc_fp8_packed))
 
 
@@ -250,7 +250,7 @@ def test_engine_and_shadow_quantise_bit_for_bit(tiny, name, packed):
     shadow = apply_recipe(tiny.model, recipe)
     checked = 0
     for (n, a), b in zip(engine.model.named_modules(), shadow.modules()):
-        if fp8.is_fp8(a):
+        if fp8_layers.is_fp8(a):
             inp = torch.randn(4, a.weight.shape[1]).bfloat16()
             out_a, out_b = a(inp), b(inp)
             assert torch.equal(a._pc_fp8_w[0].view(torch.uint8), b._pc_fp8_w[0].view(torch.uint8)), n
@@ -291,14 +291,14 @@ def test_weight_only_on_exactly_representable_weights_changes_nothing(tiny, tiny
     master = apply_recipe(tiny.model, get_recipe("fp32"))
     model = apply_recipe(master, get_recipe("bf16+fp8-w8a16"))
     with torch.no_grad():
-        for mod in fp8.quantised_linears(master, {id(lm_head(master))}).values():
+        for mod in fp8_layers.quantised_linears(master, {id(lm_head(master))}).values():
             w = mod.weight * (400.0 / mod.weight.abs().max())
             mod.weight.copy_(fp8.to_e4m3(w).float())
             mod.weight[0, 0] = 448.0  # every part of a merged layer reaches 448: its scale is 1
     plain = apply_recipe(master, get_recipe("bf16"), matmul="emulated")
     quant = apply_recipe(master, get_recipe("bf16+fp8-w8a16"), matmul="emulated")
     for m in quant.modules():  # F.linear, as the emulated bf16 kernel: the same product, so the same sums
-        if fp8.is_fp8(m):
+        if fp8_layers.is_fp8(m):
             m._pc_fp8_pack = False
     ids = torch.tensor([p + [5, 6, 7] for p in tiny_prompts[:3] if len(p) == len(tiny_prompts[0])] or [[1, 2, 3, 4]])
     attn = torch.ones_like(ids)

@@ -8,7 +8,7 @@ import pytest
 from conftest import bad_cli
 from phantomclip.engines import cannot_run
 from phantomclip.precision import fp8_vllm
-from phantomclip.precision.fp8 import FP8_QUANTS
+from phantomclip.precision.fp8_layers import FP8_QUANTS
 from phantomclip.precision.fp8_vllm import VLLM_ARGS, VllmBuild, cannot_serve, vllm_refusal
 from phantomclip.precision.recipes import get_recipe
 

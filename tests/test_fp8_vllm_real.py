@@ -63,7 +63,7 @@ def _same_channel_weights(model, fp8: dict) -> int:
     """How many of vLLM's E4M3 Linears (name -> (weight, scale)) hold exactly fp8.quantise_weight's per-channel E4M3
     values and scales of the same bf16 weights (q/k/v and gate/up concatenated along the output rows, as vLLM merges
     them; vLLM keeps the weight transposed for torch._scaled_mm)."""
-    from phantomclip.precision.fp8 import LINEAR_QUANTS, quantise_weight
+    from phantomclip.precision.fp8_layers import LINEAR_QUANTS, quantise_weight
 
     merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     mods = dict(model.named_modules())

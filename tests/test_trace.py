@@ -160,11 +160,11 @@ def test_the_what_if_ranks_past_its_noise_floor():
 
 
 def test_the_sum_orders_are_one_set_of_products_summed_three_ways():
-    """fp8.set_sum_order changes only the order of the fp32 additions: on E4M3 values whose products and sums are
+    """fp8_layers.set_sum_order changes only the order of the fp32 additions: on E4M3 values whose products and sums are
     exact in fp32 (small integers), the three orders give identical outputs; on general values they differ by fp32
     rounding only, at most K · 2^-24 · Σ|terms| per output (a sum's error bound), here K = 64."""
     from phantomclip.models.load import load_model
-    from phantomclip.precision import fp8
+    from phantomclip.precision import fp8, fp8_layers
     from phantomclip.precision.recipes import apply_recipe, get_recipe
 
     model = apply_recipe(load_model("tiny-random:0").model, get_recipe("bf16+fp8-w8a8"))
@@ -172,10 +172,10 @@ def test_the_sum_orders_are_one_set_of_products_summed_three_ways():
     x = torch.randn(5, lin.weight.shape[1]).bfloat16()
     outs = {}
     for order in fp8.SUM_ORDERS:
-        fp8.set_sum_order(model, order)
+        fp8_layers.set_sum_order(model, order)
         outs[order] = lin(x).float()
     wq, sw = lin._pc_fp8_w
-    xq, sx = fp8.token_quant(x)
+    xq, sx = fp8_layers.token_quant(x)
     bound = lin.weight.shape[1] * 2.0**-24 * ((xq.abs() @ wq.float().abs().T) * sw * sx)  # [5, N]
     spacing = torch.finfo(torch.bfloat16).eps * outs["kernel"].abs()  # the bf16 output's rounding on top
     for order in ("linear", "halves"):

@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.fp8 import dequant_kv, is_fp8
+from ..precision.fp8 import dequant_kv
+from ..precision.fp8_layers import is_fp8
 from ..precision.recipes import ATTENTION_FP32, Recipe, decoder_body, is_emulated, lm_head, native_low_precision_cpu
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -143,7 +144,7 @@ def packed_dtype(linear: nn.Linear) -> torch.dtype | None:
     licence as the fp32 case); the weight's dtype for a native bf16 Linear whose layout `packs_bit_identically`; None
     for any other forward (autocast, fp32 attention hooks, a native fp16 kernel)."""
     w = linear.weight
-    if is_fp8(linear):  # an FP8 engine's Linear computes its own product (precision/fp8.py); packing would replace it
+    if is_fp8(linear):  # an FP8 engine's Linear computes its own product (fp8_layers.py); packing would replace it
         return None
     if w.dtype == torch.float32 or is_emulated(linear):
         return torch.float32 if can_pack(torch.float32) else None
@@ -162,7 +163,7 @@ def pack_linears(model: nn.Module) -> int:
         w = getattr(mod, "weight", None)
         if not (isinstance(mod, nn.Linear) and w is not None and w.device.type == "cpu"):
             continue
-        if is_fp8(mod):  # an FP8 engine's Linear lays its E4M3 image out itself where it can (fp8.use_fp8)
+        if is_fp8(mod):  # an FP8 engine's Linear lays its E4M3 image out itself where it can (fp8_layers.use_fp8)
             count += int(mod._pc_fp8_pack)
             continue
         dtype = packed_dtype(mod)
@@ -317,7 +318,7 @@ class StaticDecoder:
         self.k = torch.zeros(shape, dtype=dtype, device=device).unbind(0)
         self.v = torch.zeros(shape, dtype=dtype, device=device).unbind(0)
         self.filled = 0  # slots written so far
-        self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8.use_fp8_kv): store E4M3 values
+        self.fp8_kv = getattr(model, "_pc_fp8_kv", False)  # an FP8 KV cache (fp8_layers.use_fp8_kv): store E4M3 values
         self.fp8_q = getattr(model, "_pc_fp8_q", False)  # and an FP8 query (fp8-kvq: an FP8-query attention backend)
         # per layer, q/k/v and gate/up as one packed product each where that is bit-identical (else None: the parts)
         self.qkv = [FusedLinears.of(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]

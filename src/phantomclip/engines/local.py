@@ -222,7 +222,7 @@ class LocalEngine:
                              f"recipe (see decode.supports); leave static_decode unset")
         self.static_decode = supported if static_decode is None else static_decode
         no_autocast = self.recipe.autocast_dtype is None  # engine recipes have none: the packed op ignores autocast
-        if packed is False:  # FP8 Linears lay their E4M3 images out themselves (fp8.use_fp8): not in this engine
+        if packed is False:  # FP8 Linears lay their E4M3 images out themselves (fp8_layers.use_fp8): not in this engine
             for m in self.model.modules():
                 if hasattr(m, "_pc_fp8_pack"):
                     m._pc_fp8_pack = False

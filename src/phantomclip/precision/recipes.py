@@ -40,7 +40,7 @@ class Recipe:
     fp32_modules: tuple[str, ...] = ()
     """module roles kept in fp32 with fp32 inputs (see `MODULE_ROLES`): e.g. ('lm_head', 'final_norm')."""
     quant: tuple[str, ...] = ()
-    """FP8 quantisers an engine adds around the computation (fp8.FP8_QUANTS): e.g. ('fp8-w8a8', 'fp8-kv')."""
+    """FP8 quantisers an engine adds around the computation (fp8_layers.FP8_QUANTS): e.g. ('fp8-w8a8', 'fp8-kv')."""
     doc: str = field(default="", compare=False)
     """one line for `--help` and the report."""
 
@@ -109,7 +109,7 @@ def get_recipe(name: str) -> Recipe:
 def with_quant(recipe: Recipe, quant: tuple[str, ...]) -> Recipe:
     """`recipe` run by an FP8 engine: the same layout with the quantisers `quant` (precision/fp8.py) around its Linears
     and KV cache, named 'base+q1+q2'. An empty `quant` gives `recipe` back."""
-    from .fp8 import KV_QUANT, KVQ_QUANT, Fp8Error, check_quants
+    from .fp8_layers import KV_QUANT, KVQ_QUANT, Fp8Error, check_quants
 
     if not quant:
         return recipe
@@ -403,7 +403,7 @@ def check_fits(model: nn.Module, names) -> None:
     serve, right after the model loads: fp8-block on a Linear the 128 x 128 block does not divide is otherwise met
     where the recipe is laid out, after the sampling (diagnose --trainer bf16+fp8-block, trace --recipe). The same
     check apply_recipe makes, with the same LM head left out."""
-    from .fp8 import LINEAR_QUANTS, Fp8Error, check_blocks
+    from .fp8_layers import LINEAR_QUANTS, Fp8Error, check_blocks
 
     for name in names:
         recipe = get_recipe(name)
@@ -417,7 +417,7 @@ def check_fits(model: nn.Module, names) -> None:
 def _use_quant(model: nn.Module, recipe: Recipe) -> None:
     """Put the recipe's FP8 quantisers in (precision/fp8.py): the engine's Linears but the LM head (and MoE routers),
     and its KV cache. After the kernels are chosen: a quantised Linear runs its own FP8 forward."""
-    from .fp8 import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, Fp8Error, use_fp8, use_fp8_kv
+    from .fp8_layers import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, Fp8Error, use_fp8, use_fp8_kv
 
     for q in recipe.quant:
         if q in LINEAR_QUANTS:
@@ -455,7 +455,7 @@ def engine_quants(spec: str) -> tuple[str, ...]:
     separators alone (',', '+') names none though it is not empty: RecipeError, not an engine run without FP8."""
     quant = tuple(q for q in (s.strip() for s in (spec or "").replace("+", ",").split(",")) if q)
     if not quant and (spec or "").strip():
-        from .fp8 import FP8_QUANTS
+        from .fp8_layers import FP8_QUANTS
 
         raise RecipeError(f"{spec!r} names no quantiser: give one or more of {', '.join(FP8_QUANTS)}, or leave it "
                           "empty for an engine without FP8")

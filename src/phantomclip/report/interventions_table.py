@@ -138,10 +138,10 @@ def intervention_words(arm: str) -> str:
 
 
 def fp8_words(arm: str) -> str:
-    """What an arm of `experiment fp8` changes ('none', 'fp8', 'fp8,tis'): the engine's FP8 recipe (precision/fp8.py's
-    line), said to be emulated (fp8.EMULATED: the local engine on this CPU, not a GPU's kernels), and the correction's
-    line in training/interventions.py."""
-    from ..precision.fp8 import EMULATED, LINEAR_QUANTS
+    """What an arm of `experiment fp8` changes ('none', 'fp8', 'fp8,tis'): the engine's FP8 recipe (its line in
+    precision/fp8_layers.py), said to be emulated (fp8_layers.EMULATED: the local engine on this CPU, not a GPU's
+    kernels), and the correction's line in training/interventions.py."""
+    from ..precision.fp8_layers import EMULATED, LINEAR_QUANTS
     from ..training.experiments import FP8_QUANT
     from ..training.interventions import INTERVENTIONS
 

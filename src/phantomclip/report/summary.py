@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..answer.decide import measured_engine
 from ..models.load import BUNDLED_NAME, BUNDLED_ORIGIN
-from ..precision.fp8 import EMULATED
+from ..precision.fp8_layers import EMULATED
 from .escape import html_text
 from .interventions_table import finite, seed_values
 from .prose import fp8_verdicts
@@ -167,7 +167,7 @@ def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
 def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
     """(the FP8 experiment's line, its comparisons, how many exclude zero): the arms whose interval excludes zero by
     prose.fp8_verdicts (section 8's rule, FP8_COMPARED), the others counted; None with fewer than two seeds (no
-    interval: nothing to say in a line) or nothing compared. The engine is said to be emulated (fp8.EMULATED's
+    interval: nothing to say in a line) or nothing compared. The engine is said to be emulated (fp8_layers.EMULATED's
     short form): its figures are a CPU's."""
     verdicts = fp8_verdicts(summary)
     if verdicts is None or verdicts.seeds[-1] < 2 or not verdicts.compared:

@@ -356,7 +356,8 @@ def quant_order_noise(st: TraceSetup, logp_ref: torch.Tensor) -> dict:
     scored in each of fp8.SUM_ORDERS; per order its mean |β| and share outside the trust region, `noise` = the
     spread (max − min) of mean |β| over the orders, and `token_correlation` = the lowest Pearson r of per-token β
     between two orders (1 where single tokens do not move)."""
-    from ..precision.fp8 import SUM_ORDERS, set_sum_order
+    from ..precision.fp8 import SUM_ORDERS
+    from ..precision.fp8_layers import set_sum_order
 
     betas = {}
     for order in SUM_ORDERS:
@@ -380,7 +381,7 @@ def quant_what_if(st: TraceSetup, logp_ref: torch.Tensor, say: Say) -> dict:
     recipe's mean |β| over summation orders, or the largest loss of a row, whichever is larger): a row whose gain is
     no larger is marked `within_noise` and ranked after every row that beats it. {'quant_what_if': rows,
     'quant_order_noise': ...}, or {}."""
-    from ..precision.fp8 import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
+    from ..precision.fp8_layers import KV_QUANT, KVQ_QUANT, LINEAR_QUANTS, quantised_linears, unquantise
 
     recipe = st.recipe
     linear = next((q for q in recipe.quant if q in LINEAR_QUANTS), None)

@@ -12,6 +12,7 @@ from phantomclip.diagnose.config import DiagnoseConfig
 from phantomclip.diagnose.gates import EXIT_GATE
 from phantomclip.diagnose.job import run_diagnose
 from phantomclip.routing import routes as routing
+from phantomclip.routing.figures import route_split
 from phantomclip.routing.text import routing_lines
 
 
@@ -48,7 +49,7 @@ def test_replayed_forward_makes_the_split_exact_per_token():
 
     model = apply_recipe(prep.lm.model, get_recipe("fp32"), matmul=prep.matmul)
     replayed = routing.replayed_logprobs(model, get_recipe("fp32"), sampled.packed, sampled.routes, 1.0)[0]
-    split = routing.route_split(scored["fp32"].logp, replayed, ref.logp_engine)
+    split = route_split(scored["fp32"].logp, replayed, ref.logp_engine)
     m = sampled.mask
     assert torch.equal((split["beta_route"] + split["beta_rest"])[m], split["beta"][m])
     # the replaying forward routes exactly as the engine did at every position it routed

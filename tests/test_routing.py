@@ -10,6 +10,7 @@ from phantomclip.models.load import load_model
 from phantomclip.precision.recipes import apply_recipe, get_recipe
 from phantomclip.precision.scoring import TrainerForward, score
 from phantomclip.routing import routes as routing
+from phantomclip.routing.figures import flips, route_split, route_stats
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_flip_rate_and_margin_on_a_crafted_layer_worked_by_hand():
     plus, minus = got
     assert plus.ids.dtype == torch.uint8
     assert plus.ids[0, 0].sort(-1).values.tolist() == [[0, 2], [0, 1], [1, 2], [1, 3]]
-    assert routing.flips(plus, minus)[0, 0].tolist() == [True, True, False, True]
+    assert flips(plus, minus)[0, 0].tolist() == [True, True, False, True]
     assert plus.margin[0, 0].tolist() == [delta, delta, 2.0, delta]
-    stats = routing.route_stats(plus, minus, torch.ones(1, 4, dtype=torch.bool))
+    stats = route_stats(plus, minus, torch.ones(1, 4, dtype=torch.bool))
     assert stats["positions"] == 4 and stats["flip_rate"] == 0.75 and stats["any_flip_share"] == 0.75
     assert stats["layers"][0]["margin_flipped_median"] == delta
 
@@ -130,7 +131,7 @@ def test_a_router_forced_to_ties_flips_between_fp32_and_bf16():
     # torch.topk takes the lower index of a tie on this CPU; whichever it takes, the sets differ from fp32's where
     # it took expert 1
     took_one = (b.ids[0, 0] == 1).any(-1)  # [4]
-    assert torch.equal(routing.flips(a, b)[0, 0], took_one) and bool(took_one.any())
+    assert torch.equal(flips(a, b)[0, 0], took_one) and bool(took_one.any())
 
 
 # ------------------------------------------------------------------------------- whole models
@@ -141,7 +142,7 @@ def test_identical_routes_give_beta_route_zero_exactly(moe):
     sc, own = _routes_of(moe.model, "fp32", ids, att)
     with routing.replay(moe.model, own, routing.full_layout(ids.shape[1])):
         again = score(moe.model, get_recipe("fp32"), ids, att)
-    split = routing.route_split(sc.logp, again.logp, sc.logp)
+    split = route_split(sc.logp, again.logp, sc.logp)
     assert torch.equal(split["beta_route"], torch.zeros_like(split["beta_route"]))
 
 
@@ -168,9 +169,9 @@ def test_replay_reproduces_the_engines_decode_routes_bit_for_bit(moe):
         rep = score(moe.model, fp32, packed["input_ids"], packed["attention_mask"], packed["completion_mask"])
     got = rec.routes(routing.full_layout(T), B, T)
     assert torch.equal(got.ids[:, eng.valid], eng.ids[:, eng.valid])
-    split = routing.route_split(own.logp, rep.logp, packed["logp_engine"])
+    split = route_split(own.logp, rep.logp, packed["logp_engine"])
     assert torch.equal(split["beta_route"] + split["beta_rest"], split["beta"])  # exact in float64
-    flipped = routing.flips(own_routes, eng)[:, eng.valid].any()
+    flipped = flips(own_routes, eng)[:, eng.valid].any()
     assert bool((split["beta_route"] != 0).any()) == bool(flipped)
     # the trainer's grouped forward (train): the prompt once per group of 2
     with routing.replay(moe.model, eng, routing.grouped_layout(P, T, 2)), routing.capture(moe.model) as rec:
@@ -186,7 +187,7 @@ def test_engine_routes_under_bf16_flip_some_fp32_decisions(moe):
     bf16 = apply_recipe(moe.model, get_recipe("bf16"), matmul="auto")
     _, a = _routes_of(moe.model, "fp32", ids, att)
     _, b = _routes_of(bf16, "bf16", ids, att)
-    stats = routing.route_stats(a, b, att.bool())
+    stats = route_stats(a, b, att.bool())
     assert 0 < stats["flip_rate"] < 0.2 and stats["positions"] == 96
     assert stats["layers"][0]["margin_p50"] > stats["layers"][0]["margin_flipped_median"]  # flips sit at small margins
 

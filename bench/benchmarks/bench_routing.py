@@ -17,8 +17,12 @@ forward beside the loss's), as first built (two forwards beside it), and none (r
 per run the median over its steps (the first left out: warm-up) of the trainer's side of a step (time/step_s less
 time/wait_s), then per round the differences, median over rounds.
 
-Run: python bench/bench_routing.py --scales; python bench/bench_routing.py --overhead [--rounds 5]; nice -n 15 python
-bench/bench_routing.py --parts --train [--rounds 5] [--steps 8]
+Run: python bench/benchmarks/bench_routing.py --scales; python bench/benchmarks/bench_routing.py --overhead
+[--rounds 5]; nice -n 15 python bench/benchmarks/bench_routing.py --parts --train [--rounds 5] [--steps 8]
+
+Feeds bench/RESULTS.md "2026-12-03: routing capture and replay on the tiny MoE" (--overhead, --scales) and "2026-12-03:
+the route work of a train step on the tiny MoE, profiled and halved" (--parts, --train), and docs/results.md "Expert
+routing on the tiny MoE: what replay removes".
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def scales(stds: list[float], seed: int = 0) -> None:
     from phantomclip.precision.recipes import apply_recipe, get_recipe
     from phantomclip.precision.scoring import score
     from phantomclip.routing import routes as routing
-
+    from phantomclip.routing.figures import flips
     ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))  # [8, 64] random bytes
     att = torch.ones_like(ids)
     print("router_std layer margin_p10 margin_p50 top1_weight_p50 top1_weight_p90 load_entropy fp32_bf16_flip")
@@ -53,7 +57,7 @@ def scales(stds: list[float], seed: int = 0) -> None:
         with routing.capture(bf16) as rec16:
             score(bf16, get_recipe("bf16"), ids, att)
         a, b = (r.routes(routing.full_layout(64), 8, 64) for r in (rec32, rec16))
-        flip = routing.flips(a, b)  # [layers, 8, 64]
+        flip = flips(a, b)  # [layers, 8, 64]
         for layer in range(a.layers):
             m = a.margin[layer].flatten().double()
             w = a.weights[layer, ..., 0].flatten().double()  # the first expert's normalised weight
@@ -100,7 +104,7 @@ def overhead(rounds: int) -> None:
 
 
 R3_RUN = dict(model="tiny-moe:0", max_tokens=16, lr=3e-3, intervention="r3")
-"""the results/moe-r3 runs' settings (bench/exp_moe_r3.py), r3 arm."""
+"""the results/moe-r3 runs' settings (bench/experiments/exp_moe_r3.py), r3 arm."""
 
 
 def _load() -> str:

@@ -45,6 +45,7 @@ from ..models.prompts import bundled_prompts, encode_within, read_prompts
 from ..precision.recipes import apply_recipe, check_fits, cpu_description, get_recipe, without_quant
 from ..precision.scoring import score
 from ..routing import routes as routing
+from ..routing.figures import route_figures, route_split
 from .config import DiagnoseConfig
 from .fp8 import fp8_figures, plain_engine_reads
 from .knobs import knob_figures
@@ -263,16 +264,16 @@ def route_phase(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, scored: d
                 ref: Reference) -> tuple[dict, torch.Tensor]:
     """MoE models: every scored recipe's routes against the engine's, and the first trainer recipe's β split into
     β_route (its own routes against the engine's, one more forward with the engine's replayed) and β_rest
-    (routing.route_figures; keys in docs/metrics.md); with β_rest [n, T] itself."""
+    (figures.route_figures; keys in docs/metrics.md); with β_rest [n, T] itself."""
     first = cfg.trainer[0]
     recipe = get_recipe(first)
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
     replayed = concat_batches(routing.replayed_logprobs(model, recipe, sampled.packed, sampled.routes, cfg.temperature,
                                                  prep.device))  # [n, T]
-    split = routing.route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
+    split = route_split(scored[first].logp, replayed, ref.logp_engine)  # [n, T] each
     where = concat_batches([p["attention_mask"] for p in sampled.packed]).bool()  # [n, T] real tokens
     own = {name: routing.concat(s.routes) for name, s in scored.items() if s.routes}
-    figures = routing.route_figures(routing.concat(sampled.routes), own, where=where,
+    figures = route_figures(routing.concat(sampled.routes), own, where=where,
                                     experts=_num_experts(prep.lm.model), split_recipe=first, split=split,
                                     mask=sampled.mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
                                     source="recorded with the tokens" if cfg.rollouts else "local engine decode")

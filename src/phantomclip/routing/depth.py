@@ -17,6 +17,7 @@ from ..maths.metrics import mean_or_nan, quantile_or_nan
 from ..precision.recipes import Recipe, forward_context
 from ..precision.scoring import score
 from . import routes as routing
+from .figures import flips
 
 
 def _routes_and_inputs(model: nn.Module, recipe: Recipe, ids: torch.Tensor,
@@ -44,7 +45,7 @@ def route_depth(model: nn.Module, recipe: Recipe, ref_model: nn.Module, referenc
     where = attn.bool().cpu()  # [B, T]
     ref, ref_inputs = _routes_and_inputs(ref_model, reference, ids, attn)
     mine, _ = _routes_and_inputs(model, recipe, ids, attn)
-    flip = routing.flips(mine, ref)[:, where]  # [layers, N]
+    flip = flips(mine, ref)[:, where]  # [layers, N]
     first = torch.zeros_like(flip)
     first[flip.double().argmax(0), torch.arange(flip.shape[1])] = True
     first &= flip.any(0)  # [layers, N]: the first flipped layer of each position with a flip

@@ -5,7 +5,7 @@ engine's experts.
 
 Per step, at the current weights θ_t and in the trainer's recipe, the split needs two forwards of the packed batch:
 one with the trainer's own routes (captured, for the flip rate) and one with the engine's replayed. Their difference
-is β_route, exact per token (routing.route_split): what replay removes. The loss's own forward is one of the two (its
+is β_route, exact per token (figures.route_split): what replay removes. The loss's own forward is one of the two (its
 own routes, or the engine's under r3), at θ_t before the update, on the same batch in the same shapes; its log-probs
 are those of the same forward without grad bit for bit (the same kernels: tested), so each step runs only the other
 one more (`time/route_s`), no-grad, before the loss (the weights then are θ_t too).
@@ -24,6 +24,7 @@ from torch import nn
 from ..engines.local import LocalEngine
 from ..maths.metrics import mean_or_nan, trust_region_split
 from . import routes as routing
+from .figures import flip_shares, flips_at, route_split
 
 
 def capture_plan(engine, master: nn.Module, replay: bool) -> bool:
@@ -147,10 +148,10 @@ def route_row(own: torch.Tensor, own_routes: routing.Recorder, replayed: torch.T
     `replayed` [B, L] (the engine's routes) at the sampled tokens; log r = β_route + the rest, exactly per token."""
     B, T = packed["input_ids"].shape
     mine = own_routes.routes(routing.grouped_layout(P, T, group), B, T)
-    flip, _ = routing.flips_at(mine, routes, packed["attention_mask"].bool().cpu())  # [layers, N]
-    flip_rate, any_flip_share = routing.flip_shares(flip)  # (route_stats' per-layer table: not logged per step)
+    flip, _ = flips_at(mine, routes, packed["attention_mask"].bool().cpu())  # [layers, N]
+    flip_rate, any_flip_share = flip_shares(flip)  # (route_stats' per-layer table: not logged per step)
     mask = packed["completion_mask"][:, P:].bool()  # [B, L]
-    split = routing.route_split(own, replayed, packed["logp_engine"][:, P:])  # float64 [B, L] each
+    split = route_split(own, replayed, packed["logp_engine"][:, P:])  # float64 [B, L] each
     ok = mask & split["beta"].isfinite()  # [B, L]
     below, above = trust_region_split(split["beta_route"][ok], *eps)
     return {

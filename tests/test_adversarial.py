@@ -658,7 +658,7 @@ def test_digits_python_reads_as_digits_but_int_refuses():
     name (--fail-if's list indices, a snapshot's step), and a snapshot named other than snapshot_path names it (step-2
     beside step-000002) is not read as a second copy of its step."""
     from phantomclip.base.errors import ascii_digits
-    from phantomclip.maths.frameworks import _walk
+    from phantomclip.diagnose.gates import _walk
     from phantomclip.runs.rundir import RunDir
 
     assert [ascii_digits(t) for t in ("12", "²", "١", "", "1a", "007")] == [True, False, False, False, False, True]

@@ -17,7 +17,8 @@ from phantomclip.engines.local import LocalEngine, SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, VLLMError
 from phantomclip.engines.vllm_memory import CPU_SHARE
 from phantomclip.models.prompts import bundled_prompts, encode_prompts
-from phantomclip.runs.rundir import RunDir, read_jsonl
+from phantomclip.runs.read import read_jsonl
+from phantomclip.runs.rundir import RunDir
 
 TINY = ["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "12", "--engine", "vllm"]
 

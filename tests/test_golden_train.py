@@ -17,7 +17,7 @@ import pytest
 
 from conftest import cpu_kind
 from phantomclip.cli.main import main
-from phantomclip.runs.rundir import nan_for_null
+from phantomclip.runs.read import nan_for_null
 
 GOLDEN = Path(__file__).parent / "golden" / f"train-tiny-{cpu_kind()}"
 ARGS = ["--model", "tiny-random:30", "--steps", "3", "--group-size", "4", "--max-tokens", "8", "--lr", "3e-3"]

@@ -6,7 +6,8 @@ import torch
 from phantomclip.base.errors import PhantomclipWarning, WriteError
 from phantomclip.base.locks import LockError
 from phantomclip.runs.checks import METRIC_KEYS
-from phantomclip.runs.rundir import RunDir, RunError, config_diff, read_jsonl
+from phantomclip.runs.read import RunError, config_diff, read_jsonl
+from phantomclip.runs.rundir import RunDir
 
 RUN = {"versions": {"phantomclip": "test"}}
 """what makes a config.json a run's (runs.is_run_config): every test run's configuration holds it."""

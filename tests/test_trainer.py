@@ -21,7 +21,8 @@ from conftest import (
 from phantomclip.maths.metrics import alpha_beta_stats, ratio_split
 from phantomclip.precision.recipes import apply_recipe, forward_context, get_recipe
 from phantomclip.precision.scoring import TrainerForward, position_ids_from_mask, score, score_completions
-from phantomclip.runs.rundir import RunDir, read_jsonl
+from phantomclip.runs.read import read_jsonl
+from phantomclip.runs.rundir import RunDir
 from phantomclip.training.tasks import TaskError
 from phantomclip.training.trainer import (
     INTERVENTIONS,

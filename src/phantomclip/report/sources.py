@@ -26,7 +26,7 @@ from ..base.errors import PhantomclipError, PhantomclipWarning
 from ..base.files import InputError, json_reason, read_input
 from ..base.locks import writer_of
 from ..runs.checks import check_metrics_rows, check_run_ids
-from ..runs.rundir import read_jsonl, run_id
+from ..runs.read import read_jsonl, run_id
 
 
 class ReportError(PhantomclipError):

@@ -70,7 +70,7 @@ def routed_step(step_fn: Callable, batch, ctx):
     step unchanged.
 
     `step_fn` scores the batch once with `ctx.policy.logprobs(batch.packed, P, group, grad=True, temperature)` before
-    it updates the weights (the loss forward, `trainer._train_step`); the figures take that forward's log-probs (and
+    it updates the weights (the loss forward, `step.train_step`); the figures take that forward's log-probs (and
     its routes without r3) and run only the other forward here."""
     routes = batch.routes
     if routes is None:

@@ -31,7 +31,8 @@ from ..maths.metrics import PROB_EDGES, mean_or_nan, prob_buckets, shift_share
 from ..precision.recipes import RECIPES, Recipe, apply_recipe, cpu_description, get_recipe
 from ..precision.scoring import LOGIT_STATS, score
 from ..runs.checks import check_snapshot
-from ..runs.rundir import RunDir, read_json_object
+from ..runs.read import read_json_object
+from ..runs.rundir import RunDir
 from .depth import site_errors
 
 

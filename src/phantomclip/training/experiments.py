@@ -24,7 +24,8 @@ from ..base.files import check_output_dir
 from ..base.locks import EXPERIMENT_MANIFEST, DirLock
 from ..base.owned import check_no_links, make_dirs, remove_owned, write_owned_bytes, write_owned_json
 from ..maths.metrics import RUN_WINDOW, run_phantom_summary, t_interval
-from ..runs.rundir import RunDir, read_json_object
+from ..runs.read import read_json_object
+from ..runs.rundir import RunDir
 from .config import ADDED_SINCE_SCHEMA_1, RESUME_MAY_CHANGE, TrainConfig, engine_refuses
 from .interventions import TrainConfigError
 from .trainer import run_config, run_finished, train

@@ -4,7 +4,7 @@
     python scripts/make_demo_data.py --vllm-python .venv-vllm/bin/python   # measurements only, vLLM included
     python scripts/make_demo_data.py --skip-measure --growth results/growth-bundled   # `trace --run` JSONs only
     python scripts/make_demo_data.py --skip-measure --fp8 results/fp8-bundled   # after `phantomclip experiment fp8`
-    python scripts/make_demo_data.py --skip-measure --moe results/moe-r3   # after `python bench/exp_moe_r3.py`
+    python scripts/make_demo_data.py --skip-measure --moe results/moe-r3   # after `bench/experiments/exp_moe_r3.py`
 
 Writes diagnose.json (16 prompts x up to 32 tokens, all recipes, the in-process bf16 engine, --drift 3),
 diagnose-moe.json (tiny-moe:0, 8 prompts x up to 16 tokens, fp32 and bf16 trainers: the route table of the MoE
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM, for diagnose-vllm.json")
     ap.add_argument("--growth", default=None, help="a folder of `phantomclip trace --run --json` files")
     ap.add_argument("--fp8", default=None, help="a finished `phantomclip experiment fp8` directory")
-    ap.add_argument("--moe", default=None, help="a finished moe-r3 experiment directory (bench/exp_moe_r3.py)")
+    ap.add_argument("--moe", default=None,
+                    help="a finished moe-r3 experiment directory (bench/experiments/exp_moe_r3.py)")
     ap.add_argument("--skip-measure", action="store_true", help="only copy the sanity runs")
     args = ap.parse_args()
     DEMO.mkdir(parents=True, exist_ok=True)

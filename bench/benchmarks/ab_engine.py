@@ -8,7 +8,12 @@ the bench stops if they differ). Prints median [min-max] per path and the after 
 the 1-minute load average before and after. Workload: bench_engine's (bundled SmolLM2-135M, prompts of 24 random
 ids, 64 sampled tokens, temperature 1, no stop tokens).
 
-    python bench/ab_engine.py --before /tmp/before_src [--dtype bf16] [--rows 16,64] [--rounds 4] [--threads 1]
+    python bench/benchmarks/ab_engine.py --before /tmp/before_src [--dtype bf16] [--rows 16,64] [--rounds 4]
+        [--threads 1]
+
+Feeds the before/after lines of an engine change's bench/RESULTS.md entry (2026-12-03, fourth session: "Whole
+generates"; 2026-12-03 16:16-17:45 UTC, the sampler's CDF: "Whole generates, old and new interleaved").
+bench_refactor.py is the same A/B from a git commit, each run in a fresh process, on wall time.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def import_before(src: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules["phantomclip_before"] = module
     spec.loader.exec_module(module)
-    return importlib.import_module("phantomclip_before.engine")
+    return importlib.import_module("phantomclip_before.engines.local")
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ Three tables on the bundled model's shapes, fp32 and bf16 (the kernel `auto` pic
 One thread and `time.thread_time` because on a shared 2-core VM a 2-thread wall time mostly measures OpenMP barriers
 waiting for a descheduled thread; read the ratios, not the absolute times, and note the load printed beside them.
 
-    python bench/bench_decode_kernels.py [--rounds 5] [--dtypes fp32,bf16] [--rows 16,64]
+    python bench/benchmarks/bench_decode_kernels.py [--rounds 5] [--dtypes fp32,bf16] [--rows 16,64]
+
+Feeds bench/RESULTS.md "2026-12-03: the local engine's decode step profiled, fused products, the bench's load guard" and
+the packing rule in engines/decode.py's docstring.
 """
 
 from __future__ import annotations

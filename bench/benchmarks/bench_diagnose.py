@@ -5,7 +5,9 @@ by a bf16 engine, then re-scored under every trainer recipe), twice, and reports
 includes interpreter start-up and model loading. Target: under 180 s on this 2-core CPU. From the JSON of the
 last run it also prints the engine's tokens/s and each recipe's scoring `seconds`.
 
-    python bench/bench_diagnose.py [--quick]
+    python bench/benchmarks/bench_diagnose.py [--quick]
+
+Feeds bench/RESULTS.md §3 ("`phantomclip diagnose`, default settings") and docs/results.md "How long `diagnose` takes".
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ every default recipe. From it:
   tensors (median of 5 calls), against the same wall time (target: under 5% together).
 The wall time counts model loading, sampling, scoring and figures; interpreter start-up is outside it.
 
-    python bench/bench_diagnose_parts.py
+    python bench/benchmarks/bench_diagnose_parts.py
+
+Feeds bench/RESULTS.md (2026-12-01, third session) "diagnose's parts", docs/results.md "How long `diagnose` takes" and
+docs/metrics.md "Batch invariance".
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def median_seconds(fn, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from conftest import cpu_kind
     from phantomclip.diagnose.job import DiagnoseConfig, figures, measure
     from phantomclip.diagnose.knobs import knob_figures

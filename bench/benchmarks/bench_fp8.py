@@ -14,12 +14,15 @@ then the median of 2 warm calls. Sampling: `LocalEngine.generate`, the first 4 b
 one warm-up call, median of 2. Recipes are timed in rounds, bf16 first then the FP8 ones, then in reverse order
 (ABBA), so machine noise hits all alike; the ratio is each recipe's median over bf16's.
 
-    python bench/bench_fp8.py [--rounds 2] [--recipes bf16,bf16+fp8-w8a8]
-    python bench/bench_fp8.py --rows 64 --tokens 80 --scoring-only   # diagnose's own shape (below)
+    python bench/benchmarks/bench_fp8.py [--rounds 2] [--recipes bf16,bf16+fp8-w8a8]
+    python bench/benchmarks/bench_fp8.py --rows 64 --tokens 80 --scoring-only   # diagnose's own shape (below)
 
 `--rows 64 --tokens 80` is what a default `phantomclip diagnose` scores per recipe: its 64 prompts in one batch of 64
 (`DiagnoseConfig.batch_size`), each up to 48 completion tokens after a bundled prompt of about 30 tokens; diagnose
 lays the model out and scores that batch once, which is this bench's "cold" column.
+
+Feeds bench/RESULTS.md "2026-12-03: FP8 engine recipes against bf16" and the FP8 entries after it, and docs/results.md
+"FP8 engines: the tiny model's experiment, the cost, what was not run" (**Cost**).
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ engine's decode path against a prefill of the same weights in the same kernels) 
 Different kernels sample different tokens (the same seed, other rounding), so the two runs score different
 completions; the figures compare two measurements of the same quantity, not token for token.
 
-    python bench/bench_native_vs_emulated.py [--n 64] [--max-tokens 48]
+    python bench/benchmarks/bench_native_vs_emulated.py [--n 64] [--max-tokens 48]
+
+Feeds bench/RESULTS.md (2026-12-01, second session) "Native against emulated bf16 kernels on one machine",
+docs/results.md "How long `diagnose` takes" and "What diagnose measured on the bundled model", and docs/diagnose.md
+"Matmul kernels on CPUs without native bf16".
 """
 
 from __future__ import annotations

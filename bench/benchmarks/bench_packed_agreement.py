@@ -6,7 +6,10 @@ Workload: bundled SmolLM2-135M, 4 x 64 random token ids (seed 1), teacher-forced
 (`apply_recipe(master, bf16, matmul="emulated")`, then `decode.pack_linears` on one copy); the flip share on 16 random
 rows through each distinct Linear shape of the model. Prints the CPU kind: the sums, and so the flips, depend on it.
 
-    python bench/bench_packed_agreement.py
+    python bench/benchmarks/bench_packed_agreement.py
+
+Feeds bench/RESULTS.md (2026-12-02, fifth session) "What packing does to the emulated engine's numbers": the mean |Δ|
+0.070 that engines/decode.py's docstring and docs/diagnose.md "Engines" cite.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from conftest import cpu_kind
 
     master = load_model("smollm2-135m", progress=lambda *a: None).model.eval()

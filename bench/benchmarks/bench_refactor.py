@@ -18,7 +18,12 @@ Workloads (bundled SmolLM2-135M, 2 threads unless the machine has fewer):
                             fp16 instructions); 1 / wall seconds.
 Higher is better for every figure; new / old is the ratio of medians.
 
-    python bench/bench_refactor.py [--old 56b808e^] [--repeats 3] [--workloads engine-fp32,engine-bf16,...]
+    python bench/benchmarks/bench_refactor.py [--old 56b808e^] [--repeats 3] [--workloads engine-fp32,engine-bf16,...]
+
+Feeds bench/RESULTS.md "2026-12-02, seventh session: the CPU hot paths before and after `--device`" and (2026-12-01) "No
+regression from the refactor", and docs/results.md "Before and after `--device` on the CPU". The workloads import this
+tree's module paths (the packages since e7918ce), so --old must be e7918ce or later: the default, 56b808e^, is older
+and no longer runs.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PRELUDE = """
 import json, statistics, time, torch

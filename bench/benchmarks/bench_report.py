@@ -2,7 +2,9 @@
 the page is interactive in headless Chromium (< 3 s: navigation start to every Plotly figure drawn and the
 widgets answering).
 
-    python bench/bench_report.py [--repeats 3]
+    python bench/benchmarks/bench_report.py [--repeats 3]
+
+Feeds bench/RESULTS.md §6 ("`phantomclip report` on the bundled demo data") and docs/results.md "The report's cost".
 """
 
 import argparse

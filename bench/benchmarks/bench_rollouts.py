@@ -1,7 +1,7 @@
 """`diagnose --rollouts` against diagnose's own scoring of the same recipes on the same tokens, and the memory of
 reading a large rollout file.
 
-    python bench/bench_rollouts.py [--rounds 3] [--n 32] [--records 20000] [--allow-load]
+    python bench/benchmarks/bench_rollouts.py [--rounds 3] [--n 32] [--records 20000] [--allow-load]
 
 Speed: one sampled run writes its tokens (`--save-rollouts`); then, in alternating order each round, the sampled run
 again and the recorded run on its file, each in a fresh process (bundled model, fp32 and bf16 recipes, no batch
@@ -13,6 +13,8 @@ ratios).
 Memory: a synthetic file of `--records` records (tiny-random:0's vocabulary, 32-token prompts, 64-token
 completions) read and packed by `recorded.read_sampled` in a fresh process: its peak resident memory above the
 process's baseline, against the file's size and what the packed tensors hold.
+
+Feeds bench/RESULTS.md "2026-12-04: `diagnose --rollouts` against diagnose's own sampled run".
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import Load, refuse_if_loaded  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = "fp32,bf16"
 
 

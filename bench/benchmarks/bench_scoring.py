@@ -18,7 +18,10 @@ Peak memory: each (path, dtype) in a fresh subprocess (`--one PATH DTYPE [CHUNK]
 then the high-water mark VmHWM is reset (/proc/self/clear_refs) so VmHWM after the step covers the step alone
 (ru_maxrss cannot be reset; printed for comparison).
 
-    python bench/bench_scoring.py [--quick]
+    python bench/benchmarks/bench_scoring.py [--quick]
+
+Feeds bench/RESULTS.md §1 ("Scoring: `score()` (ours) vs `naive_logprobs()` (naive)") and its "Scoring memory" entries,
+and docs/results.md "Scoring against a naive log-softmax".
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def main() -> None:
 
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from conftest import cpu_kind
 
     print(f"CPU kind: {cpu_kind()}; bf16 kernel that auto picks here: {auto['bf16']}")

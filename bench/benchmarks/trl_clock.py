@@ -1,4 +1,6 @@
-"""A TrainerCallback that records the wall time of every optimizer step (generation included in GRPO)."""
+"""A TrainerCallback that records the wall time of every optimizer step (generation included in GRPO).
+
+A helper, not run on its own: bench_trainer.py times TRL's steps with it (bench/RESULTS.md §4)."""
 
 import time
 

@@ -5,7 +5,9 @@ with it), launches this file under each with `accelerate launch`, and prints, fr
 it: its distributed type, the process count, whether it holds an FSDP plugin, the class that wraps the policy after
 `accelerator.prepare_model`, and `integrations.weights.sharding_of` of it (or the error it raised).
 
-    python bench/accelerate_fsdp_cpu.py
+    python bench/checks/accelerate_fsdp_cpu.py
+
+Feeds docs/trl.md "FSDP through accelerate on a CPU" (its table).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def child() -> None:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from phantomclip.integrations.weights import sharding_of
     from trl_ranks_worker import make_trainer
 

@@ -6,7 +6,9 @@ first iteration (the same shadow scores `old` and the current weights) whatever 
 compares two forwards with different dropout masks. This runs both on the tiny model with LoRA (lora_dropout 0.3),
 β_KL 0.04 and num_iterations=2, same seeds, and prints the logged `kl` per step.
 
-    python bench/trl_kl_bias_correction.py [--steps 4] [--dropout 0.3] [--no-bias-correction]
+    python bench/checks/trl_kl_bias_correction.py [--steps 4] [--dropout 0.3] [--no-bias-correction]
+
+Feeds docs/trl.md "Which KL TRL logs under with_shadow_ratio" (its table).
 """
 
 from __future__ import annotations

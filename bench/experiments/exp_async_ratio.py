@@ -10,10 +10,14 @@ old side from an fp32 copy of version v's weights), and the bf16 α's error agai
 completion length of every group sampled (learning). Paired by seed: the same seed draws the same prompts and, for
 the first step, the same completions in every arm.
 
-Run: nice -n 15 python bench/exp_async_ratio.py [--out results/trl-async-ratio] [--steps 14] [--seeds 3]
+Run: nice -n 15 python bench/experiments/exp_async_ratio.py [--out results/trl-async-ratio] [--steps 14] [--seeds 3]
 (rerun to continue: each finished run is one JSON file, written atomically; a killed run restarts from its start;
 each run is its own process: a trainer's memory, about 6 GB here with its copies, is returned when it ends);
 --summary only reads what is there and prints the comparison.
+
+Writes one JSON per arm and seed and summary.json under --out (results/trl-async-ratio), which docs/results.md "The
+async fix's ratio, compared over seeds" and docs/trl.md "The async trainer: monitor and fix" (why "decoupled" is the
+default) read.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # the cost bench, a helper here
 from bench_trl_async_monitor import cpu_kind  # noqa: E402  (the same CPU line as the cost bench)
 
 ARMS = ("trl", "shadow", "trainer", "decoupled")

@@ -2,7 +2,11 @@
 (experiments.summarize, as `phantomclip experiment sanity` reads its arms). Random weights: the figures show the
 mechanism (what replay removes from β, what it does to phantom clipping), not a real MoE's size.
 
-Run: nice -n 15 python bench/exp_moe_r3.py [--out results/moe-r3] [--steps 40] [--lr 3e-3]; rerun to continue.
+Run: nice -n 15 python bench/experiments/exp_moe_r3.py [--out results/moe-r3] [--steps 40] [--lr 3e-3]; rerun to
+continue.
+
+Writes results/moe-r3 (its README records the run), which docs/results.md "Expert routing on the tiny MoE: what replay
+removes" and the report's MoE section (docs/report.md; scripts/make_demo_data.py --moe) read.
 """
 
 from __future__ import annotations

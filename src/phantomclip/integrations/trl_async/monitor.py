@@ -59,11 +59,11 @@ __all__ = ["DEFAULT_RATIO", "AsyncPrecisionMonitor", "IntegrationError", "async_
            "shadow_memory", "staleness_bound", "with_async_shadow_ratio"]
 
 DEFAULT_RATIO = "decoupled"
-"""the fix's ratio unless told (trl_async.ratio.RATIOS). Chosen on bench/exp_async_ratio.py (docs/results.md, TRL's
-async trainer on the bundled model, 5 seeds paired): "decoupled" learned detectably faster than "shadow", "trainer"
-and TRL's own ratio (mean length over the run −16.0 [−18.9, −13.0] tokens against "shadow"), needs no copies
-and costs the least time; "trainer" alone clips exactly where the fp32 policy-move clip does, with no detectable
-difference in learning from "shadow" or TRL's ratio."""
+"""the fix's ratio unless told (trl_async.ratio.RATIOS). Chosen on bench/experiments/exp_async_ratio.py
+(docs/results.md, TRL's async trainer on the bundled model, 5 seeds paired): "decoupled" learned detectably faster than
+"shadow", "trainer" and TRL's own ratio (mean length over the run −16.0 [−18.9, −13.0] tokens against "shadow"), needs
+no copies and costs the least time; "trainer" alone clips exactly where the fp32 policy-move clip does, with no
+detectable difference in learning from "shadow" or TRL's ratio."""
 
 
 class _Record:
@@ -93,7 +93,7 @@ class _Hooks:
         (which other processes on a shared machine do not inflate)."""
         self.seconds = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
         self.cpu_by_part = {"snapshot": 0.0, "forwards": 0.0, "figures": 0.0}
-        """the same clocks by part (bench/bench_trl_async_monitor.py: forwards and figures run inside TRL's
+        """the same clocks by part (bench/benchmarks/bench_trl_async_monitor.py: forwards and figures run inside TRL's
         training_step, the snapshots after its _sync_weight)."""
         self._install()
 

@@ -97,7 +97,7 @@ HOST_SIDE = {
     ("engines/local.py", "__init__"): "_Forced: the given tokens built on the host, then moved",
     ("engines/decode.py", "packs_bit_identically"): "a CPU-only probe of oneDNN's bf16 packing",
     ("diagnose/job.py", "score_alone"): "the host copy of the alone-scored log-probs (figures are computed there)",
-    ("training/trainer.py", "_rollout_row"): "completion lengths for the step's row (host figures)",
+    ("training/step.py", "_rollout_row"): "completion lengths for the step's row (host figures)",
     ("engines/drift.py", "*"): "drift compares host token and log-prob lists",
     ("diagnose/knobs.py", "*"): "knob advice: host figures",
     ("base/numerics.py", "*"): "scalar helpers",

@@ -300,7 +300,8 @@ def test_a_post_mortem_has_one_row_per_step(saved, tmp_path):
         _write(steps / f"step-{step}.jsonl", [rows[0], *recs])
     d = _diagnose(tmp_path, "pm", "--rollouts", str(steps), "--epsilon", "0.05")
     got = d["postmortem"]["steps"]
-    assert [r["step"] for r in got] == [0, 5, 10] and all(r["lag"] is None for r in got)
+    assert [r["step"] for r in got] == [0, 5, 10]  # the same tokens each step: --model sampled them all
+    assert all((r["lag"], r["weights"]["verdict"]) == (0, "matched") for r in got)
     beta = d["tokens"]["per_recipe"]["fp32"]["beta"]
     seq = d["tokens"]["sequence"]
     for row, sign in zip(got, (1.0, -1.0, 1.0)):
@@ -312,8 +313,9 @@ def test_a_post_mortem_has_one_row_per_step(saved, tmp_path):
 
 
 def test_a_post_mortem_measures_each_step_against_its_checkpoint(saved, tmp_path, tiny, capsys):
-    """checkpoint-0 holds the model that sampled: step 0 is its own (lag 0), step 3 is measured against it (lag 3);
-    a step before every checkpoint is refused in one line."""
+    """checkpoint-0 holds the model that sampled every step: step 0 is its own, step 3 (its own checkpoint not given)
+    matches it too, so both are β alone (lag 0). Renamed checkpoint-2, the records of step 0 precede every
+    checkpoint: --model stands for the run's initial weights (TRL saves no checkpoint-0)."""
     _, path = saved
     rows = _lines(path)
     steps = tmp_path / "steps"
@@ -324,11 +326,15 @@ def test_a_post_mortem_measures_each_step_against_its_checkpoint(saved, tmp_path
     tiny.model.save_pretrained(ckpts / "checkpoint-0")
     tiny.tokenizer.save_pretrained(ckpts / "checkpoint-0")
     d = _diagnose(tmp_path, "pm", "--rollouts", str(steps), "--checkpoints", str(ckpts))
-    assert [(r["step"], r["lag"]) for r in d["postmortem"]["steps"]] == [(0, 0), (3, 3)]
+    assert [(r["step"], r["lag"], r["weights"]["sampled_by"]) for r in d["postmortem"]["steps"]] == [(0, 0, 0),
+                                                                                                    (3, 0, 0)]
+    assert any(x.startswith("step 3: its own checkpoint is not given; step 0's weights match its records")
+               for x in d["answer"]["reasons"])
     (ckpts / "checkpoint-0").rename(ckpts / "checkpoint-2")
-    capsys.readouterr()
-    line = bad_cli(["diagnose", *TINY, "--rollouts", str(steps), "--checkpoints", str(ckpts)], capsys)
-    assert "step 0's records have no checkpoint at or before step 0" in line
+    d = _diagnose(tmp_path, "pm2", "--rollouts", str(steps), "--checkpoints", str(ckpts))
+    # the two candidates hold the same weights: both match each step (ambiguous), each step keeps its expected one
+    assert [(r["checkpoint"], r["weights"]["verdict"]) for r in d["postmortem"]["steps"]] == [
+        ("tiny-random:0", "ambiguous"), (str(ckpts / "checkpoint-2"), "ambiguous")]
 
 
 def test_pack_records_keeps_to_batches_and_columns(saved, tiny):
@@ -431,8 +437,9 @@ def test_the_post_mortem_sentence_says_the_direction_its_numbers_show(shares, wo
     said = change_sentence(rows)
     assert said.startswith(f"the share outside the trust region {word} from {100 * shares[0]:.2f}% at step 0 to "
                            f"{100 * shares[1]:.2f}% at step 4 (2 steps, 20 tokens)")
-    rows[1]["lag"] = 4
-    assert change_sentence(rows).endswith("their β holds the policy's change too)")
+    rows[1].update(lag=4, contains_alpha=True)
+    assert change_sentence(rows).endswith("(step 4 measured against other weights than those that sampled them: "
+                                          "their figures hold the policy's change too)")
 
 
 def test_a_recorded_fp8_engine_splits_off_beta_quant(tmp_path, capsys):

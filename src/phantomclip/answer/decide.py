@@ -4,6 +4,9 @@ One function per decision, read from the result dict alone (a JSON written earli
   `ranking`         the measured trainer recipes, fewest tokens outside the trust region first
   `status`          ok / at risk / will stall, from the stated thresholds below, on the figure of the ratio the user's
                     trainer clips (answer/exposure.py: β in the clip, in an importance-sampling weight, or in neither)
+  `run_status`      a post-mortem's status over the whole run: the worst step measured at the weights that sampled
+                    it, with what was found of the weights (stale, mislabelled, missing); steps whose figures hold α
+                    are named, never judged
   `changes`         each change as the user's framework spells it, with the figure this run measured for it
                     (answer/changes.py, with the one ε rule and the one cap rule)
 `answer` gathers them into the JSON's `answer` block, which the terminal (`answer_lines`), the verdict paragraph
@@ -103,6 +106,62 @@ def status(result: dict) -> tuple[str, list[str]]:
     if share >= STALL_SHARE:
         return "will stall", [f"{said} (stall ≥ {100 * STALL_SHARE:g}%)"]
     return ("at risk" if share > OK_SHARE else "ok"), [f"{said} (ok ≤ {100 * OK_SHARE:g}%)"]
+
+
+def judged_status(result: dict) -> tuple[str, float | None]:
+    """(status word, the share it judged) of one measurement: what a post-mortem keeps of each step's answer."""
+    word, _ = status(result)
+    share = judged(result, exposure(result))[0] if word != "not judged" else math.nan
+    return word, share if math.isfinite(share) else None
+
+
+def run_status(result: dict) -> tuple[str, list[str]]:
+    """A post-mortem's (status, reasons) over every step: the worst status of the steps measured at the weights that
+    sampled them (their figures are β alone), then one line per finding about the weights (which_weights' verdicts);
+    with no such step, 'not judged'."""
+    rows = result["postmortem"]["steps"]
+    judged_rows = [r for r in rows if not r.get("contains_alpha") and LEVELS.get(r.get("status")) is not None]
+    found = weights_lines(rows)
+    if not judged_rows:
+        return "not judged", ["no step's records were scored against the weights that sampled them: every figure "
+                              "below holds the policy's change α as well as β, so none says what the engine does; "
+                              "give the checkpoints of the recorded steps (--checkpoints DIR)", *found]
+    worst = max(judged_rows, key=lambda r: (LEVELS[r["status"]], r["judged_share"] or 0.0))
+    share = worst["judged_share"]
+    said = "nothing measured" if share is None else f"{pct(share)} of tokens touched by β at α = 0"
+    bound = (f"stall ≥ {100 * STALL_SHARE:g}%" if worst["status"] == "will stall" else f"ok ≤ {100 * OK_SHARE:g}%")
+    head = (f"the worst of {len(judged_rows)} steps measured at the weights that sampled them is step {worst['step']}: "
+            f"{said} ({bound})")
+    return worst["status"], [head, *found]
+
+
+def weights_lines(rows: list[dict]) -> list[str]:
+    """What the post-mortem found of the weights behind each step's records, one line per step that was not simply
+    its own checkpoint's (docs/rollouts.md, "Engine or learning")."""
+    lines = []
+    for r in rows:
+        w = r["weights"]
+        by, step = w["sampled_by"], r["step"]
+        if w["verdict"] == "served" and by is not None and by < step:
+            alpha = w.get("alpha") or {}
+            carried = (f"; the trainer's ratio there carries the policy's move since step {by} too (mean |α| "
+                       f"{alpha['alpha_abs_mean']:.4f}, {pct(alpha['outside_trust_region'])} of tokens outside the "
+                       "trust region on α alone)" if alpha.get("tokens") else "")
+            lines.append(f"step {step}: the engine served step {by}'s weights (stale weights, {step - by} steps "
+                         f"behind): measured against step {by}'s{carried}")
+        elif w["verdict"] == "served":
+            lines.append(f"step {step}: its records match the checkpoint named step {by}, not step {step}'s: the "
+                         "checkpoints' names do not match their weights (swapped or mislabelled?); measured against "
+                         "the weights that match")
+        elif w["verdict"] == "matched" and by is not None and by != step:
+            lines.append(f"step {step}: its own checkpoint is not given; step {by}'s weights match its records within "
+                         f"the precision gap (the policy had not moved yet, or the engine served step {by}'s weights)")
+        elif w["verdict"] == "missing":
+            against = "--model" if by is None else f"step {by}'s checkpoint"
+            lines.append(f"step {step}: no weights given sampled its records (closest: {against}, "
+                         f"{r['lag'] if r['lag'] is not None else 'unknown'} steps apart): its figures hold α too "
+                         "and are left out of the status")
+    return lines
 
 
 def setup_lines(result: dict) -> list[str]:
@@ -240,7 +299,7 @@ def answer(result: dict) -> dict:
     the framework the settings came from (config.answer_in, else the named setup's)."""
     exp = exposure(result)
     framework = result.get("config", {}).get("answer_in") or exp.setup.framework
-    word, reasons = status(result)
+    word, reasons = run_status(result) if result.get("postmortem") else status(result)
     reasons += random_weights_lines(result)
     if word != "not judged":
         reasons += setup_lines(result) + knob_limit_lines(result)

@@ -34,6 +34,9 @@ FIXED_FROM = 1e-2
 def verdict(result: dict) -> str:
     """One paragraph about the user's recipe (the first measured): how it compares with the best measured one
     (answer.ranking), what its figures mean for PPO clipping, and what to change (answer.epsilon_advice)."""
+    lag = result.get("config", {}).get("checkpoint_lag", 0)
+    if lag != 0:
+        return lagged_verdict(lag)
     recs = result["recipes"]
     usable = {k: v for k, v in recs.items() if v["tokens"] > 0}
     engine_missing = result["engine"].get("nonfinite_logprobs", 0)
@@ -81,6 +84,17 @@ def verdict(result: dict) -> str:
         listed = ", ".join(f"{k} ({overflow(k)})" for k in bad)
         parts.append(f"Non-finite log-probs (overflow) in: {listed}.")
     return " ".join(p for p in parts if p)
+
+
+def lagged_verdict(lag: int | None) -> str:
+    """The verdict on records scored against other weights than those that sampled them (a post-mortem step that no
+    checkpoint given sampled): the figures hold α, the policy's move, so nothing in them is the engine's."""
+    apart = "an unknown number of steps" if lag is None else f"{lag} steps"
+    return (f"These tables were measured against weights {apart} away from those that sampled the records (no "
+            "checkpoint given matched them), so each log-ratio holds the policy's change α as well as the mismatch β: "
+            "the shares above are not the engine's gap and say nothing of its precision or kernels. Give the "
+            "checkpoint of this step (--checkpoints DIR) to measure β alone; the answer above judges the steps that "
+            "were measured at their own weights.")
 
 
 def _what_it_costs(result: dict) -> str:

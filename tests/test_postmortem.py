@@ -9,6 +9,7 @@ own checkpoint.
 """
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -17,19 +18,32 @@ import torch
 
 from conftest import bad_cli
 from phantomclip.cli.main import main
+from phantomclip.diagnose.canary import CANARY_MARGIN
 from phantomclip.diagnose.which_weights import MATCH_FLOOR, MATCH_MARGIN, Match, decide_sampler
+from phantomclip.engines.local import LocalEngine
+from phantomclip.integrations.recorders import read_canary, record_canary
 from phantomclip.models.load import load_model
+from phantomclip.models.prompts import bundled_prompts
 
 STEPS = (0, 10, 20)
 ARGS = ["--trainer", "fp32"]
 
 
+def canary_sequences(tokenizer) -> list[list[int]]:
+    """The probe: the first 4 bundled prompts as plain text, 32 tokens each at most (the documented canary size)."""
+    return [tokenizer.encode(p)[:32] for p in bundled_prompts()[:4]]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """(checkpoints dir, {step: the records that step's own weights sampled, as lines}), made once."""
+    """(checkpoints dir, {step: the records that step's own weights sampled, as lines}), made once; beside each
+    step's records, root/canary-S.jsonl (the engine holding step S's weights read the probe) and
+    root/stale-S.jsonl (an engine never updated after step 0 read it: the sleep-mode fault)."""
     root = tmp_path_factory.mktemp("run")
     ckpts = root / "ckpts"
     lm = load_model("tiny-random:0")
+    probe = canary_sequences(lm.tokenizer)
+    stale = LocalEngine(lm.model, torch.bfloat16)  # a copy at step 0's weights, never synced again
     start = {k: v.clone() for k, v in lm.model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
     records = {}
@@ -44,17 +58,24 @@ def run(tmp_path_factory):
         assert main(["diagnose", "--model", str(ckpts / f"checkpoint-{step}"), "--n", "6", "--max-tokens", "10",
                      *ARGS, "--json", str(root / f"d{step}.json"), "--save-rollouts", str(out)]) == 0
         records[step] = out.read_text().splitlines()
+        assert record_canary(LocalEngine(lm.model, torch.bfloat16), probe, root / f"canary-{step}.jsonl",
+                             "bfloat16", step=step) == len(probe)
+        record_canary(stale, probe, root / f"stale-{step}.jsonl", "bfloat16", step=step)
     return ckpts, records
 
 
-def _steps_dir(tmp_path: Path, records: dict, served: dict[int, int] | None = None) -> Path:
-    """A directory of one file per step: step s holds the records sampled by step served[s]'s weights (default s)."""
+def _steps_dir(tmp_path: Path, records: dict, served: dict[int, int] | None = None,
+               canary: Path | None = None) -> Path:
+    """A directory of one file per step: step s holds the records sampled by step served[s]'s weights (default s);
+    with `canary` (the fixture's root/canary or root/stale) each step's probe file beside them."""
     d = tmp_path / "steps"
     d.mkdir()
     for step in STEPS:
         lines = records[(served or {}).get(step, step)]
         rows = [json.dumps(dict(json.loads(line), step=step)) for line in lines[1:]]
         (d / f"step-{step}.jsonl").write_text("\n".join([lines[0], *rows]) + "\n")
+        if canary is not None:
+            shutil.copy(canary.parent / f"{canary.name}-{step}.jsonl", d / f"probe-{step}.jsonl")
     return d
 
 
@@ -218,3 +239,41 @@ def test_a_checkpoint_missing_tensors_is_refused_not_initialised(run, tmp_path, 
     save_file({"unrelated": torch.zeros(1)}, str(d / "checkpoint-10" / "model.safetensors"))
     line = _bad(d, run, tmp_path, capsys, after_progress=True)  # found when the candidates load
     assert "its weights lack" in line and "which would be initialised at random: give a complete checkpoint" in line
+
+
+def test_the_canary_is_one_log_prob_per_token_after_the_first_and_moves_with_the_weights(run):
+    """read_canary: one finite log-prob <= 0 per token after each sequence's first; the same engine reads the same
+    numbers twice (teacher-forced, no sampling); an engine at step 10's weights reads them nats away from step 0's
+    (the fixture's checkpoints are that far apart), which is what lets a stale engine show."""
+    ckpts, _ = run
+    at = {s: LocalEngine(load_model(str(ckpts / f"checkpoint-{s}")).model, torch.bfloat16) for s in (0, 10)}
+    probe = canary_sequences(load_model("tiny-random:0").tokenizer)
+    first = read_canary(at[0], probe)
+    assert [len(x) for x in first] == [len(p) - 1 for p in probe]
+    assert all(math.isfinite(v) and v <= 0 for x in first for v in x)
+    assert read_canary(at[0], probe) == first
+    moved = torch.tensor([abs(a - b) for x, y in zip(first, read_canary(at[10], probe)) for a, b in zip(x, y)])
+    assert moved.median() > 0.5
+
+
+def test_a_flat_canary_says_the_engine_held_the_synced_weights(run, tmp_path):
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records, canary=ckpts.parent / "canary"), "--checkpoints",
+                    str(ckpts))
+    probe = [r["canary"] for r in _rows(d)]
+    assert [c["state"] for c in probe] == ["flat"] * 3 and all(c["tokens"] > 0 for c in probe)
+    assert all(r["weights"]["verdict"] == "matched" for r in _rows(d))  # the probe is kept out of the run's records
+    assert any(x.startswith("the canary stayed flat over 3 syncs") for x in d["answer"]["reasons"])
+
+
+def test_an_engine_never_updated_after_a_sync_is_engine_state(run, tmp_path):
+    """The sleep-mode fault: the engine kept step 0's weights. Its probe, scored by steps 10's and 20's own
+    checkpoints, jumps at those syncs, and the answer names engine state there."""
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records, canary=ckpts.parent / "stale"), "--checkpoints",
+                    str(ckpts))
+    probe = [r["canary"] for r in _rows(d)]
+    assert [c["state"] for c in probe] == ["flat", "jump", "jump"]
+    assert probe[1]["beta_abs_median"] > CANARY_MARGIN * probe[0]["level"]
+    said = [x for x in d["answer"]["reasons"] if x.startswith("engine state:")]
+    assert len(said) == 1 and "at step 10 (" in said[0] and "step 20 (" in said[0]

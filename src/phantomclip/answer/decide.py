@@ -121,7 +121,7 @@ def run_status(result: dict) -> tuple[str, list[str]]:
     with no such step, 'not judged'."""
     rows = result["postmortem"]["steps"]
     judged_rows = [r for r in rows if not r.get("contains_alpha") and LEVELS.get(r.get("status")) is not None]
-    found = weights_lines(rows)
+    found = weights_lines(rows) + canary_lines(rows)
     if not judged_rows:
         return "not judged", ["no step's records were scored against the weights that sampled them: every figure "
                               "below holds the policy's change α as well as β, so none says what the engine does; "
@@ -162,6 +162,32 @@ def weights_lines(rows: list[dict]) -> list[str]:
                          f"{r['lag'] if r['lag'] is not None else 'unknown'} steps apart): its figures hold α too "
                          "and are left out of the status")
     return lines
+
+
+def canary_lines(rows: list[dict]) -> list[str]:
+    """Engine or learning, from the fixed probe (diagnose/canary.py) where the run recorded one: the syncs at which
+    the engine read it far from the trainer's weights (engine state), or, flat throughout, that the engine held the
+    synced weights, so growth on the run's own tokens is learning."""
+    read = [(r["step"], r["canary"]) for r in rows if (r.get("canary") or {}).get("state") in ("flat", "jump")]
+    if not read:
+        return []
+    jumps = [(s, c) for s, c in read if c["state"] == "jump"]
+    level = read[0][1]["level"]
+    if jumps:
+        at = ", ".join(f"step {s} ({c['beta_abs_median']:.4f})" for s, c in jumps)
+        return [f"engine state: the engine read the fixed probe far from the trainer's weights at {at}, against a "
+                f"canary level of {level:.4f} nats (median |β|): at those syncs it did not hold the weights the "
+                "trainer synced (weights not updated, a cache kept across the update); the run's β there is the "
+                "engine's"]
+    medians = [c["beta_abs_median"] for _, c in read]
+    grown = [r for r in rows if not r.get("contains_alpha") and r.get("beta_abs_mean") is not None]
+    trend = ""
+    if len(grown) > 1 and grown[-1]["beta_abs_mean"] > grown[0]["beta_abs_mean"]:
+        trend = (f"; mean |β| on the run's own tokens rose from {grown[0]['beta_abs_mean']:.4f} at step "
+                 f"{grown[0]['step']} to {grown[-1]['beta_abs_mean']:.4f} at step {grown[-1]['step']}: learning did it "
+                 "(phantomclip trace --run shows on which tokens)")
+    return [f"the canary stayed flat over {len(read)} syncs (median |β| {min(medians):.4f}-{max(medians):.4f} nats): "
+            f"the engine held the synced weights at every sync{trend}"]
 
 
 def setup_lines(result: dict) -> list[str]:

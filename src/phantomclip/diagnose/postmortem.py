@@ -26,6 +26,7 @@ from ..answer.decide import judged_status
 from ..base.files import printable
 from ..rollouts.readers import read_rollouts
 from ..rollouts.record import RecordError
+from .canary import canary_rows
 from .config import DiagnoseConfig
 from .job import run_diagnose
 from .recorded import record_step
@@ -63,11 +64,12 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     say = console.print if console is not None else (lambda *a, **k: None)
     say(f"post-mortem: which weights sampled each of {len(steps)} steps ({len(candidates)} candidates)", markup=False)
     matches = match_steps(cfg, steps, candidates, expected)
+    probe = canary_rows(cfg, steps, candidates) or {}  # the fixed probe's reading at each sync, where recorded
     rows, result = [], {}
     for i, step in enumerate(steps):
         say(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
         result = diagnose_step(cfg, step, matches[step], candidates, console)
-        rows.append(step_row(step, matches[step], candidates, result))
+        rows.append({**step_row(step, matches[step], candidates, result), "canary": probe.get(step)})
     result["postmortem"] = {"steps": rows, "checkpoints": cfg.checkpoints or None, "recipe": next(iter(cfg.trainer))}
     return result
 
@@ -86,6 +88,8 @@ def scan_steps(path: str) -> list[int]:
     _, records = read_rollouts(path)
     steps, missing = set(), None
     for located in records:
+        if located.record.canary:  # the probe's steps are the run's syncs, read apart (canary.py)
+            continue
         step = record_step(located.record)
         if step is None:
             missing = missing or located.where

@@ -33,6 +33,11 @@ def postmortem_lines(result: dict) -> list[str]:
     lines.append("  (phantom: share clipped at α = 0 on the recorded advantages, n/a without them; weights: own = the "
                  "step's own, sN = step N's served them, ~ = the policy moved less than the gap, α = none given "
                  "sampled them: the row holds α too)")
+    probe = [(r["step"], r["canary"]) for r in rows if r.get("canary")]
+    if probe:
+        cells = ", ".join(f"step {s} " + (f"{_num(c['beta_abs_median'])} {c['state']}"
+                                          if c.get("beta_abs_median") is not None else c["state"]) for s, c in probe)
+        lines.append(f"  canary (the fixed probe, median |β| against each step's own checkpoint): {cells}")
     return lines + [f"  {change_sentence(rows)}"]
 
 

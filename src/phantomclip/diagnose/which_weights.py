@@ -70,11 +70,15 @@ class Match:
     (mean |α| and the share of tokens it alone puts outside the trust region), what the trainer's ratio carries."""
 
 
-def sample_by_step(path: str, steps: list[int], per_step: int) -> tuple[object, dict[int, list[Located]]]:
-    """(the header, the first `per_step` records of each step), in one read of the input."""
+def sample_by_step(path: str, steps: list[int], per_step: int,
+                   canary: bool = False) -> tuple[object, dict[int, list[Located]]]:
+    """(the header, the first `per_step` records of each step: the run's, or with `canary` the probe's), in one read of
+    the input."""
     header, records = read_rollouts(path)
     kept: dict[int, list[Located]] = {s: [] for s in steps}
     for located in records:
+        if bool(located.record.canary) != canary:
+            continue
         s = record_step(located.record)
         if s in kept and len(kept[s]) < per_step:
             kept[s].append(located)

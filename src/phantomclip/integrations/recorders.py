@@ -95,6 +95,53 @@ def record_vllm(outputs, path: str | Path, dtype: str, params=None, logprobs_mod
     return len(records)
 
 
+# ------------------------------------------------------------------------------------------------ canary
+
+CANARY_SAMPLING = RecordedSampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+"""a canary is read at temperature 1 without truncation: its raw and processed log-probs are the same numbers."""
+
+
+def read_canary(engine, sequences: list[list[int]]) -> list[list[float]]:
+    """The engine's log-prob of every token of each fixed sequence after its first, teacher-forced with the weights it
+    holds now: phantomclip's LocalEngine through its own decode path (`rescore`), a vLLM `LLM` through
+    `prompt_logprobs` (vLLM's SamplingParams(max_tokens=1, prompt_logprobs=0): the log-prob of each prompt token
+    given the ones before it)."""
+    if any(len(s) < 2 for s in sequences) or not sequences:
+        raise IntegrationError("canary: give at least one fixed sequence of two or more token ids")
+    if callable(getattr(engine, "rescore", None)):
+        from ..engines.local import Rollout, SamplingParams
+
+        fixed = Rollout(prompt_ids=[s[:1] for s in sequences], completion_ids=[s[1:] for s in sequences],
+                        logp_engine=[[0.0] * (len(s) - 1) for s in sequences],
+                        logp_engine_processed=[[0.0] * (len(s) - 1) for s in sequences])
+        params = SamplingParams(max_tokens=max(len(s) for s in sequences) - 1)
+        return engine.rescore(fixed, params).logp_engine
+    if callable(getattr(engine, "generate", None)) and hasattr(engine, "llm_engine"):
+        from vllm import SamplingParams as VllmParams
+
+        outputs = engine.generate([{"prompt_token_ids": list(s)} for s in sequences],
+                                  VllmParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+        return [[float(pos[tok].logprob) for pos, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+    raise IntegrationError(f"canary: {type(engine).__name__} is neither phantomclip's LocalEngine nor a vLLM LLM")
+
+
+def record_canary(engine, sequences: list[list[int]], path: str | Path, dtype: str, step: int | None = None,
+                  weight_version: int | None = None, model: str = "") -> int:
+    """Write the engine's reading of the fixed `sequences` now (`read_canary`) as canary records of `step` (call it
+    right after each weight sync, one file per sync); returns the records written. `dtype` is the engine's."""
+    logp = read_canary(engine, sequences)
+    records = [Record(prompt_ids=list(s[:1]), completion_ids=list(s[1:]), logp_engine=lp, step=step,
+                      weight_version=weight_version, logprobs="raw", sampling=CANARY_SAMPLING, canary=True)
+               for s, lp in zip(sequences, logp)]
+    kind = "local" if callable(getattr(engine, "rescore", None)) else "vllm"
+    engine_info = (EngineInfo(name="phantomclip-local", dtype=dtype) if kind == "local"
+                   else _vllm_engine(dtype))
+    header = Header(source=f"{kind} canary", model=model, engine=engine_info, logprobs="raw", recorded_at=_now())
+    write_records(path, header, _checked(records, "record_canary"))
+    return len(records)
+
+
 def _vllm_version(completion) -> int | None:
     """The weight version of a completion's last tokens (vLLM's `weight_versions`, spans of (version, start, end)),
     where it is a whole number; None otherwise."""

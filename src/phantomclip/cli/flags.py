@@ -48,6 +48,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
             parser.add_argument(flag, type=type(default), default=default, help=help_text)
         elif "float" in str(f.type):
             parser.add_argument(flag, type=float, default=default, help=help_text)
+        elif str(f.type).replace(" ", "") == "int|None":  # a whole number or unset: typed as int, not as its None
+            parser.add_argument(flag, type=int, default=default, help=help_text)
         else:
             parser.add_argument(flag, default=default, help=help_text)
 

@@ -55,7 +55,12 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     it)."""
     if not cfg.rollouts:
         return run_diagnose(cfg, console)
-    steps = [cfg.rollouts_step] if cfg.rollouts_step is not None else scan_steps(cfg.rollouts)
+    steps = scan_steps(cfg.rollouts)
+    if cfg.rollouts_step is not None:
+        if cfg.rollouts_step not in steps:
+            raise RecordError(f"--rollouts-step {cfg.rollouts_step}: {printable(cfg.rollouts)} holds no record of that "
+                              f"step; its steps: {', '.join(map(str, steps[:20])) or 'none (no step recorded)'}")
+        steps = [cfg.rollouts_step]
     if len(steps) < 2 and not cfg.checkpoints:
         return run_diagnose(cfg, console)
     checkpoints = find_checkpoints(cfg.checkpoints) if cfg.checkpoints else {}

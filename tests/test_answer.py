@@ -318,3 +318,16 @@ def test_with_shadow_ratio_leaves_the_kernel_gap_in_trl_grpo_weight():
     assert changes(r, "trl", status(r)[0]) == []
     r["engine"]["kind"] = "local"
     assert changes(r, "trl", status(r)[0]) == []
+
+
+def test_a_recipe_figure_from_another_devices_records_says_whose_kernels_it_is():
+    """A GPU engine's records scored on this CPU: a recipe's figure is this CPU's trainer kernels against that engine,
+    and the change line says so; records without a device, or scored where they were recorded, say nothing more."""
+    from phantomclip.answer.changes import foreign_kernels
+
+    gpu = {"engine": {"kind": "recorded", "device": "NVIDIA H200"}, "device": {"name": "cpu"}}
+    assert foreign_kernels(gpu) == (" (scored by this CPU's kernels against records from NVIDIA H200: your "
+                                    "trainer's differ)")
+    assert foreign_kernels({**gpu, "device": {"name": "NVIDIA H200"}}) == ""
+    assert foreign_kernels({"engine": {"kind": "recorded", "device": ""}, "device": {"name": "cpu"}}) == ""
+    assert foreign_kernels({"engine": {"kind": "local"}, "device": {"name": "cpu"}}) == ""

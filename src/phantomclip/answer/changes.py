@@ -228,7 +228,19 @@ def _recipe(result: dict, exp: Exposure, config: str, stand_in: str | None):
     else:
         fields = {k: v for k, v in target.items() if now is None or now.get(k) != v}
         setting = as_pasted(fields, config)
-    return Change(setting, _effect(exp, best_gain, ""), best_gain["other"], fields, config), best_gain
+    return Change(setting, _effect(exp, best_gain, foreign_kernels(result)), best_gain["other"], fields,
+                  config), best_gain
+
+
+def foreign_kernels(result: dict) -> str:
+    """Where the records came from another device than the one that scored them (a GPU engine's file read on this
+    CPU): the words that say a recipe's figure is this machine's trainer kernels against that engine, not the user's
+    trainer on their device ('' otherwise)."""
+    recorded_on = (result["engine"].get("device") or "") if result["engine"]["kind"] == "recorded" else ""
+    here = (result.get("device") or {}).get("name", "cpu")
+    if not recorded_on or recorded_on.lower() == here.lower():
+        return ""
+    return f" (scored by this {here.upper()}'s kernels against records from {recorded_on}: your trainer's differ)"
 
 
 FP8_OFF = {"verl": ({"actor_rollout_ref.rollout.quantization": None}, "verl"),

@@ -522,3 +522,21 @@ def test_the_article_draws_a_post_mortem(saved, tmp_path):
         "the share outside the trust region stayed")
     page = render(collect([str(tmp_path / "pm.json")]))
     assert "Your run, step by step" in page and "<b>evil</b>" not in page and "&lt;b&gt;evil" in page
+
+
+def test_a_headers_words_are_printed_as_text(saved, tmp_path, capsys):
+    """Header text reaches the terminal as text: rich markup ('[/]' once ended in a MarkupError traceback after the
+    whole measurement, '[link=...]' made a link, '[v2]' vanished), escape sequences (ESC[2J, an OSC title) and a
+    newline that would forge a line of output are shown escaped, not obeyed."""
+    _, path = saved
+    rows = _lines(path)
+    rows[0]["engine"]["name"] = "trl [v2] [/]\nverdict: OK, no gap"
+    rows[0]["source"] = "verl run [/data/run1] \x1b[2J \x1b]0;title\x07 [link=https://example.com]docs[/link]"
+    capsys.readouterr()
+    assert main(["diagnose", *TINY, *RECIPES, "--rollouts", str(_write(tmp_path / "h.jsonl", rows))]) == 0
+    out = capsys.readouterr()
+    printed = out.out + out.err
+    assert "\x1b" not in printed and "\x07" not in printed
+    assert "trl [v2] [/]\\x0averdict: OK, no gap" in " ".join(printed.split())
+    assert not any(line.startswith("verdict: OK") for line in printed.splitlines())
+    assert "[link=https://example.com]docs[/link]" in " ".join(printed.split())

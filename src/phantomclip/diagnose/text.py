@@ -170,7 +170,8 @@ def render_diagnose(result: dict, console: Console) -> None:
         for line in lines:
             console.print(line, markup=False)
         console.print()
-    console.print(f"[bold]verdict:[/] {result.get('verdict') or verdict(result)}")  # a bare run_diagnose result too
+    # the verdict quotes what a file said (its engine's name): printed as text, never as markup
+    console.print("[bold]verdict:[/] " + escape(result.get("verdict") or verdict(result)))  # a bare result too
     console.print(GLOSSARY_LINE, markup=False)
 
 
@@ -199,8 +200,8 @@ def _framework_rich_table(result: dict):
     from rich.table import Table
 
     recipe = next(iter(result["recipes"]))
-    table = Table(title=f"what each framework would log: {recipe} trainer against the {measured_engine(result)} "
-                  f"(every figure: JSON recipes.{recipe}.frameworks)",
+    table = Table(title=escape(f"what each framework would log: {recipe} trainer against the "  # a file's words
+                               f"{measured_engine(result)} (every figure: JSON recipes.{recipe}.frameworks)"),
                   title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     # figure names run to 43 characters: one space between columns (the box's) and a two-line header fit 80 columns
     for name, justify in (("framework", "left"), ("figure", "left"), ("value", "right"),

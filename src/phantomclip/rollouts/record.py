@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -274,6 +275,10 @@ def _logprobs_mode(value, where: str, optional: bool = False) -> str | None:
     return value
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters and DEL: never printed raw from a file."""
+
+
 def _text(value, where: str, name: str) -> str:
     if value is None:
         return ""
@@ -282,7 +287,9 @@ def _text(value, where: str, name: str) -> str:
     text = str(value)
     if len(text) > 200:
         raise fail(where, f"{name} is {len(text)} characters long: at most 200")
-    return text
+    # A file's words are shown as text everywhere (terminal, JSON, the article): control characters (a newline that
+    # would forge an output line, ESC sequences a terminal would obey) as \xNN, a file name's stray bytes as printable
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", printable(text))
 
 
 def parse_header(obj: dict, where: str) -> Header:

@@ -292,3 +292,19 @@ def test_one_step_from_the_command_line_uses_its_checkpoint(run, tmp_path, capsy
     line = bad_cli(["diagnose", "--model", "tiny-random:0", *ARGS, "--rollouts", str(steps), "--rollouts-step", "7"],
                    capsys)
     assert line.endswith("holds no record of that step; its steps: 0, 10, 20")
+
+
+def test_the_input_is_split_by_step_once(run, tmp_path):
+    """Each step's diagnose reads a file of its own records (split once), not the whole input again: every run
+    record lands in its step's file, the canary's in none, the header kept."""
+    from phantomclip.diagnose.postmortem import split_by_step
+
+    ckpts, records = run
+    steps = _steps_dir(tmp_path, records, canary=ckpts.parent / "canary")
+    (tmp_path / "parts").mkdir()
+    files = split_by_step(str(steps), list(STEPS), tmp_path / "parts")
+    for step in STEPS:
+        lines = Path(files[step]).read_text().splitlines()
+        got = [json.loads(x) for x in lines[1:]]
+        assert len(got) == len(records[step]) - 1 and {r["step"] for r in got} == {step}
+        assert not any(r.get("canary") for r in got) and json.loads(lines[0])["engine"]["dtype"] == "bfloat16"

@@ -36,7 +36,8 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag"),
+    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag",
+                                             "rollouts_part"),
                     knobs=DIAGNOSE_KNOBS)
     p.set_defaults(max_tokens=None, n=None)  # None: a config file may fill it (cli.sources); --rollouts: all
     p.add_argument("--drift", type=_whole_number, default=None, metavar="K",

@@ -148,8 +148,9 @@ class DiagnoseConfig:
     checkpoints: str = ""
     """with --rollouts DIR holding records of several steps: a post-mortem, step by step. A directory of the run's
     checkpoints, one per step, named checkpoint-N (TRL, HF Trainer), global_step_N (verl), step-N, step_N or iter_N:
-    each step's records are measured against the checkpoint of the same step, else the nearest earlier one (said per
-    step). Empty: every step against --model."""
+    each step's records are measured against the checkpoint whose weights sampled them, found by scoring a sample of
+    them against every checkpoint (--model stands for step 0 where no checkpoint is; docs/rollouts.md, "Engine or
+    learning"). Empty: every step against --model."""
     save_rollouts: str = ""
     """also write what the engine sampled as a rollout file (atomically), for `--rollouts` later, e.g. on another
     machine or with another checkpoint. Empty: none."""
@@ -157,6 +158,9 @@ class DiagnoseConfig:
     """steps between the recorded tokens and the checkpoint measuring them (a post-mortem sets it; None: unknown):
     the check that the records belong to the checkpoint (recorded.check_belongs) is made only at 0, since a later
     checkpoint's β holds the policy's change too (set by the post-mortem, not a flag)."""
+    rollouts_part: str = ""
+    """a file of this step's records alone, read in place of --rollouts (the post-mortem splits the input once, so
+    each step reads its own records, not the whole input again; set by the post-mortem, not a flag)."""
     typed_sampling: list[str] = field(default_factory=list)
     """the sampling flags the user typed (temperature, top_p, top_k, min_p): with --rollouts they fill what the file
     did not record, and must agree with what it did (set by the command line, not a flag)."""
@@ -165,8 +169,7 @@ class DiagnoseConfig:
     routing: bool = True
     """mixture-of-experts models: capture the experts the engine chose as it decoded, compare every recipe's choice
     with them, and split the first trainer recipe's β into β_route and the rest (one more forward; routing/routes.py).
-    Needs
-    --engine local; dense models ignore it."""
+    Needs --engine local; dense models ignore it."""
 
     def __post_init__(self):
         if isinstance(self.trainer, str):

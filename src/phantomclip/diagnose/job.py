@@ -40,7 +40,7 @@ from ..maths.metrics import (
     quantile_or_nan,
     trust_region_split,
 )
-from ..models.load import load_model, stop_token_ids
+from ..models.load import LoadedModel, load_model, stop_token_ids
 from ..models.prompts import bundled_prompts, encode_within, read_prompts
 from ..precision.recipes import apply_recipe, check_fits, cpu_description, get_recipe, without_quant
 from ..precision.scoring import score
@@ -59,12 +59,12 @@ if TYPE_CHECKING:
 # -------------------------------------------------------------------------------------------- phases
 
 
-def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
+def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None, lm: LoadedModel | None = None) -> dict:
     """Run the diagnose job and return every figure as a JSON-ready dict (`files.write_json`); the words that
     say what they mean are `diagnose.text.with_verdict`'s. With --rollouts, the file's recorded settings replace the
-    flags' first (recorded.recorded_config)."""
+    flags' first (recorded.recorded_config). `lm`: cfg.model already loaded (a post-mortem's steps share it)."""
     cfg = settled(cfg)
-    prep, sampled, scored, ref = measure(cfg, console)
+    prep, sampled, scored, ref = measure(cfg, console, lm)
     figs = figures(cfg, scored, ref, sampled.mask)
     phantom_shares(figs.recipes, {n: scored[n].logp for n in cfg.trainer}, ref.logp_engine, sampled.mask, sampled,
                    (cfg.epsilon, cfg.epsilon_high))  # where the records carry their advantages
@@ -87,13 +87,13 @@ def settled(cfg: DiagnoseConfig) -> DiagnoseConfig:
 
 
 def measure(
-    cfg: DiagnoseConfig, console: Console | None = None,
+    cfg: DiagnoseConfig, console: Console | None = None, lm: LoadedModel | None = None,
 ) -> tuple[Prepared, Sampled, dict[str, Scored], Reference]:
     """The phases before the figures: the prepared model, the sampled tokens, every recipe's scores (the shadow's
     included) and the reference columns, as unrounded tensors (what the figures and the tests compare)."""
     cfg.validate()
     say = console.print if console is not None else (lambda *a, **k: None)
-    prep = prepare(cfg, say)
+    prep = prepare(cfg, say, lm)
     with progress_bar(console) as progress:
         sampled = read_sampled(cfg, prep.lm) if cfg.rollouts else sample(cfg, prep, progress, say)
         names = scored_recipes(cfg)
@@ -133,13 +133,13 @@ def cost_line(sampled: Sampled, first: Scored, recipes: int) -> str:
             f"about {(recipes - 1) * each:.0f} s to go")
 
 
-def prepare(cfg: DiagnoseConfig, say: Callable[..., None]) -> Prepared:
-    """Load the model and the prompts, refuse a prompt that cannot fit the context, resolve dtype and kernels (with
-    --rollouts the prompts are the records', checked as they are read: recorded.read_sampled)."""
+def prepare(cfg: DiagnoseConfig, say: Callable[..., None], lm: LoadedModel | None = None) -> Prepared:
+    """Load the model (unless `lm` is it) and the prompts, refuse a prompt that cannot fit the context, resolve dtype
+    and kernels (with --rollouts the prompts are the records', checked as they are read: recorded.read_sampled)."""
     prompts_text = (read_prompts(cfg.prompts, limit=cfg.n) if cfg.prompts  # n are used
                     else [] if cfg.rollouts else bundled_prompts())
     device = resolve_device(cfg.device)
-    lm = load_model(cfg.model, progress=say)
+    lm = lm or load_model(cfg.model, progress=say)
     check_fits(lm.model.to(device), scored_recipes(cfg))  # a recipe the model's shapes refuse: before sampling
     limit, what = lm.context_length, "the model's context"
     if cfg.engine == "vllm" and cfg.max_model_len and cfg.max_model_len < limit:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..answer.decide import judged_status
 from ..base.files import printable
+from ..models.load import LoadedModel, load_model
 from ..rollouts.readers import read_rollouts
-from ..rollouts.record import RecordError
+from ..rollouts.record import RecordError, write_records
 from .canary import canary_rows
 from .config import DiagnoseConfig
 from .job import run_diagnose
@@ -70,21 +72,60 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     say(f"post-mortem: which weights sampled each of {len(steps)} steps ({len(candidates)} candidates)", markup=False)
     matches = match_steps(cfg, steps, candidates, expected)
     probe = canary_rows(cfg, steps, candidates) or {}  # the fixed probe's reading at each sync, where recorded
-    rows, result = [], {}
-    for i, step in enumerate(steps):
-        say(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
-        result = diagnose_step(cfg, step, matches[step], candidates, console)
-        rows.append({**step_row(step, matches[step], candidates, result), "canary": probe.get(step)})
-    result["postmortem"] = {"steps": rows, "checkpoints": cfg.checkpoints or None, "recipe": next(iter(cfg.trainer))}
-    return result
+    rows, last = {}, {}
+    held = HeldModel()
+    order = sorted(steps, key=lambda s: (str(matches[s].sampled_by), s))  # one load per checkpoint measured against
+    with tempfile.TemporaryDirectory(prefix="phantomclip-steps-") as parts:
+        files = split_by_step(cfg.rollouts, steps, Path(parts))  # the input read once, not once a step
+        for i, step in enumerate(order):
+            say(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
+            result = diagnose_step(dataclasses.replace(cfg, rollouts_part=files[step]), step, matches[step],
+                                   candidates, console, held)
+            rows[step] = {**step_row(step, matches[step], candidates, result), "canary": probe.get(step)}
+            last = result if step == steps[-1] else last
+    last["postmortem"] = {"steps": [rows[s] for s in steps], "checkpoints": cfg.checkpoints or None,
+                          "recipe": next(iter(cfg.trainer))}
+    return last
 
 
-def diagnose_step(cfg: DiagnoseConfig, step: int, match: Match, candidates: dict, console) -> dict:
+class HeldModel:
+    """The one model the post-mortem holds: the steps measured against one checkpoint, run one after another, load
+    it once."""
+
+    def __init__(self):
+        self.path, self.lm = None, None
+
+    def get(self, path: str) -> LoadedModel:
+        if path != self.path:
+            self.lm = None  # the one before is let go first: one model in memory at a time
+            self.lm, self.path = load_model(path, progress=lambda *a, **k: None), path
+        return self.lm
+
+
+def split_by_step(path: str, steps: list[int], directory: Path) -> dict[int, str]:
+    """The run's records (not the canary's) of each step in a file of their own under `directory`, with the input's
+    header, in one read of the input (each record keeps the log-prob kind and sampling its own file gave it)."""
+    header, records = read_rollouts(path)
+    by_step: dict[int, list] = {s: [] for s in steps}
+    for located in records:
+        if not located.record.canary and record_step(located.record) in by_step:
+            by_step[record_step(located.record)].append(located.record)
+    files = {}
+    for step, kept in by_step.items():
+        files[step] = str(directory / f"step-{step}.jsonl")
+        write_records(files[step], header, kept)
+        by_step[step] = []  # written: let it go
+    return files
+
+
+def diagnose_step(cfg: DiagnoseConfig, step: int, match: Match, candidates: dict, console,
+                  held: HeldModel | None = None) -> dict:
     """One step's records diagnosed against the weights that sampled them (lag 0), or, where none of the candidates
     did, against the expected one: lag = steps between (None without checkpoints), the figures holding α too."""
     lag = 0 if match.verdict != "missing" else (None if match.expected is None else step - match.expected)
     model = candidates[match.sampled_by]
-    return run_diagnose(dataclasses.replace(cfg, model=model, rollouts_step=step, checkpoint_lag=lag), console)
+    return run_diagnose(dataclasses.replace(cfg, model=model, rollouts_step=step, checkpoint_lag=lag), console,
+                        held.get(model) if held is not None else None)
 
 
 def scan_steps(path: str) -> list[int]:

@@ -152,7 +152,7 @@ def read_sampled(cfg: DiagnoseConfig, lm: LoadedModel) -> Sampled:
     """Every record of cfg.rollouts but the canary's (at most cfg.n; 0: all), checked and packed in batches of
     cfg.batch_size, as the `Sampled` an engine's samples become; its `info` names the engine as recorded."""
     t0 = time.perf_counter()
-    header, records = read_rollouts(cfg.rollouts)
+    header, records = read_rollouts(cfg.rollouts_part or cfg.rollouts)
     records = (r for r in records if not r.record.canary)  # the probe is read on its own (diagnose/canary.py)
     if cfg.rollouts_step is not None:
         records = (r for r in records if record_step(r.record) == cfg.rollouts_step)

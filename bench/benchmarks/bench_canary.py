@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_trl_async_monitor import cpu_kind  # noqa: E402
 
 from phantomclip.engines.local import LocalEngine, SamplingParams  # noqa: E402
-from phantomclip.integrations.recorders import read_canary  # noqa: E402
+from phantomclip.integrations.recorders import CANARY_SEQUENCES, CANARY_TOKENS, default_probe, read_canary  # noqa: E402
 from phantomclip.models.load import load_model, stop_token_ids  # noqa: E402
 from phantomclip.models.prompts import bundled_prompts, encode_prompts  # noqa: E402
 
-PROBE_SEQUENCES, PROBE_TOKENS = 4, 32
+PROBE_SEQUENCES, PROBE_TOKENS = CANARY_SEQUENCES, CANARY_TOKENS
 GROUP, MAX_TOKENS = 8, 32
 
 
@@ -52,7 +52,7 @@ def main() -> None:
         engine = LocalEngine(lm.model, torch.bfloat16)
         reader, clock = engine, time.process_time
     prompt = encode_prompts(lm.tokenizer, bundled_prompts()[:1])[0]
-    probe = [lm.tokenizer.encode(p)[:PROBE_TOKENS] for p in bundled_prompts()[1:1 + PROBE_SEQUENCES]]
+    probe = default_probe(lm.tokenizer, PROBE_SEQUENCES, PROBE_TOKENS)
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=tuple(stop_token_ids(lm)))
 
     def step(seed: int) -> int:

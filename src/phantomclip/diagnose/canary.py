@@ -10,7 +10,7 @@ same at every step whatever the policy learned: flat. A step whose canary is wel
 (CANARY_MARGIN x, the rule which_weights uses for the run's records) is engine state at that sync. Where the canary
 stays flat and β on the run's own tokens grows, learning did it (`trace --run` shows on which tokens).
 
-Cost: reading the probe is one teacher-forced pass over CANARY_SEQUENCES x CANARY_TOKENS tokens per sync in the
+Cost: reading the documented probe (recorders.default_probe: 4 x 32 tokens) is one teacher-forced pass per sync in the
 engine (bench/benchmarks/bench_canary.py measures it against a step's sampling).
 """
 
@@ -23,10 +23,6 @@ import torch
 from .config import DiagnoseConfig
 from .which_weights import MATCH_FLOOR, MATCH_MARGIN, candidate_logps, median_abs, sample_by_step
 
-CANARY_SEQUENCES = 4
-"""fixed sequences the documented canary holds (recorders.record_canary takes any)."""
-CANARY_TOKENS = 32
-"""tokens each documented canary sequence holds."""
 CANARY_MARGIN = MATCH_MARGIN
 """a step's canary is engine state when its median |β| is above this factor of the run's lowest canary level: the
 precision gap of one engine on one probe varies far less between syncs than that, and an engine holding other

@@ -99,6 +99,20 @@ def record_vllm(outputs, path: str | Path, dtype: str, params=None, logprobs_mod
 
 CANARY_SAMPLING = RecordedSampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
 """a canary is read at temperature 1 without truncation: its raw and processed log-probs are the same numbers."""
+CANARY_SEQUENCES, CANARY_TOKENS = 4, 32
+"""the documented probe's size: 4 fixed sequences of 32 tokens (bench/benchmarks/bench_canary.py times it)."""
+
+
+def default_probe(tokenizer, sequences: int = CANARY_SEQUENCES, tokens: int = CANARY_TOKENS) -> list[list[int]]:
+    """The documented probe: phantomclip's bundled prompts joined into one text, cut into `sequences` runs of exactly
+    `tokens` token ids (the same ids at every sync of a run; any fixed text of the model's tokenizer serves)."""
+    from ..models.prompts import bundled_prompts
+
+    ids = tokenizer.encode(" ".join(bundled_prompts()))
+    if len(ids) < sequences * tokens:
+        raise IntegrationError(f"default_probe: the bundled prompts hold {len(ids)} tokens, fewer than "
+                               f"{sequences} x {tokens}: ask for a smaller probe")
+    return [ids[i * tokens:(i + 1) * tokens] for i in range(sequences)]
 
 
 def read_canary(engine, sequences: list[list[int]]) -> list[list[float]]:

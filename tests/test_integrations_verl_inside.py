@@ -1,0 +1,274 @@
+"""phantomclip inside verl 0.9.1 (integrations/verl.py): the registered losses through verl's own dispatch, the driver's
+figures through verl's own rollout correction, the counts over two processes.
+
+Needs verl, which the default suite's venv does not have: these tests skip there, and docs/verl.md gives the venv
+and the command that runs them (`.venv-verl`). The pure figures (`clip_counts`, `driver_figures`) and the two-process
+test need only torch and run everywhere.
+
+Tolerances: counts are integers and compared exactly; a figure computed in float64 on both sides from the same fp32
+inputs differs only by summation order, |Δ| ≤ N·2^-53 relative (N ≤ 100 tokens here: 1e-12); a verl figure is a
+fp32 mean (`verl_F.masked_mean`: fp32 sum of N terms over count + 1e-8), relative error ≤ N·2^-24 + 1e-8/N, below
+1e-5 for the N ≤ 100 tokens used here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from phantomclip.integrations.verl import clip_counts, driver_figures  # with verl: registers and hooks, as a plugin
+from phantomclip.maths.metrics import mismatch_stats, phantom_clip_mask
+
+HAS_VERL = importlib.util.find_spec("verl") is not None
+needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed in this venv: run this file in the verl "
+                                "venv (docs/verl.md, 'Tests'): pip install 'phantomclip[verl]'")
+FP32_MEAN = 1e-5
+F64_SUM = 1e-12
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _batch(seed: int = 0, B: int = 8, T: int = 9, beta_scale: float = 0.2):
+    """(old, rollout, mask, advantages [B, T]) with no ratio within 1e-3 of a decision boundary, so fp32 ratio-space
+    and float64 log-space decisions agree (the fp32 rounding of a log-prob near 3 is 2.4e-7)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 4  # [B, T] trainer log-probs
+    beta = beta_scale * torch.randn(B, T, generator=g)  # [B, T]
+    bounds = torch.tensor([math.log1p(-EPS_LOW), math.log1p(EPS_HIGH), math.log(2.0), math.log(0.5)])
+    near = (beta[..., None] - bounds).abs().min(-1).values < 1e-3
+    beta = torch.where(near, beta + 3e-3, beta)
+    rollout = old - beta  # [B, T] engine log-probs: old − rollout = β
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()  # [B, T]
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()  # [B, T] one advantage per sequence
+    return old, rollout, mask, adv
+
+
+def test_clip_counts_hand_worked():
+    # ℓ = [0.3, −0.3, 0.1, 1.2], A = [1, −1, 1, −1], ε = 0.2 / 0.28, c = 3:
+    # r0 = e^0.3 = 1.350 > 1.28, A > 0: clipped high; r1 = e^−0.3 = 0.741 < 0.8, A < 0: clipped low;
+    # r2 = 1.105: inside; r3 = e^1.2 = 3.320, A < 0: max(3.320, 1.28) = 3.320 > −A·c = 3: dual-clipped.
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[0.3, -0.3, 0.1, 1.2]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    out = clip_counts(old, new, adv, torch.ones(1, 4), EPS_LOW, EPS_HIGH, 3.0)
+    assert (out["tokens"], out["clip_high_tokens"], out["clip_low_tokens"], out["dual_clip_tokens"]) == (4, 1, 1, 1)
+    assert out["clip_rate"] == 0.5
+    assert out["log_ratio_abs_mean"] == pytest.approx((0.3 + 0.3 + 0.1 + 1.2) / 4, rel=1e-7)  # fp32 inputs
+
+
+def test_driver_figures_against_mismatch_stats():
+    old, rollout, mask, _ = _batch(1)
+    ours = driver_figures(old, rollout, mask, mask, None, {}, EPS_LOW, EPS_HIGH)
+    ref = mismatch_stats(old, rollout, mask, EPS_LOW, EPS_HIGH)  # the project's own β statistics, another code path
+    for key in ("beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region"):
+        mine = ours["phantomclip/beta_outside_trust_region" if key == "outside_trust_region" else f"phantomclip/{key}"]
+        assert mine == pytest.approx(ref[key], rel=F64_SUM, abs=1e-15), key
+    assert ours["phantomclip/beta_tokens"] == ref["tokens"] == int(mask.sum())
+    assert "phantomclip/is_token_share" not in ours  # no IS setting: nothing to say about weights
+
+
+def test_counts_over_two_processes(tmp_path):
+    """Each of two gloo ranks holds half the batch; the reduced counts equal one process on the whole batch."""
+    old, rollout, mask, adv = _batch(2, B=10)
+    new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))  # [B, T] α + β
+    torch.save({"old": old, "new": new, "mask": mask, "adv": adv}, tmp_path / "batch.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    worker = Path(__file__).parent / "verl_ranks_worker.py"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    "29561", str(worker), str(tmp_path)], check=True, env=env, timeout=300, capture_output=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    whole = clip_counts(old, new, adv, mask, EPS_LOW, EPS_HIGH)
+    for rank in got:
+        for key in ("tokens", "clip_high_tokens", "clip_low_tokens", "dual_clip_tokens", "clip_rate"):
+            assert rank[key] == whole[key], key
+        assert rank["log_ratio_abs_mean"] == pytest.approx(whole["log_ratio_abs_mean"], rel=F64_SUM)
+    halves = [clip_counts(old[s], new[s], adv[s], mask[s], EPS_LOW, EPS_HIGH) for s in (slice(0, 5), slice(5, 10))]
+    assert whole["clip_high_tokens"] > 0 and whole["clip_low_tokens"] > 0  # the batch exercises both sides
+    assert halves[0]["clip_rate"] != whole["clip_rate"]  # a rank's own rate is not the global one
+
+
+# ------------------------------------------------------------------------------------------------ with verl
+
+
+def _actor_config(**policy_loss):
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                           clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, policy_loss=policy_loss or None)
+
+
+def _both(name_a: str, name_b: str, config, old, new, adv, mask, weights=None):
+    """verl's loss `name_a` and ours `name_b`, each on a leaf copy of the same log-probs: (loss, grad, metrics)."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    out = []
+    for name in (name_a, name_b):
+        lp = new.clone().requires_grad_(True)  # [B, T]
+        loss, metrics = get_policy_loss_fn(name)(old_log_prob=old, log_prob=lp, advantages=adv,
+                                                 response_mask=mask.bool(), loss_agg_mode="token-mean",
+                                                 config=config, rollout_is_weights=weights)
+        loss.backward()
+        out.append((loss.detach(), lp.grad, metrics))
+    return out
+
+
+@needs_verl
+def test_registered_loss_is_verls_vanilla_bit_for_bit():
+    old, rollout, mask, adv = _batch(4)
+    new = old + 0.25 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5))  # [B, T] α
+    weights = torch.exp((old - rollout).clamp(max=math.log(2.0))) * mask  # [B, T] token TIS weights
+    (l_v, g_v, m_v), (l_p, g_p, m_p) = _both("vanilla", "phantomclip_vanilla", _actor_config(), old, new, adv, mask,
+                                             weights)
+    assert torch.equal(l_v, l_p) and torch.equal(g_v, g_p)  # the loss and its gradient, bit for bit
+    assert {k: v for k, v in m_p.items() if not k.startswith("phantomclip/")} == m_v  # verl's metrics untouched
+    n = int(mask.sum())
+    assert m_p["phantomclip/actor/tokens"] == n
+    assert m_p["phantomclip/actor/clip_rate"] == pytest.approx(m_v["actor/pg_clipfrac"], rel=FP32_MEAN)
+    assert m_p["phantomclip/actor/dual_clip_tokens"] / n == pytest.approx(m_v["actor/pg_clipfrac_lower"],
+                                                                         rel=FP32_MEAN, abs=1e-9)
+    lr = (new - old).double()[mask.bool()]  # [N]: |ℓ| by hand, float64
+    assert m_p["phantomclip/actor/log_ratio_abs_mean"] == pytest.approx(lr.abs().mean().item(), rel=1e-6)  # fp32 ℓ
+    hand = phantom_clip_mask(lr, adv[mask.bool()], EPS_LOW, EPS_HIGH)  # the clip's zero-gradient tokens, log space
+    assert m_p["phantomclip/actor/clip_high_tokens"] + m_p["phantomclip/actor/clip_low_tokens"] == int(hand.sum()) > 0
+
+
+@needs_verl
+def test_bypass_mode_clips_alpha_plus_beta():
+    """Bypass mode: verl's apply_bypass_mode puts the engine's log-probs in old_log_probs; on the first mini-batch
+    (θ = θ_old, α = 0) the trainer's log-probs are `old`, so every clip the loss makes is on β alone: phantom."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    old, rollout, mask, adv = _batch(6, beta_scale=0.3)
+    batch = DataProto.from_dict(tensors={"rollout_log_probs": rollout, "response_mask": mask, "old_log_probs": old})
+    corr = RolloutCorrectionConfig(bypass_mode=True)
+    apply_bypass_mode(batch=batch, rollout_corr_config=corr, policy_loss_config=OmegaConf.create({}))
+    engine_as_old = batch.batch["old_log_probs"]
+    assert torch.equal(engine_as_old, rollout)
+    config = _actor_config(loss_mode="bypass_mode", rollout_correction=corr)
+    (l_v, g_v, m_v), (l_p, g_p, m_p) = _both("bypass_mode", "phantomclip_bypass_mode", config, engine_as_old, old,
+                                             adv, mask)
+    assert torch.equal(l_v, l_p) and torch.equal(g_v, g_p)
+    ok = mask.bool()
+    phantom = phantom_clip_mask((old - rollout).double()[ok], adv[ok], EPS_LOW, EPS_HIGH)  # β's clips, by hand
+    clipped = m_p["phantomclip/actor/clip_high_tokens"] + m_p["phantomclip/actor/clip_low_tokens"]
+    assert clipped == int(phantom.sum()) > 0
+    assert m_p["phantomclip/actor/clip_rate"] == pytest.approx(m_v["actor/pg_clipfrac"], rel=FP32_MEAN)
+
+
+@needs_verl
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_driver_hook_through_verls_rollout_correction(level):
+    """A real DataProto through verl's compute_rollout_correction_and_add_to_batch, reached as ray_trainer reaches
+    it (the module attribute): verl's metrics unchanged, ours beside them, against verl's own and a hand count."""
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import rollout_corr_helper as helper
+
+    old, rollout, mask, _ = _batch(7, beta_scale=0.35)
+    tensors = {"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask}
+    corr = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=2.0, rollout_rs="token_k1",
+                                   rollout_rs_threshold="0.5_2.0")
+    hooked = helper.compute_rollout_correction_and_add_to_batch
+    assert hooked._phantomclip
+    b_ours, m_ours = hooked(DataProto.from_dict(tensors={k: v.clone() for k, v in tensors.items()}), corr)
+    b_verl, m_verl = hooked.__wrapped__(DataProto.from_dict(tensors={k: v.clone() for k, v in tensors.items()}), corr)
+    assert {k: v for k, v in m_ours.items() if not k.startswith("phantomclip/")} == m_verl
+    for key in ("response_mask", "rollout_is_weights"):
+        assert torch.equal(b_ours.batch[key], b_verl.batch[key])
+    ok = mask.bool()
+    beta = (old - rollout).double()  # [B, T]
+    ref = mismatch_stats(old, rollout, mask, 0.2, 0.2)  # the driver's default ε (PHANTOMCLIP_VERL_CLIP_* unset)
+    assert m_ours["phantomclip/beta_abs_mean"] == pytest.approx(ref["beta_abs_mean"], rel=F64_SUM)
+    assert m_ours["phantomclip/beta_outside_trust_region"] == pytest.approx(ref["outside_trust_region"], rel=F64_SUM)
+    # rejection sampling (token_k1, band [0.5, 2]): verl's own masked fractions are the second computation
+    assert m_ours["phantomclip/rs_token_share"] == pytest.approx(m_verl["rollout_corr/rollout_rs_masked_fraction"],
+                                                                 rel=FP32_MEAN)
+    assert m_ours["phantomclip/rs_seq_share"] == pytest.approx(
+        m_verl["rollout_corr/rollout_rs_seq_masked_fraction"], rel=FP32_MEAN)
+    assert 0 < m_ours["phantomclip/rs_token_share"] < 1
+    # IS truncation (TIS at 2): a token (a sequence) is touched when its raw weight exceeds 2, by hand in float64
+    if level == "token":
+        touched = (beta > math.log(2.0)) & ok  # [B, T]
+        assert m_ours["phantomclip/is_token_share"] == pytest.approx(
+            m_verl["rollout_corr/rollout_is_ratio_fraction_high"], rel=FP32_MEAN)
+    else:
+        touched = (torch.where(ok, beta, 0).sum(-1, keepdim=True) > math.log(2.0)).expand_as(ok) & ok
+        seqs = ok.any(-1)
+        assert m_ours["phantomclip/is_seq_share"] == pytest.approx(
+            m_verl["rollout_corr/rollout_is_ratio_fraction_high"] * len(seqs) / int(seqs.sum()), rel=FP32_MEAN)
+    assert m_ours["phantomclip/is_token_share"] == touched.sum().item() / ok.sum().item()
+    assert m_ours["phantomclip/is_seq_share"] == touched.any(-1)[ok.any(-1)].double().mean().item()
+    # ESS of the applied weights over the kept tokens, by hand
+    w = b_verl.batch["rollout_is_weights"].double()[b_verl.batch["response_mask"].bool()]
+    assert m_ours["phantomclip/is_ess"] == pytest.approx((w.sum() ** 2 / (w.numel() * (w ** 2).sum())).item(),
+                                                         rel=F64_SUM)
+
+
+@needs_verl
+def test_ess_equals_verls_without_rejection():
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import rollout_corr_helper as helper
+
+    old, rollout, mask, _ = _batch(8, beta_scale=0.35)
+    corr = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    batch = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask})
+    _, metrics = helper.compute_rollout_correction_and_add_to_batch(batch, corr)
+    assert metrics["phantomclip/is_ess"] == pytest.approx(metrics["rollout_corr/rollout_is_eff_sample_size"],
+                                                          rel=FP32_MEAN)
+    assert metrics["phantomclip/rs_token_share"] == 0.0
+
+
+@needs_verl
+def test_hooks_are_where_verl_reaches_them():
+    """ray_trainer imports the correction helper by name inside fit, at each step: the wrapped module attribute is what
+    it calls. verl's plugin switch imports this module in every verl process."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    source = inspect.getsource(RayPPOTrainer.fit)
+    assert "from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch" in source
+    code = ("import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+            "from verl.trainer.ppo import rollout_corr_helper as h; "
+            "print(sorted(k for k in R if k.startswith('phantomclip')), "
+            "getattr(h.compute_rollout_correction_and_add_to_batch, '_phantomclip', False))")
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "phantomclip.integrations.verl",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['phantomclip_bypass_mode', 'phantomclip_vanilla'] True", out.stderr[-800:]
+
+
+@needs_verl
+def test_worker_loss_entry_runs_ours(monkeypatch):
+    """verl's worker-side loss entry (workers/utils/losses.py ppo_loss) on a real TensorDict: with loss_mode
+    phantomclip_vanilla its loss and gradient equal loss_mode vanilla's, and our figures come back in its metrics."""
+    from tensordict import TensorDict
+    from verl.utils.tensordict_utils import assign_non_tensor
+    from verl.workers.utils.losses import ppo_loss
+
+    old, rollout, mask, adv = _batch(9)
+    new = old + 0.25 * torch.randn(old.shape, generator=torch.Generator().manual_seed(10))
+    results = []
+    for mode in ("vanilla", "phantomclip_vanilla"):
+        config = _actor_config(loss_mode=mode)
+        lp = new.clone().requires_grad_(True)
+        data = TensorDict({"response_mask": mask, "old_log_probs": old, "advantages": adv}, batch_size=[old.shape[0]])
+        assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)  # one rank, local mean
+        monkeypatch.setattr("verl.workers.utils.losses.no_padding_2_padding", lambda x, d: x)  # padded already
+        loss, metrics = ppo_loss(config, {"log_probs": lp}, data)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    (l_v, g_v, m_v), (l_p, g_p, m_p) = results
+    assert torch.equal(l_v, l_p) and torch.equal(g_v, g_p)
+    assert m_p["phantomclip/actor/tokens"].aggregate() == int(mask.sum())

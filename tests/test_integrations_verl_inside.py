@@ -272,3 +272,63 @@ def test_worker_loss_entry_runs_ours(monkeypatch):
     (l_v, g_v, m_v), (l_p, g_p, m_p) = results
     assert torch.equal(l_v, l_p) and torch.equal(g_v, g_p)
     assert m_p["phantomclip/actor/tokens"].aggregate() == int(mask.sum())
+
+
+class _RecomputeStandIn:
+    """The actor's recompute at the boundary it crosses: RayPPOTrainer._compute_old_log_prob sends the batch to the
+    actor worker group (Ray + FSDP, not run here) and returns (DataProto with old_log_probs, mfu)."""
+
+    def __init__(self, old: torch.Tensor):
+        self.old, self.calls = old, 0
+
+    def _compute_old_log_prob(self, batch):
+        from verl import DataProto
+
+        self.calls += 1
+        return DataProto.from_dict(tensors={"old_log_probs": self.old.clone()}), 0.0
+
+
+@needs_verl
+def test_bypass_recompute_every_k_steps(monkeypatch):
+    """Bypass mode measured every 2nd step: the wrapped apply_bypass_mode runs the recompute before verl's
+    substitution, the wrapped compute_data_metrics adds β's figures and the phantom share at α = 0, by hand."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo import rollout_corr_helper as helper
+
+    import phantomclip.integrations.verl as pv
+
+    source = inspect.getsource(ray_trainer.RayPPOTrainer.fit)  # where fit reaches the three wrapped names
+    assert "from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode" in source
+    assert "compute_data_metrics(batch=batch, use_critic=self.use_critic)" in source
+    assert "return old_log_prob, old_log_prob_mfu" in inspect.getsource(ray_trainer.RayPPOTrainer._compute_old_log_prob)
+    monkeypatch.setenv(pv.RECOMPUTE_ENV, "2")
+    pv.install_bypass_recompute()
+    old, rollout, mask, adv = _batch(11, beta_scale=0.3)
+    stand_in = _RecomputeStandIn(old)
+    monkeypatch.setattr(pv._BypassState, "trainer", stand_in)
+    monkeypatch.setattr(pv._BypassState, "steps", 0)
+    B, T = old.shape
+    found = []
+    for step in range(3):
+        batch = DataProto.from_dict(tensors={
+            "rollout_log_probs": rollout.clone(), "response_mask": mask.clone(), "advantages": adv.clone(),
+            "returns": adv.clone(), "token_level_scores": adv.clone(), "token_level_rewards": adv.clone(),
+            "prompts": torch.zeros(B, 3, dtype=torch.long), "responses": torch.zeros(B, T, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(B, 3), mask], 1)})
+        helper.apply_bypass_mode(batch=batch, rollout_corr_config=RolloutCorrectionConfig(bypass_mode=True),
+                                 policy_loss_config=OmegaConf.create({}))
+        assert torch.equal(batch.batch["old_log_probs"], rollout)  # verl's substitution, unchanged
+        found.append(ray_trainer.compute_data_metrics(batch=batch, use_critic=False))
+    assert stand_in.calls == 2  # steps 0 and 2
+    assert not any(k.startswith("phantomclip/") for k in found[1])
+    ok = mask.bool()
+    beta = (old - rollout).double()[ok]
+    ref = mismatch_stats(old, rollout, mask, 0.2, 0.2)
+    for metrics in (found[0], found[2]):
+        assert metrics["phantomclip/beta_abs_mean"] == pytest.approx(ref["beta_abs_mean"], rel=F64_SUM)
+        hand = phantom_clip_mask(beta, adv[ok], 0.2, 0.2).double().mean().item()
+        assert metrics["phantomclip/phantom_clip_rate_at_alpha0"] == hand > 0
+        assert metrics["phantomclip/recompute_seconds"] >= 0

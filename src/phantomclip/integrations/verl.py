@@ -255,6 +255,8 @@ def install() -> None:
     if not getattr(helper.compute_rollout_correction_and_add_to_batch, "_phantomclip", False):
         helper.compute_rollout_correction_and_add_to_batch = _with_figures(
             helper.compute_rollout_correction_and_add_to_batch)
+    if recompute_every():
+        install_bypass_recompute()
 
 
 def _with_figures(original):
@@ -273,6 +275,107 @@ def _with_figures(original):
     compute_rollout_correction_and_add_to_batch._phantomclip = True
     compute_rollout_correction_and_add_to_batch.__wrapped__ = original
     return compute_rollout_correction_and_add_to_batch
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bypass mode: β needs the actor's recompute, which bypass mode skips; offered every k steps
+
+
+RECOMPUTE_ENV = "PHANTOMCLIP_VERL_BYPASS_RECOMPUTE_EVERY"
+"""k: in bypass mode, recompute the actor's log-probs at θ_old on every k-th step (0 or unset: never)."""
+
+
+def recompute_every() -> int:
+    """RECOMPUTE_ENV as an integer ≥ 0, checked in one line."""
+    raw = os.environ.get(RECOMPUTE_ENV, "0")
+    if not raw.isdigit():
+        raise IntegrationError(f"{RECOMPUTE_ENV}={raw!r}: give a whole number of steps (k ≥ 1 measures every k-th "
+                               "step; 0 never)")
+    return int(raw)
+
+
+class _BypassState:
+    """The driver's bypass-mode measurement between the step's start and its metrics: the trainer (set when its fit
+    starts), how many steps went by, and the recompute waiting for the step's advantages."""
+
+    trainer = None
+    steps = 0
+    pending: dict | None = None
+
+
+def bypass_figures(pending: dict, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                   advantages: torch.Tensor, eps_low: float, eps_high: float) -> dict[str, float]:
+    """`phantomclip/*` of a bypass-mode step measured with the recompute: β's figures (`driver_figures`, the same
+    definitions as decoupled mode), `phantom_clip_rate_at_alpha0` (the share of tokens whose gradient the clip zeroes
+    on the first mini-batch, where θ = θ_old and α = 0: each is a phantom clip; later mini-batches clip on α + β
+    with α ≠ 0), and `recompute_seconds`, the cost of the extra forward. A batch that no longer lines up with the
+    recompute (reordered or resized since) gives `bypass_misaligned` = 1 and nothing else."""
+    if pending["rollout"].shape != rollout_log_probs.shape or not torch.equal(pending["rollout"], rollout_log_probs):
+        return {f"{PREFIX}bypass_misaligned": 1}
+    old = pending["old"]  # [B, T] the actor's recompute at θ_old
+    out = driver_figures(old, rollout_log_probs, response_mask, response_mask, None, {}, eps_low, eps_high)
+    ok = response_mask.bool() & torch.isfinite(old) & torch.isfinite(rollout_log_probs)  # [B, T]
+    beta = (old.double() - rollout_log_probs.double())[ok]  # [N]
+    from ..maths.metrics import phantom_clip_mask
+
+    phantom = phantom_clip_mask(beta, advantages[ok], eps_low, eps_high)  # [N]
+    out[f"{PREFIX}phantom_clip_rate_at_alpha0"] = phantom.double().mean().item() if beta.numel() else math.nan
+    out[f"{PREFIX}recompute_seconds"] = pending["seconds"]
+    return out
+
+
+def install_bypass_recompute() -> None:
+    """Wrap three verl names so that bypass mode is measured every k steps (RECOMPUTE_ENV), idempotent:
+    RayPPOTrainer.fit (to know the trainer), rollout_corr_helper.apply_bypass_mode (fit imports it by name at each
+    step: run the actor's recompute, `RayPPOTrainer._compute_old_log_prob`, the forward decoupled mode runs, before
+    verl's substitution) and ray_trainer.compute_data_metrics (a module global fit calls once the step's advantages
+    exist: add `bypass_figures`). verl's own behaviour is unchanged: the recompute's log-probs go nowhere but here."""
+    import time
+
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo import rollout_corr_helper as helper
+
+    every, eps = recompute_every(), driver_eps()
+    if not getattr(ray_trainer.RayPPOTrainer.fit, "_phantomclip", False):
+        fit = ray_trainer.RayPPOTrainer.fit
+
+        def fit_remembered(self, *args, **kwargs):
+            _BypassState.trainer = self
+            return fit(self, *args, **kwargs)
+
+        fit_remembered._phantomclip, fit_remembered.__wrapped__ = True, fit
+        ray_trainer.RayPPOTrainer.fit = fit_remembered
+    if not getattr(helper.apply_bypass_mode, "_phantomclip", False):
+        bypass = helper.apply_bypass_mode
+
+        def apply_bypass_mode(batch, rollout_corr_config=None, policy_loss_config=None):
+            step, _BypassState.steps = _BypassState.steps, _BypassState.steps + 1
+            if every and _BypassState.trainer is not None and step % every == 0 and "rollout_log_probs" in batch.batch:
+                start = time.perf_counter()
+                recomputed, _ = _BypassState.trainer._compute_old_log_prob(batch)
+                _BypassState.pending = {"old": recomputed.batch["old_log_probs"],
+                                        "rollout": batch.batch["rollout_log_probs"].clone(),
+                                        "seconds": time.perf_counter() - start}
+            bypass(batch=batch, rollout_corr_config=rollout_corr_config, policy_loss_config=policy_loss_config)
+
+        apply_bypass_mode._phantomclip, apply_bypass_mode.__wrapped__ = True, bypass
+        helper.apply_bypass_mode = apply_bypass_mode
+    if not getattr(ray_trainer.compute_data_metrics, "_phantomclip", False):
+        data_metrics = ray_trainer.compute_data_metrics
+
+        def compute_data_metrics(batch, use_critic=True):
+            metrics = data_metrics(batch=batch, use_critic=use_critic)
+            pending, _BypassState.pending = _BypassState.pending, None
+            if pending is not None:
+                t = batch.batch
+                metrics.update(bypass_figures(pending, t["rollout_log_probs"], t["response_mask"], t["advantages"],
+                                              *eps))
+            return metrics
+
+        compute_data_metrics._phantomclip, compute_data_metrics.__wrapped__ = True, data_metrics
+        ray_trainer.compute_data_metrics = compute_data_metrics
 
 
 if importlib.util.find_spec("verl") is not None:  # imported as verl's plugin (or beside verl): hook in at once.

@@ -44,7 +44,7 @@ DEFAULT_DELEGATE = "slime.backends.megatron_utils.loss.vanilla_tis_function"
 DELEGATE_ENV = "PHANTOMCLIP_SLIME_TIS_DELEGATE"
 """the dotted path of the TIS function to delegate to when it is not slime's vanilla one (e.g. slime's
 `slime.backends.megatron_utils.loss.icepop_function` or examples.train_infer_mismatch_helper.mis's)."""
-PREFIX = "phantomclip/"
+_PREFIX = "phantomclip/"
 
 
 def _delegate():
@@ -81,8 +81,8 @@ def beta_token_metrics(train_log_probs: list[torch.Tensor], rollout_log_probs: l
     outside = (beta < low) | (beta > math.log1p(eps_high))  # [ΣT]
     before = torch.cat(loss_masks, dim=0).bool()  # [ΣT]
     after = torch.cat(masks_after, dim=0).bool()  # [ΣT]
-    return {f"{PREFIX}beta": beta, f"{PREFIX}beta_abs": beta.abs(), f"{PREFIX}beta_outside_trust_region":
-            outside.to(beta.dtype), f"{PREFIX}rs_removed": (before & ~after).to(beta.dtype)}
+    return {f"{_PREFIX}beta": beta, f"{_PREFIX}beta_abs": beta.abs(), f"{_PREFIX}beta_outside_trust_region":
+            outside.to(beta.dtype), f"{_PREFIX}rs_removed": (before & ~after).to(beta.dtype)}
 
 
 def tis_function(args, *, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],
@@ -120,9 +120,9 @@ def rollout_figures(samples) -> dict[str, float]:
         values.append(lp)
     lp = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)  # [N]
     n = lp.numel()
-    return {f"{PREFIX}rollout/tokens": n, f"{PREFIX}rollout/samples_without_logprobs": missing,
-            f"{PREFIX}rollout/logp_engine_mean": lp.mean().item() if n else math.nan,
-            f"{PREFIX}rollout/lowp_share": (lp.exp() < LOW_P).double().mean().item() if n else math.nan}
+    return {f"{_PREFIX}rollout/tokens": n, f"{_PREFIX}rollout/samples_without_logprobs": missing,
+            f"{_PREFIX}rollout/logp_engine_mean": lp.mean().item() if n else math.nan,
+            f"{_PREFIX}rollout/lowp_share": (lp.exp() < LOW_P).double().mean().item() if n else math.nan}
 
 
 def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:

@@ -269,7 +269,7 @@ def _with_figures(original):
         t = batch.batch
         weights = t["rollout_is_weights"] if "rollout_is_weights" in t.keys() else None
         metrics.update(driver_figures(t["old_log_probs"], t["rollout_log_probs"], before, t["response_mask"],
-                                      weights, rollout_corr_config, *eps))
+                                      weights=weights, config=rollout_corr_config, eps_low=eps[0], eps_high=eps[1]))
         return batch, metrics
 
     compute_rollout_correction_and_add_to_batch._phantomclip = True
@@ -315,7 +315,8 @@ def bypass_figures(pending: dict, rollout_log_probs: torch.Tensor, response_mask
     if pending["rollout"].shape != rollout_log_probs.shape or not torch.equal(pending["rollout"], rollout_log_probs):
         return {f"{PREFIX}bypass_misaligned": 1}
     old = pending["old"]  # [B, T] the actor's recompute at θ_old
-    out = driver_figures(old, rollout_log_probs, response_mask, response_mask, None, {}, eps_low, eps_high)
+    out = driver_figures(old, rollout_log_probs, response_mask, response_mask, weights=None, config={},
+                         eps_low=eps_low, eps_high=eps_high)
     ok = response_mask.bool() & torch.isfinite(old) & torch.isfinite(rollout_log_probs)  # [B, T]
     beta = (old.double() - rollout_log_probs.double())[ok]  # [N]
     from ..maths.metrics import phantom_clip_mask

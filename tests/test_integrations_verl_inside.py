@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phantomclip.base.errors import IntegrationError
 from phantomclip.integrations.verl import clip_counts, driver_figures  # with verl: registers and hooks, as a plugin
 from phantomclip.maths.metrics import mismatch_stats, phantom_clip_mask
 
@@ -63,6 +64,21 @@ def test_clip_counts_hand_worked():
     assert (out["tokens"], out["clip_high_tokens"], out["clip_low_tokens"], out["dual_clip_tokens"]) == (4, 1, 1, 1)
     assert out["clip_rate"] == 0.5
     assert out["log_ratio_abs_mean"] == pytest.approx((0.3 + 0.3 + 0.1 + 1.2) / 4, rel=1e-7)  # fp32 inputs
+
+
+def test_bad_settings_are_one_line(monkeypatch):
+    import phantomclip.integrations.verl as pv
+
+    for name, value in ((pv.EPS_ENV[0], "wide"), (pv.EPS_ENV[1], "-0.2"), (pv.RECOMPUTE_ENV, "every")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(IntegrationError, match=name) as e:
+            pv.driver_eps() if name in pv.EPS_ENV else pv.recompute_every()
+        assert "\n" not in str(e.value)
+        monkeypatch.delenv(name)
+    assert pv.driver_eps() == (0.2, 0.2) and pv.recompute_every() == 0  # verl's default clip_ratio; off
+    monkeypatch.setattr(pv, "version", lambda name: "0.8.0")
+    with pytest.raises(IntegrationError, match="install verl==0.9.1"):
+        pv.check_verl_version()
 
 
 def test_driver_figures_against_mismatch_stats():
@@ -138,7 +154,9 @@ def test_registered_loss_is_verls_vanilla_bit_for_bit():
     lr = (new - old).double()[mask.bool()]  # [N]: |ℓ| by hand, float64
     assert m_p["phantomclip/actor/log_ratio_abs_mean"] == pytest.approx(lr.abs().mean().item(), rel=1e-6)  # fp32 ℓ
     hand = phantom_clip_mask(lr, adv[mask.bool()], EPS_LOW, EPS_HIGH)  # the clip's zero-gradient tokens, log space
-    assert m_p["phantomclip/actor/clip_high_tokens"] + m_p["phantomclip/actor/clip_low_tokens"] == int(hand.sum()) > 0
+    clipped = m_p["phantomclip/actor/clip_high_tokens"] + m_p["phantomclip/actor/clip_low_tokens"]
+    assert clipped == int(hand.sum()) > 0
+    assert clipped == round(m_v["actor/pg_clipfrac"] * n)  # verl's own count: the same tokens, not just the rate
 
 
 @needs_verl

@@ -110,10 +110,11 @@ def clip_counts(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
                 response_mask: torch.Tensor, clip_low: float, clip_high: float, clip_c: float = 3.0) -> dict:
     """The token clip's decisions of verl's `vanilla` loss, summed over every rank. All tensors [B, T].
 
-    Decided as verl decides (core_algos.py compute_policy_loss_vanilla), in the inputs' dtype: ℓ = clamp(log_prob −
-    old_log_prob, ±20), r = exp(ℓ); a token is clipped high when A > 0 and r > 1 + ε_high, low when A < 0 and
-    r < 1 − ε_low (there the clipped branch wins, `pg_losses2 > pg_losses1`, and the token's gradient is zero: verl's
-    pg_clipfrac counts the same tokens); dual-clipped when A < 0 and −A·c < the clipped loss (its pg_clipfrac_lower).
+    Decided with verl's own comparisons, in the inputs' dtype (core_algos.py compute_policy_loss_vanilla), so that
+    ties round as verl's do: ℓ = clamp(log_prob − old_log_prob, ±20), r = exp(ℓ); a token is clipped when the clipped
+    branch wins, −A·clip(r, 1 − ε_low, 1 + ε_high) > −A·r (`pg_losses2 > pg_losses1`: its gradient is zero, and
+    verl's pg_clipfrac counts it), high when A > 0 (r > 1 + ε_high), low when A < 0 (r < 1 − ε_low); dual-clipped
+    when A < 0 and max(−A·r, −A·clip(r)) > −A·c (verl's pg_clipfrac_lower).
     Counts are exact integers held in float64 (exact below 2^53 tokens); one all-reduce of the five sums runs on
     every rank at every call, whatever it holds. verl gives every data-parallel rank the same number of micro-batches
     (workers/engine/fsdp/transformer_impl.py, `same_micro_num_in_dp=True`), so every rank calls this equally often.
@@ -122,10 +123,10 @@ def clip_counts(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
         m = response_mask.bool()  # [B, T]
         lr = (log_prob.detach() - old_log_prob.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T]
         r = torch.exp(lr)  # [B, T]
-        high = m & (advantages > 0) & (r > 1 + clip_high)  # [B, T]
-        low = m & (advantages < 0) & (r < 1 - clip_low)  # [B, T]
-        clipped_loss = torch.maximum(-advantages * r, -advantages * r.clamp(1 - clip_low, 1 + clip_high))  # [B, T]
-        dual = m & (advantages < 0) & (clipped_loss > -advantages * clip_c)  # [B, T]
+        plain, clipped = -advantages * r, -advantages * r.clamp(1 - clip_low, 1 + clip_high)  # [B, T] each
+        wins = m & (clipped > plain)  # [B, T]
+        high, low = wins & (advantages > 0), wins & (advantages < 0)  # [B, T] each
+        dual = m & (advantages < 0) & (torch.maximum(plain, clipped) > -advantages * clip_c)  # [B, T]
         local = [m.sum(), high.sum(), low.sum(), dual.sum(), lr.double().abs()[m].sum()]
         sums = _world_sum(torch.stack([v.double() for v in local]).to(log_prob.device))
     total = dict(zip(CLIP_KEYS, sums.tolist()))

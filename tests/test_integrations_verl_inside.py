@@ -352,19 +352,29 @@ def test_bypass_recompute_every_k_steps(monkeypatch):
         assert metrics["phantomclip/recompute_seconds"] >= 0
 
 
-@needs_verl
-def test_real_actor_update_step_on_cpu(tmp_path):
-    """verl's own actor (TrainingWorker, FSDP2 engine, gloo, one process) on a tiny Llama: recompute, the driver's
-    rollout correction, then an update of two mini-batches with loss_mode vanilla and with phantomclip_vanilla from the
-    same start. The weights after the update are equal bit for bit; the figures ride in verl's own metrics."""
-    worker = Path(__file__).parent / "verl_actor_step_worker.py"
+WORKER = Path(__file__).parent / "verl_actor_step_worker.py"
+
+
+@pytest.fixture(scope="module")
+def actor_runs(tmp_path_factory):
+    """verl's actor update run once per loss mode, one process each: {mode: what the worker saved}, and the folder."""
+    out = tmp_path_factory.mktemp("verl-actor")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MASTER_PORT": "29573"}
     runs = {}
     for mode in ("vanilla", "phantomclip_vanilla"):
-        done = subprocess.run([sys.executable, str(worker), str(tmp_path), mode], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, str(WORKER), str(out), mode], env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        runs[mode] = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
+        runs[mode] = torch.load(out / f"{mode}.pt", weights_only=False)
+    return runs, out
+
+
+@needs_verl
+def test_real_actor_update_step_on_cpu(actor_runs):
+    """verl's own actor (TrainingWorker, FSDP2 engine, gloo, one process) on a tiny Llama: recompute, the driver's
+    rollout correction, then an update of two mini-batches with loss_mode vanilla and with phantomclip_vanilla from the
+    same start. The weights after the update are equal bit for bit; the figures ride in verl's own metrics."""
+    runs, _ = actor_runs
     ours, theirs = runs["phantomclip_vanilla"], runs["vanilla"]
     assert ours["params"].keys() == theirs["params"].keys()
     assert all(torch.equal(ours["params"][k], theirs["params"][k]) for k in ours["params"])
@@ -379,3 +389,22 @@ def test_real_actor_update_step_on_cpu(tmp_path):
     assert m["phantomclip/actor/log_ratio_abs_mean"][1] > 0  # after one optimizer step: α
     ref = mismatch_stats(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], 0.2, 0.2)
     assert ours["driver"]["phantomclip/beta_abs_mean"] == pytest.approx(ref["beta_abs_mean"], rel=F64_SUM)
+
+
+@needs_verl
+def test_actor_update_over_two_ranks(actor_runs):
+    """The same update by verl's actor on 2 data-parallel ranks (torchrun, FSDP2 over gloo), each rank holding half of
+    every mini-batch: every rank logs the counts of the one-process run, mini-batch by mini-batch."""
+    runs, out = actor_runs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29575", str(WORKER), str(out), "phantomclip_vanilla", "1",
+                           str(out / "phantomclip_vanilla.pt")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one = runs["phantomclip_vanilla"]["metrics"]
+    for rank in (0, 1):
+        two = torch.load(out / f"rank{rank}-phantomclip_vanilla.pt", weights_only=False)["metrics"]
+        for key in ("tokens", "clip_high_tokens", "clip_low_tokens", "dual_clip_tokens", "clip_rate"):
+            assert two[f"phantomclip/actor/{key}"] == one[f"phantomclip/actor/{key}"], key
+        assert two["phantomclip/actor/log_ratio_abs_mean"][0] == 0.0
+    assert sum(one["phantomclip/actor/clip_low_tokens"]) + sum(one["phantomclip/actor/clip_high_tokens"]) > 0

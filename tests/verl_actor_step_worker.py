@@ -7,7 +7,13 @@ verl's ppo_loss with the given loss_mode, forward, backward and optimizer step.
 
 writes OUT_DIR/<LOSS_MODE>.pt: the parameters after the step, verl's metrics, the driver's metrics, and the
 seconds of each timed step (REPEATS > 1: the first step is excluded as warm-up, each later one starts from the same
-weights and batch). The CPU stand-ins are tests/verl_cpu.py's (verl 0.9.1 registers no CPU platform)."""
+weights and batch). The CPU stand-ins are tests/verl_cpu.py's (verl 0.9.1 registers no CPU platform).
+
+    torchrun --nproc_per_node 2 tests/verl_actor_step_worker.py OUT_DIR LOSS_MODE 1 BATCH_FILE
+
+runs the update alone on N data-parallel ranks (FSDP2 over gloo) with the batch a one-process run saved
+(BATCH_FILE, its "batch"), each rank holding rows rank, rank + N, ... so that the i-th mini-batch holds the same
+sequences as the one-process run's; writes OUT_DIR/rank<r>-<LOSS_MODE>.pt with verl's metrics."""
 
 from __future__ import annotations
 
@@ -17,9 +23,10 @@ import time
 from functools import partial
 from pathlib import Path
 
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  VERL_PLATFORM="cpu")
-os.environ.setdefault("MASTER_PORT", "29571")
+if "WORLD_SIZE" not in os.environ:  # one process, not under torchrun
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+os.environ["VERL_PLATFORM"] = "cpu"
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
@@ -39,7 +46,7 @@ def tiny_model_dir(root: Path) -> str:
     return str(path)
 
 
-def build_worker(model_dir: str, loss_mode: str):
+def build_worker(model_dir: str, loss_mode: str, micro: int = 2):
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (
         FSDPActorConfig,
@@ -53,13 +60,13 @@ def build_worker(model_dir: str, loss_mode: str):
 
     verl_cpu.register_fsdp_engine_on_cpu()
     engine = FSDPEngineConfig(strategy="fsdp2")  # FSDP1 places modules on an integer accelerator id
-    engine.use_dynamic_bsz, engine.micro_batch_size_per_gpu, engine.infer_micro_batch_size_per_gpu = False, 2, 2
+    engine.use_dynamic_bsz, engine.micro_batch_size_per_gpu, engine.infer_micro_batch_size_per_gpu = False, micro, micro
     model = HFModelConfig(path=model_dir, override_config={"attn_implementation": "eager"})  # no flash-attn on CPU
     worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                                  optimizer_config=FSDPOptimizerConfig(lr=1e-2),
                                                  checkpoint_config=CheckpointConfig()))
     worker.reset()
-    actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+    actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=micro, rollout_n=1,
                             clip_ratio_high=0.28, policy_loss={"loss_mode": loss_mode})
     worker.set_loss_fn(partial(ppo_loss, config=actor))
     return worker
@@ -116,16 +123,31 @@ def params(worker) -> dict[str, torch.Tensor]:
     return out
 
 
+def ranks_run(out_dir: Path, loss_mode: str, batch_file: Path) -> None:
+    """The update alone on this data-parallel rank's rows of a saved batch; verl's metrics to rank<r>-<mode>.pt."""
+    from verl import DataProto
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = torch.load(batch_file, weights_only=False)["batch"]
+    batch = DataProto.from_dict(tensors={k: v[rank::world].contiguous() for k, v in saved.items()})
+    worker = build_worker(str(out_dir / "tiny-llama"), loss_mode, micro=2 // world)  # a mini-batch's share each
+    torch.save({"metrics": train(worker, batch)}, out_dir / f"rank{rank}-{loss_mode}.pt")
+
+
 if __name__ == "__main__":
     out_dir, loss_mode = Path(sys.argv[1]), sys.argv[2]
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    dist.init_process_group("gloo", rank=0, world_size=1)  # verl asks for "cpu:gloo,cpu:nccl", NCCL is not built
+    dist.init_process_group("gloo")  # verl asks for "cpu:gloo,cpu:nccl", and NCCL is not built on the CPU
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo import rollout_corr_helper
 
     import phantomclip.integrations.verl  # noqa: F401  (as VERL_USE_EXTERNAL_MODULES loads it)
 
     torch.manual_seed(0)
+    if len(sys.argv) > 4:
+        ranks_run(out_dir, loss_mode, Path(sys.argv[4]))
+        dist.destroy_process_group()
+        sys.exit(0)
     worker = build_worker(tiny_model_dir(out_dir), loss_mode)
     start_params = params(worker)
     batch = make_batch()

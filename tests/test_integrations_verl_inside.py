@@ -265,6 +265,12 @@ def test_hooks_are_where_verl_reaches_them():
            "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "['phantomclip_bypass_mode', 'phantomclip_vanilla'] True", out.stderr[-800:]
+    bypass = ("import verl; from verl.trainer.ppo import ray_trainer as t, rollout_corr_helper as h; "
+              "print(t.RayPPOTrainer.fit._phantomclip, h.apply_bypass_mode._phantomclip, "
+              "t.compute_data_metrics._phantomclip)")  # the bypass hooks load from inside verl's import too
+    out = subprocess.run([sys.executable, "-c", bypass], env={**env, "PHANTOMCLIP_VERL_BYPASS_RECOMPUTE_EVERY": "5"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True True True", out.stderr[-800:]
 
 
 @needs_verl

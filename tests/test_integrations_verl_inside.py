@@ -414,3 +414,25 @@ def test_actor_update_over_two_ranks(actor_runs):
             assert two[f"phantomclip/actor/{key}"] == one[f"phantomclip/actor/{key}"], key
         assert two["phantomclip/actor/log_ratio_abs_mean"][0] == 0.0
     assert sum(one["phantomclip/actor/clip_low_tokens"]) + sum(one["phantomclip/actor/clip_high_tokens"]) > 0
+
+
+@needs_verl
+def test_the_fix_decoupled_mode_with_token_tis():
+    """The fix docs/verl.md gives for bypass mode, on the same tokens at α = 0: bypass mode (the clip on π/μ) zeroes the
+    gradient of every token whose β points out of the trust region; decoupled mode with token TIS (the clip on
+    π/π_old, β in the weight min(exp β, 2)) clips none, and each token's gradient is −A·w / N (token-mean: d/dℓ of
+    −A·e^ℓ·w at ℓ = 0, over the N tokens)."""
+    old, rollout, mask, adv = _batch(12, beta_scale=0.3)
+    ok = mask.bool()
+    _, (_, g_bypass, m_bypass) = _both("vanilla", "phantomclip_vanilla", _actor_config(), rollout, old, adv, mask)
+    phantom = torch.zeros_like(ok)
+    phantom[ok] = phantom_clip_mask((old - rollout).double()[ok], adv[ok], EPS_LOW, EPS_HIGH)
+    assert phantom.any() and torch.all(g_bypass[phantom] == 0)  # every phantom clip: no gradient
+    assert m_bypass["phantomclip/actor/clip_high_tokens"] + m_bypass["phantomclip/actor/clip_low_tokens"] == int(
+        phantom.sum())
+    w = torch.exp((old - rollout).clamp(max=math.log(2.0))) * mask  # [B, T] verl's token TIS at 2
+    (_, g_fix, m_fix), _ = _both("phantomclip_vanilla", "vanilla", _actor_config(), old, old, adv, mask, w)
+    assert m_fix["phantomclip/actor/clip_rate"] == 0.0
+    want = -(adv * w) / mask.sum()  # [B, T]
+    assert torch.allclose(g_fix[ok], want[ok], rtol=1e-6, atol=0)  # fp32: a product and a quotient, a few ulp
+    assert torch.all(g_fix[phantom] != 0)

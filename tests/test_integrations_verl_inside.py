@@ -260,13 +260,14 @@ def test_hooks_are_where_verl_reaches_them():
     source = inspect.getsource(RayPPOTrainer.fit)
     assert "from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch" in source
     code = ("import verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
-            "from verl.trainer.ppo import rollout_corr_helper as h; "
+            "from verl.trainer.ppo import rollout_corr_helper as h; from verl.workers import engine_workers as w; "
             "print(sorted(k for k in R if k.startswith('phantomclip')), "
-            "getattr(h.compute_rollout_correction_and_add_to_batch, '_phantomclip', False))")
+            "getattr(h.compute_rollout_correction_and_add_to_batch, '_phantomclip', False), "
+            "getattr(w.ppo_loss, '_phantomclip', False))")  # the workers bind ppo_loss by name: the wrapped one
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "phantomclip.integrations.verl",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "['phantomclip_bypass_mode', 'phantomclip_vanilla'] True", out.stderr[-800:]
+    assert out.stdout.strip() == "['phantomclip_bypass_mode', 'phantomclip_vanilla'] True True", out.stderr[-800:]
     bypass = ("import verl; from verl.trainer.ppo import ray_trainer as t, rollout_corr_helper as h; "
               "print(t.RayPPOTrainer.fit._phantomclip, h.apply_bypass_mode._phantomclip, "
               "t.compute_data_metrics._phantomclip)")  # the bypass hooks load from inside verl's import too
@@ -438,3 +439,25 @@ def test_the_fix_decoupled_mode_with_token_tis():
     want = -(adv * w) / mask.sum()  # [B, T]
     assert torch.allclose(g_fix[ok], want[ok], rtol=1e-6, atol=0)  # fp32: a product and a quotient, a few ulp
     assert torch.all(g_fix[phantom] != 0)
+
+
+@needs_verl
+def test_counts_reduce_over_the_group_verl_hands_ppo_loss(tmp_path):
+    """verl's engines call ppo_loss with their data-parallel group (Ulysses' dp dimension, Megatron's data-parallel
+    group: the last pipeline stage's ranks, each token once); the counts are reduced over that group. Each of two
+    ranks passes a group of itself alone: its counts are its own half's; with dp_group=None: both halves'."""
+    old, rollout, mask, adv = _batch(13, B=10)
+    new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(14))
+    torch.save({"old": old, "new": new, "mask": mask, "adv": adv}, tmp_path / "batch.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29563", str(Path(__file__).parent / "verl_ranks_worker.py"), str(tmp_path), "groups"],
+                          env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole = clip_counts(old, new, adv, mask, EPS_LOW, EPS_HIGH)
+    for rank, rows in ((0, slice(0, 5)), (1, slice(5, 10))):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        own = clip_counts(old[rows], new[rows], adv[rows], mask[rows], EPS_LOW, EPS_HIGH)
+        for key in ("tokens", "clip_high_tokens", "clip_low_tokens", "clip_rate"):
+            assert got["alone"][key] == own[key] and got["every"][key] == whole[key], key

@@ -91,11 +91,36 @@ def driver_eps() -> tuple[float, float]:
     return out[0], out[1]
 
 
+class _LossGroup:
+    """The data-parallel group of the loss call in progress: verl's engines hand it to `ppo_loss` (`dp_group=
+    self.get_data_parallel_group()`: FSDP's Ulysses "dp" mesh dimension or the whole world, Megatron's data-parallel
+    group; workers/engine/fsdp/ and megatron/transformer_impl.py), which does not pass it on to the policy loss, so
+    the wrapper of `ppo_loss` that `install` sets keeps it here for the call. Reducing over it counts each token once
+    where sequence or tensor parallel ranks hold the same tokens, and under pipeline parallelism joins only the last
+    stage's ranks, the only ones that call the loss (a reduce over every rank would wait forever)."""
+
+    group = None
+
+
 def _world_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every rank of the default process group (itself without one)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    """x summed over the loss call's data-parallel group (_LossGroup), else every rank (itself without a group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(_LossGroup.group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_LossGroup.group)
     return x
+
+
+def _with_loss_group(original):
+    """verl's `ppo_loss` (workers/utils/losses.py), keeping its `dp_group` in _LossGroup while it runs."""
+
+    def ppo_loss(config, model_output, data, dp_group=None):
+        previous, _LossGroup.group = _LossGroup.group, dp_group
+        try:
+            return original(config, model_output, data, dp_group)
+        finally:
+            _LossGroup.group = previous
+
+    ppo_loss._phantomclip, ppo_loss.__wrapped__ = True, original
+    return ppo_loss
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,9 +140,10 @@ def clip_counts(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
     branch wins, −A·clip(r, 1 − ε_low, 1 + ε_high) > −A·r (`pg_losses2 > pg_losses1`: its gradient is zero, and
     verl's pg_clipfrac counts it), high when A > 0 (r > 1 + ε_high), low when A < 0 (r < 1 − ε_low); dual-clipped
     when A < 0 and max(−A·r, −A·clip(r)) > −A·c (verl's pg_clipfrac_lower).
-    Counts are exact integers held in float64 (exact below 2^53 tokens); one all-reduce of the five sums runs on
-    every rank at every call, whatever it holds. verl gives every data-parallel rank the same number of micro-batches
-    (workers/engine/fsdp/transformer_impl.py, `same_micro_num_in_dp=True`), so every rank calls this equally often.
+    Counts are exact integers held in float64 (exact below 2^53 tokens); one all-reduce of the five sums over the
+    loss call's data-parallel group (_LossGroup) runs on every rank of it at every call, whatever it holds. verl gives
+    every data-parallel rank the same number of micro-batches (workers/engine/fsdp/transformer_impl.py,
+    `same_micro_num_in_dp=True`), so every rank of the group calls this equally often.
     """
     with torch.no_grad():
         m = response_mask.bool()  # [B, T]
@@ -249,13 +275,18 @@ def driver_figures(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
 
 
 def install() -> None:
-    """Register the losses and wrap verl's driver-side correction helper (idempotent); run on import."""
+    """Register the losses, wrap verl's driver-side correction helper and its worker-side `ppo_loss` (for the loss
+    call's data-parallel group), idempotent; run on import."""
     register_losses()
     from verl.trainer.ppo import rollout_corr_helper as helper
 
     if not getattr(helper.compute_rollout_correction_and_add_to_batch, "_phantomclip", False):
         helper.compute_rollout_correction_and_add_to_batch = _with_figures(
             helper.compute_rollout_correction_and_add_to_batch)
+    from verl.workers.utils import losses
+
+    if not getattr(losses.ppo_loss, "_phantomclip", False):  # before engine_workers binds it by name, as a plugin
+        losses.ppo_loss = _with_loss_group(losses.ppo_loss)
     if recompute_every():
         install_bypass_recompute()
 

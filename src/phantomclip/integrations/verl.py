@@ -13,17 +13,18 @@ Two places see the figures, on two kinds of process:
   trust region (the tokens bypass mode would clip at α = 0), and what the user's IS/RS settings did with β (the
   tokens and sequences whose weight was truncated or zeroed, those rejection sampling removed, the weights' ESS).
 - **Each actor worker** runs the policy loss verl's `ppo_loss` (verl/workers/utils/losses.py) looks up by
-  `actor.policy_loss.loss_mode` in verl's registry (`get_policy_loss_fn`, verl/trainer/ppo/core_algos.py). This
-  module registers `phantomclip_vanilla` and `phantomclip_bypass_mode`: each calls verl's own `vanilla` or
-  `bypass_mode` with the same arguments and returns its loss object unchanged (so the loss and its gradient are
-  verl's, bit for bit), and adds the clip's decisions on the ratio verl clips, as integer counts summed over every
-  rank (`clip_counts`). In decoupled mode that ratio is π_θ / π_old, the trainer against its own recompute: α, and
-  its clips are real ones (β reaches the loss only through the IS weights). In bypass mode `apply_bypass_mode` sets
-  old_log_probs := rollout_log_probs on the driver and the clip sees α + β: every clip is counted, but which of them
-  are phantom needs α alone, i.e. the actor's recompute, which bypass mode exists to skip (docs/verl.md: what that
-  costs, and decoupled mode with token TIS as the fix). `apply_bypass_mode` also writes loss_mode := "bypass_mode"
-  into the driver's copy of the actor config, after the workers were built from it (ray_trainer.py `fit`, after
-  `init_workers`): the workers keep the loss_mode they were given.
+  `actor.policy_loss.loss_mode` in verl's registry (`get_policy_loss_fn`, verl/trainer/ppo/core_algos.py). This module
+  registers `phantomclip_vanilla` and `phantomclip_bypass_mode`: each calls verl's own `vanilla` or `bypass_mode` with
+  the same arguments and returns its loss object unchanged (so the loss and its gradient are verl's, bit for bit), and
+  adds the clip's decisions on the ratio verl clips, as integer counts summed over the data-parallel group verl's engine
+  hands `ppo_loss` (`clip_counts`; `install` wraps `ppo_loss` to keep the group, which verl does not pass on to a policy
+  loss). In decoupled mode that ratio is π_θ / π_old, the trainer against its own recompute: α, and its clips are real
+  ones (β reaches the loss only through the IS weights). In bypass mode `apply_bypass_mode` sets old_log_probs :=
+  rollout_log_probs on the driver and the clip sees α + β: every clip is counted, but which of them are phantom needs α
+  alone, i.e. the actor's recompute, which bypass mode exists to skip (docs/verl.md: what that costs, and decoupled mode
+  with token TIS as the fix). `apply_bypass_mode` also writes loss_mode := "bypass_mode" into the driver's copy of the
+  actor config, after the workers were built from it (ray_trainer.py `fit`, after `init_workers`): the workers keep the
+  loss_mode they were given.
 
 Load it in every verl process with verl's own plugin switch, `VERL_USE_EXTERNAL_MODULES=phantomclip.integrations.verl`
 (verl/__init__.py imports each listed module whenever verl is imported, driver and workers alike), and set

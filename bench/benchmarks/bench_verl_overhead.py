@@ -4,18 +4,24 @@ Runs in the verl venv (docs/verl.md, "Tests"), one process, gloo, verl's Trainin
 tiny random Llama (tests/verl_actor_step_worker.py builds it; tests/verl_cpu.py is the CPU platform verl 0.9.1
 lacks). The batch is larger than the test's: --batch sequences of --response tokens, 2 micro-batches per mini-batch.
 
-    .venv-verl/bin/python bench/benchmarks/bench_verl_overhead.py [--repeats 7] [--batch 8] [--response 64]
+    .venv-verl/bin/python bench/benchmarks/bench_verl_overhead.py [--repeats 21] [--batch 8] [--response 64]
+                                                                  [--threads 1]
 
 Timed, alternating the two paths in one process (A B A B ...) so that both share the machine's noise:
 - the actor update (`train_mini_batch`: forward, ppo_loss, backward, optimizer step over every micro-batch) with
-  loss_mode vanilla against phantomclip_vanilla (the same worker, the loss swapped with `set_loss_fn`);
+  loss_mode vanilla against phantomclip_vanilla (the same worker, the loss swapped with `set_loss_fn`); besides the
+  two medians, the median of the pairs' ratios (each pair back to back, so a slow minute slows both);
+- the loss alone: verl's worker-side `ppo_loss` on one micro-batch's padded tensors, forward and backward, with each
+  loss_mode (what a loss call costs without the model: the harshest denominator);
 - the figures alone: `worker_figures` on one micro-batch's tensors (what the registered loss adds per call), times
   the calls per update;
 - the driver: `compute_rollout_correction_and_add_to_batch` wrapped against verl's own (`__wrapped__`), token TIS;
 - bypass mode's optional recompute (PHANTOMCLIP_VERL_BYPASS_RECOMPUTE_EVERY): verl's `infer_batch` on the batch,
   the forward decoupled mode runs at every step, against the update.
 Wall and CPU seconds (time.process_time: every thread of this process) are medians over --repeats; the load average
-is printed beside them. Feeds bench/RESULTS.md "phantomclip inside verl: cost" and docs/verl.md "Cost".
+is printed beside them. One torch thread by default: on 2 shared cores, two OpenMP threads that spin while another
+process holds a core made the same update take 30x longer from one minute to the next. Feeds bench/RESULTS.md §10
+and docs/results.md "phantomclip inside verl: its cost" (docs/verl.md "Cost" points there).
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ def make_batch(batch: int, response: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--response", type=int, default=64)
     args = parser.parse_args()
@@ -84,6 +91,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=0, world_size=1)
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo import rollout_corr_helper
@@ -127,15 +135,37 @@ def main() -> None:
         return worker_figures("vanilla", micro["old_log_probs"], new, micro["advantages"],
                               micro["response_mask"].bool(), configs["phantomclip_vanilla"])
 
+    from tensordict import TensorDict
+    from verl.utils.tensordict_utils import assign_non_tensor
+    from verl.workers.utils import losses
+
+    padded = losses.no_padding_2_padding
+    micro_td = TensorDict({"response_mask": micro["response_mask"], "old_log_probs": micro["old_log_probs"],
+                           "advantages": micro["advantages"]}, batch_size=[half])
+    assign_non_tensor(micro_td, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+
+    def loss_alone(mode: str):
+        losses.no_padding_2_padding = lambda x, data: x  # the micro-batch's log-probs are padded already
+        try:
+            lp = new.clone().requires_grad_(True)
+            loss, _ = losses.ppo_loss(configs[mode], {"log_probs": lp}, micro_td.clone())
+            loss.backward()
+        finally:
+            losses.no_padding_2_padding = padded
+
     def fresh():
         return type(batch).from_dict(tensors={k: t[k].clone() for k in ("old_log_probs", "rollout_log_probs")} |
                                      {"response_mask": t["response_mask"].clone()})
 
     rows: dict[str, list[tuple[float, float]]] = {}
-    update("vanilla"), update("phantomclip_vanilla")  # warm-up, not timed
+    for mode in ("vanilla", "phantomclip_vanilla"):  # warm-up, not timed
+        update(mode), loss_alone(mode)
     for _ in range(args.repeats):
         for mode in ("vanilla", "phantomclip_vanilla"):
             rows.setdefault(f"update {mode}", []).append(timed(lambda: update(mode))[1:])
+        for mode in ("vanilla", "phantomclip_vanilla"):
+            rows.setdefault(f"loss alone {mode}", []).append(
+                min((timed(lambda: loss_alone(mode))[1:] for _ in range(20)), key=lambda x: x[0]))
         rows.setdefault("figures, one micro-batch", []).append(
             min((timed(figures)[1:] for _ in range(20)), key=lambda x: x[0]))
         rows.setdefault("driver: verl's correction", []).append(timed(lambda: hooked.__wrapped__(fresh(), corr))[1:])
@@ -152,7 +182,14 @@ def main() -> None:
     print(f"figures per update / update: wall {100 * per_update[0] / base[0]:.3f}%, "
           f"cpu {100 * per_update[1] / base[1]:.3f}% (target <= 2%)")
     print(f"update with phantomclip_vanilla / vanilla: wall {med['update phantomclip_vanilla'][0] / base[0]:.4f}, "
-          f"cpu {med['update phantomclip_vanilla'][1] / base[1]:.4f} (includes the noise of the two)")
+          f"cpu {med['update phantomclip_vanilla'][1] / base[1]:.4f} (medians; includes the noise of the two)")
+    pairs = [tuple(o / v for o, v in zip(ours, theirs))
+             for ours, theirs in zip(rows["update phantomclip_vanilla"], rows["update vanilla"])]
+    print(f"  median of the pairs' ratios: wall {statistics.median(p[0] for p in pairs):.4f}, "
+          f"cpu {statistics.median(p[1] for p in pairs):.4f}")
+    alone = med["loss alone vanilla"]
+    print(f"loss alone, phantomclip_vanilla / vanilla: wall {med['loss alone phantomclip_vanilla'][0] / alone[0]:.3f}, "
+          f"cpu {med['loss alone phantomclip_vanilla'][1] / alone[1]:.3f}")
     extra = tuple(a - b for a, b in zip(med["driver: wrapped"], med["driver: verl's correction"]))
     print(f"driver figures: +{1e3 * extra[0]:.2f} ms wall, +{1e3 * extra[1]:.2f} ms cpu per step")
     print(f"bypass recompute / update: wall {med['bypass recompute (infer_batch)'][0] / base[0]:.3f}, "

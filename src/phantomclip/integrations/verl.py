@@ -129,7 +129,8 @@ def _with_loss_group(original):
 
 
 CLIP_KEYS = ("tokens", "clip_high_tokens", "clip_low_tokens", "dual_clip_tokens", "log_ratio_abs_sum")
-"""the float64 sums `clip_counts` reduces across ranks, in this order (one all-reduce per call)."""
+"""the sums behind `clip_counts`' figures, in this order; its one all-reduce per call carries them with the third
+replaced by every clipped token (the low ones are those less the high ones)."""
 
 
 def clip_counts(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -151,12 +152,15 @@ def clip_counts(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
         lr = (log_prob.detach() - old_log_prob.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T]
         r = torch.exp(lr)  # [B, T]
         plain, clipped = -advantages * r, -advantages * r.clamp(1 - clip_low, 1 + clip_high)  # [B, T] each
-        wins = m & (clipped > plain)  # [B, T]
-        high, low = wins & (advantages > 0), wins & (advantages < 0)  # [B, T] each
-        dual = m & (advantages < 0) & (torch.maximum(plain, clipped) > -advantages * clip_c)  # [B, T]
-        local = [m.sum(), high.sum(), low.sum(), dual.sum(), lr.double().abs()[m].sum()]
-        sums = _world_sum(torch.stack([v.double() for v in local]).to(log_prob.device))
-    total = dict(zip(CLIP_KEYS, sums.tolist()))
+        wins = m & (clipped > plain)  # [B, T] (never where A = 0: both sides are 0 there)
+        pos = advantages > 0  # [B, T]
+        dual = m & ~pos & (torch.maximum(plain, clipped) > -advantages * clip_c)  # [B, T]
+        counts = torch.stack([m.sum(), (wins & pos).sum(), wins.sum(), dual.sum()]).double()  # [4] int64 -> float64
+        abs_sum = (lr.abs() * m).sum(dtype=torch.float64).reshape(1)  # [1] each fp32 |ℓ| summed in float64
+        sums = _world_sum(torch.cat([counts, abs_sum]).to(log_prob.device))  # [5]
+    tokens, high, wins_n, dual_n, abs_total = sums.tolist()
+    sums_by_key = (tokens, high, wins_n - high, dual_n, abs_total)  # low = clipped with A < 0 = all clipped − high
+    total = dict(zip(CLIP_KEYS, sums_by_key))
     n = total["tokens"]
     rate = (lambda x: x / n) if n else (lambda x: math.nan)
     return {"tokens": int(n), "clip_high_tokens": int(total["clip_high_tokens"]),

@@ -7,7 +7,8 @@ lacks). The batch is larger than the test's: --batch sequences of --response tok
     .venv-verl/bin/python bench/benchmarks/bench_verl_overhead.py [--repeats 21] [--batch 8] [--response 64]
                                                                   [--threads 1]
 
-Timed, alternating the two paths in one process (A B A B ...) so that both share the machine's noise:
+Timed, alternating the two paths in one process (A B, B A, A B, ...) so that both share the machine's noise and
+neither always runs second:
 - the actor update (`train_mini_batch`: forward, ppo_loss, backward, optimizer step over every micro-batch) with
   loss_mode vanilla against phantomclip_vanilla (the same worker, the loss swapped with `set_loss_fn`); besides the
   two medians, the median of the pairs' ratios (each pair back to back, so a slow minute slows both);
@@ -160,8 +161,9 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float]]] = {}
     for mode in ("vanilla", "phantomclip_vanilla"):  # warm-up, not timed
         update(mode), loss_alone(mode)
-    for _ in range(args.repeats):
-        for mode in ("vanilla", "phantomclip_vanilla"):
+    for i in range(args.repeats):
+        order = ("vanilla", "phantomclip_vanilla")
+        for mode in order if i % 2 == 0 else order[::-1]:  # A B, B A, A B, ...: neither always runs second
             rows.setdefault(f"update {mode}", []).append(timed(lambda: update(mode))[1:])
         for mode in ("vanilla", "phantomclip_vanilla"):
             rows.setdefault(f"loss alone {mode}", []).append(

@@ -67,7 +67,7 @@ def test_tis_hook_returns_the_delegates_loss_and_masks(monkeypatch):
     monkeypatch.setenv(DELEGATE_ENV, f"{__name__}.vanilla_tis_reference")
     train, rollout, masks, pg = _slime_batch()
     kw = dict(train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks, total_lengths=[9, 6, 11],
-              response_lengths=[5, 3, 7])
+              response_lengths=[5, 3, 7], parallel_state=None, max_seq_lens=None)  # the last two: miles passes them
     pg_a, pg_b = pg.clone().requires_grad_(True), pg.clone().requires_grad_(True)
     ref_loss, ref_masks, ref_metrics = vanilla_tis_reference(ARGS, pg_loss=pg_a, **kw)
     loss, out_masks, metrics = tis_function(ARGS, pg_loss=pg_b, **kw)
@@ -130,25 +130,42 @@ def test_rollout_figures_by_hand():
         rollout_figures([SimpleNamespace(rollout_log_probs=[0.0, 0.0], loss_mask=[1])])
 
 
-def test_rollout_log_without_metrics_dict_uses_slimes_logger(monkeypatch):
-    """RolloutFnTrainOutput.metrics defaults to None: the figures then go through slime's own logger at slime's own
-    rollout step. slime is not installed here, so its two functions are stood in at the names log_rollout imports
-    (slime/observability/logging_utils.py `log(args, metrics, step_key)`, metric_utils.py
-    `compute_rollout_step(args, rollout_id)`)."""
+@pytest.mark.parametrize("name", ["slime", "miles"])
+def test_rollout_log_without_metrics_dict_uses_the_frameworks_logger(monkeypatch, name):
+    """RolloutFnTrainOutput.metrics defaults to None: the figures then go through the framework's own logger at its
+    own rollout step. Neither slime nor miles is installed here, so their modules are stood in at the names the hook
+    imports (slime: observability/logging_utils.py `log(args, metrics, step_key)`, observability/metric_utils.py
+    `compute_rollout_step(args, rollout_id)`; miles: utils/tracking_utils/tracking.py, utils/metric_utils.py)."""
+    import importlib.machinery
     import sys
     import types
 
+    from phantomclip.integrations.slime import LOGGERS, framework
+
     logged = []
-    fake = {name: types.ModuleType(name) for name in ("slime", "slime.observability",
-                                                      "slime.observability.logging_utils",
-                                                      "slime.observability.metric_utils")}
-    fake["slime.observability.logging_utils"].log = lambda args, metrics, step_key: logged.append((metrics, step_key))
-    fake["slime.observability.metric_utils"].compute_rollout_step = lambda args, rollout_id: 10 * rollout_id
-    fake["slime"].observability = fake["slime.observability"]
-    fake["slime.observability"].logging_utils = fake["slime.observability.logging_utils"]
-    for name, module in fake.items():
-        monkeypatch.setitem(sys.modules, name, module)
+    probe = {"slime": "slime.backends.megatron_utils", "miles": "miles.backends.training_utils"}[name]
+    log_module, step_module = LOGGERS[name]
+    names = {probe, log_module, step_module}
+    for full in sorted(names):  # every parent package too, each with a spec as an imported module has
+        parts = full.split(".")
+        names |= {".".join(parts[:i]) for i in range(1, len(parts))}
+    for full in sorted(names):
+        module = types.ModuleType(full)
+        module.__spec__ = importlib.machinery.ModuleSpec(full, None, is_package=True)
+        module.__path__ = []
+        monkeypatch.setitem(sys.modules, full, module)
+    sys.modules[log_module].log = lambda args, metrics, step_key: logged.append((metrics, step_key))
+    sys.modules[step_module].compute_rollout_step = lambda args, rollout_id: 10 * rollout_id
+    assert framework() == name
     samples = [SimpleNamespace(rollout_log_probs=[math.log(0.5)], loss_mask=[1])]
     assert log_rollout(3, ARGS, samples, None, 1.0) is False
     (metrics, key), = logged
     assert key == "rollout/step" and metrics["rollout/step"] == 30 and metrics["phantomclip/rollout/tokens"] == 1
+
+
+def test_neither_framework_installed_is_one_line(monkeypatch):
+    monkeypatch.delenv(DELEGATE_ENV, raising=False)
+    with pytest.raises(IntegrationError, match="neither slime nor miles") as e:
+        tis_function(ARGS, pg_loss=torch.ones(1), train_log_probs=[torch.zeros(1)], rollout_log_probs=[torch.zeros(1)],
+                     loss_masks=[torch.ones(1)])
+    assert "\n" not in str(e.value)

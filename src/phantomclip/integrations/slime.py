@@ -29,6 +29,7 @@ The TIS hook is given neither the advantages nor the current log-probs, so it ca
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 
@@ -39,24 +40,45 @@ from ..maths.metrics import LOW_P
 
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 """the slime commit the hooks' signatures were read at (THUDM/slime, 2026-08-21)."""
-DEFAULT_DELEGATE = "slime.backends.megatron_utils.loss.vanilla_tis_function"
-"""slime's own TIS function, the one it runs without --custom-tis-function-path (loss.py)."""
+MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
+"""the miles commit read beside it (radixark/miles, 2026-08-21): the same two hooks and signatures
+(miles/backends/training_utils/loss_hub/losses.py passes two more keyword arguments, parallel_state and max_seq_lens,
+which tis_function hands on; miles/ray/rollout/metrics.py log_rollout_data), its own module paths."""
+DEFAULT_DELEGATES = {"slime": "slime.backends.megatron_utils.loss.vanilla_tis_function",
+                     "miles": "miles.backends.training_utils.loss_hub.corrections.vanilla_tis_function"}
+"""each framework's own TIS function, the one it runs without --custom-tis-function-path."""
+LOGGERS = {"slime": ("slime.observability.logging_utils", "slime.observability.metric_utils"),
+           "miles": ("miles.utils.tracking_utils.tracking", "miles.utils.metric_utils")}
+"""where each framework's rollout logging finds `log(args, metrics, step_key)` and `compute_rollout_step(args,
+rollout_id)` (slime/observability/rollout_metrics.py, miles/ray/rollout/metrics.py)."""
 DELEGATE_ENV = "PHANTOMCLIP_SLIME_TIS_DELEGATE"
 """the dotted path of the TIS function to delegate to when it is not slime's vanilla one (e.g. slime's
 `slime.backends.megatron_utils.loss.icepop_function` or examples.train_infer_mismatch_helper.mis's)."""
 _PREFIX = "phantomclip/"
 
 
+def framework() -> str:
+    """'slime' or 'miles': the one installed (slime first; the PyPI package named "slime" is another project, so
+    slime is recognised by its training backend), or one line saying neither is."""
+    for name, probe in (("slime", "slime.backends.megatron_utils"), ("miles", "miles.backends.training_utils")):
+        try:
+            if importlib.util.find_spec(probe) is not None:
+                return name
+        except (ImportError, ValueError):  # a parent that is another package, or a module without a spec
+            continue
+    raise IntegrationError("neither slime nor miles is importable here: run inside the training job's environment, "
+                           f"or name the TIS function to apply in {DELEGATE_ENV}")
+
+
 def _delegate():
     """The TIS function the user's run would call, imported as slime's load_function imports a path."""
-    path = os.environ.get(DELEGATE_ENV, DEFAULT_DELEGATE)
+    path = os.environ.get(DELEGATE_ENV) or DEFAULT_DELEGATES[framework()]
     module, _, name = path.rpartition(".")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         raise IntegrationError(f"{DELEGATE_ENV}={path!r} could not be imported: give the dotted path of the TIS "
-                               "function slime should apply (slime's own is "
-                               f"{DEFAULT_DELEGATE})") from None
+                               f"function to apply (slime's own is {DEFAULT_DELEGATES['slime']})") from None
     if fn is tis_function:
         raise IntegrationError(f"{DELEGATE_ENV} names phantomclip's own tis_function: name the TIS function it "
                                "should hand the loss to")
@@ -131,15 +153,13 @@ def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) 
     With a metrics dict from the rollout function, `rollout_figures` go into it and slime's logging writes them
     with its own (rollout_metrics.py: `log_dict = {**(rollout_extra_metrics or {})}`). Without one (None, the
     default of RolloutFnTrainOutput.metrics, slime/rollout/base_types.py), they are written the way slime writes its
-    own: `slime.observability.logging_utils.log(args, figures, step_key="rollout/step")` at
-    `slime.observability.metric_utils.compute_rollout_step(args, rollout_id)`."""
+    own: `log(args, figures, step_key="rollout/step")` at `compute_rollout_step(args, rollout_id)`, from the modules
+    LOGGERS names for the framework installed."""
     figures = rollout_figures(samples)
     if isinstance(rollout_extra_metrics, dict):
         rollout_extra_metrics.update(figures)
         return False
-    from slime.observability import logging_utils
-    from slime.observability.metric_utils import compute_rollout_step
-
-    step = compute_rollout_step(args, rollout_id)
-    logging_utils.log(args, {**figures, "rollout/step": step}, step_key="rollout/step")
+    logger, steps = (importlib.import_module(m) for m in LOGGERS[framework()])
+    step = steps.compute_rollout_step(args, rollout_id)
+    logger.log(args, {**figures, "rollout/step": step}, step_key="rollout/step")
     return False

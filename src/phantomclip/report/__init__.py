@@ -1,5 +1,6 @@
 """`phantomclip report`: an offline, self-contained HTML article whose figures are drawn from this tool's own
-measurements (diagnose JSON, training run directories, `experiment sanity` summaries, trace JSON).
+measurements (diagnose JSON, training run directories, `experiment sanity` summaries, trace JSON) and from what a verl
+run logged from inside verl (its file log).
 
 The prose lives in `article.md` (a writer edits it without touching Python); each `<!-- figure: NAME -->` marker is
 replaced by the figure `FIGURES[NAME]` draws from the data, or by a note naming the command that produces the missing
@@ -8,8 +9,9 @@ network), and its legend toggles and hover give the interactions the article nee
 
 Modules, by concept: `sources` reads and classifies the files; `figures` draws the diagnose and trace figures,
 `training_panel` the closed loop, `growth_panel` the gap along training, `interventions_table` the arms' table,
-`framework_panel` "Your framework"; `summary` writes the words that come from the data (the summary at the top, the
-source line under each figure); `plots` holds the shared look; `page` assembles and writes the page.
+`framework_panel` "Your framework" (with `framework_log`, what a verl run logged); `summary` writes the words that
+come from the data (the summary at the top, the source line under each figure); `plots` holds the shared look; `page`
+assembles and writes the page.
 
 May import: base, precision, maths, models, runs, answer, training, diagnose.
 """

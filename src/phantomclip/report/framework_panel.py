@@ -3,6 +3,8 @@
 against it) and the "for your config" knob advice (`diagnose.text.knob_lines`), as HTML, from the diagnose JSON
 alone. The words are the terminal's, so the page and `phantomclip diagnose` cannot disagree.
 
+With a verl run's file log among the inputs, the panel adds what that run logged (framework_log.py).
+
 A diagnose JSON written before these keys existed (schema 1 files may lack `recipes.*.frameworks` and `knobs`) gets a
 note saying how to produce them instead of an empty table.
 """
@@ -13,19 +15,23 @@ from ..answer.decide import measured_engine
 from ..answer.verdict_text import fmt_figure
 from ..diagnose.text import drift_lines, framework_rows, knob_lines
 from .escape import html_text
+from .framework_log import html_log_table
 
 RERUN = "phantomclip diagnose --json diagnose.json"
 """the command that writes every key the panel reads."""
 
 
-def html_framework_panel(diagnose: list[dict]) -> str | None:
-    """The panel for the last diagnose JSON of `diagnose`; None when there is none (the page names the command)."""
-    if not diagnose:
+def html_framework_panel(diagnose: list[dict], verl_logs: list[dict] = ()) -> str | None:
+    """The panel for the last diagnose JSON of `diagnose` and the last verl log of `verl_logs` (what the run logged,
+    beside diagnose's figures: framework_log.py); None when there is neither (the page names the command)."""
+    if not diagnose and not verl_logs:
         return None
-    result = diagnose[-1]
-    parts = [framework_table_html(result), knob_list(result)]
-    if "drift" in result:
+    result = diagnose[-1] if diagnose else None
+    parts = [framework_table_html(result), knob_list(result)] if result else []
+    if result and "drift" in result:
         parts.append("<pre>" + html_text("\n".join(drift_lines(result["drift"]))) + "</pre>")
+    if verl_logs:
+        parts.append(html_log_table(verl_logs[-1], result))
     return "\n".join(parts)
 
 

@@ -237,7 +237,8 @@ def _block(name: str, data: ReportData, figures: dict, ctx: dict) -> str:
                       moe_panel.EXPERIMENT),
         "growth_table": (lambda: growth_panel.html_growth_table(data.growths), ("growths", data.growths),
                          growth_panel.COMMAND),
-        "your_framework": (lambda: html_framework_panel(data.diagnose), ("diagnose", last),
+        "your_framework": (lambda: html_framework_panel(data.diagnose, data.verl_logs),
+                           ("framework", [*last, *data.verl_logs[-1:]]) if data.verl_logs else ("diagnose", last),
                            "phantomclip diagnose --json diagnose.json")}
     if name in tables:
         draw, (kind, docs), command = tables[name]

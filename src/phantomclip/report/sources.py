@@ -16,6 +16,7 @@ would otherwise silently lack what the user expects to see.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -52,11 +53,14 @@ class ReportData:
     baseline."""
     moe_runs: list[dict] = field(default_factory=list)
     """the runs of a `moe-r3` experiment: another model's runs, kept out of `runs`."""
+    verl_logs: list[dict] = field(default_factory=list)
+    """verl runs' file-tracker logs (`read_verl_log`): what the run logged, drawn in "Your framework"."""
 
     def files(self) -> list[Path]:
         """Every file the page draws from, in the order found: the JSON files, then each run's config, metrics and
         (where the run logged them) tokens."""
-        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.fp8 + self.moe + self.traces + self.growths]
+        out = [Path(d["_path"]) for d in self.diagnose + self.sanity + self.fp8 + self.moe + self.traces + self.growths
+               + self.verl_logs]
         for r in self.runs + self.fp8_runs + self.moe_runs:
             out += [Path(r["_path"]) / "config.json", Path(r["_path"]) / "metrics.jsonl"]
             out += [Path(r["_path"]) / "tokens.jsonl"] if r.get("tokens") else []
@@ -64,7 +68,7 @@ class ReportData:
 
     def empty(self) -> bool:
         return not (self.diagnose or self.runs or self.sanity or self.traces or self.growths or self.fp8
-                    or self.fp8_runs or self.moe or self.moe_runs)
+                    or self.fp8_runs or self.moe or self.moe_runs or self.verl_logs)
 
 
 DOC_SHAPES = {"diagnose": {"recipes": dict, "tokens": dict}, "sanity": {"runs": list, "arms": list},
@@ -237,11 +241,18 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
             raise ReportError(f"--from {src}: no such file or directory")
         named = not src.is_dir()  # a file, or a FIFO or device named by the user: read_input says which
         skipped: list[str] = []
-        for found in [src] if named else sorted(src.rglob("*.json")):
+        for found in [src] if named else sorted([*src.rglob("*.json"), *src.rglob("*.jsonl")]):
             f = found.resolve()
             if f in seen or (skip is not None and not named and skip in f.parents):
                 continue
             seen.add(f)
+            if f.suffix == ".jsonl":  # verl's file log; a run's own metrics/tokens .jsonl are read with its directory
+                if looks_like_verl_log(f):
+                    data.verl_logs.append(read_verl_log(f))
+                elif named:
+                    raise ReportError(f"--from {src}: a .jsonl that is not verl's file log ({{\"step\", \"data\"}} per "
+                                      "line); give a run directory for a run's metrics.jsonl")
+                continue
             try:
                 doc = read_manifest(f, manifests) if f.name == "experiment.json" else read_json(f)
                 if not _add(data, f, doc, manifests):
@@ -258,10 +269,62 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
     # model's where there is one, and the MoE section reads the last with a route table (stable otherwise)
     data.diagnose.sort(key=lambda d: "routing" not in d)
     if data.empty():
-        raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory or "
-                          "experiment directory; give the files that diagnose --json, trace --json, train --out or "
-                          "experiment --out wrote")
+        raise ReportError(f"--from {' '.join(map(str, sources))}: found no diagnose JSON, trace JSON, run directory, "
+                          "experiment directory or verl log; give the files that diagnose --json, trace --json, train "
+                          "--out or experiment --out wrote, or verl's file-logger .jsonl")
     return data
+
+
+# verl's file tracker (verl 0.9.1 verl/utils/tracking.py FileLogger.log): one {"step": N, "data": {...}} per line;
+# drawn by framework_log.py.
+VERL_LOG_KEEP = ("phantomclip/", "rollout_corr/")
+"""the key prefixes read back from a verl log (docs/verl.md "Figures"; verl's rollout_corr/*); the rest is left out."""
+
+
+def looks_like_verl_log(path: Path) -> bool:
+    """True when the first non-blank line of `path` is a JSON object with an integer "step" and a "data" object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    first = json.loads(line)
+                    return (isinstance(first, dict) and isinstance(first.get("step"), int)
+                            and isinstance(first.get("data"), dict))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return False
+
+
+def _logged_number(value) -> float | None:
+    """A logged figure as a float (null, as orjson writes NaN, is NaN); None for what is not a number."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def read_verl_log(path: Path) -> dict:
+    """{"_path", "steps": [{"step": N, "figures": {key: value}}]} with the VERL_LOG_KEEP keys of every line; a line
+    that is not verl's {"step", "data"} object is a ReportError naming the file and line."""
+    steps = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{path}:{n}: not JSON ({e.msg}): the verl log was cut or edited; pass the file "
+                                  "verl's file logger wrote") from None
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("data"), dict)):
+                raise ReportError(f"{path}:{n}: not a verl log line ({{\"step\": N, \"data\": {{...}}}}): pass the "
+                                  "file verl's file logger wrote")
+            kept = ((k, _logged_number(v)) for k, v in row["data"].items() if k.startswith(VERL_LOG_KEEP))
+            figures = {k: v for k, v in kept if v is not None}
+            if figures:
+                steps.append({"step": row["step"], "figures": figures})
+    return {"_path": str(path), "steps": steps}
 
 
 def demo_sources() -> list[Path]:

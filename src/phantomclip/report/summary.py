@@ -93,8 +93,8 @@ def model_words(name) -> str:
 
 def source_line(kind: str, docs: list[dict], roots: list[Path]) -> str:
     """The 'Data: ...' line under a figure or table drawn from `docs` of `kind` ('diagnose', 'runs', 'traces',
-    'growths', 'summary': an experiment's summary followed by its runs, or 'computed' for a figure computed on the
-    spot)."""
+    'growths', 'summary': an experiment's summary followed by its runs, 'framework': diagnose JSONs and verl logs, or
+    'computed' for a figure computed on the spot)."""
     if kind == "computed":
         return "Data: computed when the page was built (torch's own rounding), no measurement."
     if kind == "summary":
@@ -103,6 +103,10 @@ def source_line(kind: str, docs: list[dict], roots: list[Path]) -> str:
         return f"Data: {text}" + (f"; {_runs_source(runs, roots)}." if runs else ".")
     if kind == "diagnose":
         text = "; ".join(_diagnose_source(d, roots) for d in docs)
+    elif kind == "framework":  # the last diagnose JSON, if any, then the last verl log
+        text = "; ".join(_diagnose_source(d, roots) if "recipes" in d else
+                         f"{short_path(d['_path'], roots)}, a verl run's file log of {len(d['steps'])} steps"
+                         for d in docs)
     elif kind == "runs":
         text = _runs_source(docs, roots)
     elif kind == "traces":

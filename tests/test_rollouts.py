@@ -150,6 +150,9 @@ SPOILED = [
     (lambda r: r.update(step=-1), "step = -1 is not a whole number >= 0"),
     (lambda r: r.update(routed_experts=[[[0, 1]]]), "routed_experts is given but the model has no MoE layers"),
     (lambda r: r.update(sampling={"temperature": 0.5}), "differ from"),
+    (lambda r: r.update(sampling={"temperature": 1e-320}), "sampling.temperature = 9.99989e-321 is greedy decoding "
+                                                           "(vLLM samples greedily below a temperature of 1e-05)"),
+    (lambda r: r.update(sampling={"temperature": float("inf")}), "sampling.temperature = inf: give the finite"),
 ]
 
 

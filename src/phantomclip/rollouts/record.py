@@ -174,6 +174,11 @@ def check_logprobs(values, n: int, where: str) -> list[float]:
     return [float(v) for v in values]
 
 
+GREEDY_BELOW = 1e-5
+"""a temperature below this is greedy sampling: vLLM's `_SAMPLING_EPS` (vllm/sampling_params.py: "Zero temperature
+means greedy sampling", tested as temperature < 1e-5); log-probs divided by a temperature that small overflow to NaN."""
+
+
 def _sampling(value, where: str) -> RecordedSampling | None:
     if value is None:
         return None
@@ -188,9 +193,13 @@ def _sampling(value, where: str) -> RecordedSampling | None:
     for name, (v, low, high) in checks.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v <= high) or v != v:
             raise fail(where, f"sampling.{name} = {_show(v)} is outside [{low:g}, {high:g}]")
-    if s.temperature == 0 or s.top_p == 0:
-        raise fail(where, f"sampling.{'temperature' if s.temperature == 0 else 'top_p'} = 0 is greedy decoding: its "
-                           "log-probs are not those of the distribution the tokens came from")
+    if s.temperature < GREEDY_BELOW or s.top_p == 0:
+        name, v = ("temperature", s.temperature) if s.temperature < GREEDY_BELOW else ("top_p", s.top_p)
+        raise fail(where, f"sampling.{name} = {v:g} is greedy decoding (vLLM samples greedily below a temperature of "
+                           f"{GREEDY_BELOW:g}): its log-probs are not those of the distribution the tokens came from")
+    if not math.isfinite(s.temperature):
+        raise fail(where, f"sampling.temperature = {s.temperature:g}: give the finite temperature the engine "
+                           "sampled at")
     if isinstance(s.top_k, bool) or not isinstance(s.top_k, int) or s.top_k < -1:
         raise fail(where, f"sampling.top_k = {_show(s.top_k)} is not a whole number >= -1 (-1 or 0: off)")
     return RecordedSampling(float(s.temperature), float(s.top_p), max(s.top_k, 0), float(s.min_p))

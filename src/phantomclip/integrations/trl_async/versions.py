@@ -236,10 +236,12 @@ class TrainerVersions:
         try:
             for kept, p in zip(self.versions[version], self.params, strict=True):
                 self._local(p).copy_(kept)
+            _reshard(model)  # an FSDP2 module left unsharded (the root after a forward) holds the current weights
             return score(model, kwargs)
         finally:
             for s, p in zip(self._stash, self.params, strict=True):
                 self._local(p).copy_(s)
+            _reshard(model)  # ... or, after this forward, the version's: the loss's forward gathers afresh
 
     def _name_missing(self, version: int, tokens: int, latest: int) -> None:
         if version in self.missing_named:
@@ -249,6 +251,18 @@ class TrainerVersions:
                       f"no kept weights (kept: {sorted(self.versions)}): the fix clips them against the server's "
                       "log-probs with weight 1, counted in offpolicy/no_copy_total; attach before training starts "
                       "to keep every version", stacklevel=2)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free every FSDP2 module's gathered parameters, so the next forward all-gathers from the (swapped) shards
+    (torch.distributed.fsdp.FSDPModule.reshard); nothing to do without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def current_version(trainer) -> int:

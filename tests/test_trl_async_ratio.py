@@ -180,6 +180,22 @@ def test_decoupled_ratio_equals_a_hand_computation(tmp_path):
     _check(batch, loss, captured, torch.ones_like(now), weight, clipped=False)
 
 
+def test_fewer_versions_kept_clip_on_the_move_since_the_oldest_kept(tmp_path):
+    """versions_kept=1 (the cheapest form): only the newest version's weights are kept, so a token of version 1
+    trained at version 2 is clipped against version 2, the live weights: r ≡ 1, no clip, and its weight is
+    min(π_trainer(θ_t) / μ, 2), the move since version 1 joining β, the same loss as "decoupled" by hand; the
+    token is counted as without its own copy."""
+    from phantomclip.integrations.trl_async.forward import packed_forward
+
+    trainer, batch, loss, captured, _ = _trl_loss(tmp_path, "trust-region", versions_kept=1)
+    _, token_index, selected = packed_forward(batch)
+    now = captured["lp"].detach().flatten()[token_index]  # [M]
+    weight = torch.exp(now - batch["old_log_probs"][selected]).clamp(max=WEIGHT_CAP)  # [M]
+    _check(batch, loss, captured, torch.ones_like(now), weight, clipped=False)
+    assert sorted(trainer._pc_async.stores["trainer"].versions) == [2]
+    assert trainer._pc_async.offpolicy["no_copy_total"] == token_index.numel()
+
+
 def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):
     """The stated fallback: with version 1's copy gone (as for a monitor attached after training started), ratio
     "shadow" clips those tokens on exp(shadow(θ_t) − μ(θ_v)), named once in a warning; the step trains."""

@@ -188,20 +188,20 @@ def available_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def trainer_version_bytes(trainer) -> tuple[int, int]:
+def trainer_version_bytes(trainer, keep: int | None = None) -> tuple[int, int]:
     """(copies, bytes per copy on this rank) of ratio "trust-region"'s kept weights (versions.TrainerVersions): the
     trainable parameters' local tensors (FSDP2: this rank's shard) in their own dtype, one per version a trained
-    token may have plus one stash of the current ones while a version is swapped in."""
+    token may have (or `keep`) plus one stash of the current ones while a version is swapped in."""
     seen, count = set(), 0
     for p in sharded_root(trainer.model).parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             local = p.to_local() if hasattr(p, "to_local") else p
             count += local.numel() * local.element_size()
-    return kept_versions(trainer.args) + 1, count
+    return (kept_versions(trainer.args) if keep is None else keep) + 1, count
 
 
-def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str]) -> None:
+def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str], trainer_keep: int | None = None) -> None:
     """The copies of every kind in `kinds` fit in the device's free memory, else one line with the need and what is
     available: "engine" (the engine's dtype, whole on each rank: one per version a trained token may have, plus the
     current weights when they move between syncs) and "trainer" (the trainable parameters' local shards in their
@@ -212,7 +212,8 @@ def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str]) -> None:
         need["engine"] = (shadow_memory(trainer, engine_dtype)[0], copy_bytes(trainer, parse_dtype(engine_dtype)),
                           engine_dtype)
     if "trainer" in kinds:
-        need["trainer"] = (*trainer_version_bytes(trainer), "the trainable parameters' dtype, this rank's shard")
+        need["trainer"] = (*trainer_version_bytes(trainer, trainer_keep),
+                           "the trainable parameters' dtype, this rank's shard")
     total = sum(n * b for n, b, _ in need.values())
     free = available_memory(trainer.accelerator.device)
     if total > free:

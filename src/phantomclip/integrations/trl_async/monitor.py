@@ -86,6 +86,8 @@ class _Hooks:
         self.fix: str | None = None
         self.weight = None
         """the fix's ImportanceWeight (trl_async.ratio.importance_weight)."""
+        self.trainer_keep: int | None = None
+        """versions ratio "trust-region" keeps (None: every version a token may have)."""
         self.offpolicy: dict | None = None
         """the fix's last off-policy figures (offpolicy_figures)."""
         self.monitor: AsyncPrecisionMonitor | None = None
@@ -123,7 +125,7 @@ class _Hooks:
             if kind == "engine":
                 self.stores[kind] = VersionCopies(self.trainer, self.engine_dtype, self.matmul, score_labelled)
             else:
-                self.stores[kind] = TrainerVersions(self.trainer)
+                self.stores[kind] = TrainerVersions(self.trainer, self.trainer_keep)
         return self.stores[kind]
 
     def _install(self) -> None:
@@ -221,32 +223,45 @@ class _Hooks:
             tokens.prox_row = score_as_trl(model, kwargs)  # [1, N] π_prox: the live model at θ_t, no grad
             tokens.logp_prox = tokens.prox_row.flatten()[token_index]  # [M]
         if "trainer" in self.wanted:
-            tokens.trainer_old = self._trainer_old(model, kwargs, token_index, versions, tokens.logp_prox)
+            tokens.trainer_old, tokens.trainer_own = self._trainer_old(model, kwargs, token_index, versions,
+                                                                       tokens.logp_prox)
         return scored
 
-    def _trainer_old(self, model, kwargs, token_index, versions, logp_prox) -> torch.Tensor:
-        """[M] the trainer's forward with each token's version's weights swapped in; π_prox itself where that
-        version's weights are the live ones (so the ratio is exactly 1 there); NaN where none is kept. The versions
-        scored are those any rank needs, in one order (under FSDP2 each forward is a collective)."""
+    def _trainer_old(self, model, kwargs, token_index, versions, logp_prox) -> tuple[torch.Tensor, torch.Tensor]:
+        """([M] the trainer's forward with each token's version's weights swapped in, [M] bool: that version's own
+        weights were kept). π_prox itself where those weights are the live ones (so the ratio is exactly 1 there).
+        A version without its own copy takes the oldest kept one newer than it (TrainerVersions.substitute: fewer
+        versions kept, or attached after training began), NaN where there is none. The versions scored are those
+        any rank needs, in one order (under FSDP2 each forward is a collective)."""
         store = self._store("trainer")
         old = torch.full_like(logp_prox, math.nan)  # [M]
+        own = torch.zeros_like(versions, dtype=torch.bool)  # [M]
+        by_copy: dict[int, torch.Tensor] = {}
         for v in _versions_any_rank(versions, self.latest, staleness_bound(self.trainer.args)):
             at = versions == v
-            if v not in store.versions:
-                if at.any():
-                    store._name_missing(v, int(at.sum()), self.latest)
-                continue
-            if store.is_current(v):
+            copy = v if v in store.versions else store.substitute(v)
+            if v in store.versions:
+                own |= at
+            elif store.keep == kept_versions(self.trainer.args) and at.any():
+                store._name_missing(v, int(at.sum()), self.latest)  # every version is kept: attached late
+            if copy is not None:
+                by_copy[copy] = by_copy.get(copy, torch.zeros_like(at)) | at
+        for copy, at in sorted(by_copy.items()):
+            if store.is_current(copy):
                 old[at] = logp_prox[at]
-                continue
-            full = store.score(model, kwargs, v, score_as_trl)  # [1, N]
-            old[at] = full.flatten()[token_index][at]
-        return old
+            else:
+                full = store.score(model, kwargs, copy, score_as_trl)  # [1, N]
+                old[at] = full.flatten()[token_index][at]
+        return old, own
 
     def _log_offpolicy(self, rewrite, tokens: Tokens, versions: torch.Tensor) -> None:
         """The fix's off-policy figures (stats.offpolicy_stats) into TRL's metrics, on every micro-batch."""
-        old = {"trust-region": tokens.trainer_old, "shadow": tokens.shadow_old}.get(self.fix)
-        missing = torch.isnan(old) if old is not None else torch.zeros_like(versions, dtype=torch.bool)
+        if self.fix == "trust-region":
+            missing = ~tokens.trainer_own
+        elif self.fix == "shadow":
+            missing = torch.isnan(tokens.shadow_old)
+        else:
+            missing = torch.zeros_like(versions, dtype=torch.bool)
         stats = offpolicy_stats(self.latest - versions, rewrite.clip_log, tokens.advantages, rewrite.weight,
                                 rewrite.capped, missing, eps_low=self.trainer.epsilon_low,
                                 eps_high=self.trainer.epsilon_high, bound=staleness_bound(self.trainer.args))
@@ -318,7 +333,8 @@ except ImportError:  # pragma: no cover
     _Callback = object
 
 
-def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: bool = True) -> _Hooks:
+def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: bool = True,
+              trainer_keep: int | None = None) -> _Hooks:
     """The trainer's hooks, installed on first use after TRL's internals are checked; the copies of `kinds` (with
     those already kept) are checked to fit first. Nothing is replaced when a check refuses."""
     hooks = trainer.__dict__.get("_pc_async")
@@ -328,9 +344,10 @@ def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: b
     elif (hooks.engine_dtype, hooks.matmul) != (engine_dtype, matmul):
         raise IntegrationError(f"this trainer's shadows are {hooks.engine_dtype} (matmul {hooks.matmul}); the monitor "
                                f"and with_async_shadow_ratio must name the same engine dtype, not {engine_dtype}")
-    check_shadow_memory(trainer, engine_dtype, (hooks.wanted if hooks else set()) | kinds)
+    check_shadow_memory(trainer, engine_dtype, (hooks.wanted if hooks else set()) | kinds, trainer_keep)
     if hooks is None:
         hooks = trainer._pc_async = _Hooks(trainer, engine_dtype, matmul)
+    hooks.trainer_keep = trainer_keep if trainer_keep is not None else hooks.trainer_keep
     return hooks
 
 
@@ -410,7 +427,8 @@ class AsyncPrecisionMonitor(_Callback):
 
 def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul: str = "auto",
                             ratio: str = DEFAULT_RATIO, vllm_importance_sampling_mode: str | None = None,
-                            vllm_importance_sampling_clip_max: float | None = None) -> type:
+                            vllm_importance_sampling_clip_max: float | None = None,
+                            versions_kept: int | None = None) -> type:
     """A subclass of `trainer_cls` (AsyncGRPOTrainer or a subclass) whose PPO clip decides on the policy's own move.
 
     TRL's compute_loss runs unchanged on rewritten inputs (trl_async.ratio):
@@ -419,7 +437,9 @@ def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", m
       (exactly 1 at staleness 0), and β corrected outside the clip by the weight π_trainer(θ_v) / μ on the
       advantage, capped. Keeps the trainable parameters' local tensors of each version a token may have, sharded as
       the parameters are (trl_async.versions.TrainerVersions); one more no-grad forward per micro-batch, one more
-      per stale version in it.
+      per stale version in it. `versions_kept` (1 .. staleness bound + 1, default all): keep the newest only, the
+      cheaper form that keeps a trust region: a token of an older version is clipped on the move since the oldest
+      kept one, the move before it joining β in the capped weight.
     - `ratio="shadow"`: the clip on shadow(θ_t) − shadow(θ_v) from two engine-dtype copies; β uncorrected.
     - `ratio="decoupled"` (opt-in): decoupled PPO as AReaL and verl write it. With one optimizer step per sample (TRL's
       async trainer) its clip on π_θ/π_prox never fires: no trust region against staleness; staleness and β both
@@ -441,7 +461,7 @@ def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", m
             super().__init__(*args, **kwargs)
             weight = importance_weight(self.args, vllm_importance_sampling_mode, vllm_importance_sampling_clip_max)
             kinds = RATIOS[ratio].needs & {"engine", "trainer"}
-            hooks = _hooks_of(self, engine_dtype, matmul, kinds)
+            hooks = _hooks_of(self, engine_dtype, matmul, kinds, trainer_keep=versions_kept)
             for kind in kinds:
                 hooks.want(kind)
             hooks.fix, hooks.weight = ratio, weight

@@ -28,10 +28,11 @@ position [1, N] (their gradient stays the trainer's forward: value + (logp − l
   and β together, bounded by the cap alone (the step itself is bounded by the learning rate and max_grad_norm, as
   in any trainer). Implemented as old := π_prox (a no-grad forward of the live model) and A := w·A.
 
-A token whose version has no kept copy (attached after training started) is clipped against the server's own
-log-prob μ with weight 1, as without the fix: "shadow" then clips on shadow(θ_t) − μ(θ_v) = α + β_kernel,
-"trust-region" on TRL's own ratio. Counted in precision/no_shadow_total by the monitor and in
-offpolicy/no_copy_total by the fix.
+A token whose version has no kept copy (attached after training started; or, for "trust-region", fewer versions
+kept than a token may have: with_async_shadow_ratio(versions_kept=...)) is counted in offpolicy/no_copy_total.
+"trust-region" clips it against the oldest kept version newer than its own, the move between joining β in the
+weight (against μ with weight 1 where none is kept); "shadow" clips it against the server's own log-prob μ, as
+without the fix: on shadow(θ_t) − μ(θ_v) = α + β_kernel (also in precision/no_shadow_total with the monitor).
 """
 
 from __future__ import annotations
@@ -133,7 +134,10 @@ class Tokens:
     shadow_old: torch.Tensor | None = None
     """the engine-dtype copy of the sample's version (NaN where none is kept)."""
     trainer_old: torch.Tensor | None = None
-    """the trainer's forward with the sample's version's weights (NaN where none is kept)."""
+    """the trainer's forward with the sample's version's weights, or the oldest kept newer version's where its own
+    are not kept (NaN where none is)."""
+    trainer_own: torch.Tensor | None = None
+    """bool: trainer_old is the sample's own version's."""
     prox_row: torch.Tensor | None = None
     """[1, N] the live model's no-grad forward at the current weights: π_prox (trainer(θ_t))."""
     logp_prox: torch.Tensor | None = None

@@ -172,13 +172,23 @@ class TrainerVersions:
     and swaps the current ones back: the old side of ratio "trust-region". Frozen parameters (a LoRA model's base)
     never move, so are not copied: a LoRA model keeps copies of its adapters only.
 
-    Memory per rank: kept_versions x (trainable parameters on this rank) x their dtype's size, plus one stash of the
-    current tensors while a version is swapped in (`bytes_per_rank`). Layouts: one process, DDP and FSDP2 (the only
+    Memory per rank: `keep` x (trainable parameters on this rank) x their dtype's size, plus one stash of the
+    current tensors while a version is swapped in (`bytes_per_rank`). `keep` is every version a trained token may
+    have (kept_versions, exact) unless told fewer: the cheaper form that still keeps a trust region, on the move
+    since the oldest kept version for older tokens, the move before it joining β in the capped weight.
+    Layouts: one process, DDP and FSDP2 (the only
     sharding TRL 1.16's async trainer supports, async_grpo_trainer.py `__init__`); FSDP1 and ZeRO-3 refused in one
     line."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, keep: int | None = None):
         self.trainer = trainer
+        exact = kept_versions(trainer.args)
+        if keep is not None and not (isinstance(keep, int) and 1 <= keep <= exact):
+            raise IntegrationError(f"kept_versions must be an integer from 1 to {exact} (staleness bound "
+                                   f"{exact - 1} + 1: every version a trained token may have), got {keep!r}")
+        self.keep = exact if keep is None else keep
+        """versions kept: `exact` keeps every version a token may have; fewer keep the newest `keep` only, and a
+        token of an older version is clipped against the oldest kept one (`substitute`)."""
         root = sharded_root(trainer.model)
         kind = check_supported(root)
         if kind not in ("none", "fsdp2"):
@@ -190,7 +200,6 @@ class TrainerVersions:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params.append(p)
-        self.keep = kept_versions(trainer.args)
         self.versions: dict[int, list[torch.Tensor]] = {}
         self.version_step: dict[int, int] = {}
         self._stash: list[torch.Tensor] | None = None
@@ -216,6 +225,11 @@ class TrainerVersions:
                 kept.copy_(self._local(p))
         self.versions[version] = reuse
         self.version_step[version] = self.trainer.state.global_step
+
+    def substitute(self, version: int) -> int | None:
+        """The oldest kept version newer than `version` (one without its own copy), or None."""
+        newer = [v for v in self.versions if v > version]
+        return min(newer) if newer else None
 
     def is_current(self, version: int) -> bool:
         """`version` is the newest kept and no optimizer step came since it was sent: its weights are the live ones

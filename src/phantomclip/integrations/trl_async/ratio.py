@@ -47,10 +47,12 @@ from ...base.errors import IntegrationError
 
 WEIGHT_CAP = 2.0
 """the importance weight's upper bound unless the user's TRL fields set one: verl's token-level truncation default
-(verl/trainer/config/algorithm.py `rollout_is_threshold`). AReaL never capped at 2: its behaviour weight was uncapped
-by default until 2026-03 (`behav_imp_weight_cap=None`), zeroed above 5 from 2026-03-03 (`behave_imp_weight_cap=5.0`,
-`token_mask`, commit 03d71153a), and is not applied at all by default since 2026-04-20 (`rejection_sampling=None`,
-commit bc9f00988), read from inclusionAI/AReaL's history."""
+(verl/trainer/config/algorithm/rollout_correction.yaml `rollout_is_threshold: 2.0`). AReaL never capped at 2, read
+from inclusionAI/AReaL's history of areal/utils/functional and areal/api/cli_args.py: its behaviour weight was
+uncapped by default until March 2026 (`behav_imp_weight_cap=None`, e.g. commit b4407079a, 2026-01-04), zeroed above
+5 from commit 03d71153a (2026-03-03: `behave_imp_weight_cap=5.0`, `behave_imp_weight_mode="token_mask"`), and not
+applied at all by default from commit bc9f00988 (2026-04-20: `rejection_sampling=None`, still so at 4aef98d8d,
+2026-05-21)."""
 WEIGHT_MODE = "token_truncate"
 """the importance weight's level and action unless the user's TRL fields set them (TRL's names: trl 1.16
 trainer/grpo_config.py `vllm_importance_sampling_mode`)."""

@@ -208,6 +208,8 @@ class _Hooks:
         if measure:
             self.monitor._record(self.last)
         if rewrite is not None:
+            if rewrite.clip_log is None:  # the current side was the loss's own forward
+                rewrite.clip_log = self.last.logp - rewrite.old
             self._log_offpolicy(rewrite, tokens, versions)
         self._clock(time.perf_counter() - t1, time.thread_time() - c1, "figures")
         return loss
@@ -219,22 +221,21 @@ class _Hooks:
         if measure or "engine" in need:
             tokens.shadow_now_row, scored["engine_now"], tokens.shadow_old = self._store("engine").score_tokens(
                 kwargs, token_index, versions, self.latest)
-        if "prox" in need or "trainer" in self.wanted:
-            tokens.prox_row = score_as_trl(model, kwargs)  # [1, N] π_prox: the live model at θ_t, no grad
-            tokens.logp_prox = tokens.prox_row.flatten()[token_index]  # [M]
+        if "prox" in need:
+            _prox(model, kwargs, token_index, tokens)
         if "trainer" in self.wanted:
-            tokens.trainer_old, tokens.trainer_own = self._trainer_old(model, kwargs, token_index, versions,
-                                                                       tokens.logp_prox)
+            tokens.trainer_old, tokens.trainer_own = self._trainer_old(model, kwargs, token_index, versions, tokens)
         return scored
 
-    def _trainer_old(self, model, kwargs, token_index, versions, logp_prox) -> tuple[torch.Tensor, torch.Tensor]:
+    def _trainer_old(self, model, kwargs, token_index, versions, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """([M] the trainer's forward with each token's version's weights swapped in, [M] bool: that version's own
-        weights were kept). π_prox itself where those weights are the live ones (so the ratio is exactly 1 there).
+        weights were kept). π_prox itself where those weights are the live ones (so the ratio is exactly 1 there;
+        scored only then: a micro-batch of stale tokens alone takes its current side from the loss's own forward).
         A version without its own copy takes the oldest kept one newer than it (TrainerVersions.substitute: fewer
         versions kept, or attached after training began), NaN where there is none. The versions scored are those
         any rank needs, in one order (under FSDP2 each forward is a collective)."""
         store = self._store("trainer")
-        old = torch.full_like(logp_prox, math.nan)  # [M]
+        old = torch.full(token_index.shape, math.nan, device=token_index.device)  # [M]
         own = torch.zeros_like(versions, dtype=torch.bool)  # [M]
         by_copy: dict[int, torch.Tensor] = {}
         for v in _versions_any_rank(versions, self.latest, staleness_bound(self.trainer.args)):
@@ -247,8 +248,10 @@ class _Hooks:
             if copy is not None:
                 by_copy[copy] = by_copy.get(copy, torch.zeros_like(at)) | at
         for copy, at in sorted(by_copy.items()):
-            if store.is_current(copy):
-                old[at] = logp_prox[at]
+            if store.is_current(copy):  # the same on every rank (the versions are every rank's): a collective
+                if tokens.logp_prox is None:
+                    _prox(model, kwargs, token_index, tokens)
+                old[at] = tokens.logp_prox[at]
             else:
                 full = store.score(model, kwargs, copy, score_as_trl)  # [1, N]
                 old[at] = full.flatten()[token_index][at]
@@ -273,6 +276,12 @@ class _Hooks:
             sink[f"offpolicy/{key}"].append(value)
         sink["offpolicy/weight_ess"].append(stats["weight_ess"])
         sink["offpolicy/no_copy_total"].append(stats["no_copy_total"])
+
+
+def _prox(model, kwargs, token_index, tokens: Tokens) -> None:
+    """π_prox into `tokens`: the live model's no-grad forward at θ_t (forward.score_as_trl), [1, N] and [M]."""
+    tokens.prox_row = score_as_trl(model, kwargs)
+    tokens.logp_prox = tokens.prox_row.flatten()[token_index]
 
 
 def _versions_any_rank(versions: torch.Tensor, latest: int, bound: int) -> list[int]:

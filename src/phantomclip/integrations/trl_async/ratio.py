@@ -11,10 +11,11 @@ position [1, N] (their gradient stays the trainer's forward: value + (logp − l
 - "trust-region" (the default; "trainer" is the same ratio under its earlier name): the clip on
   r = exp(trainer(θ_t) − trainer(θ_v)), both sides the trainer's own forward of the live model in its own precision,
   the old side with version v's weights swapped in (trl_async.versions.TrainerVersions): PPO's trust region on the
-  policy's move since the sample's version, exactly 1 at staleness 0 (the current side is the same no-grad forward
-  that the old side is at staleness 0; the gradient is the loss's own forward). β is corrected outside the clip by
-  the importance weight w = π_trainer(θ_v) / μ(θ_v) on the advantage, capped (ImportanceWeight: token-level
-  truncation at 2 unless the user's TRL importance-sampling fields say otherwise).
+  policy's move since the sample's version, exactly 1 at staleness 0 (where a token's version is the live weights,
+  the current side and the old are one no-grad forward, π_prox; a micro-batch of stale tokens alone takes its
+  current side from the loss's own forward; the gradient is always the loss's own forward). β is corrected outside
+  the clip by the importance weight w = π_trainer(θ_v) / μ(θ_v) on the advantage, capped (ImportanceWeight:
+  token-level truncation at 2 unless the user's TRL importance-sampling fields say otherwise).
 - "shadow": r = exp(α_engine), α_engine = shadow(θ_t) − shadow(θ_v), both copies in the engine's dtype (bf16),
   scored by TRL's packed forward. Two roundings that barely cancel: on the bundled model α_engine differs from the
   policy's move in the trainer's precision by about half its size (docs/results.md). No weight: β is left out of
@@ -161,7 +162,7 @@ class Rewrite:
     capped: torch.Tensor | None = None
     """[M] bool: the weight's raw value was outside [floor, cap]."""
     clip_log: torch.Tensor | None = None
-    """[M] log r the clip decides on, in value (None: the loss's own forward minus `old`)."""
+    """[M] log r the clip decides on, in value (None: the loss's own forward minus `old`, filled in after it)."""
 
 
 def _or_engine(old: torch.Tensor, logp_engine: torch.Tensor) -> torch.Tensor:
@@ -179,7 +180,7 @@ def trust_region_ratio(t: Tokens, w: ImportanceWeight) -> Rewrite:
     weight, capped = torch.where(missing, 1.0, weight), capped & ~missing
     old = _or_engine(t.trainer_old, t.logp_engine)
     return Rewrite(old=old, value=t.prox_row, advantages=t.advantages * weight, weight=weight, capped=capped,
-                   clip_log=t.logp_prox - old)
+                   clip_log=None if t.logp_prox is None else t.logp_prox - old)
 
 
 def decoupled_ratio(t: Tokens, w: ImportanceWeight) -> Rewrite:

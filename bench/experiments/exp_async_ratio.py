@@ -1,6 +1,7 @@
 """The async fix's ratio, compared where deleting the clip is not the optimum (integrations.trl_async.ratio): TRL's
 own ratio ("trl", no fix), "trust-region" (the default: the clip on the policy's move since the sample's version in
-the trainer's fp32, β in a weight capped at 2), "shadow" (the clip on α from two bf16 copies) and "decoupled"
+the trainer's fp32, β in a weight capped at 2), "trust-region-kept2" (the same keeping 2 of the 4 versions a token may
+have), "shadow" (the clip on α from two bf16 copies) and "decoupled"
 (AReaL/verl decoupled PPO: with one step per sample its clip never fires), each trained in TRL 1.16's real
 AsyncGRPOTrainer on the bundled SmolLM2-135M (fp32 trainer, the bf16 LocalEngine standing in for the vLLM server:
 integrations.trl_async.cpu), 8 completions per group, two groups sampled per fill (staleness 0, 1, 1, 2, 1, 2, ...,
@@ -52,7 +53,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # the cost bench, a helper here
 from bench_trl_async_monitor import cpu_kind  # noqa: E402  (the same CPU line as the cost bench)
 
-ARMS = ("trust-region", "decoupled", "trl", "shadow")
+ARMS = ("trust-region", "decoupled", "trl", "shadow", "trust-region-kept2")
+"""the fix's ratios by name, TRL's own ("trl"), and "trust-region-keptK": the cheaper form keeping the newest K versions
+only (with_async_shadow_ratio(versions_kept=K); here 2 of the 4 a token may have)."""
 REFERENCE = "trust-region"
 """the arm every other is paired against: the default."""
 CELLS = ("target-length@1e-4", "add@1e-4", "target-length@3e-4", "add@3e-4")
@@ -111,7 +114,9 @@ def build(arm: str, task_name: str, lr: float, seed: int, steps: int, out_dir: s
 
     worker = LocalRolloutWorker(engine, lm.tokenizer, prompts, reward, num_generations=8, max_tokens=max_tokens,
                                 groups_per_fill=2, seed=seed)
-    cls = AsyncGRPOTrainer if arm == "trl" else with_async_shadow_ratio(AsyncGRPOTrainer, ratio=arm)
+    ratio, _, kept = arm.partition("-kept")
+    cls = AsyncGRPOTrainer if arm == "trl" else with_async_shadow_ratio(AsyncGRPOTrainer, ratio=ratio,
+                                                                        versions_kept=int(kept) if kept else None)
     config = AsyncGRPOConfig(output_dir=out_dir, per_device_train_batch_size=8, num_generations=8,
                              max_completion_length=max_tokens, learning_rate=lr, max_steps=steps, logging_steps=1,
                              report_to=[], save_strategy="no", bf16=False, use_cpu=True, token_budget=0,

@@ -96,8 +96,7 @@ EPSILON_FIELDS = {"GRPOConfig": ("epsilon", "epsilon_high"), "AsyncGRPOConfig": 
 CAP_FIELDS = {"GRPOConfig": "vllm_importance_sampling_clip_max",
               "verl": "algorithm.rollout_correction.rollout_is_threshold"}
 """the correction's cap C as each config names it (TRL grpo_config.py; verl algorithm/rollout_correction.yaml)."""
-_ASYNC_FIX = ("with_async_shadow_ratio(AsyncGRPOTrainer)",
-              "the clip on the policy's own move since the sample's version, β in a capped weight")
+_ASYNC_FIX = ("with_async_shadow_ratio(AsyncGRPOTrainer)", "PPO's clip kept, β in a capped weight")
 SHADOW = {"trl-async": _ASYNC_FIX, "GRPOConfig": _ASYNC_FIX, "AsyncGRPOConfig": _ASYNC_FIX,
           "phantomclip": ("train --intervention shadow-ratio", "it clips on α alone")}
 """where β can be taken out of the clip, by setup, or by config for an unnamed setup (judged as a clip on the

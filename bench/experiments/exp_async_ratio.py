@@ -159,6 +159,8 @@ def summary(out: Path) -> dict:
     difference from "trust-region" over the seeds where both ran, and the mean of each logged signal over steps."""
     from phantomclip.maths.metrics import t_interval
 
+    if not out.is_dir():
+        raise SystemExit(f"no runs under {out}: run without --summary first (or pass the --out they were written to)")
     cells = {}
     for cell_dir in sorted(p for p in out.iterdir() if p.is_dir() and "@" in p.name):
         runs = {(r["arm"], r["seed"]): r for r in (json.loads(p.read_text()) for p in cell_dir.glob("*/seed-*.json"))}

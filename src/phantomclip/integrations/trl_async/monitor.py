@@ -79,7 +79,8 @@ class _Record:
 class _Hooks:
     """What the monitor and the fix install on one trainer, once: the version carried into the batch, the copies
     taken at each sync, and the copies' forwards at the loss. `stores`: "engine" (the engine's dtype, the monitor's
-    and the shadow ratio's) and "trainer" (the trainer's parameter dtype, the trainer ratio's), made on request."""
+    and the shadow ratio's: whole copies, VersionCopies) and "trainer" (the trainable parameters' local tensors per
+    version, swapped into the live model: TrainerVersions, ratio "trust-region"'s), made on request."""
 
     def __init__(self, trainer, engine_dtype: str, matmul: str):
         self.trainer, self.engine_dtype, self.matmul = trainer, engine_dtype, matmul

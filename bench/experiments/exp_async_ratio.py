@@ -247,9 +247,9 @@ def main() -> None:
         t0 = time.perf_counter()
         todo = [(cell, seed, arm) for cell in args.cells.split(",") for seed in range(args.seeds)
                 for arm in args.arms.split(",") if not _path(out, cell, arm, seed).exists()]
-        for cell, seed, arm in todo:
+        for done, (cell, seed, arm) in enumerate(todo):
             if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
-                print(f"budget of {args.budget_s:.0f} s spent: {len(todo)} runs were left, stopped before {cell} "
+                print(f"budget of {args.budget_s:.0f} s spent: {len(todo) - done} runs left, stopped before {cell} "
                       f"{arm} seed {seed}")
                 break
             task_name, lr = cell.split("@")

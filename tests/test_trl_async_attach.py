@@ -130,9 +130,9 @@ def test_the_fix_refuses_an_unknown_ratio_and_copies_that_do_not_fit(tmp_path, m
     with pytest.raises(IntegrationError, match="ratio must be one of trust-region, shadow, decoupled .*got 'fp32'"):
         with_async_shadow_ratio(AsyncGRPOTrainer, ratio="fp32")
     monkeypatch.setattr(checks, "available_memory", lambda device: 10_000)
-    # fixed-count planner, max_staleness 2: 4 versions kept plus the stash of the current weights, this rank's
-    # trainable tensors in their dtype, for the default ratio "trust-region"
-    with pytest.raises(IntegrationError, match=r"the async copies need .* GiB \(5 copies of .* GiB in the trainable "
+    # fixed-count planner, max_staleness 2: 4 versions kept, this rank's trainable tensors in their dtype, for the
+    # default ratio "trust-region" (one process: no stash, the parameters are pointed at a version and back)
+    with pytest.raises(IntegrationError, match=r"the async copies need .* GiB \(4 copies of .* GiB in the trainable "
                                                r"parameters' dtype, this rank's shard: staleness bound 3 = "
                                                r"max_staleness 2 \+ prefetch, plus one\)"):
         setup.make_trainer(str(tmp_path / "t"), cls=with_async_shadow_ratio(AsyncGRPOTrainer))

@@ -209,3 +209,29 @@ def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):
     kwargs, token_index, selected = packed_forward(batch)
     now = score_labelled(trainer._pc_async.stores["engine"].versions[2], kwargs).flatten()[token_index]  # [M]
     _check(batch, loss, captured, torch.exp(now - batch["old_log_probs"][selected]), 1.0, clipped=True)
+
+
+def test_a_swapped_forward_leaves_no_cast_behind():
+    """Inside an autocast region torch caches the bf16 cast of each fp32 leaf that requires grad, whatever the grad
+    mode: a version swapped in must neither reuse the current weights' cast nor leave its own for the loss's
+    forward. An fp32 Linear under CPU bf16 autocast: version 1 swapped in between two forwards at the current
+    weights scores as a separate copy of version 1 does, and the forward after it as the one before, bit for bit."""
+    from types import SimpleNamespace
+
+    from phantomclip.integrations.trl_async.versions import TrainerVersions
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    v1 = copy.deepcopy(model)
+    args = SimpleNamespace(max_staleness=1, token_budget=0, gradient_accumulation_steps=1, weight_sync_steps=1)
+    versions = TrainerVersions(SimpleNamespace(model=model, args=args, state=SimpleNamespace(global_step=0)))
+    versions.snapshot(1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        now = model(x).float()  # caches the cast of the current weight
+        old = versions.score(model, {"x": x}, 1, lambda m, kw: m(kw["x"]).float())
+        again = model(x).float()
+        want = v1(x).float()
+    assert torch.equal(old, want) and torch.equal(again, now) and not torch.equal(old, now)

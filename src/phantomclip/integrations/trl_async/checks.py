@@ -18,7 +18,7 @@ import torch
 from ...base.errors import IntegrationError, check_number
 from ...base.numerics import parse_dtype
 from ..trl import SUPPORTED_TRL, check_trl_version
-from ..weights import sharded_root
+from ..weights import sharded_root, sharding_of
 from .forward import BATCH_KEYS
 from .versions import VERSION_KEY, VersionedCollate, VersionReader, kept_versions, staleness_bound
 
@@ -191,14 +191,15 @@ def available_memory(device: torch.device) -> int:
 def trainer_version_bytes(trainer, keep: int | None = None) -> tuple[int, int]:
     """(copies, bytes per copy on this rank) of ratio "trust-region"'s kept weights (versions.TrainerVersions): the
     trainable parameters' local tensors (FSDP2: this rank's shard) in their own dtype, one per version a trained
-    token may have (or `keep`) plus one stash of the current ones while a version is swapped in."""
+    token may have (or `keep`), plus under FSDP2 one stash of the current shards while a version is swapped in."""
     seen, count = set(), 0
     for p in sharded_root(trainer.model).parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             local = p.to_local() if hasattr(p, "to_local") else p
             count += local.numel() * local.element_size()
-    return (kept_versions(trainer.args) if keep is None else keep) + 1, count
+    stash = 1 if sharding_of(sharded_root(trainer.model)) == "fsdp2" else 0
+    return (kept_versions(trainer.args) if keep is None else keep) + stash, count
 
 
 def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str], trainer_keep: int | None = None) -> None:

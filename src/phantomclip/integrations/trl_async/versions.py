@@ -172,8 +172,9 @@ class TrainerVersions:
     and swaps the current ones back: the old side of ratio "trust-region". Frozen parameters (a LoRA model's base)
     never move, so are not copied: a LoRA model keeps copies of its adapters only.
 
-    Memory per rank: `keep` x (trainable parameters on this rank) x their dtype's size, plus one stash of the
-    current tensors while a version is swapped in (`bytes_per_rank`). `keep` is every version a trained token may
+    Memory per rank: `keep` x (trainable parameters on this rank) x their dtype's size, plus (FSDP2) one stash of the
+    current shards while a version is swapped in (`bytes_per_rank`); unsharded, the parameters are pointed at a
+    version's tensors and back, with no stash. `keep` is every version a trained token may
     have (kept_versions, exact) unless told fewer: the cheaper form that still keeps a trust region, on the move
     since the oldest kept version for older tokens, the move before it joining β in the capped weight.
     Layouts: one process, DDP and FSDP2 (the only
@@ -191,6 +192,9 @@ class TrainerVersions:
         token of an older version is clipped against the oldest kept one (`substitute`)."""
         root = sharded_root(trainer.model)
         kind = check_supported(root)
+        self.sharded = kind == "fsdp2"
+        """FSDP2: a version's shards are copied into the live shards and back (FSDP2 gathers from its own storage);
+        else each parameter's tensor is pointed at the version's and back (no copy, no stash)."""
         if kind not in ("none", "fsdp2"):
             raise IntegrationError(f"ratio 'trust-region' swaps kept weights into the live model, which it does for "
                                    f"one process, DDP and FSDP2, not {kind}: use FSDP2 (TRL's async trainer's layout) "
@@ -210,9 +214,9 @@ class TrainerVersions:
         return p.to_local() if hasattr(p, "to_local") else p.data  # FSDP2: this rank's shard (a DTensor's local)
 
     def bytes_per_rank(self) -> int:
-        """Bytes the kept versions and the stash take on this rank."""
+        """Bytes the kept versions (and, sharded, the stash) take on this rank."""
         one = sum(self._local(p).numel() * self._local(p).element_size() for p in self.params)
-        return (self.keep + 1) * one
+        return (self.keep + (1 if self.sharded else 0)) * one
 
     @torch.no_grad()
     def snapshot(self, version: int) -> None:
@@ -241,21 +245,37 @@ class TrainerVersions:
     def score(self, model: nn.Module, kwargs: dict, version: int, score) -> torch.Tensor:
         """[1, N] score(model, kwargs) with version `version`'s weights in the live model, then the current ones
         back, bit for bit. Collective under FSDP2 (the forward gathers): every rank calls it for the same versions
-        in the same order."""
+        in the same order. Autocast's cache of cast weights (kept for the whole of an enclosing autocast region,
+        whatever the grad mode: torch's `cached_cast`) is cleared before and after, so neither side reuses the
+        other's casts."""
+        kept = self.versions[version]
+        if not self.sharded:
+            saved = [p.data for p in self.params]
+            try:
+                for k, p in zip(kept, self.params, strict=True):
+                    p.data = k
+                torch.clear_autocast_cache()
+                return score(model, kwargs)
+            finally:
+                for s, p in zip(saved, self.params, strict=True):
+                    p.data = s
+                torch.clear_autocast_cache()
         if self._stash is None:
             self._stash = [self._local(p).detach().clone() for p in self.params]
         else:
             for s, p in zip(self._stash, self.params, strict=True):
                 s.copy_(self._local(p))
         try:
-            for kept, p in zip(self.versions[version], self.params, strict=True):
-                self._local(p).copy_(kept)
+            for k, p in zip(kept, self.params, strict=True):
+                self._local(p).copy_(k)
             _reshard(model)  # an FSDP2 module left unsharded (the root after a forward) holds the current weights
+            torch.clear_autocast_cache()
             return score(model, kwargs)
         finally:
             for s, p in zip(self._stash, self.params, strict=True):
                 self._local(p).copy_(s)
             _reshard(model)  # ... or, after this forward, the version's: the loss's forward gathers afresh
+            torch.clear_autocast_cache()
 
     def _name_missing(self, version: int, tokens: int, latest: int) -> None:
         if version in self.missing_named:

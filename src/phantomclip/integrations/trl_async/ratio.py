@@ -194,13 +194,14 @@ class Ratio:
     fn: Callable[[Tokens, ImportanceWeight], Rewrite]
     needs: frozenset
     """what the hooks compute for it: "engine" copies per version, "trainer" versions (the live model with a
-    version's weights swapped in), "prox" (a no-grad forward of the live model)."""
+    version's weights swapped in; π_prox too, where a token's version is the live weights), "prox" (a no-grad
+    forward of the live model on every micro-batch)."""
     bytes_per_param: str
     """memory per kept version, in words for the docs and errors."""
 
 
 RATIOS: dict[str, Ratio] = {
-    "trust-region": Ratio(trust_region_ratio, frozenset({"trainer", "prox"}),
+    "trust-region": Ratio(trust_region_ratio, frozenset({"trainer"}),
                           "the trainable parameters' dtype size (fp32: 4 bytes), sharded as the parameters are"),
     "shadow": Ratio(shadow_ratio, frozenset({"engine"}), "the engine dtype's size (bf16: 2 bytes), whole"),
     "decoupled": Ratio(decoupled_ratio, frozenset({"prox"}), "none"),

@@ -1,7 +1,7 @@
 """Train the bundled SmolLM2-135M with TRL's AsyncGRPOTrainer on CPU, with phantomclip's async monitor and the
 ratio fix (reward = −completion length, the reference analysis's sanity task).
 
-    python examples/trl_async_grpo.py [--steps 20] [--max-tokens 64] [--lr 1e-4] [--ratio shadow|trainer|decoupled]
+    python examples/trl_async_grpo.py [--steps 20] [--max-tokens 64] [--lr 1e-4] [--ratio trust-region|shadow|decoupled]
         [--no-fix] [--interval 1] [--threads 2] [--json rows.json]
 
 TRL's async trainer samples from a vLLM server and syncs weights to it over NCCL; neither exists on a CPU. Here the
@@ -10,7 +10,8 @@ weight-transfer interfaces, its tree attention on a CPU kernel); everything else
 filter, planner, packing, compute_loss, weight versions. Each fill samples two groups of 8 at the engine's current
 weights and each step trains one; as accelerate prefetches the next micro-batch before the step's sync, the
 staleness at the loss runs 0, 1, 1, 2, 1, 2, ... and the monitor keys its shadows by each sample's version. The
-fix (on unless --no-fix) takes β out of TRL's clip (`--ratio`, default decoupled: integrations.trl_async_ratio);
+fix (on unless --no-fix) takes β out of TRL's clip and keeps the clip on the policy's move (`--ratio`, default
+trust-region: integrations.trl_async.ratio);
 the monitor logs every `--interval` steps (the fix's copies are scored on every step whatever the interval).
 
 Why these defaults: see examples/trl_grpo.py (at a 64-token cap part of each group stops on its own, so the rewards

@@ -185,8 +185,8 @@ def test_monitor_on_the_real_async_trainer(tmp_path):
 @pytest.mark.parametrize("ratio", ["shadow", None])
 def test_shadow_ratio_leaves_staleness_zero_ratios_at_one(tmp_path, ratio):
     """With the fix, a batch trained at its sampling version has α = 0 exactly: TRL's logged ratio is 1 and no
-    clip fires, whatever β is (the trainer's first step). None: the default ratio ("decoupled": its clip is on
-    π_θ/π_prox, 1 at every step)."""
+    clip fires, whatever β is (the trainer's first step). None: the default ratio ("trust-region": the old side is
+    the same no-grad forward of the same weights as the current side at staleness 0)."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     cls = with_async_shadow_ratio(AsyncGRPOTrainer, **({"ratio": ratio} if ratio else {}))

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 
@@ -126,13 +127,39 @@ def test_the_fix_refuses_an_unknown_ratio_and_copies_that_do_not_fit(tmp_path, m
 
     from phantomclip.integrations.trl_async.monitor import with_async_shadow_ratio
 
-    with pytest.raises(IntegrationError, match="ratio must be one of shadow, trainer, decoupled, got 'fp32'"):
+    with pytest.raises(IntegrationError, match="ratio must be one of trust-region, shadow, decoupled .*got 'fp32'"):
         with_async_shadow_ratio(AsyncGRPOTrainer, ratio="fp32")
     monkeypatch.setattr(checks, "available_memory", lambda device: 10_000)
-    # fixed-count planner, max_staleness 2: 4 versions kept, in the trainer's float32 for ratio "trainer"
-    with pytest.raises(IntegrationError, match=r"the async copies need .* GiB \(4 copies of .* GiB in float32: "
-                                               r"staleness bound 3 = max_staleness 2 \+ prefetch, plus one\)"):
-        setup.make_trainer(str(tmp_path / "t"), cls=with_async_shadow_ratio(AsyncGRPOTrainer, ratio="trainer"))
+    # fixed-count planner, max_staleness 2: 4 versions kept, this rank's trainable tensors in their dtype, for the
+    # default ratio "trust-region" (one process: no stash, the parameters are pointed at a version and back)
+    with pytest.raises(IntegrationError, match=r"the async copies need .* GiB \(4 copies of .* GiB in the trainable "
+                                               r"parameters' dtype, this rank's shard: staleness bound 3 = "
+                                               r"max_staleness 2 \+ prefetch, plus one\)"):
+        setup.make_trainer(str(tmp_path / "t"), cls=with_async_shadow_ratio(AsyncGRPOTrainer))
     trainer, _ = setup.make_trainer(str(tmp_path / "d"), cls=with_async_shadow_ratio(AsyncGRPOTrainer,
                                                                                    ratio="decoupled"))
     assert trainer._pc_async.fix == "decoupled" and trainer._pc_async.wanted == set()  # no copies to keep
+
+
+def test_dropout_is_refused_at_attach_and_at_train(tmp_path):
+    """A training-mode forward that drops units makes the fix's no-grad forwards and the loss's differ (ratio no
+    longer 1 at staleness 0) and puts dropout noise in the monitor's β: refused in one line when the monitor
+    attaches, and when training starts if dropout was added after the fix was built (TRL's async trainer has no
+    disable_dropout). Any nn.Dropout with p > 0 counts, LoRA's lora_dropout among them; so does a config rate."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from phantomclip.integrations.trl_async.monitor import with_async_shadow_ratio
+
+    trainer, _ = setup.make_trainer(str(tmp_path / "p"), steps=1)
+    trainer.model.model.layers[0].pc_drop = torch.nn.Dropout(0.1)
+    with pytest.raises(IntegrationError, match=r"the model has dropout .*lora_dropout=0\.0"):
+        AsyncPrecisionMonitor().attach(trainer)
+    assert "_pc_async" not in trainer.__dict__  # nothing replaced
+    trainer.model.model.layers[0].pc_drop.p = 0.0
+    trainer.model.config.attention_dropout = 0.1
+    with pytest.raises(IntegrationError, match="the model has dropout"):
+        AsyncPrecisionMonitor().attach(trainer)
+    fixed, _ = setup.make_trainer(str(tmp_path / "f"), cls=with_async_shadow_ratio(AsyncGRPOTrainer), steps=1)
+    fixed.model.config.attention_dropout = 0.1
+    with pytest.raises(IntegrationError, match="the model has dropout"):
+        fixed.get_train_dataloader()

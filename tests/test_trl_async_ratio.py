@@ -1,7 +1,8 @@
-"""The async fix's three ratios (integrations.trl_async_ratio) on a real packed batch of TRL's AsyncGRPOTrainer
+"""The async fix's three ratios (integrations.trl_async.ratio) on a real packed batch of TRL's AsyncGRPOTrainer
 trained one version late: TRL's unchanged loss and the gradient reaching each packed position of the trainer's
-log-probs equal a hand computation from independently built copies, and a version without a kept copy falls back to
-the server's log-probs, as the module says."""
+log-probs equal a hand computation from independently built copies (the importance weight at and under its cap, per
+token and per sequence, from TRL's fields), and a version without a kept copy falls back to the server's log-probs,
+as the module says."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("trl")
 
 import trl_async_setup as setup  # noqa: E402
 from phantomclip.integrations.trl_async.monitor import with_async_shadow_ratio  # noqa: E402
-from phantomclip.integrations.trl_async.ratio import DECOUPLED_WEIGHT_CAP  # noqa: E402
+from phantomclip.integrations.trl_async.ratio import WEIGHT_CAP  # noqa: E402
 
 EPS = 0.05
 """a trust region narrow enough that some clips fire on the tiny model's move."""
@@ -38,12 +39,12 @@ class _Recording(torch.nn.Module):
         return out
 
 
-def _trl_loss(tmp_path, ratio: str, before=None):
+def _trl_loss(tmp_path, ratio: str, before=None, **weight):
     """(trainer, batch, loss, d loss / d log_probs [N], the log-probs' values [N]) for one stale micro-batch."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    trainer, _ = setup.make_trainer(str(tmp_path / ratio), cls=with_async_shadow_ratio(AsyncGRPOTrainer, ratio=ratio),
-                                    epsilon=EPS, reward=setup.spread)
+    cls = with_async_shadow_ratio(AsyncGRPOTrainer, ratio=ratio, **weight)
+    trainer, _ = setup.make_trainer(str(tmp_path / ratio), cls=cls, epsilon=EPS, reward=setup.spread)
     v1 = copy.deepcopy(trainer.model).eval()  # the weights the first sync sends as version 1, in fp32
     batch = setup.batch_with_staleness(trainer)
     if before is not None:
@@ -90,18 +91,79 @@ def test_shadow_ratio_equals_a_hand_computation(tmp_path):
     _check(batch, loss, captured, torch.exp(now - old), 1.0, clipped=True)
 
 
-def test_trainer_ratio_equals_a_hand_computation(tmp_path):
-    """ratio "trainer": r = exp(logp(θ_t) − logp(θ_v)) in the trainer's fp32, the old side from a copy of the model
-    taken before training (version 1's weights) through TRL's own fused forward: independent of the hooks' copies."""
+def _trust_region_by_hand(tmp_path, ratio="trust-region", **weight):
+    """(batch, loss, captured, r, log π_trainer(θ_v) − log μ [M], segment [M]): the old side from a copy of the
+    model taken before training (version 1's weights) through TRL's own fused forward, independent of the hooks'
+    kept versions and of their swap."""
     from phantomclip.integrations.trl_async.forward import packed_forward
 
-    trainer, batch, loss, captured, v1 = _trl_loss(tmp_path, "trainer")
-    kwargs, token_index, _ = packed_forward(batch)
+    trainer, batch, loss, captured, v1 = _trl_loss(tmp_path, ratio, **weight)
+    kwargs, token_index, selected = packed_forward(batch)
     with torch.no_grad():
         old = v1(**kwargs, fused_lm_head=True).log_probs.flatten()[token_index]  # [M]
     now = captured["lp"].detach().flatten()[token_index]  # [M] the loss's own forward at θ_t
-    assert trainer._pc_async.stores["trainer"].dtype == "fp32" and (now != old).any()
-    _check(batch, loss, captured, torch.exp(now - old), 1.0, clipped=True)
+    assert trainer._pc_async.fix == "trust-region" and (now != old).any()
+    return batch, loss, captured, torch.exp(now - old), old - batch["old_log_probs"][selected], batch[
+        "segment_id"][selected]
+
+
+def test_trust_region_ratio_equals_a_hand_computation(tmp_path):
+    """ratio "trust-region" (the default): r = exp(logp(θ_t) − logp(θ_v)) in the trainer's fp32, clipped, and the
+    advantage times w = min(π_trainer(θ_v) / μ, 2) per token. Here every w is under the cap (largest β 0.37),
+    and above and below 1: w = exp(β) on every token (the cap itself: test_the_weight_at_its_cap)."""
+    batch, loss, captured, r, beta, _ = _trust_region_by_hand(tmp_path)
+    assert torch.exp(beta).max() < WEIGHT_CAP and (beta > 0).any() and (beta < 0).any()
+    _check(batch, loss, captured, r, torch.exp(beta).clamp(max=WEIGHT_CAP), clipped=True)
+
+
+def test_trainer_is_the_earlier_name_of_trust_region(tmp_path):
+    batch, loss, captured, r, beta, _ = _trust_region_by_hand(tmp_path, ratio="trainer")
+    _check(batch, loss, captured, r, torch.exp(beta), clipped=True)
+
+
+def test_the_weight_at_its_cap(tmp_path):
+    """vllm_importance_sampling_clip_max=1.0 (TRL's name): tokens whose π_trainer(θ_v) / μ exceeds 1 weigh exactly
+    1 (truncated at the cap), the others exp(β) < 1."""
+    batch, loss, captured, r, beta, _ = _trust_region_by_hand(tmp_path, vllm_importance_sampling_clip_max=1.0)
+    assert (beta > 0).any() and (beta < 0).any()
+    _check(batch, loss, captured, r, torch.exp(beta).clamp(max=1.0), clipped=True)
+
+
+def test_sequence_mask_from_trls_field(tmp_path):
+    """vllm_importance_sampling_mode="sequence_mask" at cap 1.0 (TRL's meaning, grpo_trainer.py): one weight per
+    sequence, exp(Σ its tokens' β), set to 0 where it exceeds the cap."""
+    batch, loss, captured, r, beta, segment = _trust_region_by_hand(
+        tmp_path, vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1.0)
+    per_seq = {int(s): float(beta[segment == s].double().sum()) for s in segment.unique()}
+    weight = torch.tensor([0.0 if per_seq[int(s)] > 0 else torch.tensor(per_seq[int(s)]).exp().item()
+                           for s in segment])  # [M]
+    assert (weight == 0).any() and (weight > 0).any()
+    _check(batch, loss, captured, r, weight, clipped=True)
+
+
+def test_trls_fields_on_the_config_are_followed():
+    """A config carrying TRL's importance-sampling fields (GRPOConfig's names; AsyncGRPOConfig in trl 1.16 has
+    none) sets the weight; the deprecated `vllm_importance_sampling_cap` is its clip_max; the same field set to
+    another value in with_async_shadow_ratio is refused in one line; correction off means weight 1."""
+    from types import SimpleNamespace
+
+    from phantomclip.base.errors import IntegrationError
+    from phantomclip.integrations.trl_async.ratio import ImportanceWeight, importance_weight
+
+    assert importance_weight(SimpleNamespace()) == ImportanceWeight("token_truncate", 2.0, None, True)
+    args = SimpleNamespace(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=3.0,
+                           vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_correction=True)
+    assert importance_weight(args) == ImportanceWeight("token_mask", 3.0, 0.5, True)
+    assert importance_weight(SimpleNamespace(vllm_importance_sampling_cap=4.0)).cap == 4.0
+    with pytest.raises(IntegrationError, match=r"differs from the trainer config's vllm_importance_sampling_clip_max"):
+        importance_weight(args, cap=2.0)
+    with pytest.raises(IntegrationError, match=r"must be one of token_truncate"):
+        importance_weight(SimpleNamespace(), mode="token")
+    w = ImportanceWeight("token_mask", 3.0, 0.5)
+    weight, capped = w.apply(torch.log(torch.tensor([0.25, 1.0, 2.0, 4.0])), torch.zeros(4, dtype=torch.long))
+    assert weight.tolist() == [0.0, 1.0, 2.0, 0.0] and capped.tolist() == [True, False, False, True]
+    off = importance_weight(SimpleNamespace(vllm_importance_sampling_correction=False))
+    assert off.apply(torch.tensor([3.0]), torch.zeros(1, dtype=torch.long))[0].tolist() == [1.0]
 
 
 def test_decoupled_ratio_equals_a_hand_computation(tmp_path):
@@ -112,10 +174,26 @@ def test_decoupled_ratio_equals_a_hand_computation(tmp_path):
     _, batch, loss, captured, _ = _trl_loss(tmp_path, "decoupled")
     _, token_index, selected = packed_forward(batch)
     now = captured["lp"].detach().flatten()[token_index]  # [M]
-    weight = torch.exp(now - batch["old_log_probs"][selected]).clamp(max=DECOUPLED_WEIGHT_CAP)  # [M]
+    weight = torch.exp(now - batch["old_log_probs"][selected]).clamp(max=WEIGHT_CAP)  # [M]
     raw = torch.exp(now - batch["old_log_probs"][selected])  # [M]
-    assert (raw > DECOUPLED_WEIGHT_CAP).any() and (raw < 1).any()  # the cap truncates some, others weigh less
+    assert (raw > WEIGHT_CAP).any() and (raw < 1).any()  # the cap truncates some, others weigh less
     _check(batch, loss, captured, torch.ones_like(now), weight, clipped=False)
+
+
+def test_fewer_versions_kept_clip_on_the_move_since_the_oldest_kept(tmp_path):
+    """versions_kept=1 (the cheapest form): only the newest version's weights are kept, so a token of version 1
+    trained at version 2 is clipped against version 2, the live weights: r ≡ 1, no clip, and its weight is
+    min(π_trainer(θ_t) / μ, 2), the move since version 1 joining β, the same loss as "decoupled" by hand; the
+    token is counted as without its own copy."""
+    from phantomclip.integrations.trl_async.forward import packed_forward
+
+    trainer, batch, loss, captured, _ = _trl_loss(tmp_path, "trust-region", versions_kept=1)
+    _, token_index, selected = packed_forward(batch)
+    now = captured["lp"].detach().flatten()[token_index]  # [M]
+    weight = torch.exp(now - batch["old_log_probs"][selected]).clamp(max=WEIGHT_CAP)  # [M]
+    _check(batch, loss, captured, torch.ones_like(now), weight, clipped=False)
+    assert sorted(trainer._pc_async.stores["trainer"].versions) == [2]
+    assert trainer._pc_async.offpolicy["no_copy_total"] == token_index.numel()
 
 
 def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):
@@ -131,3 +209,29 @@ def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):
     kwargs, token_index, selected = packed_forward(batch)
     now = score_labelled(trainer._pc_async.stores["engine"].versions[2], kwargs).flatten()[token_index]  # [M]
     _check(batch, loss, captured, torch.exp(now - batch["old_log_probs"][selected]), 1.0, clipped=True)
+
+
+def test_a_swapped_forward_leaves_no_cast_behind():
+    """Inside an autocast region torch caches the bf16 cast of each fp32 leaf that requires grad, whatever the grad
+    mode: a version swapped in must neither reuse the current weights' cast nor leave its own for the loss's
+    forward. An fp32 Linear under CPU bf16 autocast: version 1 swapped in between two forwards at the current
+    weights scores as a separate copy of version 1 does, and the forward after it as the one before, bit for bit."""
+    from types import SimpleNamespace
+
+    from phantomclip.integrations.trl_async.versions import TrainerVersions
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    v1 = copy.deepcopy(model)
+    args = SimpleNamespace(max_staleness=1, token_budget=0, gradient_accumulation_steps=1, weight_sync_steps=1)
+    versions = TrainerVersions(SimpleNamespace(model=model, args=args, state=SimpleNamespace(global_step=0)))
+    versions.snapshot(1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        now = model(x).float()  # caches the cast of the current weight
+        old = versions.score(model, {"x": x}, 1, lambda m, kw: m(kw["x"]).float())
+        again = model(x).float()
+        want = v1(x).float()
+    assert torch.equal(old, want) and torch.equal(again, now) and not torch.equal(old, now)

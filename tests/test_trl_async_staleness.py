@@ -111,3 +111,29 @@ def test_versions_are_carried_per_sample():
     batch = VersionedCollate(module.DataCollatorForRollout(0, 1), versions, 3)([rows])
     assert batch[VERSION_KEY].tolist() == [[5, 5, 6, 6]] and versions == {}
     assert batch["segment_id"][0].unique().tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("ratio", ["trust-region", "shadow", "decoupled"])
+def test_offpolicy_signals_at_every_staleness(tmp_path, ratio):
+    """The fix's offpolicy/* figures, logged under every ratio on every step, present and finite at staleness 0 ..
+    the bound (3, the fixed-count run above): |α| at the step's one staleness k and NaN (no tokens) at the others;
+    |α| = 0 exactly at staleness 0 (the same forward both sides) and under "decoupled" at every staleness (its ratio
+    is π_θ/π_prox: by definition), > 0 otherwise; the weight 1 under "shadow" (it has none), a mean near 1 and an
+    effective sample size in (0, 1] under the others; every token with its copy."""
+    trainer, seen, _, losses = _run(tmp_path, ratio, ratio, 6, groups_per_fill=4)
+    assert seen == [[0], [1], [2], [3], [1], [2]] and len(losses) == 6
+    rows = [h for h in trainer.state.log_history if "offpolicy/staleness_mean" in h]
+    assert len(rows) == 6
+    for row, (k,) in zip(rows, seen, strict=True):
+        assert row["offpolicy/staleness_mean"] == k == row["offpolicy/staleness_max"]
+        alpha = row[f"offpolicy/alpha_abs_mean_s{k}"]
+        assert all(math.isnan(row[f"offpolicy/alpha_abs_mean_s{j}"]) for j in range(4) if j != k)
+        assert alpha == 0 if ratio == "decoupled" or k == 0 else alpha > 0
+        for key in ("weight_mean", "weight_max", "weight_ess", "capped_share", "clip_rate"):
+            assert math.isfinite(row[f"offpolicy/{key}"]), key
+        if ratio == "shadow":
+            assert (row["offpolicy/weight_mean"], row["offpolicy/weight_max"], row["offpolicy/capped_share"]) == (
+                1, 1, 0)
+        else:  # ESS = (Σw)² / (n Σw²) <= 1 by Cauchy-Schwarz; fp64 sums of at most ~100 terms near 1
+            assert 0 < row["offpolicy/weight_ess"] <= 1 + 1e-12 and 0.5 < row["offpolicy/weight_mean"] < 2
+        assert row["offpolicy/no_copy_total"] == 0

@@ -1,7 +1,7 @@
 """The async integration's cost inside TRL's AsyncGRPOTrainer, as one measure: CPU time of the training thread.
 
     python bench/benchmarks/bench_trl_async_monitor.py
-        [--configs monitor@1,monitor@2,fix:shadow,fix:trainer,fix:decoupled]
+        [--configs monitor@1,monitor@2,fix:trust-region,fix:shadow,fix:decoupled]
         [--rounds 3] [--steps 6] [--max-tokens 32] [--json out.json]
     python bench/benchmarks/bench_trl_async_monitor.py --memory      # bytes per kept version, from shapes (bundled, 8B)
 
@@ -15,10 +15,13 @@ measure of a run:
 
 the hooks' thread CPU time (`_Hooks.own_cpu_seconds`: copies at each sync, their forwards, the figures) over the CPU
 time TRL's trainer side spends without them: its `training_step` (forward, backward: the hooks' forwards and figures
-run inside it and are taken out), its optimizer step and its `_sync_weight` (the hooks' copies run after it). At one
-thread every product runs on the timed thread; generation (the stand-in samples in this process, a real server in
-parallel) is outside both. Other processes on a shared machine do not inflate CPU time as they do the wall clock
-(cache and memory-bandwidth contention remain), so the runs of a round are interleaved (the order reversed every
+run inside it and are taken out), its optimizer step and its `_sync_weight` (the hooks' copies run after it) less
+the stand-in's own receive (`LocalWeightTransfer.send_weights`: the engine's load, which a real server does in its
+own process; its count of changed values, which no real server makes, is off here, `count_changes=False`). Before
+2026-12-07 both were in the denominator, the count alone about 2.7 of 35 CPU s. At one thread every product runs on
+the timed thread; generation (the stand-in samples in this process, a real server in parallel) is outside both.
+Other processes on a shared machine do not inflate CPU time as they do the wall clock (cache and memory-bandwidth
+contention remain), so the runs of a round are interleaved (the order reversed every
 other round) and the figure is the median over rounds of each configuration's cost.
 
 Feeds bench/RESULTS.md §9 ("`AsyncPrecisionMonitor` overhead inside TRL's `AsyncGRPOTrainer`"), docs/results.md "TRL's
@@ -42,7 +45,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-CONFIGS = ("monitor@1", "monitor@2", "fix:shadow", "fix:trainer", "fix:decoupled")
+CONFIGS = ("monitor@1", "monitor@2", "fix:trust-region", "fix:shadow", "fix:decoupled")
 
 
 def cpu_kind() -> str:
@@ -106,7 +109,7 @@ def build(config: str, steps: int, max_tokens: int, out: str):
                            seed=0)
     return cls(model=lm.path, args=args, reward_funcs=[], processing_class=lm.tokenizer,
                train_dataset=Dataset.from_dict({"prompt": bundled_prompts()}), rollout_worker=worker,
-               weight_transfer=LocalWeightTransfer(engine), callbacks=callbacks)
+               weight_transfer=LocalWeightTransfer(engine, count_changes=False), callbacks=callbacks)
 
 
 def one(config: str, steps: int, max_tokens: int) -> dict:
@@ -116,10 +119,14 @@ def one(config: str, steps: int, max_tokens: int) -> dict:
     import torch
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
+    from phantomclip.integrations.trl_async.cpu import LocalWeightTransfer
+
     torch.set_num_threads(1)
     cpu = {"training_step": 0.0, "optimizer": 0.0, "sync": 0.0}  # TRL's trainer side, CPU s of this thread
+    stand_in = {"receive": 0.0}  # the stand-in server's load, inside _sync_weight: taken out
     cpu_wrap(AsyncGRPOTrainer, "training_step", cpu)
     cpu_wrap(AsyncGRPOTrainer, "_sync_weight", cpu, "sync")
+    cpu_wrap(LocalWeightTransfer, "send_weights", stand_in, "receive")
     from transformers import TrainerCallback
 
     class OptimizerClock(TrainerCallback):
@@ -137,11 +144,12 @@ def one(config: str, steps: int, max_tokens: int) -> dict:
         wall, busy, own = time.perf_counter() - t0, busy_seconds() - busy0, own_seconds() - own0
     hooks = trainer._pc_async
     inside = hooks.cpu_by_part["forwards"] + hooks.cpu_by_part["figures"]  # ran within training_step
-    trl_own = sum(cpu.values()) - inside
+    trl_own = sum(cpu.values()) - inside - stand_in["receive"]
     stale = [h.get("precision/staleness_share_0") for h in trainer.state.log_history if "loss" in h]
     return {"config": config, "steps": steps, "max_tokens": max_tokens, "cost": hooks.own_cpu_seconds / trl_own,
             "hooks_cpu_s": hooks.own_cpu_seconds, "hooks_cpu_by_part_s": hooks.cpu_by_part, "trl_own_cpu_s": trl_own,
-            "trl_cpu_by_part_s": cpu, "copies_built_s": sum(s.build_seconds for s in hooks.stores.values()),
+            "trl_cpu_by_part_s": cpu, "stand_in_receive_cpu_s": stand_in["receive"],
+            "copies_built_s": sum(getattr(s, "build_seconds", 0.0) for s in hooks.stores.values()),
             "wall_s": wall, "others_cpu_per_wall_s": (busy - own) / wall, "loadavg": os.getloadavg(),
             "staleness_0_by_step": stale}
 
@@ -163,8 +171,10 @@ def memory_table() -> list[dict]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
-        rows.append({"model": name, "parameters": params, "shadow bf16 (ratio shadow, monitor)": 2 * params,
-                     "trainer fp32 (ratio trainer)": 4 * params, "decoupled": 0})
+        rows.append({"model": name, "parameters": params,
+                     "shadow bf16 (ratio shadow, monitor), whole per rank": 2 * params,
+                     "trainer fp32 (ratio trust-region), across the ranks (/ ranks per rank)": 4 * params,
+                     "decoupled": 0})
     return rows
 
 

@@ -96,12 +96,14 @@ EPSILON_FIELDS = {"GRPOConfig": ("epsilon", "epsilon_high"), "AsyncGRPOConfig": 
 CAP_FIELDS = {"GRPOConfig": "vllm_importance_sampling_clip_max",
               "verl": "algorithm.rollout_correction.rollout_is_threshold"}
 """the correction's cap C as each config names it (TRL grpo_config.py; verl algorithm/rollout_correction.yaml)."""
-_ASYNC_FIX = ("with_async_shadow_ratio(AsyncGRPOTrainer)", "decoupled PPO: β in a capped weight")
+_ASYNC_FIX = ("with_async_shadow_ratio(AsyncGRPOTrainer)", "PPO's clip kept, β in a capped weight")
 SHADOW = {"trl-async": _ASYNC_FIX, "GRPOConfig": _ASYNC_FIX, "AsyncGRPOConfig": _ASYNC_FIX,
           "phantomclip": ("train --intervention shadow-ratio", "it clips on α alone")}
 """where β can be taken out of the clip, by setup, or by config for an unnamed setup (judged as a clip on the
 engine's log-probs: TRL's asynchronous trainer): (the change, how it does it). TRL's async fix with its default ratio
-(integrations.trl_async.DEFAULT_RATIO, docs/trl.md); phantomclip's shadow ratio."""
+(integrations.trl_async.DEFAULT_RATIO "trust-region", docs/trl.md: PPO's trust region kept, β alone taken out; its
+opt-in ratio "decoupled" is not offered here, since with one optimizer step per sample its clip never fires and
+staleness rides in the capped weight with β); phantomclip's shadow ratio."""
 CORRECTION_ON = {"trl-grpo": "vllm_importance_sampling_correction: true",
                  "verl-decoupled": "algorithm.rollout_correction.rollout_is=token", "slime": "--use-tis",
                  "nemo-rl": "loss_fn.use_importance_sampling_correction=true"}

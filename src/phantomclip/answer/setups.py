@@ -14,6 +14,12 @@ really clips.
           used as if the trainer had drawn them (an off-policy update nothing bounds).
 A setup names which of these its trainer does and which correction modes its framework offers (loss.CORRECTIONS'
 names; the definitions live there, once). An unnamed setup is judged as `clip`, where β does the most harm.
+
+phantomclip's fix for TRL's async trainer (integrations.trl_async.with_async_shadow_ratio) turns `clip` into
+`weight` with the trust region kept: its default ratio clips on the policy's own move since the sample's version in
+the trainer's precision and reweighs by the capped π_trainer(θ_v)/μ (β alone). Its opt-in ratio "decoupled"
+(decoupled PPO as AReaL and verl write it) is `weight` without a trust region there: with one optimizer step per
+sample its clip on π_θ/π_prox never fires, and staleness and β together ride in the capped weight.
 """
 
 from __future__ import annotations

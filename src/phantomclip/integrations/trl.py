@@ -158,7 +158,7 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def _has_dropout(model: nn.Module) -> bool:
+def has_dropout(model: nn.Module) -> bool:
     """True if a training-mode forward of `model` drops anything: a Dropout module with p > 0 (LoRA's lora_dropout
     among them), or an attention/hidden dropout rate in the config (applied functionally by the layers)."""
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
@@ -289,7 +289,7 @@ class PrecisionMonitor(_Callback):
 
         logp, routes = self._logp, self._routes  # [B, L] and the routes, recorded from the loss's forward
         capture = (lambda m: routing.capture(m)) if self._policy else (lambda m: contextlib.nullcontext())
-        if _has_dropout(policy):  # β is precision, not dropout noise: score again with dropout off
+        if has_dropout(policy):  # β is precision, not dropout noise: score again with dropout off
             model.eval()
             with capture(self._policy) as routes:
                 logp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask,

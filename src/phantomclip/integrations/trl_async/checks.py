@@ -18,7 +18,7 @@ import torch
 from ...base.errors import IntegrationError, check_number
 from ...base.numerics import parse_dtype
 from ..trl import SUPPORTED_TRL, check_trl_version
-from ..weights import sharded_root
+from ..weights import sharded_root, sharding_of
 from .forward import BATCH_KEYS
 from .versions import VERSION_KEY, VersionedCollate, VersionReader, kept_versions, staleness_bound
 
@@ -161,11 +161,6 @@ def check_pipeline(module_name: str) -> None:
                                "phantomclip.integrations.trl_async reads trl >=1.16,<1.17")
 
 
-def check_ratio(ratio, ratios: dict) -> None:
-    if ratio not in ratios:
-        raise IntegrationError(f"with_async_shadow_ratio ratio must be one of {', '.join(ratios)}, got {ratio!r}")
-
-
 def copy_bytes(trainer, dtype: torch.dtype) -> int:
     """Bytes of one whole copy of the policy's parameters in `dtype`."""
     model = sharded_root(trainer.model)
@@ -193,21 +188,39 @@ def available_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str]) -> None:
+def trainer_version_bytes(trainer, keep: int | None = None) -> tuple[int, int]:
+    """(copies, bytes per copy on this rank) of ratio "trust-region"'s kept weights (versions.TrainerVersions): the
+    trainable parameters' local tensors (FSDP2: this rank's shard) in their own dtype, one per version a trained
+    token may have (or `keep`), plus under FSDP2 one stash of the current shards while a version is swapped in."""
+    seen, count = set(), 0
+    for p in sharded_root(trainer.model).parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            local = p.to_local() if hasattr(p, "to_local") else p
+            count += local.numel() * local.element_size()
+    stash = 1 if sharding_of(sharded_root(trainer.model)) == "fsdp2" else 0
+    return (kept_versions(trainer.args) if keep is None else keep) + stash, count
+
+
+def check_shadow_memory(trainer, engine_dtype: str, kinds: set[str], trainer_keep: int | None = None) -> None:
     """The copies of every kind in `kinds` fit in the device's free memory, else one line with the need and what is
-    available: "engine" (the engine's dtype: one per version a trained token may have, plus the current weights when
-    they move between syncs) and "trainer" (the parameters' dtype, one per version: the loss's own forward is the
-    current side)."""
+    available: "engine" (the engine's dtype, whole on each rank: one per version a trained token may have, plus the
+    current weights when they move between syncs) and "trainer" (the trainable parameters' local shards in their
+    dtype, one per version plus a stash: trainer_version_bytes)."""
     args = trainer.args
-    kept = {"engine": shadow_memory(trainer, engine_dtype)[0], "trainer": kept_versions(args)}
-    dtypes = {"engine": parse_dtype(engine_dtype), "trainer": next(sharded_root(trainer.model).parameters()).dtype}
-    need = {kind: (kept[kind], copy_bytes(trainer, dtypes[kind])) for kind in sorted(kinds)}
-    total = sum(n * b for n, b in need.values())
+    need = {}
+    if "engine" in kinds:
+        need["engine"] = (shadow_memory(trainer, engine_dtype)[0], copy_bytes(trainer, parse_dtype(engine_dtype)),
+                          engine_dtype)
+    if "trainer" in kinds:
+        need["trainer"] = (*trainer_version_bytes(trainer, trainer_keep),
+                           "the trainable parameters' dtype, this rank's shard")
+    total = sum(n * b for n, b, _ in need.values())
     free = available_memory(trainer.accelerator.device)
     if total > free:
-        parts = ", ".join(f"{n} copies of {b / 2**30:.2f} GiB in {str(dtypes[k]).removeprefix('torch.')}"
-                          for k, (n, b) in need.items())
+        parts = ", ".join(f"{n} copies of {b / 2**30:.2f} GiB in {what}" for n, b, what in need.values())
         raise IntegrationError(
             f"the async copies need {total / 2**30:.2f} GiB ({parts}: staleness bound {staleness_bound(args)} = "
             f"max_staleness {args.max_staleness} + prefetch, plus one) but {free / 2**30:.2f} GiB is available on "
-            f"{trainer.accelerator.device}: lower max_staleness")
+            f"{trainer.accelerator.device}: lower max_staleness, or use ratio='decoupled' (no copies, no trust "
+            "region against staleness)")

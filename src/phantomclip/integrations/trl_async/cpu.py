@@ -152,10 +152,13 @@ class LocalRolloutWorker:
 
 
 class LocalWeightTransfer:
-    """TRL's `WeightTransferProtocol` into a `LocalEngine`: each streamed tensor cast to the engine's dtype."""
+    """TRL's `WeightTransferProtocol` into a `LocalEngine`: each streamed tensor cast to the engine's dtype. With
+    `count_changes` (default) each sync also counts the share of the engine's values that changed (a second pass
+    over every weight, for examples/trl_async_grpo.py's printout: work a real server's receive does not do, so the
+    cost bench turns it off)."""
 
-    def __init__(self, engine: LocalEngine):
-        self.engine = engine
+    def __init__(self, engine: LocalEngine, count_changes: bool = True):
+        self.engine, self.count_changes = engine, count_changes
         self.changed_share: list[float] = []
 
     def init_weight_transfer(self) -> None: ...
@@ -167,7 +170,7 @@ class LocalWeightTransfer:
     def destroy(self) -> None: ...
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.changed_share.append(self.engine.load_weights(dict(iterator)))
+        self.changed_share.append(self.engine.load_weights(dict(iterator), count_changes=self.count_changes))
 
 
 class DiskWeightTransfer:

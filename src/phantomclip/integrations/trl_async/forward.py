@@ -93,6 +93,6 @@ def score_as_trl(model: nn.Module, kwargs: dict) -> torch.Tensor:
     """[1, N] log-probs of the row's labels from `model` through TRL's own fused forward, the call compute_loss makes
     (`model(..., fused_lm_head=True).log_probs`): on the trainer's weights, in the trainer's precision, the very
     values the loss's own forward gives (same code, same kernels; the autocast context of the loss, if any, is the
-    caller's). For a copy in the trainer's dtype (the fix's `ratio="trainer"`) and for the live model (π_prox of
-    `ratio="decoupled"`)."""
+    caller's). For the live model, as is (π_prox) or with a kept version's weights swapped in (the old side of the
+    fix's `ratio="trust-region"`: trl_async.versions.TrainerVersions)."""
     return model(**kwargs, fused_lm_head=True).log_probs.float()  # [1, N]

@@ -1,7 +1,7 @@
 """The α/β monitor and the ratio fix inside TRL's AsyncGRPOTrainer (trl 1.16, trl/experimental/async_grpo).
 
     from phantomclip.integrations.trl_async import AsyncPrecisionMonitor, with_async_shadow_ratio
-    Trainer = with_async_shadow_ratio(AsyncGRPOTrainer)     # β leaves the clip (decoupled PPO by default)
+    Trainer = with_async_shadow_ratio(AsyncGRPOTrainer)     # the clip on the policy's move; β in a capped weight
     trainer = Trainer(model=..., args=AsyncGRPOConfig(...),
                       callbacks=[AsyncPrecisionMonitor(engine_dtype="bfloat16", interval=1)])
 
@@ -24,29 +24,30 @@ its `segment_id`. What this reads of TRL is checked at attach (trl_async.checks)
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...base.errors import IntegrationError
-from ...base.numerics import dtype_name
 from ...maths.loss import clip_range
-from ..trl import check_engine_args, check_monitor_args, find_trainer, trainer_precision
+from ..trl import check_engine_args, check_monitor_args, find_trainer, has_dropout
 from ..weights import sharded_root
 from .checks import (
     async_trainer_class,
     check_async_internals,
-    check_ratio,
     check_shadow_memory,
     check_trainer_state,
     shadow_memory,
 )
 from .forward import packed_forward, score_as_trl, score_labelled
-from .ratio import RATIOS, Tokens
-from .stats import MEANS, async_figures, async_precision_stats
+from .ratio import RATIOS, Tokens, importance_weight, resolve
+from .stats import MEANS, async_figures, async_precision_stats, offpolicy_figures, offpolicy_stats
 from .versions import (
     VERSION_KEY,
+    TrainerVersions,
     VersionCopies,
     VersionedCollate,
     VersionReader,
@@ -58,12 +59,14 @@ from .versions import (
 __all__ = ["DEFAULT_RATIO", "AsyncPrecisionMonitor", "IntegrationError", "async_figures", "async_precision_stats",
            "shadow_memory", "staleness_bound", "with_async_shadow_ratio"]
 
-DEFAULT_RATIO = "decoupled"
-"""the fix's ratio unless told (trl_async.ratio.RATIOS). Chosen on bench/experiments/exp_async_ratio.py
-(docs/results.md, TRL's async trainer on the bundled model, 5 seeds paired): "decoupled" learned detectably faster than
-"shadow", "trainer" and TRL's own ratio (mean length over the run −16.0 [−18.9, −13.0] tokens against "shadow"), needs
-no copies and costs the least time; "trainer" alone clips exactly where the fp32 policy-move clip does, with no
-detectable difference in learning from "shadow" or TRL's ratio."""
+DEFAULT_RATIO = "trust-region"
+"""the fix's ratio unless told (trl_async.ratio.RATIOS): PPO's clip on the policy's own move since the sample's
+version in the trainer's precision (exactly 1 at staleness 0), β corrected outside it by a capped importance weight.
+Chosen on principle (DESIGN.md §6: a fix takes β out of the clip and keeps the clip), not on a learning race:
+"decoupled", the earlier default, has no trust region against staleness in TRL's async trainer (one optimizer step
+per sample: its clip never fires), and its lead on the reward −length task was that task's collapse to empty
+completions, which removing the clip reaches fastest. The comparison on tasks with an interior optimum
+(bench/experiments/exp_async_ratio.py, docs/results.md) is what would show harm; what it shows so far is there."""
 
 
 class _Record:
@@ -76,11 +79,18 @@ class _Record:
 class _Hooks:
     """What the monitor and the fix install on one trainer, once: the version carried into the batch, the copies
     taken at each sync, and the copies' forwards at the loss. `stores`: "engine" (the engine's dtype, the monitor's
-    and the shadow ratio's) and "trainer" (the trainer's parameter dtype, the trainer ratio's), made on request."""
+    and the shadow ratio's: whole copies, VersionCopies) and "trainer" (the trainable parameters' local tensors per
+    version, swapped into the live model: TrainerVersions, ratio "trust-region"'s), made on request."""
 
     def __init__(self, trainer, engine_dtype: str, matmul: str):
         self.trainer, self.engine_dtype, self.matmul = trainer, engine_dtype, matmul
         self.fix: str | None = None
+        self.weight = None
+        """the fix's ImportanceWeight (trl_async.ratio.importance_weight)."""
+        self.trainer_keep: int | None = None
+        """versions ratio "trust-region" keeps (None: every version a token may have)."""
+        self.offpolicy: dict | None = None
+        """the fix's last off-policy figures (offpolicy_figures)."""
         self.monitor: AsyncPrecisionMonitor | None = None
         self.wanted: set[str] = set()
         self.stores: dict[str, VersionCopies] = {}
@@ -111,13 +121,12 @@ class _Hooks:
             if self.trainer.state.global_step % args.weight_sync_steps == 0:
                 self._store(kind).snapshot(latest)
 
-    def _store(self, kind: str) -> VersionCopies:
+    def _store(self, kind: str):
         if kind not in self.stores:
             if kind == "engine":
                 self.stores[kind] = VersionCopies(self.trainer, self.engine_dtype, self.matmul, score_labelled)
             else:
-                dtype = dtype_name(next(sharded_root(self.trainer.model).parameters()).dtype)
-                self.stores[kind] = VersionCopies(self.trainer, dtype, "auto", score_as_trl)
+                self.stores[kind] = TrainerVersions(self.trainer, self.trainer_keep)
         return self.stores[kind]
 
     def _install(self) -> None:
@@ -138,6 +147,7 @@ class _Hooks:
 
         def get_train_dataloader():
             check_trainer_state(trainer)
+            check_no_dropout(trainer.model)  # set after attach?
             if trainer.accelerator.is_main_process and not isinstance(trainer.rollout_queue, VersionReader):
                 trainer.rollout_queue = VersionReader(trainer.rollout_queue, self.sample_versions)
             loader = original_loader()
@@ -180,12 +190,13 @@ class _Hooks:
                                    "with with_async_shadow_ratio) before trainer.train()")
         t0, c0 = time.perf_counter(), time.thread_time()
         kwargs, token_index, selected = packed_forward(inputs)
-        versions = inputs[VERSION_KEY][0][inputs["segment_id"][selected]]  # [M] each token's sample version
+        segment = inputs["segment_id"][selected]  # [M] each token's sequence in the row
+        versions = inputs[VERSION_KEY][0][segment]  # [M] each token's sample version
         tokens = Tokens(logp_engine=inputs["old_log_probs"][selected].float(),  # [M] the server's, at θ_v
-                        advantages=inputs["advantages"][selected].float())
+                        advantages=inputs["advantages"][selected].float(), index=token_index, segment=segment)
         scored = self._score(model, kwargs, token_index, versions, tokens, measure)
         self._clock(time.perf_counter() - t0, time.thread_time() - c0, "forwards")
-        rewrite = RATIOS[self.fix].fn(tokens) if self.fix else None
+        rewrite = RATIOS[self.fix].fn(tokens, self.weight) if self.fix else None
         call = _ModelCall(model, rewrite.value if rewrite else None)
         loss = original(call, _rewritten(inputs, selected, rewrite), return_outputs=return_outputs,
                         num_items_in_batch=num_items_in_batch)
@@ -197,22 +208,104 @@ class _Hooks:
                             staleness=self.latest - versions, token_index=token_index, versions=versions, row=kwargs)
         if measure:
             self.monitor._record(self.last)
+        if rewrite is not None:
+            if rewrite.clip_log is None:  # the current side was the loss's own forward
+                rewrite.clip_log = self.last.logp - rewrite.old
+            self._log_offpolicy(rewrite, tokens, versions)
         self._clock(time.perf_counter() - t1, time.thread_time() - c1, "figures")
         return loss
 
     def _score(self, model, kwargs, token_index, versions, tokens: Tokens, measure: bool) -> dict:
         """The copies' forwards this call needs, into `tokens`; returns {"engine_now": [M]} when scored."""
         scored = {}
-        need = RATIOS[self.fix].needs if self.fix else None
-        if measure or need == "engine":
+        need = RATIOS[self.fix].needs if self.fix else frozenset()
+        if measure or "engine" in need:
             tokens.shadow_now_row, scored["engine_now"], tokens.shadow_old = self._store("engine").score_tokens(
                 kwargs, token_index, versions, self.latest)
+        if "prox" in need:
+            _prox(model, kwargs, token_index, tokens)
         if "trainer" in self.wanted:
-            _, _, tokens.trainer_old = self._store("trainer").score_tokens(kwargs, token_index, versions, self.latest,
-                                                                           need_now=False)
-        if need == "prox":
-            tokens.logp_prox = score_as_trl(model, kwargs).flatten()[token_index]  # [M] π_prox: θ_t, no grad
+            tokens.trainer_old, tokens.trainer_own = self._trainer_old(model, kwargs, token_index, versions, tokens)
         return scored
+
+    def _trainer_old(self, model, kwargs, token_index, versions, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """([M] the trainer's forward with each token's version's weights swapped in, [M] bool: that version's own
+        weights were kept). π_prox itself where those weights are the live ones (so the ratio is exactly 1 there;
+        scored only then: a micro-batch of stale tokens alone takes its current side from the loss's own forward).
+        A version without its own copy takes the oldest kept one newer than it (TrainerVersions.substitute: fewer
+        versions kept, or attached after training began), NaN where there is none. The versions scored are those
+        any rank needs, in one order (under FSDP2 each forward is a collective)."""
+        store = self._store("trainer")
+        old = torch.full(token_index.shape, math.nan, device=token_index.device)  # [M]
+        own = torch.zeros_like(versions, dtype=torch.bool)  # [M]
+        by_copy: dict[int, torch.Tensor] = {}
+        for v in _versions_any_rank(versions, self.latest, staleness_bound(self.trainer.args)):
+            at = versions == v
+            copy = v if v in store.versions else store.substitute(v)
+            if v in store.versions:
+                own |= at
+            elif store.keep == kept_versions(self.trainer.args) and at.any():
+                store._name_missing(v, int(at.sum()), self.latest)  # every version is kept: attached late
+            if copy is not None:
+                by_copy[copy] = by_copy.get(copy, torch.zeros_like(at)) | at
+        for copy, at in sorted(by_copy.items()):
+            if store.is_current(copy):  # the same on every rank (the versions are every rank's): a collective
+                if tokens.logp_prox is None:
+                    _prox(model, kwargs, token_index, tokens)
+                old[at] = tokens.logp_prox[at]
+            else:
+                full = store.score(model, kwargs, copy, score_as_trl)  # [1, N]
+                old[at] = full.flatten()[token_index][at]
+        return old, own
+
+    def _log_offpolicy(self, rewrite, tokens: Tokens, versions: torch.Tensor) -> None:
+        """The fix's off-policy figures (stats.offpolicy_stats) into TRL's metrics, on every micro-batch."""
+        if self.fix == "trust-region":
+            missing = ~tokens.trainer_own
+        elif self.fix == "shadow":
+            missing = torch.isnan(tokens.shadow_old)
+        else:
+            missing = torch.zeros_like(versions, dtype=torch.bool)
+        stats = offpolicy_stats(self.latest - versions, rewrite.clip_log, tokens.advantages, rewrite.weight,
+                                rewrite.capped, missing, eps_low=self.trainer.epsilon_low,
+                                eps_high=self.trainer.epsilon_high, bound=staleness_bound(self.trainer.args))
+        self.offpolicy = offpolicy_figures(stats)
+        sink = self.trainer._metrics["train"]
+        for key, pair in stats["pairs"].items():
+            sink[f"offpolicy/{key}"].append(pair)
+        for key, value in stats["max"].items():
+            sink[f"offpolicy/{key}"].append(value)
+        sink["offpolicy/weight_ess"].append(stats["weight_ess"])
+        sink["offpolicy/no_copy_total"].append(stats["no_copy_total"])
+
+
+def _prox(model, kwargs, token_index, tokens: Tokens) -> None:
+    """π_prox into `tokens`: the live model's no-grad forward at θ_t (forward.score_as_trl), [1, N] and [M]."""
+    tokens.prox_row = score_as_trl(model, kwargs)
+    tokens.logp_prox = tokens.prox_row.flatten()[token_index]
+
+
+def _versions_any_rank(versions: torch.Tensor, latest: int, bound: int) -> list[int]:
+    """The versions latest − bound .. latest that a token of any rank has, in ascending order (one all-reduce)."""
+    lowest = latest - bound
+    present = torch.zeros(bound + 1, dtype=torch.float64, device=versions.device)
+    inside = (versions >= lowest) & (versions <= latest)
+    present[(versions[inside] - lowest).unique()] = 1.0
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    return [lowest + k for k in range(bound + 1) if present[k] > 0]
+
+
+def check_no_dropout(model: nn.Module) -> None:
+    """One line if a training-mode forward of `model` drops anything (integrations.trl.has_dropout, the sync
+    integration's test): the fix's no-grad forwards and the loss's own would drop different units, so the ratio is
+    no longer 1 at staleness 0 (LoRA dropout 0.05 on the bundled model: ratio 1.6-23, 25-50% of tokens clipped), and
+    the monitor's β would hold dropout noise. TRL's async trainer has no disable_dropout (trl 1.16)."""
+    if has_dropout(sharded_root(model)):
+        raise IntegrationError("the model has dropout (an nn.Dropout with p > 0, LoRA's lora_dropout among them, or a "
+                               "config *_dropout > 0): set it to 0 before building the trainer (LoraConfig("
+                               "lora_dropout=0.0), config.attention_dropout = 0.0); the async monitor and fix compare "
+                               "forwards that dropout would make differ")
 
 
 def _rewritten(inputs: dict, selected: torch.Tensor, rewrite) -> dict:
@@ -250,18 +343,21 @@ except ImportError:  # pragma: no cover
     _Callback = object
 
 
-def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: bool = True) -> _Hooks:
+def _hooks_of(trainer, engine_dtype: str, matmul: str, kinds: set[str], built: bool = True,
+              trainer_keep: int | None = None) -> _Hooks:
     """The trainer's hooks, installed on first use after TRL's internals are checked; the copies of `kinds` (with
     those already kept) are checked to fit first. Nothing is replaced when a check refuses."""
     hooks = trainer.__dict__.get("_pc_async")
     if hooks is None:
         check_async_internals(trainer, built)
+        check_no_dropout(trainer.model)
     elif (hooks.engine_dtype, hooks.matmul) != (engine_dtype, matmul):
         raise IntegrationError(f"this trainer's shadows are {hooks.engine_dtype} (matmul {hooks.matmul}); the monitor "
                                f"and with_async_shadow_ratio must name the same engine dtype, not {engine_dtype}")
-    check_shadow_memory(trainer, engine_dtype, (hooks.wanted if hooks else set()) | kinds)
+    check_shadow_memory(trainer, engine_dtype, (hooks.wanted if hooks else set()) | kinds, trainer_keep)
     if hooks is None:
         hooks = trainer._pc_async = _Hooks(trainer, engine_dtype, matmul)
+    hooks.trainer_keep = trainer_keep if trainer_keep is not None else hooks.trainer_keep
     return hooks
 
 
@@ -340,37 +436,45 @@ class AsyncPrecisionMonitor(_Callback):
 
 
 def with_async_shadow_ratio(trainer_cls: type, engine_dtype: str = "bfloat16", matmul: str = "auto",
-                            ratio: str = DEFAULT_RATIO) -> type:
+                            ratio: str = DEFAULT_RATIO, vllm_importance_sampling_mode: str | None = None,
+                            vllm_importance_sampling_clip_max: float | None = None,
+                            versions_kept: int | None = None) -> type:
     """A subclass of `trainer_cls` (AsyncGRPOTrainer or a subclass) whose PPO clip decides on the policy's own move.
 
-    TRL's compute_loss runs unchanged on rewritten inputs (trl_async.ratio): `ratio="decoupled"` (default, see
-    DEFAULT_RATIO) is decoupled PPO as AReaL and verl write it (clip on π_θ/π_prox, which never fires with one step
-    per sample, and the weight π_prox/μ truncated at 2 on the advantage: staleness and β both in that weight; no
-    copies, one more forward); `ratio="trainer"` clips on the move in the trainer's precision, trainer(θ_t) −
-    trainer(θ_v) (copies in the trainer's dtype); `ratio="shadow"` on exp(α) with α from two engine-dtype copies,
-    shadow(θ_t) − shadow(θ_v). TRL's loss, normalisation (global token count per rank, gradient accumulation) and
-    metrics are otherwise its own; its `ratio`, `kl` and `clip_ratio/*` then describe the ratio it clips. Its
-    forwards run on every micro-batch whatever a monitor's interval (the copies of "trainer" and "shadow",
-    "decoupled"'s π_prox)."""
+    TRL's compute_loss runs unchanged on rewritten inputs (trl_async.ratio):
+    - `ratio="trust-region"` (default, see DEFAULT_RATIO; "trainer" is accepted for it): the clip on
+      trainer(θ_t) − trainer(θ_v), the policy's move since the sample's version in the trainer's own forward
+      (exactly 1 at staleness 0), and β corrected outside the clip by the weight π_trainer(θ_v) / μ on the
+      advantage, capped. Keeps the trainable parameters' local tensors of each version a token may have, sharded as
+      the parameters are (trl_async.versions.TrainerVersions); one more no-grad forward per micro-batch, one more
+      per stale version in it. `versions_kept` (1 .. staleness bound + 1, default all): keep the newest only, the
+      cheaper form that keeps a trust region: a token of an older version is clipped on the move since the oldest
+      kept one, the move before it joining β in the capped weight.
+    - `ratio="shadow"`: the clip on shadow(θ_t) − shadow(θ_v) from two engine-dtype copies; β uncorrected.
+    - `ratio="decoupled"` (opt-in): decoupled PPO as AReaL and verl write it. With one optimizer step per sample (TRL's
+      async trainer) its clip on π_θ/π_prox never fires: no trust region against staleness; staleness and β both
+      go into the capped weight π_prox/μ on the advantage. No copies, one more forward.
+    The weight is token-level, truncated at 2 (ratio.WEIGHT_MODE, WEIGHT_CAP) unless TRL's fields say otherwise: the
+    two arguments here, or the trainer config's `vllm_importance_sampling_*` where it has them (trl 1.16's
+    AsyncGRPOConfig has none; GRPOConfig's names and meanings, grpo_config.py). TRL's loss, normalisation and
+    metrics are otherwise its own; its `ratio`, `kl` and `clip_ratio/*` then describe the ratio it clips, and the
+    fix logs `offpolicy/*` on every step (docs/metrics.md). A model with dropout is refused (check_no_dropout)."""
     cls = async_trainer_class()
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, cls)):
         name = getattr(trainer_cls, "__name__", trainer_cls)
         raise IntegrationError(f"with_async_shadow_ratio wraps AsyncGRPOTrainer or a subclass of it, not {name!r}")
     check_engine_args(engine_dtype, matmul, "with_async_shadow_ratio")
-    check_ratio(ratio, RATIOS)
+    ratio = resolve(ratio)
 
     class AsyncShadowRatio(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            need = RATIOS[ratio].needs
-            if need == "trainer" and trainer_precision(self).endswith("-fsdp-mixed"):
-                raise IntegrationError("with_async_shadow_ratio(ratio='trainer') keeps copies in the parameters' "
-                                       "dtype, not FSDP's mixed compute dtype: use ratio='shadow' or 'decoupled'")
-            kinds = {need} & {"engine", "trainer"}
-            hooks = _hooks_of(self, engine_dtype, matmul, kinds)
+            weight = importance_weight(self.args, vllm_importance_sampling_mode, vllm_importance_sampling_clip_max)
+            kinds = RATIOS[ratio].needs & {"engine", "trainer"}
+            hooks = _hooks_of(self, engine_dtype, matmul, kinds, trainer_keep=versions_kept)
             for kind in kinds:
                 hooks.want(kind)
-            hooks.fix = ratio
+            hooks.fix, hooks.weight = ratio, weight
 
     AsyncShadowRatio.__name__ = AsyncShadowRatio.__qualname__ = f"AsyncShadowRatio{trainer_cls.__name__}"
     return AsyncShadowRatio

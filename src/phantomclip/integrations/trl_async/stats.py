@@ -89,3 +89,52 @@ def async_figures(stats: dict) -> dict[str, float]:
     out["nonfinite_total"] = s["nonfinite"]
     out["no_shadow_total"] = s["no_shadow"]
     return out
+
+
+OFFPOLICY_PAIRS = ("staleness_mean", "clip_rate", "weight_mean", "capped_share")
+"""the fix's off-policy figures logged as (sum, count) pairs (definitions: docs/metrics.md, "offpolicy/*")."""
+
+
+def offpolicy_stats(staleness: torch.Tensor, clip_log: torch.Tensor, advantages: torch.Tensor,
+                    weight: torch.Tensor | None, capped: torch.Tensor | None, missing: torch.Tensor, *,
+                    eps_low: float, eps_high: float, bound: int) -> dict:
+    """What the fix logs on every micro-batch under every ratio, over every rank's trained tokens [M]: their
+    staleness, |α| per staleness k = 0 .. bound (α: the log-ratio the fix's clip decides on, the policy's move since
+    the sample's version as that ratio measures it: 0 by definition under "decoupled"), the share the clip cuts,
+    and the importance weight on the advantage (None: 1): its mean, max, effective sample size (Σw)² / (n·Σw²) and
+    the share outside [floor, cap]. `missing`: tokens whose version has no kept copy (clipped against μ: left out
+    of |α| and the clip rate, counted). Returns {"pairs": {key: (sum, count)}, "max": {key: value}, "weight_ess",
+    "no_copy_total"}. Collectives: one sum and one max all-reduce, on every rank at every call."""
+    from ...maths.metrics import phantom_clip_mask
+
+    n = staleness.numel()
+    w = torch.ones_like(clip_log, dtype=torch.float64) if weight is None else weight.double()  # [M]
+    capped = torch.zeros_like(missing) if capped is None else capped
+    have = ~missing
+    a, st = clip_log.double()[have].abs(), staleness[have]
+    cut = phantom_clip_mask(clip_log.double()[have], advantages.double()[have], eps_low, eps_high)
+    local = [n, float(staleness.sum()), float(have.sum()), float(cut.sum()), float(w.sum()), float((w * w).sum()),
+             float(capped.sum()), float(missing.sum())]
+    for k in range(bound + 1):
+        local += [float(a[st == k].sum()), float((st == k).sum())]
+    sums = torch.tensor(local, dtype=torch.float64, device=clip_log.device)
+    peaks = torch.tensor([float(staleness.max()) if n else -math.inf, float(w.max()) if n else -math.inf],
+                         dtype=torch.float64, device=clip_log.device)
+    if _world() > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    s = sums.tolist()
+    pairs = {"staleness_mean": (s[1], s[0]), "clip_rate": (s[3], s[2]), "weight_mean": (s[4], s[0]),
+             "capped_share": (s[6], s[0])}
+    pairs.update({f"alpha_abs_mean_s{k}": (s[8 + 2 * k], s[9 + 2 * k]) for k in range(bound + 1)})
+    ess = s[4] ** 2 / (s[0] * s[5]) if s[0] and s[5] else math.nan
+    return {"pairs": pairs, "max": {"staleness_max": peaks[0].item(), "weight_max": peaks[1].item()},
+            "weight_ess": ess, "no_copy_total": s[7]}
+
+
+def offpolicy_figures(stats: dict) -> dict[str, float]:
+    """One `offpolicy_stats` result as plain numbers (NaN where a count is 0)."""
+    out = {k: (num / den if den else math.nan) for k, (num, den) in stats["pairs"].items()}
+    out.update(stats["max"])
+    out["weight_ess"], out["no_copy_total"] = stats["weight_ess"], stats["no_copy_total"]
+    return out

@@ -164,6 +164,141 @@ class VersionCopies:
                       "attach before training starts to keep every version", stacklevel=2)
 
 
+class TrainerVersions:
+    """The weights of every version a trained token may have, as the live model holds them: for each kept version,
+    a copy of each trainable parameter's local tensor (FSDP2's shard on this rank, the whole tensor without
+    sharding), recycled oldest first. `score` swaps a version's tensors into the live model in place, runs the
+    trainer's own forward (trl_async.forward.score_as_trl: same module, code, precision and kernels as the loss),
+    and swaps the current ones back: the old side of ratio "trust-region". Frozen parameters (a LoRA model's base)
+    never move, so are not copied: a LoRA model keeps copies of its adapters only.
+
+    Memory per rank: `keep` x (trainable parameters on this rank) x their dtype's size, plus (FSDP2) one stash of the
+    current shards while a version is swapped in (`bytes_per_rank`); unsharded, the parameters are pointed at a
+    version's tensors and back, with no stash. `keep` is every version a trained token may
+    have (kept_versions, exact) unless told fewer: the cheaper form that still keeps a trust region, on the move
+    since the oldest kept version for older tokens, the move before it joining β in the capped weight.
+    Layouts: one process, DDP and FSDP2 (the only
+    sharding TRL 1.16's async trainer supports, async_grpo_trainer.py `__init__`); FSDP1 and ZeRO-3 refused in one
+    line."""
+
+    def __init__(self, trainer, keep: int | None = None):
+        self.trainer = trainer
+        exact = kept_versions(trainer.args)
+        if keep is not None and not (isinstance(keep, int) and 1 <= keep <= exact):
+            raise IntegrationError(f"kept_versions must be an integer from 1 to {exact} (staleness bound "
+                                   f"{exact - 1} + 1: every version a trained token may have), got {keep!r}")
+        self.keep = exact if keep is None else keep
+        """versions kept: `exact` keeps every version a token may have; fewer keep the newest `keep` only, and a
+        token of an older version is clipped against the oldest kept one (`substitute`)."""
+        root = sharded_root(trainer.model)
+        kind = check_supported(root)
+        self.sharded = kind == "fsdp2"
+        """FSDP2: a version's shards are copied into the live shards and back (FSDP2 gathers from its own storage);
+        else each parameter's tensor is pointed at the version's and back (no copy, no stash)."""
+        if kind not in ("none", "fsdp2"):
+            raise IntegrationError(f"ratio 'trust-region' swaps kept weights into the live model, which it does for "
+                                   f"one process, DDP and FSDP2, not {kind}: use FSDP2 (TRL's async trainer's layout) "
+                                   "or ratio='decoupled'")
+        seen, self.params = set(), []
+        for p in root.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        self.versions: dict[int, list[torch.Tensor]] = {}
+        self.version_step: dict[int, int] = {}
+        self._stash: list[torch.Tensor] | None = None
+        self.missing_named: set[int] = set()
+
+    @staticmethod
+    def _local(p: nn.Parameter) -> torch.Tensor:
+        return p.to_local() if hasattr(p, "to_local") else p.data  # FSDP2: this rank's shard (a DTensor's local)
+
+    def bytes_per_rank(self) -> int:
+        """Bytes the kept versions (and, sharded, the stash) take on this rank."""
+        one = sum(self._local(p).numel() * self._local(p).element_size() for p in self.params)
+        return (self.keep + (1 if self.sharded else 0)) * one
+
+    @torch.no_grad()
+    def snapshot(self, version: int) -> None:
+        """The weights just sent as `version` (local to each rank: no collective)."""
+        reuse = self.versions.pop(min(self.versions)) if len(self.versions) >= self.keep else None
+        if reuse is None:
+            reuse = [self._local(p).detach().clone() for p in self.params]
+        else:
+            for kept, p in zip(reuse, self.params, strict=True):
+                kept.copy_(self._local(p))
+        self.versions[version] = reuse
+        self.version_step[version] = self.trainer.state.global_step
+
+    def substitute(self, version: int) -> int | None:
+        """The oldest kept version newer than `version` (one without its own copy), or None."""
+        newer = [v for v in self.versions if v > version]
+        return min(newer) if newer else None
+
+    def is_current(self, version: int) -> bool:
+        """`version` is the newest kept and no optimizer step came since it was sent: its weights are the live ones
+        (an older version was followed by a sync, which TRL makes after a step)."""
+        return version == max(self.versions, default=None) and self.version_step[version] == \
+            self.trainer.state.global_step
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, kwargs: dict, version: int, score) -> torch.Tensor:
+        """[1, N] score(model, kwargs) with version `version`'s weights in the live model, then the current ones
+        back, bit for bit. Collective under FSDP2 (the forward gathers): every rank calls it for the same versions
+        in the same order. Autocast's cache of cast weights (kept for the whole of an enclosing autocast region,
+        whatever the grad mode: torch's `cached_cast`) is cleared before and after, so neither side reuses the
+        other's casts."""
+        kept = self.versions[version]
+        if not self.sharded:
+            saved = [p.data for p in self.params]
+            try:
+                for k, p in zip(kept, self.params, strict=True):
+                    p.data = k
+                torch.clear_autocast_cache()
+                return score(model, kwargs)
+            finally:
+                for s, p in zip(saved, self.params, strict=True):
+                    p.data = s
+                torch.clear_autocast_cache()
+        if self._stash is None:
+            self._stash = [self._local(p).detach().clone() for p in self.params]
+        else:
+            for s, p in zip(self._stash, self.params, strict=True):
+                s.copy_(self._local(p))
+        try:
+            for k, p in zip(kept, self.params, strict=True):
+                self._local(p).copy_(k)
+            _reshard(model)  # an FSDP2 module left unsharded (the root after a forward) holds the current weights
+            torch.clear_autocast_cache()
+            return score(model, kwargs)
+        finally:
+            for s, p in zip(self._stash, self.params, strict=True):
+                self._local(p).copy_(s)
+            _reshard(model)  # ... or, after this forward, the version's: the loss's forward gathers afresh
+            torch.clear_autocast_cache()
+
+    def _name_missing(self, version: int, tokens: int, latest: int) -> None:
+        if version in self.missing_named:
+            return
+        self.missing_named.add(version)
+        warnings.warn(f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) have "
+                      f"no kept weights (kept: {sorted(self.versions)}): the fix clips them against the server's "
+                      "log-probs with weight 1, counted in offpolicy/no_copy_total; attach before training starts "
+                      "to keep every version", stacklevel=2)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free every FSDP2 module's gathered parameters, so the next forward all-gathers from the (swapped) shards
+    (torch.distributed.fsdp.FSDPModule.reshard); nothing to do without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def current_version(trainer) -> int:
     """TRL's model_version, which only the main process bumps, the same on every rank (a broadcast)."""
     version = torch.tensor([trainer.model_version if trainer.accelerator.is_main_process else 0])

@@ -109,6 +109,8 @@ HOST_SIDE = {
     ("rollouts/batches.py", "*"): "rollout records -> tensors on the host, as Rollout.pack builds them",
     ("diagnose/recorded.py", "phantom_shares"): "recorded advantages broadcast on the host, where the figures are "
                                                 "computed",
+    ("integrations/slime.py", "rollout_figures"): "slime's samples carry their log-probs as Python lists: the "
+                                                  "rollout-side figures are computed on the host",
     ("integrations/ranks.py", "route_flip_stats"): "flip sums built on the host, moved to the mask's device to reduce",
     ("engines/decode.py", "fuses_bit_identically"): "a probe of this CPU's oneDNN kernels: packed weights run on the "
                                                     "CPU only",

@@ -155,13 +155,11 @@ class VersionCopies:
         return now_row, now, old
 
     def _name_missing(self, version: int, tokens: int, latest: int) -> None:
-        if version in self.missing_named:
-            return
-        self.missing_named.add(version)
-        warnings.warn(f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) have "
-                      f"no {self.dtype} copy (kept: {sorted(self.versions)}): they are left out of precision/* and "
-                      "counted in precision/no_shadow_total, and the fix clips them against the server's log-probs; "
-                      "attach before training starts to keep every version", stacklevel=2)
+        name_missing_once(self.missing_named, version,
+                          f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) "
+                          f"have no {self.dtype} copy (kept: {sorted(self.versions)}): they are left out of "
+                          "precision/* and counted in precision/no_shadow_total, and the fix clips them against the "
+                          "server's log-probs; attach before training starts to keep every version")
 
 
 class TrainerVersions:
@@ -278,13 +276,18 @@ class TrainerVersions:
             torch.clear_autocast_cache()
 
     def _name_missing(self, version: int, tokens: int, latest: int) -> None:
-        if version in self.missing_named:
-            return
-        self.missing_named.add(version)
-        warnings.warn(f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) have "
-                      f"no kept weights (kept: {sorted(self.versions)}): the fix clips them against the server's "
-                      "log-probs with weight 1, counted in offpolicy/no_copy_total; attach before training starts "
-                      "to keep every version", stacklevel=2)
+        name_missing_once(self.missing_named, version,
+                          f"phantomclip: {tokens} trained tokens of weight version {version} (trained at {latest}) "
+                          f"have no kept weights (kept: {sorted(self.versions)}): the fix clips them against the "
+                          "server's log-probs with weight 1, counted in offpolicy/no_copy_total; attach before "
+                          "training starts to keep every version")
+
+
+def name_missing_once(named: set[int], version: int, message: str) -> None:
+    """Warn once per version whose trained tokens have no kept weights (`named`: the versions already said)."""
+    if version not in named:
+        named.add(version)
+        warnings.warn(message, stacklevel=3)
 
 
 def _reshard(model: nn.Module) -> None:

@@ -302,3 +302,18 @@ def test_the_input_is_split_by_step_once(run, tmp_path):
         got = [json.loads(x) for x in lines[1:]]
         assert len(got) == len(records[step]) - 1 and {r["step"] for r in got} == {step}
         assert not any(r.get("canary") for r in got) and json.loads(lines[0])["engine"]["dtype"] == "bfloat16"
+
+
+def test_evaluation_dumps_are_named_and_never_merged_into_a_step(run, tmp_path):
+    """slime writes eval_{id} dumps (other sampling) beside the training rollouts with the same id: they are left out
+    of the steps (step 10's figures are those without them) and named in a note."""
+    ckpts, records = run
+    steps = _steps_dir(tmp_path, records)
+    clean = _postmortem(tmp_path, steps, "--checkpoints", str(ckpts))
+    lines = records[0]  # step 0's tokens, relabelled step 10: records another checkpoint sampled
+    (steps / "eval_10.jsonl").write_text("\n".join([lines[0], *[json.dumps(dict(json.loads(x), step=10))
+                                                                for x in lines[1:]]]) + "\n")
+    (tmp_path / "b").mkdir()
+    d = _postmortem(tmp_path / "b", steps, "--checkpoints", str(ckpts))
+    assert [r["beta_abs_mean"] for r in _rows(d)] == [r["beta_abs_mean"] for r in _rows(clean)]
+    assert any(n.startswith("left out 1 evaluation dump(s) (eval_10.jsonl)") for n in d["engine"]["notes"])

@@ -11,17 +11,19 @@ the first recipe scored, before the others.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..base.files import printable
 from ..base.numerics import dtype_name, parse_dtype
 from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
 from ..models.load import LoadedModel
 from ..precision.fp8_vllm import VLLM_ARGS
 from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
-from ..rollouts.readers import read_rollouts
+from ..rollouts.readers import evaluation_files, read_rollouts
 from ..rollouts.record import Header, RecordedSampling, RecordError
 from ..routing.routes import EXPERT_KEYS, routers
 from .config import DiagnoseConfig
@@ -75,6 +77,11 @@ def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig
     temperature, the column diagnose calls logp_engine ('raw' in its --logprobs-mode), and 'processed' ones the
     renormalised column."""
     engine, notes = peeked.header.engine, []
+    evals = evaluation_files(cfg.rollouts) if os.path.isdir(cfg.rollouts) else []
+    if evals:
+        notes.append(f"left out {len(evals)} evaluation dump(s) ({', '.join(printable(p.name) for p in evals[:3])}"
+                     f"{', ...' if len(evals) > 3 else ''}): another sampling than the training steps'; diagnose one "
+                     "on its own with --rollouts FILE")
     change = {"logprobs_mode": "processed" if peeked.logprobs == "processed" else "raw"}
     if engine.dtype:
         try:

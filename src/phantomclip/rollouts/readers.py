@@ -177,10 +177,22 @@ def read_rollouts(path: str) -> tuple[Header, Iterator[Located]]:
     return READERS[SUFFIXES[suffix]](path)
 
 
+EVAL_PREFIX = "eval_"
+"""slime's evaluation dumps, written beside the training rollouts with the same id (`eval_{id}.pt`, other sampling):
+never merged into a step; `evaluation_files` names them so a user can diagnose one on its own."""
+
+
+def evaluation_files(directory: str) -> list[Path]:
+    """The evaluation dumps a rollout directory holds (left out of its rollouts)."""
+    return sorted(p for p in Path(directory).iterdir()
+                  if p.name.startswith(EVAL_PREFIX) and p.suffix.lower() in SUFFIXES and p.is_file())
+
+
 def rollout_files(directory: str) -> list[Path]:
-    """The rollout files of a directory (not its subdirectories), in the order of the numbers in their names (step
-    2 before step 10), then by name."""
-    found = [p for p in Path(directory).iterdir() if p.suffix.lower() in SUFFIXES and p.is_file()]
+    """The rollout files of a directory (not its subdirectories, not its evaluation dumps), in the order of the
+    numbers in their names (step 2 before step 10), then by name."""
+    found = [p for p in Path(directory).iterdir() if p.suffix.lower() in SUFFIXES and p.is_file()
+             and not p.name.startswith(EVAL_PREFIX)]
     if not found:
         raise RecordError(f"{printable(directory)}: holds no rollout file ({', '.join(SUFFIXES)}): give the directory "
                           "the recorder wrote")

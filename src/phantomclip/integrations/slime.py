@@ -36,7 +36,7 @@ import os
 import torch
 
 from ..base.errors import IntegrationError
-from ..maths.metrics import LOW_P
+from ..maths.metrics import LOW_P, trust_region_split
 
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 """the slime commit the hooks' signatures were read at (THUDM/slime, 2026-08-21)."""
@@ -99,12 +99,11 @@ def beta_token_metrics(train_log_probs: list[torch.Tensor], rollout_log_probs: l
     train = torch.cat(train_log_probs, dim=0).detach()  # [ΣT]
     rollout = torch.cat(rollout_log_probs, dim=0).detach()  # [ΣT]
     beta = train - rollout  # [ΣT]
-    low = math.log1p(-eps_low) if eps_low < 1 else -math.inf
-    outside = (beta < low) | (beta > math.log1p(eps_high))  # [ΣT]
+    below, above = trust_region_split(beta, eps_low, eps_high)  # [ΣT] each
     before = torch.cat(loss_masks, dim=0).bool()  # [ΣT]
     after = torch.cat(masks_after, dim=0).bool()  # [ΣT]
     return {f"{_PREFIX}beta": beta, f"{_PREFIX}beta_abs": beta.abs(), f"{_PREFIX}beta_outside_trust_region":
-            outside.to(beta.dtype), f"{_PREFIX}rs_removed": (before & ~after).to(beta.dtype)}
+            (below | above).to(beta.dtype), f"{_PREFIX}rs_removed": (before & ~after).to(beta.dtype)}
 
 
 def tis_function(args, *, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..base.errors import IntegrationError
+from ..maths.metrics import ess_share, trust_region_split
 from .ranks import top_quantile
 
 SUPPORTED_VERL = "0.9.1"
@@ -261,7 +262,7 @@ def driver_figures(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     out = {"beta_tokens": n, "beta_nonfinite": int((m0 & ~torch.isfinite(beta)).sum()),
            "beta_mean": b.mean().item() if n else nan, "beta_abs_mean": b.abs().mean().item() if n else nan,
            "beta_abs_p99": top_quantile(b.abs(), n, 0.99), "beta_abs_max": b.abs().max().item() if n else nan,
-           "beta_outside_trust_region": share((b < math.log1p(-eps_low)) | (b > math.log1p(eps_high)))}
+           "beta_outside_trust_region": share(torch.logical_or(*trust_region_split(b, eps_low, eps_high)))}
     level, upper, lower = _is_rule(config)
     if level is not None:
         lr = torch.where(ok, beta, torch.zeros_like(beta))  # [B, T]
@@ -275,7 +276,7 @@ def driver_figures(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     out["rs_seq_share"] = removed.any(-1)[seqs].double().mean().item() if seqs.any() else nan
     if weights is not None:
         w = weights.double()[m1]  # [N1]
-        out["is_ess"] = (w.sum().square() / (w.numel() * w.square().sum())).item() if w.numel() else nan
+        out["is_ess"] = ess_share(w.log())  # zero weights (IcePop, RS) are log 0 = −inf: they count as 0
     return {f"{PREFIX}{k}": v for k, v in out.items()}
 
 

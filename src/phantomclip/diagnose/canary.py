@@ -20,8 +20,9 @@ import dataclasses
 
 import torch
 
+from ..maths.metrics import quantile_or_nan
 from .config import DiagnoseConfig
-from .which_weights import MATCH_FLOOR, MATCH_MARGIN, candidate_logps, median_abs, sample_by_step
+from .which_weights import MATCH_FLOOR, MATCH_MARGIN, candidate_logps, sample_by_step
 
 CANARY_MARGIN = MATCH_MARGIN
 """a step's canary is engine state when its median |β| is above this factor of the run's lowest canary level: the
@@ -54,9 +55,9 @@ def canary_rows(cfg: DiagnoseConfig, steps: list[int], candidates: dict[int | No
     scored = {s: candidate_logps(c, candidates[s], header, {s: kept[s]})[s] for s in steps if s not in rows}
     for step, (logp_engine, logp_shadow, mask) in scored.items():
         ok = mask & torch.isfinite(logp_engine) & torch.isfinite(logp_shadow)  # [n, T]
-        beta = (logp_shadow - logp_engine)[ok].double()  # [N]
-        rows[step] = {"tokens": int(ok.sum()), "beta_abs_mean": float(beta.abs().mean()) if beta.numel() else None,
-                      "beta_abs_median": median_abs(logp_engine, logp_shadow, mask)}
+        size = (logp_shadow - logp_engine)[ok].abs().double()  # [N] |β|
+        rows[step] = {"tokens": int(ok.sum()), "beta_abs_mean": float(size.mean()) if size.numel() else None,
+                      "beta_abs_median": quantile_or_nan(size, 0.5)}
     judged = [r["beta_abs_median"] for r in rows.values() if r.get("beta_abs_median") is not None]
     level = max(min(judged), MATCH_FLOOR) if judged else MATCH_FLOOR
     for r in rows.values():

@@ -151,7 +151,7 @@ def test_diagnose_samples_with_vllm_fp8_and_splits_beta(tmp_path):
     out = tmp_path / "d.json"
     argv = ["diagnose", "--engine", "vllm", "--engine-quant", "fp8-w8a8-channel", "--n", "4", "--max-tokens", "8",
             "--trainer", "fp32", "--no-batch-invariance", "--max-model-len", "256", "--json", str(out)]
-    run_cli = "import sys; from phantomclip import cli; sys.exit(cli.main(sys.argv[1:]))"
+    run_cli = "import sys; from phantomclip.cli.main import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", run_cli, *argv], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(out.read_text())

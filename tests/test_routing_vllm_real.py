@@ -97,7 +97,7 @@ def test_diagnose_with_vllm_on_an_moe_measures_all_but_routes(moe_dir, tmp_path)
     out = tmp_path / "d.json"
     argv = ["diagnose", "--model", moe_dir, "--engine", "vllm", "--n", "2", "--max-tokens", "6", "--trainer", "fp32",
             "--no-batch-invariance", "--max-model-len", "128", "--json", str(out)]
-    run_cli = "import sys; from phantomclip import cli; sys.exit(cli.main(sys.argv[1:]))"
+    run_cli = "import sys; from phantomclip.cli.main import main; sys.exit(main(sys.argv[1:]))"
     proc = _run_python(["-c", run_cli, *argv], dict(os.environ), timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert routing.no_engine_routes("vllm") in proc.stderr.splitlines(), proc.stderr

@@ -7,6 +7,7 @@ as the module says."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -184,7 +185,8 @@ def test_fewer_versions_kept_clip_on_the_move_since_the_oldest_kept(tmp_path):
     """versions_kept=1 (the cheapest form): only the newest version's weights are kept, so a token of version 1
     trained at version 2 is clipped against version 2, the live weights: r ≡ 1, no clip, and its weight is
     min(π_trainer(θ_t) / μ, 2), the move since version 1 joining β, the same loss as "decoupled" by hand; the
-    token is counted as without its own copy."""
+    tokens are counted as clipped against a substitute (not against the server), and the clip rate counts them:
+    0, since r ≡ 1 (NaN would say no token was clipped against a kept version)."""
     from phantomclip.integrations.trl_async.forward import packed_forward
 
     trainer, batch, loss, captured, _ = _trl_loss(tmp_path, "trust-region", versions_kept=1)
@@ -193,7 +195,11 @@ def test_fewer_versions_kept_clip_on_the_move_since_the_oldest_kept(tmp_path):
     weight = torch.exp(now - batch["old_log_probs"][selected]).clamp(max=WEIGHT_CAP)  # [M]
     _check(batch, loss, captured, torch.ones_like(now), weight, clipped=False)
     assert sorted(trainer._pc_async.stores["trainer"].versions) == [2]
-    assert trainer._pc_async.offpolicy["no_copy_total"] == token_index.numel()
+    figures = trainer._pc_async.offpolicy
+    assert figures["substitute_total"] == token_index.numel() and figures["no_copy_total"] == 0
+    assert figures["clip_rate"] == 0.0
+    alpha = [v for k, v in figures.items() if k.startswith("alpha_abs_mean_s")]
+    assert alpha and all(math.isnan(v) for v in alpha)  # no token was clipped against its own version
 
 
 def test_a_version_without_its_copy_is_clipped_against_the_server(tmp_path):

@@ -260,14 +260,16 @@ class _Hooks:
 
     def _log_offpolicy(self, rewrite, tokens: Tokens, versions: torch.Tensor) -> None:
         """The fix's off-policy figures (stats.offpolicy_stats) into TRL's metrics, on every micro-batch."""
+        substitute = None
         if self.fix == "trust-region":
-            missing = ~tokens.trainer_own
+            missing = torch.isnan(tokens.trainer_old)
+            substitute = ~tokens.trainer_own & ~missing  # clipped against a newer kept version
         elif self.fix == "shadow":
             missing = torch.isnan(tokens.shadow_old)
         else:
             missing = torch.zeros_like(versions, dtype=torch.bool)
         stats = offpolicy_stats(self.latest - versions, rewrite.clip_log, tokens.advantages, rewrite.weight,
-                                rewrite.capped, missing, eps_low=self.trainer.epsilon_low,
+                                rewrite.capped, missing, substitute, eps_low=self.trainer.epsilon_low,
                                 eps_high=self.trainer.epsilon_high, bound=staleness_bound(self.trainer.args))
         self.offpolicy = offpolicy_figures(stats)
         sink = self.trainer._metrics["train"]
@@ -275,8 +277,8 @@ class _Hooks:
             sink[f"offpolicy/{key}"].append(pair)
         for key, value in stats["max"].items():
             sink[f"offpolicy/{key}"].append(value)
-        sink["offpolicy/weight_ess"].append(stats["weight_ess"])
-        sink["offpolicy/no_copy_total"].append(stats["no_copy_total"])
+        for key in ("weight_ess", "no_copy_total", "substitute_total"):
+            sink[f"offpolicy/{key}"].append(stats[key])
 
 
 def _prox(model, kwargs, token_index, tokens: Tokens) -> None:

@@ -30,10 +30,11 @@ position [1, N] (their gradient stays the trainer's forward: value + (logp − l
   in any trainer). Implemented as old := π_prox (a no-grad forward of the live model) and A := w·A.
 
 A token whose version has no kept copy (attached after training started; or, for "trust-region", fewer versions
-kept than a token may have: with_async_shadow_ratio(versions_kept=...)) is counted in offpolicy/no_copy_total.
-"trust-region" clips it against the oldest kept version newer than its own, the move between joining β in the
-weight (against μ with weight 1 where none is kept); "shadow" clips it against the server's own log-prob μ, as
-without the fix: on shadow(θ_t) − μ(θ_v) = α + β_kernel (also in precision/no_shadow_total with the monitor).
+kept than a token may have: with_async_shadow_ratio(versions_kept=...)): "trust-region" clips it against the oldest
+kept version newer than its own, the move between joining β in the weight (counted in offpolicy/substitute_total),
+or against μ with weight 1 where none is kept (offpolicy/no_copy_total); "shadow" clips it against the server's own
+log-prob μ, as without the fix: on shadow(θ_t) − μ(θ_v) = α + β_kernel (offpolicy/no_copy_total, and
+precision/no_shadow_total with the monitor).
 """
 
 from __future__ import annotations

@@ -96,25 +96,31 @@ OFFPOLICY_PAIRS = ("staleness_mean", "clip_rate", "weight_mean", "capped_share")
 
 
 def offpolicy_stats(staleness: torch.Tensor, clip_log: torch.Tensor, advantages: torch.Tensor,
-                    weight: torch.Tensor | None, capped: torch.Tensor | None, missing: torch.Tensor, *,
-                    eps_low: float, eps_high: float, bound: int) -> dict:
+                    weight: torch.Tensor | None, capped: torch.Tensor | None, missing: torch.Tensor,
+                    substitute: torch.Tensor | None = None, *, eps_low: float, eps_high: float, bound: int) -> dict:
     """What the fix logs on every micro-batch under every ratio, over every rank's trained tokens [M]: their
     staleness, |α| per staleness k = 0 .. bound (α: the log-ratio the fix's clip decides on, the policy's move since
     the sample's version as that ratio measures it: 0 by definition under "decoupled"), the share the clip cuts,
     and the importance weight on the advantage (None: 1): its mean, max, effective sample size (Σw)² / (n·Σw²) and
-    the share outside [floor, cap]. `missing`: tokens whose version has no kept copy (clipped against μ: left out
-    of |α| and the clip rate, counted). Returns {"pairs": {key: (sum, count)}, "max": {key: value}, "weight_ess",
-    "no_copy_total"}. Collectives: one sum and one max all-reduce, on every rank at every call."""
+    the share outside [floor, cap]. `missing`: tokens whose version has no kept copy and none newer (clipped against
+    μ: left out of |α| and the clip rate, counted in no_copy_total). `substitute` (None: none): tokens clipped
+    against a kept version newer than their own ("trust-region" keeping fewer versions than a token may have): the
+    clip decides on their logged ratio, so they count in the clip rate, but that ratio is not the move since their
+    own version, so they are left out of |α| per staleness and counted in substitute_total. Returns {"pairs": {key:
+    (sum, count)}, "max": {key: value}, "weight_ess", "no_copy_total", "substitute_total"}. Collectives: one sum and
+    one max all-reduce, on every rank at every call."""
     from ...maths.metrics import phantom_clip_mask
 
     n = staleness.numel()
     w = torch.ones_like(clip_log, dtype=torch.float64) if weight is None else weight.double()  # [M]
     capped = torch.zeros_like(missing) if capped is None else capped
-    have = ~missing
-    a, st = clip_log.double()[have].abs(), staleness[have]
+    substitute = torch.zeros_like(missing) if substitute is None else substitute & ~missing
+    have = ~missing  # [M] the clip decided on a kept version's ratio
+    own = have & ~substitute  # [M] ... on the move since the token's own version
+    a, st = clip_log.double()[own].abs(), staleness[own]
     cut = phantom_clip_mask(clip_log.double()[have], advantages.double()[have], eps_low, eps_high)
     local = [n, float(staleness.sum()), float(have.sum()), float(cut.sum()), float(w.sum()), float((w * w).sum()),
-             float(capped.sum()), float(missing.sum())]
+             float(capped.sum()), float(missing.sum()), float(substitute.sum())]
     for k in range(bound + 1):
         local += [float(a[st == k].sum()), float((st == k).sum())]
     sums = torch.tensor(local, dtype=torch.float64, device=clip_log.device)
@@ -126,15 +132,16 @@ def offpolicy_stats(staleness: torch.Tensor, clip_log: torch.Tensor, advantages:
     s = sums.tolist()
     pairs = {"staleness_mean": (s[1], s[0]), "clip_rate": (s[3], s[2]), "weight_mean": (s[4], s[0]),
              "capped_share": (s[6], s[0])}
-    pairs.update({f"alpha_abs_mean_s{k}": (s[8 + 2 * k], s[9 + 2 * k]) for k in range(bound + 1)})
+    pairs.update({f"alpha_abs_mean_s{k}": (s[9 + 2 * k], s[10 + 2 * k]) for k in range(bound + 1)})
     ess = s[4] ** 2 / (s[0] * s[5]) if s[0] and s[5] else math.nan
     return {"pairs": pairs, "max": {"staleness_max": peaks[0].item(), "weight_max": peaks[1].item()},
-            "weight_ess": ess, "no_copy_total": s[7]}
+            "weight_ess": ess, "no_copy_total": s[7], "substitute_total": s[8]}
 
 
 def offpolicy_figures(stats: dict) -> dict[str, float]:
     """One `offpolicy_stats` result as plain numbers (NaN where a count is 0)."""
     out = {k: (num / den if den else math.nan) for k, (num, den) in stats["pairs"].items()}
     out.update(stats["max"])
-    out["weight_ess"], out["no_copy_total"] = stats["weight_ess"], stats["no_copy_total"]
+    for key in ("weight_ess", "no_copy_total", "substitute_total"):
+        out[key] = stats[key]
     return out

@@ -36,7 +36,7 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag",
+    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_flags", "checkpoint_lag",
                                              "rollouts_part"),
                     knobs=DIAGNOSE_KNOBS)
     p.set_defaults(max_tokens=None, n=None)  # None: a config file may fill it (cli.sources); --rollouts: all
@@ -67,13 +67,14 @@ def _run_diagnose(args) -> int:
     from ..diagnose.gates import DRIFT_GATE, check_gate_roots, check_gates, parse_gate
     from ..diagnose.job import DiagnoseConfig
     from ..diagnose.postmortem import run_rollouts
+    from ..diagnose.recorded import RECORDED_FLAGS
     from ..diagnose.text import render_diagnose, with_verdict
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
         gates.append(parse_gate(DRIFT_GATE))
     apply_trainer_config(args)
-    args.typed_sampling = sorted(set(getattr(args, "typed", ())) & {"temperature", "top_p", "top_k", "min_p"})
+    args.typed_flags = sorted(set(getattr(args, "typed", ())) & set(RECORDED_FLAGS))
     return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_rollouts(cfg, console=err)),
                            render_diagnose, check=lambda result: check_gates(gates, result),
                            precheck=lambda cfg: check_gate_roots(gates, cfg))

@@ -161,9 +161,10 @@ class DiagnoseConfig:
     rollouts_part: str = ""
     """a file of this step's records alone, read in place of --rollouts (the post-mortem splits the input once, so
     each step reads its own records, not the whole input again; set by the post-mortem, not a flag)."""
-    typed_sampling: list[str] = field(default_factory=list)
-    """the sampling flags the user typed (temperature, top_p, top_k, min_p): with --rollouts they fill what the file
-    did not record, and must agree with what it did (set by the command line, not a flag)."""
+    typed_flags: list[str] = field(default_factory=list)
+    """the flags the user typed among those a rollout file records (recorded.RECORDED_FLAGS: the engine's dtype and FP8
+    arguments, the log-prob kind, the sampling): with --rollouts they fill what the file did not record, and must
+    agree with what it did (set by the command line, not a flag)."""
     recorded_notes: list[str] = field(default_factory=list)
     """--rollouts: what the file did not record, and what was assumed for it (set by the reader, not a flag)."""
     routing: bool = True

@@ -5,10 +5,8 @@ file and the field (or the flag), exit 2, no traceback.
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +165,143 @@ def test_a_typed_flag_equal_to_the_files_value_is_taken(tmp_path):
                                                 typed_flags=["engine_dtype", "engine_quant"]), peek(str(bare)))
     assert (got.engine_dtype, got.engine_quant) == ("fp32", "fp8-kv")
     assert "the engine's FP8 arguments are not recorded: measured with --engine-quant fp8-kv" in notes
+
+
+# ------------------------------------------------------------------------------------------------ 3: --save-rollouts
+
+
+def test_save_rollouts_is_checked_with_json_before_sampling(tmp_path, capsys):
+    """The audit's instances: `--save-rollouts x --json x` left the JSON in x and the rollouts gone; an unwritable
+    path was refused only after sampling. Variants: the same file spelt ./x, or reached through a hard link. One line
+    before any work (bad_cli: nothing else on stderr, no progress line)."""
+    x = tmp_path / "x"
+    line = bad_cli(["diagnose", *TINY, "--save-rollouts", str(x), "--json", str(x)], capsys)
+    assert line == (f"phantomclip diagnose: error: --save-rollouts {x} and --json {x} name the same file: the one "
+                    "written last would replace the other; give --save-rollouts another path")
+    x.write_text("{}")
+    os.link(x, tmp_path / "y")
+    line = bad_cli(["diagnose", *TINY, "--save-rollouts", f"{tmp_path}/./x", "--json", str(tmp_path / "y")], capsys)
+    assert "name the same file" in line
+    line = bad_cli(["diagnose", *TINY, "--save-rollouts", str(x / "under-a-file.jsonl")], capsys)
+    assert line.startswith(f"phantomclip diagnose: error: --save-rollouts cannot write {x / 'under-a-file.jsonl'}")
+    from phantomclip.base.files import check_distinct_outputs
+
+    check_distinct_outputs({"--json": os.devnull, "--save-rollouts": os.devnull})  # /dev/null takes both
+
+
+WRITE_INTO_STDOUT = """
+import sys
+from phantomclip.rollouts.record import Header, Record, write_records
+print("the rendered result")
+write_records("/dev/stdout", Header(source="s"), [Record([1], [2], [-0.5])])
+print("wrote /dev/stdout")
+"""
+
+
+def test_save_rollouts_into_a_redirected_stdout_keeps_what_was_printed(tmp_path):
+    """The audit's instance: `--save-rollouts /dev/stdout > f` reopened f at offset 0 and wrote over what was printed
+    before (or the records were written over after). The records are written into the descriptor itself, after what
+    was printed, as --json does (files.atomic_write_bytes)."""
+    out = tmp_path / "f"
+    with open(out, "w") as f:
+        done = subprocess.run([sys.executable, "-c", WRITE_INTO_STDOUT], stdout=f, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = out.read_text().splitlines()
+    assert lines[0] == "the rendered result" and lines[-1] == "wrote /dev/stdout" and len(lines) == 4
+    assert json.loads(lines[1])["source"] == "s" and json.loads(lines[2])["logp_engine"] == [-0.5]
+
+
+def test_an_existing_file_is_replaced_with_a_word(tmp_path, capsys):
+    """As --json: a regular file at the path is replaced whole (both flags' help says so), and the line that says it
+    was written says it replaced the file there; a new path says nothing more."""
+    from phantomclip.cli.main import main
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.json"
+    old.write_text("a user's file\n")
+    assert main(["diagnose", *TINY, "--n", "2", "--max-tokens", "2", "--no-batch-invariance", "--framework", "trl",
+                 "--save-rollouts", str(old), "--json", str(new)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [f"wrote {new}", f"wrote {old} (it replaced the file that was there)"]
+    assert json.loads(old.read_text().splitlines()[0])["phantomclip_rollouts"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ 10: SIGTERM
+
+TERMINATE_AT = """
+import builtins, os, signal, sys
+from phantomclip.cli import main as cli
+real = builtins.__import__
+def term_at(name, *args, **kwargs):  # SIGTERM the moment the module named argv[1] is first imported
+    if name == sys.argv[1]:
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(name, *args, **kwargs)
+builtins.__import__ = term_at
+sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-tokens", "2"]))
+"""
+
+
+@pytest.mark.parametrize("module, said", [("torch", "phantomclip: terminated"),
+                                          ("diagnose.job", "phantomclip diagnose: terminated")])
+def test_sigterm_is_one_line_and_143(module, said):
+    """The audit's instance: SIGTERM ended a run with no line (rc -15). At start-up (torch importing) and in the
+    command (its own imports): one line and 143, as Ctrl-C gives 130."""
+    done = subprocess.run([sys.executable, "-c", TERMINATE_AT, module], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143 and done.stderr.strip() == said, (done.returncode, done.stderr[-2000:])
+
+
+KILL_INSIDE_THE_WRITE = """
+import os, signal, sys
+from phantomclip.base import files
+from phantomclip.base.console import Terminated, terminate_as_interrupt
+real = os.fsync
+def term_then_sync(fd):  # the temp file is written and not yet renamed: the moment a kill strands it
+    os.kill(os.getpid(), signal.SIGTERM)
+    real(fd)
+os.fsync = term_then_sync
+with terminate_as_interrupt():
+    try:
+        files.write_json({"a": 1}, sys.argv[1])
+    except Terminated:
+        sys.exit(143)
+"""
+
+
+def test_sigterm_inside_an_atomic_write_leaves_no_temp_file(tmp_path):
+    """The audit's instance: a kill inside an atomic write left `.NAME.XXXX.tmp` beside the target (SIGINT removed
+    it). Terminated runs the write's `finally`, as KeyboardInterrupt does; the old file stays whole."""
+    target = tmp_path / "out.json"
+    target.write_text('{"old": 1}')
+    done = subprocess.run([sys.executable, "-c", KILL_INSIDE_THE_WRITE, str(target)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"] and target.read_text() == '{"old": 1}'
+
+
+# ------------------------------------------------------------------------------------------------ 12: lost output
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_output_lost_to_a_full_disk_is_one_line_and_not_0(buffered):
+    """The audit's instances: `--version > /dev/full` and `diagnose --help > /dev/full` exited 0 with nothing
+    written. Buffered (the default) the text waits in stdout's buffer until the exit; unbuffered (PYTHONUNBUFFERED)
+    argparse's own write fails, and argparse swallowed that."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({} if buffered else
+                                                                              {"PYTHONUNBUFFERED": "1"})
+    for args in (["--version"], ["diagnose", "--help"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-c", "import sys; from phantomclip.cli.main import main; "
+                                   "sys.exit(main())", *args], stdout=full, stderr=subprocess.PIPE, text=True,
+                                  env=env, timeout=120)
+        assert done.returncode == 2, (args, done.returncode, done.stderr[-2000:])
+        assert done.stderr == ("phantomclip: error: cannot write stdout (No space left on device): free some space or "
+                               "redirect stdout elsewhere\n")
+
+
+def test_a_file_name_with_a_newline_stays_on_one_line(tmp_path, capsys):
+    """The audit's instance: a file name's newline printed raw split the one error line; variant: an ESC sequence."""
+    for name in ("a\nverdict: OK.jsonl", "b\x1b[2J.jsonl"):
+        line = bad_cli(["diagnose", *TINY, "--rollouts", str(tmp_path / name)], capsys)
+        shown = name.replace("\n", "\\x0a").replace("\x1b", "\\x1b")
+        assert line == f"phantomclip diagnose: error: {tmp_path}/{shown}: cannot be read (No such file or directory)"

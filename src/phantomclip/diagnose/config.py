@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..answer.setups import get_setup, resolve_mode
 from ..base.devices import resolve_device
 from ..base.errors import BATCH_ROWS_LIMIT, LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
+from ..base.files import check_output_path
 from ..base.numerics import parse_dtype
 from ..engines import ENGINE_KINDS, cannot_run
 from ..engines.local import SamplingParams
@@ -152,8 +153,10 @@ class DiagnoseConfig:
     them against every checkpoint (--model stands for step 0 where no checkpoint is; docs/rollouts.md, "Engine or
     learning"). Empty: every step against --model."""
     save_rollouts: str = ""
-    """also write what the engine sampled as a rollout file (atomically), for `--rollouts` later, e.g. on another
-    machine or with another checkpoint. Empty: none."""
+    """also write what the engine sampled as a rollout file, for `--rollouts` later, e.g. on another machine or with
+    another checkpoint; as --json writes PATH: a file is replaced whole, through a temp file (the line that says it
+    was written says so), a device or FIFO such as /dev/stdout is written into; a directory, an unwritable place or
+    the --json file is refused before sampling. Empty: none."""
     checkpoint_lag: int | None = 0
     """steps between the recorded tokens and the checkpoint measuring them (a post-mortem sets it; None: unknown):
     the check that the records belong to the checkpoint (recorded.check_belongs) is made only at 0, since a later
@@ -210,6 +213,8 @@ class DiagnoseConfig:
         check_number("--n", self.n, 0 if self.rollouts else 1, BATCH_ROWS_LIMIT, integer=True)
         check_number("--batch-size", self.batch_size, 1, BATCH_ROWS_LIMIT, integer=True)
         self._check_recorded()
+        if self.save_rollouts:  # refused before sampling, as --json is
+            check_output_path(self.save_rollouts, "--save-rollouts")
         check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True)
         check_number("--knob-length", self.knob_length, 0, LENGTH_LIMIT, integer=True)
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped

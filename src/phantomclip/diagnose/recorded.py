@@ -19,10 +19,10 @@ import torch
 
 from ..base.files import printable
 from ..base.numerics import dtype_name, parse_dtype
-from ..precision.recipes import engine_quants
 from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
 from ..models.load import LoadedModel
 from ..precision.fp8_vllm import VLLM_ARGS
+from ..precision.recipes import engine_quants
 from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
 from ..rollouts.readers import evaluation_files, read_rollouts
 from ..rollouts.record import Header, RecordedSampling, RecordError

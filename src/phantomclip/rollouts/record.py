@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..base.errors import PhantomclipError
-from ..base.files import JSON_ERRORS, InputError, atomic_write, json_reason, printable
+from ..base.files import JSON_ERRORS, InputError, atomic_write_bytes, json_reason, printable, shown
 
 ROLLOUTS_SCHEMA = 1
 """the header's `phantomclip_rollouts` value this reader understands."""
@@ -341,10 +340,6 @@ def _logprobs_mode(value, where: str, optional: bool = False) -> str | None:
     return value
 
 
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 and C1 control characters and DEL: never printed raw from a file."""
-
-
 def _text(value, where: str, name: str) -> str:
     if value is None:
         return ""
@@ -355,7 +350,7 @@ def _text(value, where: str, name: str) -> str:
         raise fail(where, f"{name} is {len(text)} characters long: at most 200")
     # A file's words are shown as text everywhere (terminal, JSON, the article): control characters (a newline that
     # would forge an output line, ESC sequences a terminal would obey) as \xNN, a file name's stray bytes as printable
-    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", printable(text))
+    return shown(text)
 
 
 def parse_header(obj: dict, where: str) -> Header:
@@ -452,16 +447,14 @@ def parse_json(text: str, where: str):
 
 
 def write_records(path: str | Path, header: Header, records: list[Record]) -> None:
-    """A rollout file: the header line, then one record a line, written atomically (temp file, then rename), so a
-    job killed while writing leaves the old file or none."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(_compact(asdict(header)), allow_nan=False) + "\n")
-            for r in records:
-                f.write(json.dumps(_compact(asdict(r)), allow_nan=False) + "\n")
-
-    atomic_write(Path(path), write)
+    """A rollout file: the header line, then one record a line, written as --json writes (files.atomic_write_bytes):
+    a file atomically (temp file, then rename), so a job killed while writing leaves the old file or none; a stream
+    this process holds (/dev/stdout redirected to a file) into its own descriptor, after what was printed, where
+    opening the path again would start at offset 0 and write over it. The text is built whole first: the records
+    are in memory already, and their JSON is about as large."""
+    lines = [json.dumps(_compact(asdict(header)), allow_nan=False)]
+    lines += [json.dumps(_compact(asdict(r)), allow_nan=False) for r in records]
+    atomic_write_bytes(Path(path), "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 def _compact(obj: dict) -> dict:

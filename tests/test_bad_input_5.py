@@ -305,3 +305,68 @@ def test_a_file_name_with_a_newline_stays_on_one_line(tmp_path, capsys):
         line = bad_cli(["diagnose", *TINY, "--rollouts", str(tmp_path / name)], capsys)
         shown = name.replace("\n", "\\x0a").replace("\x1b", "\\x1b")
         assert line == f"phantomclip diagnose: error: {tmp_path}/{shown}: cannot be read (No such file or directory)"
+
+
+# ------------------------------------------------------------------------------------------------ 7: recorders
+
+
+def test_recorders_refuse_what_diagnose_refuses_when_built(tmp_path):
+    """The audit's instances: record_vllm(dtype='fp8'), quantization='awq'; the recorders built with
+    engine_dtype 'fp8' / 'int4' or out_dir '/dev/null/x'; staleness_bound(max_staleness=-3) returned -1; a ratio
+    ['shadow'] was a bare TypeError; a weight version '²' a bare ValueError. Each one line, a PhantomclipError."""
+    from types import SimpleNamespace
+
+    from phantomclip.integrations.recorders import AsyncRolloutRecorder, RolloutRecorder, _vllm_version, record_vllm
+    from phantomclip.integrations.trl_async.ratio import resolve
+    from phantomclip.integrations.trl_async.versions import staleness_bound
+
+    cases = [(lambda: record_vllm([], tmp_path / "r.jsonl", dtype="fp8"), "record_vllm: dtype 'fp8' is not one"),
+             (lambda: record_vllm([], tmp_path / "r.jsonl", dtype="bf16", quantization="awq"),
+              "record_vllm: quantization 'awq' is not one diagnose reads: give one of fp8, "),
+             (lambda: RolloutRecorder(tmp_path, engine_dtype="fp8"), "RolloutRecorder: dtype 'fp8'"),
+             (lambda: AsyncRolloutRecorder(tmp_path, engine_dtype="int4"), "AsyncRolloutRecorder: dtype 'int4'"),
+             (lambda: RolloutRecorder("/dev/null/x"), "RolloutRecorder out_dir /dev/null/x: cannot use it"),
+             (lambda: AsyncRolloutRecorder("/dev/null/x"), "AsyncRolloutRecorder out_dir /dev/null/x"),
+             (lambda: staleness_bound(SimpleNamespace(max_staleness=-3, gradient_accumulation_steps=1,
+                                                      weight_sync_steps=1)),
+              "staleness_bound: max_staleness must be a whole number >= 0, got -3"),
+             (lambda: resolve(["shadow"]), "ratio must be one of trust-region, shadow, decoupled")]
+    for call, fragment in cases:
+        with pytest.raises(PhantomclipError) as e:
+            call()
+        assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert _vllm_version(SimpleNamespace(weight_versions=[SimpleNamespace(version="²")])) is None
+    assert _vllm_version(SimpleNamespace(weight_versions=[SimpleNamespace(version="12")])) == 12
+    RolloutRecorder(tmp_path / "new", engine_dtype="bf16")  # the vocabulary diagnose reads: accepted
+
+
+# ------------------------------------------------------------------------------------------------ 9, 11: configs
+
+
+def test_config_typos_and_ranges_are_refused_in_the_configs_words(tmp_path, capsys):
+    """9: verl's `rollout_is: tokn` (verl raises at its first step) was a note judged as no correction; TRL's typo was
+    refused. 11: a TRL vllm_importance_sampling_clip_max of -1 was refused as '--seq-mask-cap must be ...'; the
+    variant: verl's rollout_is_threshold 0 and TRL's epsilon 1.5."""
+    cases = [("--from-verl-config", "algorithm:\n  rollout_correction:\n    rollout_is: tokn\n",
+              "algorithm.rollout_correction.rollout_is 'tokn' is not one of verl's (null, token, sequence): verl "
+              "refuses it at its first step"),
+             ("--from-trl-config", "vllm_importance_sampling_clip_max: -1\n",
+              "vllm_importance_sampling_clip_max must be a finite number >= 1, got -1.0"),
+             ("--from-verl-config", "algorithm:\n  rollout_correction:\n    rollout_is: token\n"
+              "    rollout_is_threshold: 0\n", "algorithm.rollout_correction.rollout_is_threshold must be a finite number >= 1, "
+              "got 0.0"),
+             ("--from-trl-config", "epsilon: 1.5\n", "epsilon must be a finite number > 0 and < 1, got 1.5")]
+    for flag, text, fragment in cases:
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        line = bad_cli(["diagnose", flag, str(path)], capsys)
+        assert line == f"phantomclip diagnose: error: {flag} {path}: {fragment}", line
+
+
+def test_an_async_trl_config_says_its_importance_sampling_fields_are_not_read(tmp_path):
+    from phantomclip.integrations.configs.trl import diagnose_settings_from_trl
+
+    settings, notes = diagnose_settings_from_trl({"max_staleness": 2, "vllm_importance_sampling_mode": "token_mask"})
+    assert settings["setup"] == "trl-async" and "is_mode" not in settings
+    assert any(n.startswith("vllm_importance_sampling_mode: not read; AsyncGRPOConfig has no vLLM importance-sampling "
+                            "correction") for n in notes), notes

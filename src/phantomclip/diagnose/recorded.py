@@ -21,7 +21,7 @@ from ..base.files import printable
 from ..base.numerics import dtype_name, parse_dtype
 from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
 from ..models.load import LoadedModel
-from ..precision.fp8_vllm import VLLM_ARGS
+from ..precision.fp8_vllm import PLAIN, QUANT_NAMES
 from ..precision.recipes import engine_quants
 from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
 from ..rollouts.readers import evaluation_files, read_rollouts
@@ -38,18 +38,6 @@ template moves most tokens by a nat or more. A median, so a few tokens far out (
 cannot trip it."""
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 """where a transformers MoE config keeps k, the experts per token."""
-QUANT_NAMES = {
-    "quantization": {name: quant for quant, args in VLLM_ARGS.items() if args for key, name in args.items()
-                     if key == "quantization"} | {"fp8_per_tensor": "fp8-w8a8"},
-    "kv_cache_dtype": {"fp8": "fp8-kv", "fp8_e4m3": "fp8-kv"},
-}
-"""vLLM's names of its FP8 engine arguments (fp8_vllm.VLLM_ARGS; vLLM 0.32 takes 'fp8_per_tensor' for 'fp8' on an
-unquantised checkpoint) -> phantomclip's FP8 quantisers (precision/fp8.py), so that β_quant is split off where a record
-says its engine quantised."""
-PLAIN = ("", "auto", "none", "bfloat16", "float16", "bf16", "fp16")
-"""values of those arguments that mean no quantisation."""
-
-
 @dataclass(frozen=True)
 class Peeked:
     """What the file says before its records are read: the header and the first record's log-prob kind and

@@ -353,8 +353,8 @@ def test_config_typos_and_ranges_are_refused_in_the_configs_words(tmp_path, caps
              ("--from-trl-config", "vllm_importance_sampling_clip_max: -1\n",
               "vllm_importance_sampling_clip_max must be a finite number >= 1, got -1.0"),
              ("--from-verl-config", "algorithm:\n  rollout_correction:\n    rollout_is: token\n"
-              "    rollout_is_threshold: 0\n", "algorithm.rollout_correction.rollout_is_threshold must be a finite number >= 1, "
-              "got 0.0"),
+              "    rollout_is_threshold: 0\n",
+              "algorithm.rollout_correction.rollout_is_threshold must be a finite number >= 1, got 0.0"),
              ("--from-trl-config", "epsilon: 1.5\n", "epsilon must be a finite number > 0 and < 1, got 1.5")]
     for flag, text, fragment in cases:
         path = tmp_path / "c.yaml"

@@ -77,7 +77,7 @@ BIG = "9" * 400  # a whole number JSON reads as an int that no float holds (floa
 ])
 def test_a_malformed_value_is_one_line_naming_file_and_field(tmp_path, text, fragment):
     """The audit's instances: a 400-digit log-prob or advantage (OverflowError), `"logprobs": ["raw"]` in a record or
-    a header (unhashable); the variant: a 400-digit temperature. Each goes through rollouts.record.number or the
+    a header (unhashable); the variant: a 400-digit temperature. Each goes through rollouts.record._number or the
     string check first."""
     path = tmp_path / "bad.jsonl"
     path.write_text(text + "\n" + json.dumps(RECORD) + "\n")

@@ -213,8 +213,6 @@ class DiagnoseConfig:
         check_number("--n", self.n, 0 if self.rollouts else 1, BATCH_ROWS_LIMIT, integer=True)
         check_number("--batch-size", self.batch_size, 1, BATCH_ROWS_LIMIT, integer=True)
         self._check_recorded()
-        if self.save_rollouts:  # refused before sampling, as --json is
-            check_output_path(self.save_rollouts, "--save-rollouts")
         check_number("--max-tokens", self.max_tokens, 1, LENGTH_LIMIT, integer=True)
         check_number("--knob-length", self.knob_length, 0, LENGTH_LIMIT, integer=True)
         if self.drift is not None:  # pushing zero times measures nothing: refused, not silently skipped
@@ -260,7 +258,10 @@ class DiagnoseConfig:
 
     def _check_recorded(self) -> None:
         """--rollouts measures tokens already sampled: the settings of sampling have nothing to act on, and the
-        settings of recorded rollouts nothing without them."""
+        settings of recorded rollouts nothing without them. --save-rollouts is refused before sampling where it
+        cannot be written, as --json is."""
+        if self.save_rollouts:
+            check_output_path(self.save_rollouts, "--save-rollouts")
         if not self.rollouts:
             if self.rollouts_step is not None or self.checkpoints:
                 flag = "--checkpoints" if self.checkpoints else "--rollouts-step"

@@ -196,7 +196,7 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def number(value, where: str, name: str) -> float:
+def _number(value, where: str, name: str) -> float:
     """A field's number as a float: the one conversion every numeric field of a record or header goes through. A
     bool, a string or a list is no number, and a whole number too large for a float (JSON reads 400 digits as an
     int; float() of it is an OverflowError) is refused naming the field; a NaN or an infinity is returned as it is,
@@ -220,7 +220,7 @@ def check_logprobs(values, n: int, where: str) -> list[float]:
                            "token")
     out = []
     for i, v in enumerate(values):
-        x = number(v, where, f"logp_engine[{i}]")
+        x = _number(v, where, f"logp_engine[{i}]")
         if not math.isfinite(x) or x > 0:
             why = "is not finite" if not math.isfinite(x) else "is not a log-prob (<= 0)"
             raise fail(where, f"logp_engine[{i}] = {_show(v)} {why}: record the engine's own log-prob of each "
@@ -246,10 +246,10 @@ def _sampling(value, where: str) -> RecordedSampling | None:
     s = RecordedSampling(**{k: value[k] for k in value})
     checks = {"temperature": (s.temperature, 0, math.inf), "top_p": (s.top_p, 0, 1), "min_p": (s.min_p, 0, 1)}
     for name, (v, low, high) in checks.items():
-        x = number(v, where, f"sampling.{name}")
+        x = _number(v, where, f"sampling.{name}")
         if not (low <= x <= high):  # NaN fails every comparison
             raise fail(where, f"sampling.{name} = {_show(v)} is outside [{low:g}, {high:g}]")
-    s = RecordedSampling(number(s.temperature, where, "sampling.temperature"), s.top_p, s.top_k, s.min_p)
+    s = RecordedSampling(_number(s.temperature, where, "sampling.temperature"), s.top_p, s.top_k, s.min_p)
     if s.temperature < GREEDY_BELOW or s.top_p == 0:
         name, v = ("temperature", s.temperature) if s.temperature < GREEDY_BELOW else ("top_p", s.top_p)
         raise fail(where, f"sampling.{name} = {v:g} is greedy decoding (vLLM samples greedily below a temperature of "
@@ -313,7 +313,7 @@ def parse_record(obj, where: str) -> Record:
     prompt = _int_list(obj["prompt_ids"], where, "prompt_ids")
     completion = _int_list(obj["completion_ids"], where, "completion_ids")
     advantage = obj.get("advantage")
-    if advantage is not None and not math.isfinite(number(advantage, where, "advantage")):
+    if advantage is not None and not math.isfinite(_number(advantage, where, "advantage")):
         raise fail(where, f"advantage = {_show(advantage)} is not a finite number")
     finished, canary = obj.get("finished"), obj.get("canary")
     for name, flag in (("finished", finished), ("canary", canary)):

@@ -183,7 +183,7 @@ def test_diagnose_flags_are_the_config_fields():
     defaults["trainer"] = ",".join(defaults["trainer"])
     defaults["framework"] = ",".join(defaults["framework"])
     defaults.pop("max_tokens"), defaults.pop("n")
-    for name in ("unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag", "rollouts_part"):  # not flags
+    for name in ("unmapped", "recorded_notes", "typed_flags", "checkpoint_lag", "rollouts_part"):  # not flags
         defaults.pop(name)
     assert args == defaults
 

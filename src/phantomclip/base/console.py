@@ -130,37 +130,70 @@ class GracefulStop:
         return False
 
 
+TERMINATED_EXIT = 128 + signal.SIGTERM
+"""the exit status of a run SIGTERM ended: 143, what a shell reports for a process the signal killed, as 130 is
+Ctrl-C's (128 + SIGINT)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `kill`, a job scheduler's stop, a container's shutdown), raised where the program is, as Ctrl-C's
+    KeyboardInterrupt is: every `finally` runs (an atomic write's temp file is removed, files.atomic_write), a handler
+    of Ctrl-C handles it too, and the command line says one line and exits with TERMINATED_EXIT. Python's default
+    for SIGTERM is to die at once, with no line and the temp file left."""
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM raises Terminated in the main thread (a handler cannot be installed elsewhere); the
+    handler before it is back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 @contextmanager
 def exit_at_once_on_interrupt(prog: str) -> Iterator[None]:
     """Inside the block (a command's start-up: building its parser imports torch, transformers and the rest, a few
-    seconds), Ctrl-C prints '<prog>: interrupted' and exits with 130 at once: nothing has been written yet, and a
-    KeyboardInterrupt raised inside a library's import is a traceback (or is caught there and turned into another
-    error). The handler is the process's from its first heavy import; after the block the one before it is back,
-    and the command handles Ctrl-C its own way (GracefulStop, or 'interrupted' from the CLI). Main thread only."""
+    seconds), Ctrl-C prints '<prog>: interrupted' and exits with 130 at once, and SIGTERM '<prog>: terminated' with
+    TERMINATED_EXIT: nothing has been written yet, and a KeyboardInterrupt raised inside a library's import is a
+    traceback (or is caught there and turned into another error). The handlers are the process's from its first
+    heavy import; after the block the ones before them are back, and the command handles Ctrl-C its own way
+    (GracefulStop, or 'interrupted' from the CLI). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def leave(signum, frame):
+        said, code = ("terminated", TERMINATED_EXIT) if signum == signal.SIGTERM else ("interrupted", 130)
         try:
-            os.write(2, f"{prog}: interrupted\n".encode())
+            os.write(2, f"{prog}: {said}\n".encode())
         finally:
-            os._exit(130)
+            os._exit(code)
 
-    old = signal.signal(signal.SIGINT, leave)
+    old = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def say_error(line: str, code: int) -> int:
     """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
     raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""
-    from .files import printable
+    from .files import shown
 
     try:
-        print(printable(line), file=sys.stderr, flush=True)  # a path that is not UTF-8 shown as \xNN
+        print(shown(line), file=sys.stderr, flush=True)  # a newline in a file name must not split the one line
     except (OSError, ValueError):
         pass
     try:

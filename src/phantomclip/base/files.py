@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -143,6 +144,16 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters and DEL: never printed raw from a file or a name."""
+
+
+def shown(text: str) -> str:
+    """`text` as one printable line: `printable`, then every control character as \\xNN, so a newline in a file's
+    name or a header's words cannot forge or split a line, nor an ESC sequence reach the terminal."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", printable(text))
+
+
 def special_kind(mode: int) -> str:
     """What a file that is neither regular nor a directory is, in words ('a FIFO (named pipe)'), from its st_mode."""
     return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
@@ -262,6 +273,38 @@ def check_output_path(path: str | Path, flag: str = "--json") -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
+
+
+def check_distinct_outputs(outputs: dict[str, str | Path]) -> None:
+    """Refuse (ConfigError) two outputs of one run that name the same file, before any work: the second written
+    would replace the first (`--save-rollouts x --json x` left the JSON and lost the rollouts). The same file is the
+    same resolved path (links and /dev/stdout followed) or the same inode (a hard link); /dev/null takes any number."""
+    seen: dict[tuple, str] = {}
+    for flag, path in outputs.items():
+        real = os.path.realpath(path)
+        if real == os.devnull:
+            continue
+        try:
+            st = os.stat(real)
+            keys = [("path", real), ("inode", st.st_dev, st.st_ino)]
+        except OSError:  # not there yet: its path is all there is
+            keys = [("path", real)]
+        for key in keys:
+            if key in seen:
+                raise ConfigError(f"{flag} {printable(str(path))} and {seen[key]} name the same file: the one written "
+                                  f"last would replace the other; give {flag} another path")
+        for key in keys:
+            seen[key] = f"{flag} {printable(str(path))}"
+
+
+def replaces_a_file(path: str | Path) -> bool:
+    """Whether writing the output `path` replaces a regular file already there (a stream such as /dev/stdout is
+    written into, a new path creates one): what the line saying it was written adds."""
+    try:
+        target, direct = output_target(path)
+    except WriteError:
+        return False
+    return not direct and target.is_file()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -84,10 +84,11 @@ EXIT_USAGE = 2
 
 
 def say(line: str, stream=None) -> None:
-    """Print a line naming paths (files.printable: a name that is not UTF-8 shown as \\xNN)."""
-    from ..base.files import printable
+    """Print a line naming paths (files.shown: a name that is not UTF-8 shown as \\xNN, a newline or other control
+    character in it as \\xNN too, so the line stays one line)."""
+    from ..base.files import shown
 
-    print(printable(line), file=stream or sys.stdout)
+    print(shown(line), file=stream or sys.stdout)
 
 
 class StoreOnce(argparse.Action):
@@ -117,6 +118,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's print of --help, --version and its errors, without its `except OSError: pass`: a stdout that
+        cannot be written (a full disk, /dev/full) is the CLI's to say on stderr (cli.main), never an exit 0 with
+        nothing written. A stderr that cannot be written has nowhere to say it: its error keeps its own exit status."""
+        file = file or sys.stderr
+        try:
+            if message:
+                file.write(message)
+        except OSError:
+            if file is sys.stdout:
+                raise
 
 
 def names_never_fail_the_streams() -> None:

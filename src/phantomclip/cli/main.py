@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from .. import __version__
-from ..base.console import exit_at_once_on_interrupt, say_error
+from ..base.console import TERMINATED_EXIT, Terminated, exit_at_once_on_interrupt, say_error, terminate_as_interrupt
 from .flags import (
     EXIT_USAGE,
     OneLineParser,
@@ -36,7 +36,7 @@ def _diagnose_parser(sub) -> None:
         "logp − logp_engine: its bias, its tails, and the share of tokens it pushes outside PPO's trust region.",
     )
     # --engine, --logprobs-mode, --matmul: DiagnoseConfig.validate refuses others; --drift has its own flag below
-    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_sampling", "checkpoint_lag",
+    add_config_args(p, DiagnoseConfig, skip=("drift", "unmapped", "recorded_notes", "typed_flags", "checkpoint_lag",
                                              "rollouts_part"),
                     knobs=DIAGNOSE_KNOBS)
     p.set_defaults(max_tokens=None, n=None)  # None: a config file may fill it (cli.sources); --rollouts: all
@@ -67,16 +67,18 @@ def _run_diagnose(args) -> int:
     from ..diagnose.gates import DRIFT_GATE, check_gate_roots, check_gates, parse_gate
     from ..diagnose.job import DiagnoseConfig
     from ..diagnose.postmortem import run_rollouts
+    from ..diagnose.recorded import RECORDED_FLAGS
     from ..diagnose.text import render_diagnose, with_verdict
 
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
         gates.append(parse_gate(DRIFT_GATE))
     apply_trainer_config(args)
-    args.typed_sampling = sorted(set(getattr(args, "typed", ())) & {"temperature", "top_p", "top_k", "min_p"})
+    args.typed_flags = sorted(set(getattr(args, "typed", ())) & set(RECORDED_FLAGS))
     return _run_config_job(DiagnoseConfig, args, lambda cfg, err: with_verdict(run_rollouts(cfg, console=err)),
                            render_diagnose, check=lambda result: check_gates(gates, result),
-                           precheck=lambda cfg: check_gate_roots(gates, cfg))
+                           precheck=lambda cfg: check_gate_roots(gates, cfg),
+                           outputs=lambda cfg: {"--save-rollouts": cfg.save_rollouts})
 
 
 def _train_parser(sub) -> None:
@@ -238,25 +240,31 @@ def _trace_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure to PATH" + JSON_PATHS)
 
 
-def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
+def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=None) -> int:
     """A config-driven command: flags -> validated config (failing before any work, --json path included, and
     precheck(cfg) when given), run(cfg, stderr console) -> result, render(result, stdout console), then the result
-    written to --json; the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0."""
+    written to --json; the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0.
+    `outputs(cfg)`: the job's other output files by flag (diagnose's --save-rollouts), checked with --json before any
+    work (writable, no two of them the same file) and each said once written, with a word where it replaced a file."""
     from rich.console import Console
 
-    from ..base.files import check_output_path, write_json
+    from ..base.files import check_distinct_outputs, check_output_path, replaces_a_file, write_json
 
     cfg = config_from_args(cls, args)
     cfg.validate()
     if precheck:
         precheck(cfg)
-    if args.json:
-        check_output_path(args.json)
+    named = {flag: path for flag, path in {"--json": args.json, **(outputs(cfg) if outputs else {})}.items() if path}
+    for flag, path in named.items():
+        check_output_path(path, flag)
+    check_distinct_outputs(named)
+    replaced = {flag for flag, path in named.items() if replaces_a_file(path)}
     result = run(cfg, Console(stderr=True))
     render(result, Console())
     if args.json:
         write_json(result, args.json)
-        say(f"wrote {args.json}")
+    for flag, path in named.items():
+        say(f"wrote {path}" + (" (it replaced the file that was there)" if flag in replaced else ""))
     return check(result) if check else 0
 
 
@@ -368,8 +376,9 @@ def _serve(page, port: int) -> None:
         print(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", flush=True)
         try:
             server.serve_forever()
-        except KeyboardInterrupt:
-            pass
+        except KeyboardInterrupt as e:  # Ctrl-C stops the server as asked; SIGTERM ends the run as everywhere
+            if isinstance(e, Terminated):
+                raise
 
 
 def _show_as_line(prog: str, category: type[Warning], default):
@@ -395,7 +404,39 @@ def main(argv: list[str] | None = None) -> int:
         for add_parser in (_diagnose_parser, _train_parser, _experiment_parser, _trace_parser, _engines_parser,
                            _report_parser):
             add_parser(sub)
-        args, extra = parser.parse_known_args(argv)
+        try:
+            args, extra = parser.parse_known_args(argv)
+        except SystemExit as e:  # --version, --help (printed into stdout's buffer) and usage errors exit here
+            code = _flushed("phantomclip", e.code)
+            if code != e.code:
+                return code
+            raise
+        except OSError as e:  # an unbuffered stdout (PYTHONUNBUFFERED) fails in the write itself
+            return _stdout_lost("phantomclip", e)
+    with terminate_as_interrupt():  # SIGTERM from here on: the run's own KeyboardInterrupt path, one line, 143
+        return _run_command(parser, sub, args, extra, argv)
+
+
+def _flushed(prog: str, code: int | str | None) -> int | str | None:
+    """`code`, once what was printed on stdout is written; EXIT_USAGE and one line on stderr where it cannot be (a
+    full disk, /dev/full, a closed pipe). Python's own flush at exit comes after main has returned and, on the way
+    out of argparse's --version and --help, loses the output with exit 0 (measured with Python 3.11)."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        return _stdout_lost(prog, e)
+    return code
+
+
+def _stdout_lost(prog: str, e: Exception) -> int:
+    """The one line of output that could not be written, EXIT_USAGE (as a command's own lost stdout)."""
+    return say_error(f"{prog}: error: cannot write stdout ({getattr(e, 'strerror', None) or e}): free some space or "
+                     "redirect stdout elsewhere", EXIT_USAGE)
+
+
+def _run_command(parser, sub, args, extra: list[str], argv: list[str] | None) -> int:
+    """The command `args` names, run to its exit status: bad input one line and EXIT_USAGE, Ctrl-C 130, SIGTERM
+    TERMINATED_EXIT."""
     if extra:  # reported by the command's own parser, so the hint names its --help
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
@@ -417,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except PhantomclipError as e:
         return say_error(f"phantomclip {args.command}: error: {e}", EXIT_USAGE)
+    except Terminated:
+        return say_error(f"phantomclip {args.command}: terminated", TERMINATED_EXIT)
     except KeyboardInterrupt:
         return say_error(f"phantomclip {args.command}: interrupted", 130)
     except OSError as e:  # the environment, not the code: stdout on a full disk, a path the checks did not meet

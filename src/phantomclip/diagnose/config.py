@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..answer.setups import get_setup, resolve_mode
 from ..base.devices import resolve_device
 from ..base.errors import BATCH_ROWS_LIMIT, LENGTH_LIMIT, ConfigError, check_field_types, check_number, check_seed
+from ..base.files import check_output_path
 from ..base.numerics import parse_dtype
 from ..engines import ENGINE_KINDS, cannot_run
 from ..engines.local import SamplingParams
@@ -152,8 +153,10 @@ class DiagnoseConfig:
     them against every checkpoint (--model stands for step 0 where no checkpoint is; docs/rollouts.md, "Engine or
     learning"). Empty: every step against --model."""
     save_rollouts: str = ""
-    """also write what the engine sampled as a rollout file (atomically), for `--rollouts` later, e.g. on another
-    machine or with another checkpoint. Empty: none."""
+    """also write what the engine sampled as a rollout file, for `--rollouts` later, e.g. on another machine or with
+    another checkpoint; as --json writes PATH: a file is replaced whole, through a temp file (the line that says it
+    was written says so), a device or FIFO such as /dev/stdout is written into; a directory, an unwritable place or
+    the --json file is refused before sampling. Empty: none."""
     checkpoint_lag: int | None = 0
     """steps between the recorded tokens and the checkpoint measuring them (a post-mortem sets it; None: unknown):
     the check that the records belong to the checkpoint (recorded.check_belongs) is made only at 0, since a later
@@ -161,9 +164,10 @@ class DiagnoseConfig:
     rollouts_part: str = ""
     """a file of this step's records alone, read in place of --rollouts (the post-mortem splits the input once, so
     each step reads its own records, not the whole input again; set by the post-mortem, not a flag)."""
-    typed_sampling: list[str] = field(default_factory=list)
-    """the sampling flags the user typed (temperature, top_p, top_k, min_p): with --rollouts they fill what the file
-    did not record, and must agree with what it did (set by the command line, not a flag)."""
+    typed_flags: list[str] = field(default_factory=list)
+    """the flags the user typed among those a rollout file records (recorded.RECORDED_FLAGS: the engine's dtype and FP8
+    arguments, the log-prob kind, the sampling): with --rollouts they fill what the file did not record, and must
+    agree with what it did (set by the command line, not a flag)."""
     recorded_notes: list[str] = field(default_factory=list)
     """--rollouts: what the file did not record, and what was assumed for it (set by the reader, not a flag)."""
     routing: bool = True
@@ -254,7 +258,10 @@ class DiagnoseConfig:
 
     def _check_recorded(self) -> None:
         """--rollouts measures tokens already sampled: the settings of sampling have nothing to act on, and the
-        settings of recorded rollouts nothing without them."""
+        settings of recorded rollouts nothing without them. --save-rollouts is refused before sampling where it
+        cannot be written, as --json is."""
+        if self.save_rollouts:
+            check_output_path(self.save_rollouts, "--save-rollouts")
         if not self.rollouts:
             if self.rollouts_step is not None or self.checkpoints:
                 flag = "--checkpoints" if self.checkpoints else "--rollouts-step"

@@ -21,7 +21,8 @@ from ..base.files import printable
 from ..base.numerics import dtype_name, parse_dtype
 from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
 from ..models.load import LoadedModel
-from ..precision.fp8_vllm import VLLM_ARGS
+from ..precision.fp8_vllm import PLAIN, QUANT_NAMES
+from ..precision.recipes import engine_quants
 from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
 from ..rollouts.readers import evaluation_files, read_rollouts
 from ..rollouts.record import Header, RecordedSampling, RecordError
@@ -37,18 +38,6 @@ template moves most tokens by a nat or more. A median, so a few tokens far out (
 cannot trip it."""
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 """where a transformers MoE config keeps k, the experts per token."""
-QUANT_NAMES = {
-    "quantization": {name: quant for quant, args in VLLM_ARGS.items() if args for key, name in args.items()
-                     if key == "quantization"} | {"fp8_per_tensor": "fp8-w8a8"},
-    "kv_cache_dtype": {"fp8": "fp8-kv", "fp8_e4m3": "fp8-kv"},
-}
-"""vLLM's names of its FP8 engine arguments (fp8_vllm.VLLM_ARGS; vLLM 0.32 takes 'fp8_per_tensor' for 'fp8' on an
-unquantised checkpoint) -> phantomclip's FP8 quantisers (precision/fp8.py), so that β_quant is split off where a record
-says its engine quantised."""
-PLAIN = ("", "auto", "none", "bfloat16", "float16", "bf16", "fp16")
-"""values of those arguments that mean no quantisation."""
-
-
 @dataclass(frozen=True)
 class Peeked:
     """What the file says before its records are read: the header and the first record's log-prob kind and
@@ -69,30 +58,55 @@ def peek(path: str) -> Peeked:
     return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling)
 
 
+RECORDED_FLAGS = ("engine_dtype", "engine_quant", "logprobs_mode", "temperature", "top_p", "top_k", "min_p")
+"""the settings a rollout file may record and a user may type: a typed one fills what the file did not record, and
+must agree with what it did (`contradiction`)."""
+
+
+def contradiction(cfg: DiagnoseConfig, key: str, typed: str, recorded: str) -> RecordError:
+    """The one refusal of a typed flag that the file contradicts, naming both: the flag and its value, the file and
+    its field and value (`recorded`, 'engine.dtype \'bfloat16\''). What the file recorded is what happened; a flag
+    that says otherwise is a slip, never dropped without a word."""
+    flag = "--" + key.replace("_", "-")
+    return RecordError(f"{flag} {typed}: {printable(cfg.rollouts)} records {recorded}, the setting its tokens were "
+                       "sampled with; drop the flag")
+
+
 def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig, list[str]]:
     """The config with what the file recorded in place of the flags (engine dtype, FP8 quantisers, sampling, which
-    log-probs), and a note for each setting the file did not record. 'raw' log-probs are of the temperature-1,
-    full-vocabulary distribution whatever the sampling was, so they are measured at temperature 1 without
-    truncation unless the sampling was exactly that; 'tempered' ones are the full vocabulary at the sampling's
-    temperature, the column diagnose calls logp_engine ('raw' in its --logprobs-mode), and 'processed' ones the
-    renormalised column."""
-    engine, notes = peeked.header.engine, []
+    log-probs), and a note for each setting the file did not record. A flag the user typed (cfg.typed_flags) fills a
+    setting the file did not record and must equal one it did (`contradiction`). 'raw' log-probs are of the
+    temperature-1, full-vocabulary distribution whatever the sampling was, so they are measured at temperature 1
+    without truncation unless the sampling was exactly that; 'tempered' ones are the full vocabulary at the
+    sampling's temperature, the column diagnose calls logp_engine ('raw' in its --logprobs-mode), and 'processed'
+    ones the renormalised column."""
+    engine, notes, typed = peeked.header.engine, [], set(cfg.typed_flags)
     evals = evaluation_files(cfg.rollouts) if os.path.isdir(cfg.rollouts) else []
     if evals:
         notes.append(f"left out {len(evals)} evaluation dump(s) ({', '.join(printable(p.name) for p in evals[:3])}"
                      f"{', ...' if len(evals) > 3 else ''}): another sampling than the training steps'; diagnose one "
                      "on its own with --rollouts FILE")
     change = {"logprobs_mode": "processed" if peeked.logprobs == "processed" else "raw"}
+    if "logprobs_mode" in typed and cfg.logprobs_mode != change["logprobs_mode"]:
+        raise contradiction(cfg, "logprobs_mode", cfg.logprobs_mode, f"logprobs {peeked.logprobs!r}")
     if engine.dtype:
         try:
             change["engine_dtype"] = dtype_name(parse_dtype(engine.dtype))
         except ValueError:
-            raise RecordError(f"{cfg.rollouts}: engine.dtype {engine.dtype!r}: use bfloat16, float16 or float32 "
-                              "(the dtype the engine computed in)") from None
+            raise RecordError(f"{printable(cfg.rollouts)}: engine.dtype {engine.dtype!r}: use bfloat16, float16 or "
+                              "float32 (the dtype the engine computed in)") from None
+        if "engine_dtype" in typed and dtype_name(parse_dtype(cfg.engine_dtype)) != change["engine_dtype"]:
+            raise contradiction(cfg, "engine_dtype", cfg.engine_dtype, f"engine.dtype {engine.dtype!r}")
     else:
         notes.append(f"the engine's dtype is not recorded: the shadow is {cfg.engine_dtype} (--engine-dtype)")
-    change["engine_quant"] = ",".join(q for q in (_quant(cfg.rollouts, arg, getattr(engine, arg))
-                                                  for arg in QUANT_NAMES) if q)
+    quants = [q for q in (_quant(cfg.rollouts, arg, getattr(engine, arg)) for arg in QUANT_NAMES) if q]
+    if any(getattr(engine, arg) for arg in QUANT_NAMES):
+        if "engine_quant" in typed and set(engine_quants(cfg.engine_quant)) != set(quants):
+            said = ", ".join(f"engine.{arg} {getattr(engine, arg)!r}" for arg in QUANT_NAMES if getattr(engine, arg))
+            raise contradiction(cfg, "engine_quant", cfg.engine_quant or "''", said)
+        change["engine_quant"] = ",".join(quants)
+    elif cfg.engine_quant:  # typed (the default is none): the file says nothing of FP8
+        notes.append(f"the engine's FP8 arguments are not recorded: measured with --engine-quant {cfg.engine_quant}")
     s = recorded_sampling(cfg, peeked, notes)
     if peeked.logprobs == "raw" and s != RecordedSampling(top_p=s.top_p, top_k=s.top_k, min_p=s.min_p):
         notes.append(f"raw log-probs are of the temperature-1 distribution: measured at temperature 1, not the "
@@ -107,16 +121,15 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def recorded_sampling(cfg: DiagnoseConfig, peeked: Peeked, notes: list[str]) -> RecordedSampling:
-    """The sampling the tokens were drawn with: the file's; where it has none, the flags typed (cfg.typed_sampling,
+    """The sampling the tokens were drawn with: the file's; where it has none, the flags typed (cfg.typed_flags,
     noted); a typed flag that contradicts the file is refused, and 'tempered' or 'processed' log-probs with neither
     are refused (their distribution depends on the sampling)."""
-    given = {k: getattr(cfg, k) for k in cfg.typed_sampling}
+    given = {k: getattr(cfg, k) for k in cfg.typed_flags if k in SAMPLING_FLAGS}
     s = peeked.sampling
     if s is not None:
         for key, value in given.items():
             if value != getattr(s, key):
-                raise RecordError(f"--{key.replace('_', '-')} {value:g}: {cfg.rollouts} records {key} "
-                                  f"{getattr(s, key):g}, the setting its tokens were sampled with; drop the flag")
+                raise contradiction(cfg, key, f"{value:g}", f"{key} {getattr(s, key):g}")
         return s
     if given:
         notes.append("the sampling settings are not recorded: measured at the flags' "

@@ -22,8 +22,11 @@ from types import SimpleNamespace
 
 import torch
 
-from ..base.errors import IntegrationError
-from ..precision.fp8_vllm import installed_build
+from ..base.errors import IntegrationError, ascii_digits
+from ..base.files import check_output_dir
+from ..base.numerics import parse_dtype
+from ..precision.fp8_vllm import PLAIN, QUANT_NAMES, installed_build
+from ..rollouts.readers import VERSION_DIGITS
 from ..rollouts.record import EngineInfo, Header, Record, RecordedSampling, RecordError, parse_record, write_records
 
 VLLM_LOGPROBS = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw", "processed": "processed"}
@@ -42,6 +45,38 @@ def _checked(records: list[Record], what: str) -> list[Record]:
         except RecordError as e:
             raise IntegrationError(str(e)) from None
     return records
+
+
+def check_engine(who: str, dtype, quantization="", kv_cache_dtype="") -> None:
+    """Refuse (IntegrationError, one line naming `who` and the argument) an engine a rollout file would record and
+    `diagnose --rollouts` then refuse, when the recorder is built or called, not after a run: the dtype as diagnose
+    parses it (numerics.parse_dtype), the FP8 arguments as it maps them (fp8_vllm.QUANT_NAMES; PLAIN: none)."""
+    if not isinstance(dtype, str):
+        raise IntegrationError(f"{who}: dtype {dtype!r} is not a string: give the engine's dtype (bfloat16, float16 "
+                               "or float32)")
+    try:
+        parse_dtype(dtype)
+    except ValueError:
+        raise IntegrationError(f"{who}: dtype {dtype!r} is not one diagnose reads: give bfloat16, float16 or float32 "
+                               "(an FP8 engine is its dtype plus quantization='fp8')") from None
+    for arg, value in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype)):
+        key = value.strip().lower() if isinstance(value, str) else None
+        if key is None or (key not in PLAIN and key not in QUANT_NAMES[arg]):
+            raise IntegrationError(f"{who}: {arg} {value!r} is not one diagnose reads: give one of "
+                                   f"{', '.join(QUANT_NAMES[arg])}, or '' for none")
+
+
+def check_out_dir(who: str, out_dir) -> None:
+    """Refuse (one line) an out_dir a recorder could never write: something other than a directory already there,
+    a path under a file (/dev/null/x), a name too long; or no writable directory to create it in."""
+    import os
+
+    check_output_dir(out_dir, f"{who} out_dir")
+    parent = Path(out_dir).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise IntegrationError(f"{who} out_dir {out_dir}: cannot write under {parent}: choose a writable directory")
 
 
 def _vllm_engine(dtype: str, quantization: str = "", kv_cache_dtype: str = "") -> EngineInfo:
@@ -74,7 +109,8 @@ def record_vllm(outputs, path: str | Path, dtype: str, params=None, logprobs_mod
     versions are taken where vLLM returned them."""
     from ..engines.vllm import sampled_logprobs
 
-    if logprobs_mode not in VLLM_LOGPROBS:
+    check_engine("record_vllm", dtype, quantization, kv_cache_dtype)
+    if not isinstance(logprobs_mode, str) or logprobs_mode not in VLLM_LOGPROBS:
         raise IntegrationError(f"record_vllm: logprobs_mode {logprobs_mode!r}: use the LLM's raw_logprobs or "
                                "processed_logprobs")
     records = []
@@ -144,6 +180,7 @@ def record_canary(engine, sequences: list[list[int]], path: str | Path, dtype: s
                   weight_version: int | None = None, model: str = "") -> int:
     """Write the engine's reading of the fixed `sequences` now (`read_canary`) as canary records of `step` (call it
     right after each weight sync, one file per sync); returns the records written. `dtype` is the engine's."""
+    check_engine("record_canary", dtype)
     logp = read_canary(engine, sequences)
     records = [Record(prompt_ids=list(s[:1]), completion_ids=list(s[1:]), logp_engine=lp, step=step,
                       weight_version=weight_version, logprobs="raw", sampling=CANARY_SAMPLING, canary=True)
@@ -161,7 +198,7 @@ def _vllm_version(completion) -> int | None:
     where it is a whole number; None otherwise."""
     spans = getattr(completion, "weight_versions", None) or []
     version = str(getattr(spans[-1], "version", "")) if spans else ""
-    return int(version) if version.isdigit() else None
+    return int(version) if ascii_digits(version) and len(version) <= VERSION_DIGITS else None
 
 
 # ------------------------------------------------------------------------------------------------ TRL
@@ -199,6 +236,8 @@ class RolloutRecorder(_Recorder):
     def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16", every: int = 1):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise IntegrationError(f"RolloutRecorder: every must be a whole number >= 1, got {every!r}")
+        check_engine("RolloutRecorder", engine_dtype)
+        check_out_dir("RolloutRecorder", out_dir)
         self.out_dir, self.engine_dtype, self.every = Path(out_dir), engine_dtype, every
         self.trainer = None
         self.files: list[Path] = []
@@ -266,6 +305,8 @@ class AsyncRolloutRecorder(_Recorder):
     samples (a completion mask that is not one run of ones to the end) are left out."""
 
     def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16"):
+        check_engine("AsyncRolloutRecorder", engine_dtype)
+        check_out_dir("AsyncRolloutRecorder", out_dir)
         self.out_dir, self.engine_dtype = Path(out_dir), engine_dtype
         self.trainer, self.files, self._pending = None, [], []
 
@@ -359,6 +400,7 @@ def record_verl_batch(batch, path: str | Path, dtype: str = "bfloat16", sampling
     `routed_experts` [B, P + R, layers, k] where the rollout returned them. verl samples with
     logprobs_mode processed_logprobs (verl/trainer/config/rollout/rollout.yaml): `sampling` is the rollout's
     temperature, top_p, top_k (and min_p) as in its config."""
+    check_engine("record_verl_batch", dtype)
     t = batch.batch
     if "rollout_log_probs" not in t.keys():
         raise IntegrationError("record_verl_batch: the batch has no rollout_log_probs: set "

@@ -138,3 +138,15 @@ def vllm_refusal(recipe: str, quant: tuple[str, ...], build: VllmBuild | None,
         return (f"engine recipe {recipe}: {build.name} runs it ({args}), but phantomclip does not load new weights "
                 "into an FP8 vLLM engine (train, diagnose --drift): run it with --engine local (emulated)")
     return None
+
+
+QUANT_NAMES = {
+    "quantization": {name: quant for quant, args in VLLM_ARGS.items() if args for key, name in args.items()
+                     if key == "quantization"} | {"fp8_per_tensor": "fp8-w8a8"},
+    "kv_cache_dtype": {"fp8": "fp8-kv", "fp8_e4m3": "fp8-kv"},
+}
+"""vLLM's names of its FP8 engine arguments (VLLM_ARGS; vLLM 0.32 takes 'fp8_per_tensor' for 'fp8' on an
+unquantised checkpoint) -> phantomclip's FP8 quantisers (precision/fp8.py), so that β_quant is split off where a record
+says its engine quantised."""
+PLAIN = ("", "auto", "none", "bfloat16", "float16", "bf16", "fp16")
+"""values of those arguments that mean no quantisation."""

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..base.errors import ascii_digits, brief
 from ..base.files import check_input, printable
 from .record import (
     EngineInfo,
@@ -19,6 +20,7 @@ from .record import (
     Located,
     Record,
     RecordError,
+    check_same_measurement,
     fail,
     parse_header,
     parse_json,
@@ -45,6 +47,8 @@ def read_slime(path: str) -> tuple[Header, Iterator[Located]]:
 
     name = printable(path)
     check_input(path)
+    if Path(path).stat().st_size == 0:  # torch.load of 0 bytes is an IndexError from inside its zip reader
+        raise RecordError(f"{name}: is empty (0 bytes): give the file --save-debug-rollout-data wrote")
     allowed = [np.ndarray, np.dtype, np.dtypes.Int32DType, np.dtypes.UInt8DType, np.dtypes.Int64DType,
                np.dtypes.UInt16DType, getattr(np, "_core", np.core).multiarray._reconstruct]
     try:  # torch warns of pickle protocols other than its own: the refusal below, not a warning, is what to say
@@ -56,7 +60,7 @@ def read_slime(path: str) -> tuple[Header, Iterator[Located]]:
         raise RecordError(f"{name}: refused: loading it would run code ({what or 'a pickled object'}); phantomclip "
                           "loads only tensors, numbers, strings, lists and dicts: convert it to a rollout JSONL file "
                           "(docs/rollouts.md)") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
+    except (RuntimeError, OSError, EOFError, ValueError, IndexError) as e:
         raise RecordError(f"{name}: not a torch file torch.load can read ({str(e).splitlines()[0][:100]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
         raise RecordError(f"{name}: not a slime/miles rollout dump (a dict with 'samples', as "
@@ -76,17 +80,47 @@ def _slime_record(sample, where: str, step: int | None) -> Record:
     if not isinstance(tokens, list) or not isinstance(n, int) or not 0 < n < len(tokens):
         raise fail(where, f"tokens ({_count(tokens)}) and response_length ({n!r}) do not split into a prompt and a "
                           "response of at least one token each")
-    mask = sample.get("loss_mask")
+    mask = _plain(sample.get("loss_mask"))
+    if mask is not None and not isinstance(mask, list):
+        raise fail(where, f"loss_mask = {brief(mask)} is not a list (one 0 or 1 per response token)")
     if mask is not None and not all(m == 1 for m in mask):
         raise fail(where, "has tool or environment tokens (loss_mask 0) the engine did not sample: multi-turn "
                           "samples are not measured yet; give single-turn samples")
     routes = sample.get("rollout_routed_experts")
-    versions = [v for v in (sample.get("weight_versions") or []) if str(v).isdigit()]
+    versions = _weight_versions(_plain(sample.get("weight_versions")), where)
     obj = {"prompt_ids": tokens[:-n], "completion_ids": tokens[-n:],
            "logp_engine": _plain(sample.get("rollout_log_probs")), "step": step,
-           "weight_version": int(versions[-1]) if versions else None, "routed_experts": _plain(routes),
+           "weight_version": versions[-1] if versions else None, "routed_experts": _plain(routes),
            "finished": sample.get("status") == "completed"}
     return parse_record(obj, where)
+
+
+VERSION_DIGITS = 18
+"""the longest weight version read, in digits: a counter of updates, far below 10^18 (a 5,000-digit one is beyond
+int()'s digit limit, a ValueError)."""
+
+
+def _weight_versions(values, where: str) -> list[int]:
+    """slime's weight_versions (one per engine call) as whole numbers. SGLang names a version with a string ('3', or
+    its default 'default'): a name that is no number is left out, as it says nothing of the step; a number in other
+    digits than 0-9 ('²', which int() refuses), a number longer than VERSION_DIGITS, or an entry that is not a string
+    or a whole number is refused naming the field."""
+    if values is None:
+        return []
+    if not isinstance(values, list):
+        raise fail(where, f"weight_versions = {brief(values)} is not a list (one version per engine call)")
+    out = []
+    for i, v in enumerate(values):
+        text = str(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else v
+        if not isinstance(text, str):
+            raise fail(where, f"weight_versions[{i}] = {brief(v)} is not a version (a string or a whole number >= 0)")
+        if not text.isdigit():  # a name such as SGLang's 'default'
+            continue
+        if not ascii_digits(text) or len(text) > VERSION_DIGITS:
+            raise fail(where, f"weight_versions[{i}] = {brief(text)} is not a version number (at most "
+                              f"{VERSION_DIGITS} digits 0-9)")
+        out.append(int(text))
+    return out
 
 
 def _plain(x):
@@ -200,15 +234,18 @@ def rollout_files(directory: str) -> list[Path]:
 
 
 def read_directory(directory: str) -> tuple[Header, Iterator[Located]]:
-    """Every rollout file of `directory` as one stream. Each record takes its own file's log-prob kind and sampling
-    where it gives none, so records of files whose headers differ are told apart (rollouts.batches.pack_records
-    measures one kind at a time)."""
+    """Every rollout file of `directory` as one stream, under the first file's header: a later file whose header
+    records another measurement (another engine dtype, FP8 argument or model: record.MEASURED_FIELDS) is refused
+    naming both files when the stream reaches it, before anything is scored. Each record takes its own file's log-prob
+    kind and sampling where it gives none, so records of files whose headers differ are told apart
+    (rollouts.batches.pack_records measures one kind at a time)."""
     files = rollout_files(directory)
     first, _ = read_rollouts(str(files[0]))
 
     def records() -> Iterator[Located]:
         for path in files:
             header, located = read_rollouts(str(path))
+            check_same_measurement(first, printable(files[0].name), header, printable(str(path)))
             for item in located:
                 r = item.record
                 r.logprobs, r.sampling = r.logprobs or header.logprobs, r.sampling or header.sampling

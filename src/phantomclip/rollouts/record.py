@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..base.errors import PhantomclipError
-from ..base.files import JSON_ERRORS, InputError, atomic_write, json_reason, printable
+from ..base.files import JSON_ERRORS, InputError, atomic_write_bytes, json_reason, printable, shown
 
 ROLLOUTS_SCHEMA = 1
 """the header's `phantomclip_rollouts` value this reader understands."""
@@ -91,6 +90,47 @@ class Header:
     """when, ISO 8601."""
 
 
+def _dtype_key(text: str) -> str:
+    """An engine dtype as one spelling (bf16 and bfloat16 are one dtype); an unknown one as written, lower case."""
+    from ..base.numerics import dtype_name, parse_dtype
+
+    try:
+        return dtype_name(parse_dtype(text)) if text.strip() else ""
+    except ValueError:
+        return text.strip().lower()
+
+
+def _argument_key(text: str) -> str:
+    """A vLLM argument's value as one spelling: 'auto' and 'none' are its unset value, as an empty one."""
+    key = text.strip().lower()
+    return "" if key in ("auto", "none") else key
+
+
+MEASURED_FIELDS = {
+    "model": lambda h: h.model.strip(),
+    "engine.dtype": lambda h: _dtype_key(h.engine.dtype),
+    "engine.quantization": lambda h: _argument_key(h.engine.quantization),
+    "engine.kv_cache_dtype": lambda h: _argument_key(h.engine.kv_cache_dtype),
+}
+"""the header fields that change what is measured, as the value compared across the files of one directory: which
+checkpoint sampled (β checks the records against it), the engine's dtype (the shadow's) and its FP8 arguments (β_quant
+split off or not). The log-prob kind and the sampling are a record's own (a record may override its header's): every
+record is held to one kind and sampling by rollouts.batches.pack_records. The rest (the engine's name, version,
+device, the source, the date) is said, never measured."""
+
+
+def check_same_measurement(first: Header, first_name: str, other: Header, other_name: str) -> None:
+    """Refuse (RecordError naming both files and the field) a rollout file whose header records another measurement
+    than the first file's (MEASURED_FIELDS): one directory is measured with one engine and one checkpoint, and a second
+    file's FP8 or fp32 engine measured as the first file's bf16 one gives a β of nothing that ran."""
+    for name, key in MEASURED_FIELDS.items():
+        a, b = key(first), key(other)
+        if a != b:
+            raise RecordError(f"{other_name}: {name} {b!r} differs from {first_name}'s {a!r}: one directory is "
+                              "measured as one engine on one checkpoint; measure the files apart (--rollouts FILE) "
+                              "or put them in directories of their own")
+
+
 @dataclass
 class Record:
     """One sampled sequence."""
@@ -156,6 +196,20 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _number(value, where: str, name: str) -> float:
+    """A field's number as a float: the one conversion every numeric field of a record or header goes through. A
+    bool, a string or a list is no number, and a whole number too large for a float (JSON reads 400 digits as an
+    int; float() of it is an OverflowError) is refused naming the field; a NaN or an infinity is returned as it is,
+    for the field's own range check."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(where, f"{name} = {_show(value)} is not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise fail(where, f"{name} is a whole number of {value.bit_length()} bits, too large for a float: give the "
+                           "value itself") from None
+
+
 def check_logprobs(values, n: int, where: str) -> list[float]:
     """The engine's log-probs of n completion tokens: a list of n finite numbers <= 0. A positive log-prob is no
     probability (an engine computes log-softmax in fp32, whose largest value is exactly 0), a NaN or -inf one cannot
@@ -164,14 +218,15 @@ def check_logprobs(values, n: int, where: str) -> list[float]:
         got = len(values) if isinstance(values, list) else _show(values)
         raise fail(where, f"logp_engine has {got} values for {n} completion tokens: give one log-prob per sampled "
                            "token")
+    out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > 0:
-            why = "is not finite" if isinstance(v, float) and not math.isfinite(v) else "is not a log-prob (<= 0)"
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                why = "is not a number"
+        x = _number(v, where, f"logp_engine[{i}]")
+        if not math.isfinite(x) or x > 0:
+            why = "is not finite" if not math.isfinite(x) else "is not a log-prob (<= 0)"
             raise fail(where, f"logp_engine[{i}] = {_show(v)} {why}: record the engine's own log-prob of each "
                                "sampled token")
-    return [float(v) for v in values]
+        out.append(x)
+    return out
 
 
 GREEDY_BELOW = 1e-5
@@ -191,8 +246,10 @@ def _sampling(value, where: str) -> RecordedSampling | None:
     s = RecordedSampling(**{k: value[k] for k in value})
     checks = {"temperature": (s.temperature, 0, math.inf), "top_p": (s.top_p, 0, 1), "min_p": (s.min_p, 0, 1)}
     for name, (v, low, high) in checks.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v <= high) or v != v:
+        x = _number(v, where, f"sampling.{name}")
+        if not (low <= x <= high):  # NaN fails every comparison
             raise fail(where, f"sampling.{name} = {_show(v)} is outside [{low:g}, {high:g}]")
+    s = RecordedSampling(_number(s.temperature, where, "sampling.temperature"), s.top_p, s.top_k, s.min_p)
     if s.temperature < GREEDY_BELOW or s.top_p == 0:
         name, v = ("temperature", s.temperature) if s.temperature < GREEDY_BELOW else ("top_p", s.top_p)
         raise fail(where, f"sampling.{name} = {v:g} is greedy decoding (vLLM samples greedily below a temperature of "
@@ -256,8 +313,7 @@ def parse_record(obj, where: str) -> Record:
     prompt = _int_list(obj["prompt_ids"], where, "prompt_ids")
     completion = _int_list(obj["completion_ids"], where, "completion_ids")
     advantage = obj.get("advantage")
-    if advantage is not None and (isinstance(advantage, bool) or not isinstance(advantage, (int, float))
-                                  or not math.isfinite(advantage)):
+    if advantage is not None and not math.isfinite(_number(advantage, where, "advantage")):
         raise fail(where, f"advantage = {_show(advantage)} is not a finite number")
     finished, canary = obj.get("finished"), obj.get("canary")
     for name, flag in (("finished", finished), ("canary", canary)):
@@ -278,14 +334,10 @@ def parse_record(obj, where: str) -> Record:
 def _logprobs_mode(value, where: str, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
-    if value not in LOGPROBS:
+    if not isinstance(value, str) or value not in LOGPROBS:  # a list is unhashable: checked as a string first
         raise fail(where, f"logprobs = {_show(value)}: use {', '.join(LOGPROBS)} (docs/rollouts.md says which is "
                           "which)")
     return value
-
-
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""C0 and C1 control characters and DEL: never printed raw from a file."""
 
 
 def _text(value, where: str, name: str) -> str:
@@ -298,11 +350,13 @@ def _text(value, where: str, name: str) -> str:
         raise fail(where, f"{name} is {len(text)} characters long: at most 200")
     # A file's words are shown as text everywhere (terminal, JSON, the article): control characters (a newline that
     # would forge an output line, ESC sequences a terminal would obey) as \xNN, a file name's stray bytes as printable
-    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", printable(text))
+    return shown(text)
 
 
 def parse_header(obj: dict, where: str) -> Header:
     """A Header from the first line's object (RecordError naming the field)."""
+    if not isinstance(obj, dict):  # a Parquet file's metadata may hold any JSON value
+        raise fail(where, f"the header must be a JSON object, got {_show(obj)}")
     known = {f.name for f in fields(Header)}
     unknown = sorted(str(k) for k in set(obj) - known)
     if unknown:
@@ -393,16 +447,14 @@ def parse_json(text: str, where: str):
 
 
 def write_records(path: str | Path, header: Header, records: list[Record]) -> None:
-    """A rollout file: the header line, then one record a line, written atomically (temp file, then rename), so a
-    job killed while writing leaves the old file or none."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(_compact(asdict(header)), allow_nan=False) + "\n")
-            for r in records:
-                f.write(json.dumps(_compact(asdict(r)), allow_nan=False) + "\n")
-
-    atomic_write(Path(path), write)
+    """A rollout file: the header line, then one record a line, written as --json writes (files.atomic_write_bytes):
+    a file atomically (temp file, then rename), so a job killed while writing leaves the old file or none; a stream
+    this process holds (/dev/stdout redirected to a file) into its own descriptor, after what was printed, where
+    opening the path again would start at offset 0 and write over it. The text is built whole first: the records
+    are in memory already, and their JSON is about as large."""
+    lines = [json.dumps(_compact(asdict(header)), allow_nan=False)]
+    lines += [json.dumps(_compact(asdict(r)), allow_nan=False) for r in records]
+    atomic_write_bytes(Path(path), "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 def _compact(obj: dict) -> dict:

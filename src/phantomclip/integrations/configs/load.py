@@ -120,11 +120,12 @@ NUMBER_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|infin
 
 
 def number(flag: str, key: str, value, cast=float, low: float | None = None, low_open: bool = False,
-           high: float | None = None):
-    """A config value as a finite number (cast=int: a whole number) in [low, high] (low excluded if low_open), else
-    ConfigError naming the key: a boolean, a fraction where a count belongs, a string that is not plainly a number
-    ('1_5', which float() reads as 15), or an out-of-range value is refused here, in the config's words, not later
-    under a flag the user never typed."""
+           high: float | None = None, knob: str | None = None):
+    """A config value as a finite number (cast=int: a whole number) in [low, high] (low excluded if low_open), and in
+    the range of loss.KNOBS[knob] where the value becomes that knob's setting, else ConfigError naming the key: a
+    boolean, a fraction where a count belongs, a string that is not plainly a number ('1_5', which float() reads as
+    15), or an out-of-range value is refused here, in the config's words, not later under a flag the user never
+    typed (a TRL vllm_importance_sampling_clip_max of -1 was '--seq-mask-cap must be ...')."""
     if isinstance(value, bool) or (isinstance(value, str) and not NUMBER_TEXT.fullmatch(value.strip())):
         raise ConfigError(f"{flag}: {key} is {brief(value)}, not a number")  # int(True) is 1: `true` is no length
     try:
@@ -136,6 +137,10 @@ def number(flag: str, key: str, value, cast=float, low: float | None = None, low
     if isinstance(out, float) and not math.isfinite(out):
         raise ConfigError(f"{flag}: {key} is {brief(value)}, not a finite number")
     check_number(f"{flag}: {key}", out, low, high, low_open=low_open, integer=cast is int)
+    if knob is not None:
+        from ...maths.loss import KNOBS
+
+        KNOBS[knob].check(f"{flag}: {key}", out)
     return out
 
 

@@ -232,8 +232,8 @@ def _sampling(cfg: dict, settings: dict, notes: list[str]) -> None:
 
 def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
     """ε (TRL's default 0.2) and ε_high (TRL: ε unless set)."""
-    epsilon = number(FLAG, "epsilon", cfg["epsilon"]) if cfg.get("epsilon") is not None else TRL_EPSILON
-    high = number(FLAG, "epsilon_high", cfg["epsilon_high"]) if cfg.get("epsilon_high") is not None else None
+    given = {k: number(FLAG, k, cfg[k], knob=k) for k in ("epsilon", "epsilon_high") if cfg.get(k) is not None}
+    epsilon, high = given.get("epsilon", TRL_EPSILON), given.get("epsilon_high")
     settings["epsilon"], settings["epsilon_high"] = clip_range(epsilon, high)
 
 
@@ -253,6 +253,11 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
     clip_max given as null (no upper bound) and a lower bound clip_min are named in notes: the advice models an
     upper cap only."""
     if settings.get("setup") == "trl-async":  # AsyncGRPOTrainer has no IS correction: β is in its clip
+        given = sorted(k for k in cfg if str(k).startswith("vllm_importance_sampling"))
+        if given:
+            notes.append(f"{', '.join(given)}: not read; AsyncGRPOConfig has no vLLM importance-sampling correction "
+                         "(trl 1.16 trl/experimental/async_grpo/async_grpo_config.py derives from _BaseConfig, not "
+                         "GRPOConfig), so its clip meets β uncorrected")
         return
     if _flag(cfg, "vllm_importance_sampling_correction") is False:
         settings["is_mode"] = "none"
@@ -271,7 +276,7 @@ def _correction_cap(cfg: dict, settings: dict, notes: list[str]) -> None:
         notes.append(f"{key} is null: no upper bound on the IS ratio; the knob advice judges diagnose's default cap")
         cap = None
     else:
-        cap = TRL_IS_CLIP_MAX if cfg.get(key) is None else number(FLAG, key, cfg[key])
+        cap = TRL_IS_CLIP_MAX if cfg.get(key) is None else number(FLAG, key, cfg[key], knob="cap")
     low_key = "vllm_importance_sampling_clip_min"
     if cfg.get(low_key) is not None:
         low = number(FLAG, low_key, cfg[low_key], low=0)

@@ -208,7 +208,7 @@ def _clip(cfg: dict, settings: dict, notes: list[str]) -> None:
         if value is None:
             notes.append(f"{actor}.clip_ratio_{side} and clip_ratio not set: verl's default 0.2")
             value = 0.2
-        settings[key] = _number(name, value)
+        settings[key] = _number(name, value, knob=key)
 
 
 def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -220,6 +220,12 @@ def _length(cfg: dict, settings: dict, notes: list[str]) -> None:
         return
     settings["max_tokens"] = _number("data.max_response_length", value, int, low=1, high=LENGTH_LIMIT)
 
+
+
+VERL_IS_LEVELS = ("token", "sequence")
+"""rollout_is's values besides null (verl 0.9.1 verl/trainer/ppo/rollout_corr_helper.py,
+compute_rollout_correction_weights: `valid_is_levels = {"token", "sequence"}`, any other a ValueError "Invalid
+rollout_is")."""
 
 
 def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -236,13 +242,14 @@ def _correction(cfg: dict, settings: dict, notes: list[str]) -> None:
     level, threshold = block.get("rollout_is"), block.get("rollout_is_threshold", 2.0)
     level = None if level is None else text(FLAG, f"{CORRECTION}.rollout_is", level)
     if level == "token":
-        settings["token_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
+        settings["token_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold, knob="cap")
     elif level == "sequence":
-        settings["seq_mask_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold)
+        settings["seq_mask_cap"] = _number(f"{CORRECTION}.rollout_is_threshold", threshold, knob="cap")
         notes.append(f"rollout_is sequence at C = {settings['seq_mask_cap']:g}: verl truncates the sequence weight "
                      "at C; the knob advice's sequence_mask line counts the same sequences (exp(S) > C)")
-    elif level is not None:
-        notes.append(f"{CORRECTION}.rollout_is {brief(level)} is not one of verl's (null, token, sequence): ignored")
+    elif level is not None:  # verl raises at its first step, so a typo is no run without a correction
+        raise ConfigError(f"{FLAG}: {CORRECTION}.rollout_is {brief(level)} is not one of verl's (null, "
+                          f"{', '.join(VERL_IS_LEVELS)}): verl refuses it at its first step")
     if block.get("rollout_rs") is not None:
         _rejection(text(FLAG, f"{CORRECTION}.rollout_rs", block["rollout_rs"]), block.get("rollout_rs_threshold"),
                    settings, notes)

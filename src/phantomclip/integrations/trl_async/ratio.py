@@ -213,7 +213,7 @@ RATIOS: dict[str, Ratio] = {
 def resolve(ratio) -> str:
     """The ratio's one name (ALIASES resolved), or one line naming the choices."""
     name = ALIASES.get(ratio, ratio) if isinstance(ratio, str) else ratio
-    if name not in RATIOS:
+    if not isinstance(name, str) or name not in RATIOS:  # a list is unhashable: a string first
         raise IntegrationError(f"with_async_shadow_ratio ratio must be one of {', '.join(RATIOS)} (or 'trainer', the "
                                f"earlier name of 'trust-region'), got {ratio!r}")
     return name

@@ -53,7 +53,14 @@ def planner_of(args) -> str:
 
 
 def staleness_bound(args) -> int:
-    """The largest staleness at the loss (trained version − sample version) TRL 1.16's flow allows (module doc)."""
+    """The largest staleness at the loss (trained version − sample version) TRL 1.16's flow allows (module doc). A
+    max_staleness below 0 or a step count below 1 is refused (IntegrationError naming the field): -3 gave a bound of
+    -1, a staleness no token has."""
+    from ...base.errors import check_number
+
+    check_number("staleness_bound: max_staleness", args.max_staleness, 0, integer=True, error=IntegrationError)
+    for name in ("gradient_accumulation_steps", "weight_sync_steps"):
+        check_number(f"staleness_bound: {name}", getattr(args, name), 1, integer=True, error=IntegrationError)
     steps = args.gradient_accumulation_steps * args.weight_sync_steps
     return args.max_staleness - (-PLANNER_FETCHES[planner_of(args)] // steps)  # S + ⌈c / (G·W)⌉ in integers
 

@@ -63,10 +63,10 @@ def _set_points(data, f) -> None:
 def test_alpha_beta_sentence_reads_the_bulk_not_a_few_far_points(demo):
     """The demo's 1060 per-step points: Pearson's r over all of them is +0.79 (the issue's figure), set by a few far
     points; the sentence reads the points inside the figure's axes by rank (Spearman ρ, computed here by the
-    textbook formula) and says no clear direction, with the count of arms that rise and fall and the baseline's
-    own ρ. Altered data: the same points with 12 far points added along a rising line (Pearson over all turns
-    positive and large) still read as no direction; points on β = −α read as falling, the shared rounding's
-    direction; on β = α as rising."""
+    textbook formula) with its 95% interval: ρ = −0.10 [−0.17, −0.04] excludes zero, so it is a clear (small) fall,
+    never "no clear direction", and 10 of 12 arms falling is a sign test's p = 0.039. Altered data: the same points
+    with 12 far points added along a rising line (Pearson over all turns positive and large) still read by rank;
+    points on β = −α read as falling, the shared rounding's direction; on β = α as rising."""
     from phantomclip.report.page import FIGURES
 
     xs, ys = _alpha_beta(demo)
@@ -76,13 +76,22 @@ def test_alpha_beta_sentence_reads_the_bulk_not_a_few_far_points(demo):
     (x0, x1), (y0, y1) = fig["layout"]["xaxis"]["range"], fig["layout"]["yaxis"]["range"]
     inside = [(x, y) for x, y in zip(xs, ys) if x0 <= x <= x1 and y0 <= y <= y1]
     rho = _spearman_by_sorting([p[0] for p in inside], [p[1] for p in inside])
-    assert abs(rho) < 0.3 and len(inside) == 991
+    assert -0.11 < rho < -0.10 and len(inside) == 991
+    # Fisher's z with Fieller's 1.06: atanh(ρ) ± 1.96 √(1.06 / 988), by hand: [−0.166, −0.039], clear of zero
+    z, half = math.atanh(rho), 1.959964 * math.sqrt(1.06 / 988)
+    low, high = math.tanh(z - half), math.tanh(z + half)
+    assert -0.17 < low < -0.16 and -0.04 < high < -0.03
     text = alpha_beta_steps(demo)
-    assert text.startswith(f"Over the 991 points inside these axes, mean β shows no clear direction against mean α "
-                           f"(Spearman's rank correlation ρ = {rho:+.2f}); of the 12 arms, ")
+    assert text.startswith(f"Over the 991 points inside these axes, mean β shows a clear small fall against mean α "
+                           f"(Spearman's rank correlation ρ = {rho:+.2f}, 95% interval [{low:+.2f}, {high:+.2f}]); "
+                           "of the 12 arms, 2 rise and 10 fall on their own points (two-sided sign test p = 0.039: "
+                           "more fall than chance would give)")  # 2 * (1 + 12 + 66) / 4096 = 0.0386
     assert "The 69 points outside the axes are left out: with them Pearson's r reads +0.79" in text
-    assert "rises to the right" not in text and text in html.unescape(render(demo))
-    assert f"Spearman ρ = {rho:+.2f} over the 991 points in view" == fig["layout"]["annotations"][0]["text"]
+    assert "the direction the shared rounding gives them, and a small one" in text
+    assert "no clear direction" not in text and "nothing else" not in text and text in html.unescape(render(demo))
+    note = fig["layout"]["annotations"][0]["text"]  # 371 of the 991 belong to the 5 arms drawn on opening
+    assert note == (f"Spearman ρ = {rho:+.2f} [{low:+.2f}, {high:+.2f}] over the 991 points inside the axes, all "
+                    "arms (371 shown on opening)")
 
     far = copy.deepcopy(demo)  # 12 far points along β = α, 10 to 60 interquartile ranges out
     far.runs[0]["metrics"] = far.runs[0]["metrics"] + [
@@ -91,17 +100,17 @@ def test_alpha_beta_sentence_reads_the_bulk_not_a_few_far_points(demo):
     fx, fy = _alpha_beta(far)
     assert pearson_and_slope(fx, fy)[0] > 0.9  # a Pearson-based sentence would say 'rise'
     text = alpha_beta_steps(far)
-    assert "shows no clear direction" in text and "a direction a few far points set, not the bulk" in text
+    assert "a direction a few far points set, not the bulk" in text
 
     down = copy.deepcopy(demo)  # β = −α plus a small alternation: falls, as the shared rounding alone would make it
     _set_points(down, lambda a, b, i, j: (a, -a + 1e-4 * (-1) ** j))
     text = alpha_beta_steps(down)
-    assert "mean β falls to the right" in text and "the direction the shared rounding gives them" in text
+    assert "a clear large fall" in text and "the direction the shared rounding gives them, and a large one" in text
     up = copy.deepcopy(demo)
     _set_points(up, lambda a, b, i, j: (a, a + 1e-4 * (-1) ** j))
     text = alpha_beta_steps(up)
-    assert "mean β rises to the right" in text and "opposite of the shared rounding's direction" in text
-    assert "of the 12 arms, 12 rise and 0 fall" in text
+    assert "a clear large rise" in text and "opposite of the shared rounding's direction" in text
+    assert "of the 12 arms, 12 rise and 0 fall on their own points (two-sided sign test p = 0.00049" in text
 
     one = copy.deepcopy(demo)  # one run: no count of arms
     one.runs = one.runs[:1]
@@ -190,3 +199,41 @@ def test_the_rare_bucket_ratio_of_section_6_is_every_runs_not_one_runs(demo):
     one = copy.deepcopy(demo)
     one.growths = one.growths[:1]
     assert "(one run) times the mean |β|" in gap_along_runs(one)
+
+
+def test_alpha_beta_sentence_no_direction_when_the_interval_holds_zero_and_none_from_few_points(demo):
+    """Constructed points: 40 points of one run with β independent of α (β alternates with the row, α rises), so ρ
+    is about 0 and its interval holds zero: 'no detectable direction', no conclusion about the rounding. Then 4
+    points (a 4-step page): ρ is given and no direction is read."""
+    flat = copy.deepcopy(demo)
+    flat.runs = flat.runs[:1]
+    rows = [m for m in flat.runs[0]["metrics"] if m.get("mismatch/alpha_mean") is not None][:40]
+    for j, m in enumerate(rows):  # α = j; β = +1, −1, −1, +1 repeating: ranks of β carry no trend in j
+        m["mismatch/alpha_mean"], m["mismatch/beta_mean"] = 1e-3 * j, 1e-3 * (1, -1, -1, 1)[j % 4]
+    flat.runs[0]["metrics"] = rows
+    text = alpha_beta_steps(flat)
+    assert "mean β shows no detectable direction against mean α" in text and "95% interval [-" in text
+    assert "No direction is detected at this number of points" in text and "clear" not in text
+
+    few = copy.deepcopy(flat)
+    few.runs[0]["metrics"] = rows[:4]
+    for j, m in enumerate(few.runs[0]["metrics"]):  # a perfect rise over 4 points: still no conclusion
+        m["mismatch/alpha_mean"], m["mismatch/beta_mean"] = 1e-3 * j, 2e-3 * j
+    text = alpha_beta_steps(few)
+    assert text == ("Only 4 points lie inside these axes (Spearman's rank correlation ρ = +1.00): too few to read a "
+                    "direction from, so none is read here.")
+
+
+def test_spearman_interval_sign_test_and_cohen_words_by_hand():
+    from phantomclip.report.correlation import cohen_size, sign_test_two_sided, spearman_interval
+
+    # n = 13: half = 1.96 * sqrt(1.06 / 10) = 0.63812; atanh(0.5) = 0.549306: tanh(-0.08881) = -0.0886,
+    # tanh(1.18742) = (e^2.37485 − 1) / (e^2.37485 + 1) = 9.7493 / 11.7493 = 0.8298 (hand-worked to 4 digits,
+    # hence the 1e-4)
+    low, high = spearman_interval(0.5, 13)
+    assert low == pytest.approx(-0.0886, abs=1e-4) and high == pytest.approx(0.8298, abs=1e-4)
+    assert spearman_interval(0.5, 3) is None and spearman_interval(1.0, 50) is None
+    assert sign_test_two_sided(10, 2) == pytest.approx(2 * 79 / 4096, rel=1e-15)  # C(12,10..12) = 66 + 12 + 1
+    assert sign_test_two_sided(3, 3) == 1.0 and sign_test_two_sided(0, 0) == 1.0
+    assert [cohen_size(r) for r in (0.05, -0.1, 0.29, -0.3, 0.5)] == ["negligible", "small", "small", "medium",
+                                                                      "large"]

@@ -11,26 +11,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..maths.metrics import PROB_EDGES
-from .correlation import pearson_and_slope, spearman
+from .correlation import cohen_size, pearson_and_slope, sign_test_two_sided, spearman, spearman_interval
 from .interventions_table import and_join
 
-WEAK = 0.3
-"""|ρ| below this: the points are said to show no clear direction (Cohen's 'small' effect, 1988, as a reading aid;
-the sentence gives ρ itself as well)."""
+FEW_POINTS = 10
+"""with fewer points inside the axes, the α-β sentence gives ρ and says the points are too few to read a direction
+from: a 95% interval over 4 points spans nearly [−1, 1], and a sentence that concludes from it reads noise."""
 
 
-def _direction(r: float) -> str:
-    if abs(r) < WEAK:
-        return "shows no clear direction"
-    return "rises to the right" if r > 0 else "falls to the right"
+def _trend_words(rho: float, interval: tuple[float, float] | None) -> str:
+    """'a clear small fall', 'a clear medium rise' or 'no detectable direction': 'clear' only where the 95% interval
+    excludes zero, the size in Cohen's words (correlation.cohen_size)."""
+    if interval is None or interval[0] <= 0 <= interval[1]:
+        return "no detectable direction"
+    return f"a clear {cohen_size(rho)} {'rise' if rho > 0 else 'fall'}"
 
 
 def alpha_beta_steps(data) -> str:
     """Section 4: which way the per-step (mean α, mean β) points of fig_alpha_beta_steps go, against the slope −1
-    that the shadow's shared rounding alone would give them. The rule, stated in the sentence: over the points
-    inside the figure's axes (training_panel.inside_axes), the rank correlation ρ of all of them, and how many arms'
-    own ρ is positive (rise) or negative (fall). Points outside the axes are left out; where Pearson's r over every
-    point says another direction, the sentence says so (a few far points set it)."""
+    that the shared rounding alone would give them. The rule, stated in the sentence: over the points inside the
+    figure's axes (training_panel.inside_axes), of every arm whether shown on opening or not, the rank correlation ρ
+    with its 95% interval (correlation.spearman_interval): a rise or fall only where the interval excludes zero,
+    'no detectable direction' where it holds it; and how many arms' own ρ is positive or negative, with the
+    two-sided sign test on that count. Points outside the axes are left out; where Pearson's r over every point
+    says another direction, the sentence says so (a few far points set it). Fewer than FEW_POINTS points: ρ and
+    no conclusion."""
     from .training_panel import alpha_beta_points, inside_axes
 
     arms = alpha_beta_points(data)
@@ -42,26 +47,37 @@ def alpha_beta_steps(data) -> str:
     rho = spearman([p[0] for p in shown], [p[1] for p in shown])
     if rho is None:
         return ""
-    text = (f"Over the {len(shown)} points inside these axes, mean β {_direction(rho)} against mean α (Spearman's "
-            f"rank correlation ρ = {rho:+.2f})")
+    if len(shown) < FEW_POINTS:
+        return (f"Only {len(shown)} points lie inside these axes (Spearman's rank correlation ρ = {rho:+.2f}): too "
+                "few to read a direction from, so none is read here.")
+    interval = spearman_interval(rho, len(shown))
+    bounds = f", 95% interval [{interval[0]:+.2f}, {interval[1]:+.2f}]" if interval else ""
+    trend = _trend_words(rho, interval)
+    text = (f"Over the {len(shown)} points inside these axes, mean β shows {trend} against mean α (Spearman's rank "
+            f"correlation ρ = {rho:+.2f}{bounds})")
     per_arm = {arm: spearman([p[0] for p in pts if p in inside], [p[1] for p in pts if p in inside])
                for arm, pts in arms.items()}
     per_arm = {arm: r for arm, r in per_arm.items() if r is not None}
     if len(per_arm) > 1:
-        rise = sum(r > 0 for r in per_arm.values())
-        text += (f"; of the {len(per_arm)} arms, {rise} rise and {len(per_arm) - rise} fall on their own points"
+        rise, fall = sum(r > 0 for r in per_arm.values()), sum(r < 0 for r in per_arm.values())
+        p = sign_test_two_sided(rise, fall)
+        majority = (f"more {'rise' if rise > fall else 'fall'} than chance would give" if p < 0.05
+                    else "no detectable majority")
+        text += (f"; of the {len(per_arm)} arms, {rise} rise and {fall} fall on their own points (two-sided sign "
+                 f"test p = {p:.2g}: {majority})"
                  + (f" (the baseline none: ρ = {per_arm['none']:+.2f})" if "none" in per_arm else ""))
     text += "."
     if len(shown) < len(every):
         text += f" The {len(every) - len(shown)} points outside the axes are left out"
         fit = pearson_and_slope([p[0] for p in every], [p[1] for p in every])
-        if fit is not None and _direction(fit[0]) != _direction(rho):
+        if fit is not None and (fit[0] > 0) != (rho > 0):
             text += f": with them Pearson's r reads {fit[0]:+.2f}, a direction a few far points set, not the bulk"
         text += "."
-    if rho <= -WEAK:
-        return text + " That is the direction the shared rounding gives them."
-    if rho < WEAK:
-        return text + " The shared rounding does not set a clear direction here, and nothing else does either."
+    if trend == "no detectable direction":
+        return text + " No direction is detected at this number of points: neither the shared rounding's nor another."
+    if rho < 0:
+        return text + (f" That is the direction the shared rounding gives them, and a {cohen_size(rho)} one (ρ² = "
+                       f"{rho * rho:.0%}: α's ranks account for that share of the variance of β's).")
     return text + (" That is the opposite of the shared rounding's direction: something that moves α and β the same "
                    "way outweighs it in these runs.")
 

@@ -183,22 +183,38 @@ def test_glossary_defines_every_unit_and_name_the_demo_page_uses(demo):
 
 def test_the_rare_bucket_ratio_of_section_6_is_every_runs_not_one_runs(demo):
     """Section 6 quoted 340.7, one run's ratio of the rarest bucket's mean |β| to the most confident's at the first
-    snapshot; the six runs give 148.3 to 340.7. The sentence gives the median and the range over every run,
-    recomputed here from each file's first snapshot; with one run it says so."""
+    snapshot; the six runs give 148.3 to 340.7. The sentence gives the median and the range over every distinct
+    first snapshot, recomputed here from each file: the demo's none-seedN and force-r1-seedN start from the same
+    weights on the same tokens, so 6 runs hold 3 distinct measurements, each counted once (it said "over 6 runs",
+    each counted twice); with one run it says so."""
     ratios = []
     for g in demo.growths:
         first = next(s for s in g["snapshots"] if "reference" in s)["reference"]["bucket_beta_abs_mean"]
         filled = [m for m in first if m]
         ratios.append(filled[0] / filled[-1])
-    ratios.sort()
-    assert len(ratios) == 6 and round(ratios[-1], 1) == 340.7 and round(ratios[0], 1) == 148.3
-    median = (ratios[2] + ratios[3]) / 2
+    assert len(ratios) == 6 and round(max(ratios), 1) == 340.7 and round(min(ratios), 1) == 148.3
+    distinct = sorted(set(ratios))
+    assert len(distinct) == 3  # each seed's first snapshot twice
     text = gap_along_runs(demo)
-    assert (f"carried {median:.1f} (median; {ratios[0]:.1f} to {ratios[-1]:.1f} over 6 runs) times the mean |β| of "
-            "tokens at 0.99–1") in text
+    assert (f"carried {distinct[1]:.1f} (median; {distinct[0]:.1f} to {distinct[-1]:.1f} over 3 distinct first "
+            "snapshots) times the mean |β| of tokens at 0.99–1 (6 runs; runs that start from the same seed share "
+            "their first snapshot, counted once)") in text
     one = copy.deepcopy(demo)
     one.growths = one.growths[:1]
-    assert "(one run) times the mean |β|" in gap_along_runs(one)
+    assert "(one measurement) times the mean |β|" in gap_along_runs(one) and "counted once" not in gap_along_runs(one)
+
+
+def test_growth_table_shows_the_token_counts_beside_every_mean(demo):
+    """The 'own' rows rest on the tokens each snapshot's policy sampled: force-r1-seed1's last own snapshot (step 25)
+    holds 8 tokens against 256 at step 0 (read from its file here); every row shows both counts."""
+    from phantomclip.report.growth_panel import html_growth_table
+
+    table = html_growth_table(demo.growths)
+    g = next(g for g in demo.growths if g["run"].endswith("force-r1-seed1"))
+    own = [s["own"]["tokens"] for s in g["snapshots"] if "own" in s]
+    assert (own[0], own[-1]) == (256, 8)
+    assert "<td>force-r1-seed1</td><td>own</td><td>0 → 25</td><td>256 → 8</td>" in table
+    assert table.count("<tr><td>") == 12 and table.count(" → ") == 24  # steps and counts on each of 12 rows
 
 
 def test_alpha_beta_sentence_no_direction_when_the_interval_holds_zero_and_none_from_few_points(demo):
@@ -237,3 +253,25 @@ def test_spearman_interval_sign_test_and_cohen_words_by_hand():
     assert sign_test_two_sided(3, 3) == 1.0 and sign_test_two_sided(0, 0) == 1.0
     assert [cohen_size(r) for r in (0.05, -0.1, 0.29, -0.3, 0.5)] == ["negligible", "small", "small", "medium",
                                                                       "large"]
+
+
+def test_moe_line_uses_the_paired_interval_and_names_the_random_model(demo):
+    """The demo's r3 − none in first-steps mean |β| by seed: −0.0376, −0.0176, −0.0544, mean −0.0366, s = 0.0184,
+    half-width 4.303 · s / √3 = 0.0457: [−0.082, +0.009] holds zero, so no cut is claimed. Moved so that every seed
+    of r3 is the baseline's less 0.03 ± 0.001, the interval excludes zero and the line says a detectable cut; the
+    model is named as the random 2-layer model it is."""
+    from phantomclip.report.moe_panel import moe_result, summary_line
+
+    line, compared, found = summary_line(demo)
+    assert "On tiny-moe, a random 2-layer Qwen3-MoE," in line and (compared, found) == (1, 0)
+    assert "no detectable difference at 95% (paired 3 seeds: -0.037 [-0.082, +0.009])" in line
+    assert "by the paired interval, no detectable difference at 95%" in moe_result(demo)
+
+    moved = copy.deepcopy(demo)
+    runs = moved.moe[-1]["runs"]
+    base = {r["seed"]: r["beta_abs_mean_start"] for r in runs if r["run"] == "none"}
+    for r in runs:
+        if r["run"] == "r3":
+            r["beta_abs_mean_start"] = base[r["seed"]] - 0.03 + 0.001 * (r["seed"] - 1)
+    line, compared, found = summary_line(moved)
+    assert "<b>a detectable cut (paired 3 seeds: -0.030 [" in line and (compared, found) == (1, 1)

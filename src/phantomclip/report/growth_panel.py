@@ -167,6 +167,18 @@ def fig_growth_split(growths: list[dict]) -> dict | None:
                   ("growths", growths))
 
 
+def token_counts(doc: dict, which: str, step: int) -> str:
+    """'256 → 8': how many tokens of set `which` the first snapshot and the snapshot at `step` measured, the counts
+    the row's means rest on ('?' where a file did not record one)."""
+    def count(s: dict) -> str:
+        n = s.get(which, {}).get("tokens")
+        return str(n) if isinstance(n, int) else "?"
+
+    first = next(s for s in doc["snapshots"] if which in s)
+    last = next((s for s in doc["snapshots"] if s["step"] == step and which in s), {})
+    return f"{count(first)} → {count(last)}"
+
+
 def dominant_part(d: dict) -> str:
     """The part of `shift_share`'s split with the largest share of the change, by absolute size."""
     return max(PARTS, key=lambda p: abs(d[p]))
@@ -177,7 +189,8 @@ def html_growth_table(growths: list[dict]) -> str | None:
     carries most of it; then one sentence over all runs, claiming only what every run shows."""
     if not growths:
         return None
-    head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>mean |β| first</th><th>last</th>"
+    head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>counted</th><th>mean |β| first</th>"
+            "<th>last</th>"
             "<th>change</th>" + "".join(f"<th>{p}</th>" for p in PARTS) + "<th>most of it</th></tr></thead><tbody>")
     body, reference_parts, names, mix_smallest = "", [], [], 0
     for doc in growths:
@@ -189,13 +202,14 @@ def html_growth_table(growths: list[dict]) -> str | None:
                 names.append(run_name(doc))
                 mix_smallest += abs(d["mix"]) == min(abs(d[p]) for p in PARTS)
             body += (f"<tr><td>{html_text(run_name(doc))}</td><td>{html_text(which)}</td>"
-                     f"<td>{html_text(first)} → {html_text(step)}</td>"
+                     f"<td>{html_text(first)} → {html_text(step)}</td><td>{token_counts(doc, which, step)}</td>"
                      f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
                      + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{html_text(part)}</td></tr>")
     verdict = growth_verdict(reference_parts, names, mix_smallest)
     note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
             "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
-            "with the policy.")
+            "with the policy, and there are fewer of them as completions shorten: 'counted' gives the tokens at the "
+            "first and the last snapshot, and a mean over a few dozen tokens is a rough one.")
     return head + body + "</tbody></table>" + f'<p class="note">{html_text(note)}</p>'
 
 

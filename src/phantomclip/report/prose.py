@@ -112,14 +112,14 @@ def rare_tokens(data) -> str:
             f"{_ratio_words(ratio)} the mean |β| of tokens at {hi}.")
 
 
-def _spread(xs: list[float], fmt: str = ".1f") -> str:
-    """'174.1 (148.3 to 340.7 over 6 runs)': the median of `xs` and their range, or the one value with its run."""
+def _spread(xs: list[float], fmt: str = ".1f", what: str = "runs") -> str:
+    """'174.1 (148.3 to 340.7 over 6 runs)': the median of `xs` and their range over `what`, or the one value."""
     if len(xs) == 1:
-        return f"{xs[0]:{fmt}} (one run)"
+        return f"{xs[0]:{fmt}} (one {'run' if what == 'runs' else 'measurement'})"
     ordered = sorted(xs)
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return f"{median:{fmt}} (median; {ordered[0]:{fmt}} to {ordered[-1]:{fmt}} over {len(xs)} runs)"
+    return f"{median:{fmt}} (median; {ordered[0]:{fmt}} to {ordered[-1]:{fmt}} over {len(xs)} {what})"
 
 
 def gap_along_runs(data) -> str:
@@ -149,8 +149,13 @@ def gap_along_runs(data) -> str:
     same = [f for f, _ in found if f[:2] == found[0][0][:2]] if found else []
     if same:
         lo, hi, _ = same[0]
-        text += (f" At the first snapshot, tokens of engine probability {lo} carried {_spread([f[2] for f in same])} "
-                 f"times the mean |β| of tokens at {hi}.")
+        # runs of the same seed share their first snapshot (the same weights on the same tokens): one measurement,
+        # counted once, where the demo's 6 runs gave 3 distinct first snapshots, each twice
+        ratios = list(dict.fromkeys(f[2] for f in same))
+        twice = (f" ({len(same)} runs; runs that start from the same seed share their first snapshot, counted once)"
+                 if len(ratios) < len(same) else "")
+        text += (f" At the first snapshot, tokens of engine probability {lo} carried "
+                 f"{_spread(ratios, what='distinct first snapshots')} times the mean |β| of tokens at {hi}{twice}.")
     return text
 
 

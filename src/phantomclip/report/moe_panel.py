@@ -109,7 +109,7 @@ MODEL_WORDS = {"tiny-moe": "tiny-moe, a random 2-layer Qwen3-MoE"}
 its figures show the mechanism, not the size of a trained MoE's routing mismatch."""
 
 
-def model_words(summary: dict) -> str:
+def experiment_model(summary: dict) -> str:
     """The experiment's model, with what it is where MODEL_WORDS knows ('tiny-moe:0' -> the random 2-layer model)."""
     name = str(summary.get("base_config", {}).get("model", "?"))
     return MODEL_WORDS.get(name.split(":")[0], name)
@@ -172,7 +172,7 @@ def moe_result(data) -> str:
     cfg = summary.get("base_config", {})
     d = paired_start(summary)
     verdict = f"; by the paired interval, {paired_words(d)[0]}" if d else ""
-    return (f"In training ({model_words(summary)}; {cfg.get('trainer', '?')} trainer, "
+    return (f"In training ({experiment_model(summary)}; {cfg.get('trainer', '?')} trainer, "
             f"{cfg.get('engine_dtype', '?')} engine, staleness {cfg.get('staleness', '?')}, task "
             f"{cfg.get('task', '?')}, {seeds} seed{'s' if seeds != 1 else ''}), replaying the engine's experts (r3) "
             f"took the mean |β| of the first {RUN_WINDOW} steps from {base[0]:.3f} (seeds {base[1]:.3f}–{base[2]:.3f}) "
@@ -191,5 +191,5 @@ def summary_line(data) -> tuple[str, int, int] | None:
     if d is None:
         return None
     words, detected = paired_words(d, short=True)
-    return (f"On {html_text(model_words(summary))}, routing replay (r3) took the first steps' mean |β| from "
+    return (f"On {html_text(experiment_model(summary))}, routing replay (r3) took the first steps' mean |β| from "
             f"{base[0]:.3f} to {r3[0]:.3f}: <b>{html_text(words)}</b> (section 9).", int(d["n"] >= 2), int(detected))

@@ -313,6 +313,21 @@ def fp8_result(data) -> str:
             + multiple_comparisons_note(verdicts.compared, verdicts.found))
 
 
+def postmortem_weights(data) -> str:
+    """Section 6's lead-in to the reader's post-mortem: which weights each recorded step was scored at, as the
+    post-mortem recorded it: each step's own checkpoint only where checkpoints were given; '' without a post-mortem
+    (the paragraph then names the command alone)."""
+    doc = next((d for d in reversed(data.diagnose) if d.get("postmortem")), None)
+    if doc is None:
+        return ""
+    pm = doc["postmortem"]
+    if pm.get("checkpoints"):
+        return "Here each step was scored at its own checkpoint, the weights that sampled it."
+    first = (pm.get("steps") or [{}])[0].get("checkpoint") or "the model given"
+    return (f"No checkpoints were given for this run: every step was scored at one set of weights ({first}), so a "
+            "step those weights did not sample holds the policy's change α as well as β.")
+
+
 def _moe_result(data) -> str:
     from .moe_panel import moe_result
 
@@ -321,7 +336,7 @@ def _moe_result(data) -> str:
 
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
                               "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result,
-                              "moe_result": _moe_result}
+                              "moe_result": _moe_result, "postmortem_weights": postmortem_weights}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
 
 

@@ -49,9 +49,16 @@ def machine(doc: dict) -> str:
 
 
 def _diagnose_source(doc: dict, roots: list[Path]) -> str:
+    """A diagnose file's data line; a post-mortem's counts the tokens of every recorded step the figure covers, with
+    the last step's (its tables') beside them."""
     e = doc.get("engine", {})
+    tokens = f"{e.get('tokens', '?')} tokens"
+    steps = (doc.get("postmortem") or {}).get("steps") or []
+    if len(steps) > 1 and all(isinstance(r.get("tokens"), int) for r in steps):
+        tokens = (f"{sum(r['tokens'] for r in steps)} tokens over {len(steps)} recorded steps (step "
+                  f"{steps[-1]['step']}'s tables: {steps[-1]['tokens']})")
     return (f"{short_path(doc['_path'], roots)}: {e.get('kind', '?')} engine in {e.get('dtype', '?')}, model "
-            f"{model_words(doc.get('model', {}).get('name', '?'))}, {e.get('tokens', '?')} tokens; {machine(doc)}")
+            f"{model_words(doc.get('model', {}).get('name', '?'))}, {tokens}; {machine(doc)}")
 
 
 def _runs_source(runs: list[dict], roots: list[Path]) -> str:
@@ -125,7 +132,10 @@ def _diagnose_line(doc: dict) -> str:
     name, stats = next(iter(doc["recipes"].items()))
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
-    line = (f"Before training, a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
+    steps = (doc.get("postmortem") or {}).get("steps")
+    when = (f"At step {html_text(steps[-1]['step'])}, the last recorded step of your run," if steps
+            else "Before training,")  # a post-mortem's recipes table is its last step's, not step 0's
+    line = (f"{when} a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
             f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
     if finite(outside):
         line += (f"; <b>{_pct(outside, 1)}</b> of tokens already lie outside the trust region "

@@ -328,6 +328,12 @@ def postmortem_weights(data) -> str:
             "step those weights did not sample holds the policy's change α as well as β.")
 
 
+def _seed_compared(data) -> str:
+    from .seed_article import seed_compared
+
+    return seed_compared(data)
+
+
 def _moe_result(data) -> str:
     from .moe_panel import moe_result
 
@@ -336,7 +342,8 @@ def _moe_result(data) -> str:
 
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
                               "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result,
-                              "moe_result": _moe_result, "postmortem_weights": postmortem_weights}
+                              "moe_result": _moe_result, "postmortem_weights": postmortem_weights,
+                              "seed_compared": _seed_compared}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
 
 

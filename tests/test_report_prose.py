@@ -275,3 +275,21 @@ def test_moe_line_uses_the_paired_interval_and_names_the_random_model(demo):
             r["beta_abs_mean_start"] = base[r["seed"]] - 0.03 + 0.001 * (r["seed"] - 1)
     line, compared, found = summary_line(moved)
     assert "<b>a detectable cut (paired 3 seeds: -0.030 [" in line and (compared, found) == (1, 1)
+
+
+def test_a_page_with_one_run_says_nothing_of_fp8_or_the_demo(demo):
+    """A reader's page with one run and no FP8 or MoE data: no 'FP8 engine on this page is emulated', no word of
+    the demo's MoE model, and the MoE hint says its script is not in the pip package; the demo page keeps both."""
+    from phantomclip.report.moe_panel import EXPERIMENT
+    from phantomclip.report.prose import fp8_emulated, moe_model
+
+    one = copy.deepcopy(demo)
+    one.runs, one.fp8, one.fp8_runs, one.moe, one.moe_runs = one.runs[:1], [], [], [], []
+    one.diagnose = [d for d in one.diagnose if not d.get("routing")]
+    assert fp8_emulated(one) == "" and moe_model(one) == ""
+    page = html.unescape(render(one))
+    assert "emulated on a CPU, not run on an FP8 GPU" not in page and "random 2-layer" not in page
+    assert "pip does not ship bench/" in EXPERIMENT and "pip does not ship bench/" in page
+    full = html.unescape(render(demo))
+    assert "The FP8 engine on this page is emulated on a CPU" in full
+    assert "The MoE model of this page is tiny-moe, a random 2-layer Qwen3-MoE" in full

@@ -512,8 +512,8 @@ def test_the_answer_names_each_stand_in_it_measured_against():
 
 def test_the_article_draws_a_post_mortem(saved, tmp_path):
     """A post-mortem JSON given to `report --from` becomes the article's step-by-step figure: the share outside per
-    step, the note being the first-to-last test's short form, and the engine's recorded name reaching the page as text (a
-    hostile name is escaped, in the caption and in Plotly)."""
+    step, the note being the first-to-last test's short form, and the engine's recorded name reaching the page as
+    text (a hostile name is escaped, in the caption and in Plotly)."""
     from phantomclip.report import collect, render
     from phantomclip.report.growth_panel import fig_postmortem
 

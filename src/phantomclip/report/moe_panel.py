@@ -20,8 +20,9 @@ from .training_panel import per_step
 DIAGNOSE = "phantomclip diagnose --model tiny-moe --json diagnose-moe.json"
 """what writes the route table (any MoE model of routing/routes.py's families; tiny-moe is a random 2-layer
 Qwen3-MoE)."""
-EXPERIMENT = "python bench/experiments/exp_moe_r3.py"
-"""what writes the moe-r3 experiment."""
+EXPERIMENT = "python bench/experiments/exp_moe_r3.py (from a clone of the repository: pip does not ship bench/)"
+"""what writes the moe-r3 experiment: a script of the source tree, not a command of the installed package, and the
+hint says so."""
 SHOWN = ("none", "r3", "shadow-ratio")
 """the experiment's arms, every one shown when the page opens."""
 SPLIT_PARTS = (("beta", "β (total)"), ("beta_route", "β_route: its own routes vs the engine's"),

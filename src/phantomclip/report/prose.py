@@ -328,6 +328,33 @@ def postmortem_weights(data) -> str:
             "step those weights did not sample holds the policy's change α as well as β.")
 
 
+def fp8_emulated(data) -> str:
+    """Section 8's warning that its FP8 engine is emulated, only where the page holds FP8 data (a page without any
+    has no FP8 engine to warn about)."""
+    if not (data.fp8 or data.fp8_runs):
+        return ""
+    return ("The FP8 engine on this page is emulated on a CPU, not run on an FP8 GPU: phantomclip's local engine "
+            "applies vLLM's quantisers bit for bit and sums the exact E4M3 products in fp32, in one order. A GPU "
+            "kernel sums them in another order, which moves a single token's β_quant by as much as its size, so this "
+            "section reads what does not hang on the order: means, shares outside the trust region, and the runs' "
+            "outcomes.")
+
+
+def moe_model(data) -> str:
+    """Section 9: what the page's MoE model is, where moe_panel.MODEL_WORDS knows it (tiny-moe: a random model whose
+    figures show the mechanism, not a real MoE's size); '' without MoE data."""
+    from .moe_panel import MODEL_WORDS, experiment_model, moe_diagnose
+
+    names = [str(s.get("base_config", {}).get("model", "")) for s in data.moe]
+    doc = moe_diagnose(data)
+    names += [str((doc.get("config") or {}).get("model", ""))] if doc else []
+    known = [n for n in names if n.split(":")[0] in MODEL_WORDS]
+    if not known:
+        return ""
+    return (f"The MoE model of this page is {experiment_model({'base_config': {'model': known[0]}})}: its figures "
+            "show the mechanism, not the size of a real MoE's routing mismatch.")
+
+
 def _seed_compared(data) -> str:
     from .seed_article import seed_compared
 
@@ -343,7 +370,7 @@ def _moe_result(data) -> str:
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
                               "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result,
                               "moe_result": _moe_result, "postmortem_weights": postmortem_weights,
-                              "seed_compared": _seed_compared}
+                              "seed_compared": _seed_compared, "fp8_emulated": fp8_emulated, "moe_model": moe_model}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
 
 

@@ -44,8 +44,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return None if fit is None else fit[0]
 
 
-Z975 = 1.959964
-"""the standard normal's 0.975 quantile: the half-width of a two-sided 95% interval in standard errors."""
+from ..maths.proportions import Z975  # noqa: E402  (the one 0.975 normal quantile: a two-sided 95% interval)
 
 
 def spearman_interval(rho: float, n: int) -> tuple[float, float] | None:

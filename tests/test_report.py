@@ -27,7 +27,8 @@ DEMO_FIGURES = len(FIGURES) - len(USER_ONLY)
 SECTIONS = ["1. BF16 and FP16 arithmetic", "2. The GRPO loss and the importance ratio",
             "3. From logit error to ratio error", "4. Phantom clipping", "5. The closed loop",
             "6. The gap along training", "7. Interventions", "8. FP8 rollouts", "9. Expert routing (MoE)",
-            "10. Your framework", "11. Appendix"]
+            "10. Your framework", "11. Beside the seed article",
+            "12. Appendix"]
 
 
 @pytest.fixture(scope="module")

@@ -429,19 +429,24 @@ def test_a_real_engines_record_of_the_bundled_model(tmp_path):
     assert (torch.tensor(d["tokens"]["beta_kernel"]) != 0).float().mean().item() > 0.9
 
 
-@pytest.mark.parametrize("shares, word", [((0.01, 0.03), "rose"), ((0.03, 0.01), "fell"), ((0.02, 0.02), "stayed")])
+@pytest.mark.parametrize("shares, word", [((0.01, 0.03), "a clear rise"), ((0.03, 0.01), "a clear fall"),
+                                          ((0.02, 0.02), "no detectable change"),
+                                          ((0.02, 0.025), "no detectable change")])
 def test_the_post_mortem_sentence_says_the_direction_its_numbers_show(shares, word):
-    """The first-to-last sentence takes its verb from the two shares it quotes (altered rows: up, down, equal), and
-    says when later steps were measured against an earlier checkpoint."""
+    """The first-to-last sentence reads the two shares it quotes by the 95% interval of their difference (1000 tokens
+    a step: 10 against 30 tokens is a clear rise, 20 against 25 is not), and says when later steps were measured
+    against an earlier checkpoint."""
     from phantomclip.diagnose.postmortem_text import change_sentence
 
-    rows = [{"step": s, "tokens": 10, "outside_trust_region": v, "lag": lag}
+    rows = [{"step": s, "tokens": 1000, "outside_trust_region": v, "lag": lag}
             for s, v, lag in ((0, shares[0], 0), (4, shares[1], 0))]
     said = change_sentence(rows)
-    assert said.startswith(f"the share outside the trust region {word} from {100 * shares[0]:.2f}% at step 0 to "
-                           f"{100 * shares[1]:.2f}% at step 4 (2 steps, 20 tokens)")
+    assert said.startswith(f"the share outside the trust region went from {100 * shares[0]:.2f}% "
+                           f"({round(1000 * shares[0])} of 1000 tokens) at step 0 to {100 * shares[1]:.2f}% "
+                           f"({round(1000 * shares[1])} of 1000) at step 4: {word} (difference ")
+    assert "2 steps, 2000 tokens)" in said
     rows[1].update(lag=4, contains_alpha=True)
-    assert change_sentence(rows).endswith("(step 4 measured against other weights than those that sampled them: "
+    assert change_sentence(rows).endswith("; step 4 measured against other weights than those that sampled them: "
                                           "their figures hold the policy's change too)")
 
 
@@ -507,8 +512,8 @@ def test_the_answer_names_each_stand_in_it_measured_against():
 
 def test_the_article_draws_a_post_mortem(saved, tmp_path):
     """A post-mortem JSON given to `report --from` becomes the article's step-by-step figure: the share outside per
-    step, the note being the first-to-last sentence, and the engine's recorded name reaching the page as text (a
-    hostile name is escaped, in the caption and in Plotly)."""
+    step, the note being the first-to-last test's short form, and the engine's recorded name reaching the page as
+    text (a hostile name is escaped, in the caption and in Plotly)."""
     from phantomclip.report import collect, render
     from phantomclip.report.growth_panel import fig_postmortem
 
@@ -522,7 +527,7 @@ def test_the_article_draws_a_post_mortem(saved, tmp_path):
     d = _diagnose(tmp_path, "pm", "--rollouts", str(steps))
     fig = fig_postmortem([d])
     assert fig["data"][0]["x"] == [0, 2] and fig["layout"]["annotations"][0]["text"].startswith(
-        "the share outside the trust region stayed")
+        "no detectable change, step 0 to 2 (+0.00 pp")
     page = render(collect([str(tmp_path / "pm.json")]))
     assert "Your run, step by step" in page and "<b>evil</b>" not in page and "&lt;b&gt;evil" in page
 

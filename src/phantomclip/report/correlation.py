@@ -42,3 +42,33 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     farthest). None with fewer than 3 points or no spread."""
     fit = pearson_and_slope(ranks(xs), ranks(ys))
     return None if fit is None else fit[0]
+
+
+from ..maths.proportions import Z975  # noqa: E402  (the one 0.975 normal quantile: a two-sided 95% interval)
+
+
+def spearman_interval(rho: float, n: int) -> tuple[float, float] | None:
+    """A 95% interval for Spearman's ρ over n points: Fisher's z = atanh(ρ) ± 1.96·√(1.06 / (n − 3)), back through
+    tanh. The 1.06 is Fieller, Hartley and Pearson's (1957, Biometrika 44: 470) variance of z for a rank correlation,
+    a little wider than Pearson's 1 / (n − 3). None with fewer than 4 points (no variance) or |ρ| = 1 (z infinite)."""
+    if n < 4 or abs(rho) >= 1:
+        return None
+    z, half = math.atanh(rho), Z975 * math.sqrt(1.06 / (n - 3))
+    return math.tanh(z - half), math.tanh(z + half)
+
+
+def sign_test_two_sided(ups: int, downs: int) -> float:
+    """The exact two-sided sign test: under no preferred direction each of the ups + downs units goes either way with
+    probability 1/2; p = 2·P(X ≥ max(ups, downs)) for X ~ Binomial(ups + downs, 1/2), at most 1 (1 with no unit)."""
+    n, k = ups + downs, max(ups, downs)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n)
+
+
+def cohen_size(r: float) -> str:
+    """Cohen's (1988) words for the size of a correlation: |r| below 0.1 'negligible', from 0.1 'small', from 0.3
+    'medium', from 0.5 'large'. A reading aid beside the number, never a test: the interval says whether there is a
+    direction at all."""
+    a = abs(r)
+    return "negligible" if a < 0.1 else "small" if a < 0.3 else "medium" if a < 0.5 else "large"

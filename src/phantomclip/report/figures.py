@@ -70,7 +70,7 @@ def fig_beta_by_prob(data) -> dict | None:
     for i, (name, arr) in enumerate(diag["tokens"]["per_recipe"].items()):
         means, counts = beta_by_bucket(diag, arr["beta"])
         traces.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": labels, "y": means,
-                       "line": {"color": PALETTE[i]}, "text": [f"{c} tokens" for c in counts],
+                       "line": {"color": PALETTE[i]}, "text": [f"{c} token{'s' if c != 1 else ''}" for c in counts],
                        "hovertemplate": "%{x}: mean |β| %{y:.4f} (%{text})"})
     layout = plot_layout("engine probability of the sampled token", "mean |β| (nats)",
                          yaxis=log_axis([y for t in traces for y in t["y"]]), xaxis=category_axis(labels))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..maths.proportions import wilson_interval
 from .escape import html_text
 from .plots import PALETTE, arm_colour, category_axis, figure, log_axis, note, plot_layout, seed_symbol, step_axis
 
@@ -167,6 +168,18 @@ def fig_growth_split(growths: list[dict]) -> dict | None:
                   ("growths", growths))
 
 
+def token_counts(doc: dict, which: str, step: int) -> str:
+    """'256 → 8': how many tokens of set `which` the first snapshot and the snapshot at `step` measured, the counts
+    the row's means rest on ('?' where a file did not record one)."""
+    def count(s: dict) -> str:
+        n = s.get(which, {}).get("tokens")
+        return str(n) if isinstance(n, int) else "?"
+
+    first = next(s for s in doc["snapshots"] if which in s)
+    last = next((s for s in doc["snapshots"] if s["step"] == step and which in s), {})
+    return f"{count(first)} → {count(last)}"
+
+
 def dominant_part(d: dict) -> str:
     """The part of `shift_share`'s split with the largest share of the change, by absolute size."""
     return max(PARTS, key=lambda p: abs(d[p]))
@@ -177,7 +190,8 @@ def html_growth_table(growths: list[dict]) -> str | None:
     carries most of it; then one sentence over all runs, claiming only what every run shows."""
     if not growths:
         return None
-    head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>mean |β| first</th><th>last</th>"
+    head = ("<table><thead><tr><th>run</th><th>tokens</th><th>steps</th><th>counted</th><th>mean |β| first</th>"
+            "<th>last</th>"
             "<th>change</th>" + "".join(f"<th>{p}</th>" for p in PARTS) + "<th>most of it</th></tr></thead><tbody>")
     body, reference_parts, names, mix_smallest = "", [], [], 0
     for doc in growths:
@@ -189,13 +203,14 @@ def html_growth_table(growths: list[dict]) -> str | None:
                 names.append(run_name(doc))
                 mix_smallest += abs(d["mix"]) == min(abs(d[p]) for p in PARTS)
             body += (f"<tr><td>{html_text(run_name(doc))}</td><td>{html_text(which)}</td>"
-                     f"<td>{html_text(first)} → {html_text(step)}</td>"
+                     f"<td>{html_text(first)} → {html_text(step)}</td><td>{token_counts(doc, which, step)}</td>"
                      f"<td>{d['mean_a']:.4f}</td><td>{d['mean_b']:.4f}</td><td>{d['change']:+.4f}</td>"
                      + "".join(f"<td>{d[p]:+.4f}</td>" for p in PARTS) + f"<td>{html_text(part)}</td></tr>")
     verdict = growth_verdict(reference_parts, names, mix_smallest)
     note = (f"{verdict}. The reference tokens are the same at every snapshot, so every change there is the "
             "network's: their mix moves only as the engine's probability of them moves. The own tokens also change "
-            "with the policy.")
+            "with the policy, and there are fewer of them as completions shorten: 'counted' gives the tokens at the "
+            "first and the last snapshot, and a mean over a few dozen tokens is a rough one.")
     return head + body + "</tbody></table>" + f'<p class="note">{html_text(note)}</p>'
 
 
@@ -228,12 +243,29 @@ POSTMORTEM_COMMAND = "phantomclip diagnose --rollouts rollouts/ --checkpoints ch
 """what writes the post-mortem figure's data: a diagnose JSON over a run's recorded rollouts (docs/rollouts.md)."""
 
 
+def _share_bars(rows: list[dict], key: str) -> dict:
+    """Plotly error bars of each step's share `key` (in %): its Wilson 95% interval over the step's tokens, so the
+    reader sees how far a step's share could move by sampling alone."""
+    lows, highs = [], []
+    for r in rows:
+        v, n = r.get(key), r.get("tokens")
+        if v is None or not isinstance(n, int) or n <= 0:
+            lows.append(None)
+            highs.append(None)
+            continue
+        lo, hi = wilson_interval(round(v * n), n)
+        lows.append(100 * (v - lo))
+        highs.append(100 * (hi - v))
+    return {"type": "data", "symmetric": False, "array": highs, "arrayminus": lows, "thickness": 1, "width": 4}
+
+
 def fig_postmortem(diagnose: list[dict]) -> dict | None:
     """A post-mortem of the user's own run (`diagnose --rollouts DIR` over several steps, against their real engine):
     the share of tokens outside the trust region and, where the records carry advantages, the share phantom-clipped
-    at α = 0, per recorded step; the note on the last step is postmortem_text.change_sentence, computed from the two
-    shares it quotes."""
-    from ..diagnose.postmortem_text import change_sentence
+    at α = 0, per recorded step, each with its Wilson 95% interval; the y axis starts at zero, so a change of half a
+    point between two steps of 1000 tokens does not fill the plot. The note on the last step is
+    postmortem_text.change_words, the test change_sentence states in full."""
+    from ..diagnose.postmortem_text import change_words
 
     docs = [d for d in diagnose if d.get("postmortem")]
     if not docs:
@@ -243,17 +275,22 @@ def fig_postmortem(diagnose: list[dict]) -> dict | None:
     steps = [r["step"] for r in rows]
     traces = [{"type": "scatter", "mode": "lines+markers", "name": name, "x": steps,
                "y": [None if r[key] is None else 100 * r[key] for r in rows], "line": {"dash": dash},
-               "hovertemplate": "step %{x}: %{y:.2f}%<extra></extra>"}
+               "error_y": _share_bars(rows, key), "customdata": [r["tokens"] for r in rows],
+               "hovertemplate": "step %{x}: %{y:.2f}% of %{customdata} tokens<extra></extra>"}
               for key, name, dash in (("outside_trust_region", "outside the trust region", "solid"),
                                       ("phantom_share_at_alpha0", "phantom-clipped at α = 0", "dot"))
               if any(r[key] is not None for r in rows)]
-    layout = plot_layout("step", "% of tokens", xaxis=step_axis(steps))
+    layout = plot_layout("step", "% of tokens", xaxis=step_axis(steps), yaxis={"rangemode": "tozero"})
     last = rows[-1]
-    layout["annotations"] = [note(last["step"], 100 * (last["outside_trust_region"] or 0),
-                                  change_sentence(rows).split(" (")[0], ax=-120, ay=-30)]
+    layout["annotations"] = [note(last["step"], 100 * (last["outside_trust_region"] or 0), change_words(rows),
+                                  ax=-120, ay=-30, xanchor="right")]
     engine, tr = doc["engine"], doc["trust_region"]
+    checkpoints = doc["postmortem"].get("checkpoints")
+    against = ("each step's own checkpoint" if checkpoints else
+               f"one set of weights for every step ({rows[0].get('checkpoint') or 'the model given'})")
     return figure(traces, layout, "Your run, step by step, against the engine that sampled it",
                   f"The {doc['postmortem']['recipe']} trainer's tokens outside [{1 - tr['epsilon_low']:g}, "
-                  f"{1 + tr['epsilon_high']:g}] per recorded step, against the log-probs "
-                  f"{engine.get('name') or 'the engine'} recorded ({engine.get('source') or 'a rollout file'}).",
+                  f"{1 + tr['epsilon_high']:g}] per recorded step, scored at {against}, against the log-probs "
+                  f"{engine.get('name') or 'the engine'} recorded ({engine.get('source') or 'a rollout file'}). Bars: "
+                  "each step's 95% interval (Wilson's, over its tokens); the axis starts at zero.",
                   ("diagnose", [doc]))

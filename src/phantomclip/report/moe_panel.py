@@ -11,7 +11,7 @@ with how far each alone reaches (`html_route_split`); and what replaying the eng
 
 from __future__ import annotations
 
-from ..maths.metrics import RUN_WINDOW
+from ..maths.metrics import RUN_WINDOW, t_interval
 from .escape import html_text
 from .interventions_table import finite, html_arms_table, intervention_words, seed_values
 from .plots import PALETTE, category_axis, figure, note, plot_layout
@@ -20,8 +20,9 @@ from .training_panel import per_step
 DIAGNOSE = "phantomclip diagnose --model tiny-moe --json diagnose-moe.json"
 """what writes the route table (any MoE model of routing/routes.py's families; tiny-moe is a random 2-layer
 Qwen3-MoE)."""
-EXPERIMENT = "python bench/experiments/exp_moe_r3.py"
-"""what writes the moe-r3 experiment."""
+EXPERIMENT = "python bench/experiments/exp_moe_r3.py (from a clone of the repository: pip does not ship bench/)"
+"""what writes the moe-r3 experiment: a script of the source tree, not a command of the installed package, and the
+hint says so."""
 SHOWN = ("none", "r3", "shadow-ratio")
 """the experiment's arms, every one shown when the page opens."""
 SPLIT_PARTS = (("beta", "β (total)"), ("beta_route", "β_route: its own routes vs the engine's"),
@@ -104,10 +105,49 @@ def html_moe_table(data, brief: bool = False) -> str | None:
     return html_arms_table(data.moe[-1], intervention_words, "moe-table", brief) if data.moe else None
 
 
+MODEL_WORDS = {"tiny-moe": "tiny-moe, a random 2-layer Qwen3-MoE"}
+"""a model of the moe-r3 experiment that is not a real MoE, in the words that say so wherever its result is quoted:
+its figures show the mechanism, not the size of a trained MoE's routing mismatch."""
+
+
+def experiment_model(summary: dict) -> str:
+    """The experiment's model, with what it is where MODEL_WORDS knows ('tiny-moe:0' -> the random 2-layer model)."""
+    name = str(summary.get("base_config", {}).get("model", "?"))
+    return MODEL_WORDS.get(name.split(":")[0], name)
+
+
 def _start(summary: dict, arm: str) -> tuple[float, float, float] | None:
     """(mean, lowest, highest seed) of an arm's mean |β| over its first steps, or None."""
     xs = seed_values(summary, arm, "beta_abs_mean_start")
     return (sum(xs) / len(xs), min(xs), max(xs)) if xs else None
+
+
+def paired_start(summary: dict) -> dict | None:
+    """r3 minus the baseline in mean |β| over the first steps, paired by seed, as maths.metrics.t_interval's record
+    (mean, 95% low and high, n): the test every other line of the summary uses (the experiment's summary pairs
+    only final length and the like, not this figure). None without a seed both arms measured."""
+    def by_seed(arm: str) -> dict:
+        return {r.get("seed"): r["beta_abs_mean_start"] for r in summary.get("runs", [])
+                if r.get("run") == arm and finite(r.get("beta_abs_mean_start"))}
+
+    base, r3 = by_seed(summary.get("baseline", "none")), by_seed("r3")
+    pairs = [r3[s] - base[s] for s in r3 if s in base]
+    return t_interval(pairs) if pairs else None
+
+
+def paired_words(d: dict, short: bool = False) -> tuple[str, bool]:
+    """('a detectable cut ... (paired by seed over 3 seeds: −0.037 [−0.082, +0.009] nats)', detected): the verdict
+    by experiments.detected, the rule of every interval on the page."""
+    from ..training.experiments import detected
+
+    found = bool(detected({"beta_abs_mean_start": d}))
+    if d["n"] < 2:
+        return f"one seed: a difference of {d['mean']:+.3f} nats with no interval", False
+    verdict = (("a detectable cut" if d["high"] < 0 else "a detectable rise") if found
+               else "no detectable difference at 95%")
+    paired = "paired" if short else "paired by seed over"
+    return (f"{verdict} ({paired} {d['n']} seeds: {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+            + ("" if short else " nats") + ")"), found
 
 
 def _baseline_and_r3(data) -> tuple[dict, tuple, tuple] | None:
@@ -131,18 +171,26 @@ def moe_result(data) -> str:
     apart = ("; every seed of r3 lies below every seed of the baseline" if r3[2] < base[1] else
              "; the seeds' ranges overlap" if seeds > 1 else "; one seed: no range to compare")
     cfg = summary.get("base_config", {})
-    return (f"In training ({cfg.get('trainer', '?')} trainer, {cfg.get('engine_dtype', '?')} engine, staleness "
-            f"{cfg.get('staleness', '?')}, task {cfg.get('task', '?')}, {seeds} seed{'s' if seeds != 1 else ''}), "
-            f"replaying the engine's experts (r3) takes the mean |β| of the first {RUN_WINDOW} steps from "
-            f"{base[0]:.3f} (seeds {base[1]:.3f}–{base[2]:.3f}) to {r3[0]:.3f} ({r3[1]:.3f}–{r3[2]:.3f}){apart}.")
+    d = paired_start(summary)
+    verdict = f"; by the paired interval, {paired_words(d)[0]}" if d else ""
+    return (f"In training ({experiment_model(summary)}; {cfg.get('trainer', '?')} trainer, "
+            f"{cfg.get('engine_dtype', '?')} engine, staleness {cfg.get('staleness', '?')}, task "
+            f"{cfg.get('task', '?')}, {seeds} seed{'s' if seeds != 1 else ''}), replaying the engine's experts (r3) "
+            f"took the mean |β| of the first {RUN_WINDOW} steps from {base[0]:.3f} (seeds {base[1]:.3f}–{base[2]:.3f}) "
+            f"to {r3[0]:.3f} ({r3[1]:.3f}–{r3[2]:.3f}){apart}{verdict}.")
 
 
-def summary_line(data) -> str:
-    """The summary's MoE line (HTML): the first steps' mean |β| without and with routing replay; '' without the
+def summary_line(data) -> tuple[str, int, int] | None:
+    """The summary's MoE line (HTML), its comparisons (1) and how many exclude zero: the first steps' mean |β|
+    without and with routing replay, judged by the paired 95% interval like every other line; None without the
     experiment."""
     found = _baseline_and_r3(data)
     if found is None:
-        return ""
-    base, r3 = found[1:]
-    return (f"On an MoE model, routing replay (r3) cut the first steps' mean |β| from {base[0]:.3f} to "
-            f"<b>{r3[0]:.3f}</b> (section 9).")
+        return None
+    summary, base, r3 = found
+    d = paired_start(summary)
+    if d is None:
+        return None
+    words, detected = paired_words(d, short=True)
+    return (f"On {html_text(experiment_model(summary))}, routing replay (r3) took the first steps' mean |β| from "
+            f"{base[0]:.3f} to {r3[0]:.3f}: <b>{html_text(words)}</b> (section 9).", int(d["n"] >= 2), int(detected))

@@ -11,26 +11,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..maths.metrics import PROB_EDGES
-from .correlation import pearson_and_slope, spearman
+from .correlation import cohen_size, pearson_and_slope, sign_test_two_sided, spearman, spearman_interval
 from .interventions_table import and_join
 
-WEAK = 0.3
-"""|ρ| below this: the points are said to show no clear direction (Cohen's 'small' effect, 1988, as a reading aid;
-the sentence gives ρ itself as well)."""
+FEW_POINTS = 10
+"""with fewer points inside the axes, the α-β sentence gives ρ and says the points are too few to read a direction
+from: a 95% interval over 4 points spans nearly [−1, 1], and a sentence that concludes from it reads noise."""
 
 
-def _direction(r: float) -> str:
-    if abs(r) < WEAK:
-        return "shows no clear direction"
-    return "rises to the right" if r > 0 else "falls to the right"
+def _trend_words(rho: float, interval: tuple[float, float] | None) -> str:
+    """'a clear small fall', 'a clear medium rise' or 'no detectable direction': 'clear' only where the 95% interval
+    excludes zero, the size in Cohen's words (correlation.cohen_size)."""
+    if interval is None or interval[0] <= 0 <= interval[1]:
+        return "no detectable direction"
+    return f"a clear {cohen_size(rho)} {'rise' if rho > 0 else 'fall'}"
 
 
 def alpha_beta_steps(data) -> str:
     """Section 4: which way the per-step (mean α, mean β) points of fig_alpha_beta_steps go, against the slope −1
-    that the shadow's shared rounding alone would give them. The rule, stated in the sentence: over the points
-    inside the figure's axes (training_panel.inside_axes), the rank correlation ρ of all of them, and how many arms'
-    own ρ is positive (rise) or negative (fall). Points outside the axes are left out; where Pearson's r over every
-    point says another direction, the sentence says so (a few far points set it)."""
+    that the shared rounding alone would give them. The rule, stated in the sentence: over the points inside the
+    figure's axes (training_panel.inside_axes), of every arm whether shown on opening or not, the rank correlation ρ
+    with its 95% interval (correlation.spearman_interval): a rise or fall only where the interval excludes zero,
+    'no detectable direction' where it holds it; and how many arms' own ρ is positive or negative, with the
+    two-sided sign test on that count. Points outside the axes are left out; where Pearson's r over every point
+    says another direction, the sentence says so (a few far points set it). Fewer than FEW_POINTS points: ρ and
+    no conclusion."""
     from .training_panel import alpha_beta_points, inside_axes
 
     arms = alpha_beta_points(data)
@@ -42,26 +47,37 @@ def alpha_beta_steps(data) -> str:
     rho = spearman([p[0] for p in shown], [p[1] for p in shown])
     if rho is None:
         return ""
-    text = (f"Over the {len(shown)} points inside these axes, mean β {_direction(rho)} against mean α (Spearman's "
-            f"rank correlation ρ = {rho:+.2f})")
+    if len(shown) < FEW_POINTS:
+        return (f"Only {len(shown)} points lie inside these axes (Spearman's rank correlation ρ = {rho:+.2f}): too "
+                "few to read a direction from, so none is read here.")
+    interval = spearman_interval(rho, len(shown))
+    bounds = f", 95% interval [{interval[0]:+.2f}, {interval[1]:+.2f}]" if interval else ""
+    trend = _trend_words(rho, interval)
+    text = (f"Over the {len(shown)} points inside these axes, mean β shows {trend} against mean α (Spearman's rank "
+            f"correlation ρ = {rho:+.2f}{bounds})")
     per_arm = {arm: spearman([p[0] for p in pts if p in inside], [p[1] for p in pts if p in inside])
                for arm, pts in arms.items()}
     per_arm = {arm: r for arm, r in per_arm.items() if r is not None}
     if len(per_arm) > 1:
-        rise = sum(r > 0 for r in per_arm.values())
-        text += (f"; of the {len(per_arm)} arms, {rise} rise and {len(per_arm) - rise} fall on their own points"
+        rise, fall = sum(r > 0 for r in per_arm.values()), sum(r < 0 for r in per_arm.values())
+        p = sign_test_two_sided(rise, fall)
+        majority = (f"more {'rise' if rise > fall else 'fall'} than chance would give" if p < 0.05
+                    else "no detectable majority")
+        text += (f"; of the {len(per_arm)} arms, {rise} rise and {fall} fall on their own points (two-sided sign "
+                 f"test p = {p:.2g}: {majority})"
                  + (f" (the baseline none: ρ = {per_arm['none']:+.2f})" if "none" in per_arm else ""))
     text += "."
     if len(shown) < len(every):
         text += f" The {len(every) - len(shown)} points outside the axes are left out"
         fit = pearson_and_slope([p[0] for p in every], [p[1] for p in every])
-        if fit is not None and _direction(fit[0]) != _direction(rho):
+        if fit is not None and (fit[0] > 0) != (rho > 0):
             text += f": with them Pearson's r reads {fit[0]:+.2f}, a direction a few far points set, not the bulk"
         text += "."
-    if rho <= -WEAK:
-        return text + " That is the direction the shared rounding gives them."
-    if rho < WEAK:
-        return text + " The shared rounding does not set a clear direction here, and nothing else does either."
+    if trend == "no detectable direction":
+        return text + " No direction is detected at this number of points: neither the shared rounding's nor another."
+    if rho < 0:
+        return text + (f" That is the direction the shared rounding gives them, and a {cohen_size(rho)} one (ρ² = "
+                       f"{rho * rho:.0%}: α's ranks account for that share of the variance of β's).")
     return text + (" That is the opposite of the shared rounding's direction: something that moves α and β the same "
                    "way outweighs it in these runs.")
 
@@ -96,14 +112,14 @@ def rare_tokens(data) -> str:
             f"{_ratio_words(ratio)} the mean |β| of tokens at {hi}.")
 
 
-def _spread(xs: list[float], fmt: str = ".1f") -> str:
-    """'174.1 (148.3 to 340.7 over 6 runs)': the median of `xs` and their range, or the one value with its run."""
+def _spread(xs: list[float], fmt: str = ".1f", what: str = "runs") -> str:
+    """'174.1 (148.3 to 340.7 over 6 runs)': the median of `xs` and their range over `what`, or the one value."""
     if len(xs) == 1:
-        return f"{xs[0]:{fmt}} (one run)"
+        return f"{xs[0]:{fmt}} (one {'run' if what == 'runs' else 'measurement'})"
     ordered = sorted(xs)
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return f"{median:{fmt}} (median; {ordered[0]:{fmt}} to {ordered[-1]:{fmt}} over {len(xs)} runs)"
+    return f"{median:{fmt}} (median; {ordered[0]:{fmt}} to {ordered[-1]:{fmt}} over {len(xs)} {what})"
 
 
 def gap_along_runs(data) -> str:
@@ -133,8 +149,13 @@ def gap_along_runs(data) -> str:
     same = [f for f, _ in found if f[:2] == found[0][0][:2]] if found else []
     if same:
         lo, hi, _ = same[0]
-        text += (f" At the first snapshot, tokens of engine probability {lo} carried {_spread([f[2] for f in same])} "
-                 f"times the mean |β| of tokens at {hi}.")
+        # runs of the same seed share their first snapshot (the same weights on the same tokens): one measurement,
+        # counted once, where the demo's 6 runs gave 3 distinct first snapshots, each twice
+        ratios = list(dict.fromkeys(f[2] for f in same))
+        twice = (f" ({len(same)} runs; runs that start from the same seed share their first snapshot, counted once)"
+                 if len(ratios) < len(same) else "")
+        text += (f" At the first snapshot, tokens of engine probability {lo} carried "
+                 f"{_spread(ratios, what='distinct first snapshots')} times the mean |β| of tokens at {hi}{twice}.")
     return text
 
 
@@ -292,6 +313,54 @@ def fp8_result(data) -> str:
             + multiple_comparisons_note(verdicts.compared, verdicts.found))
 
 
+def postmortem_weights(data) -> str:
+    """Section 6's lead-in to the reader's post-mortem: which weights each recorded step was scored at, as the
+    post-mortem recorded it: each step's own checkpoint only where checkpoints were given; '' without a post-mortem
+    (the paragraph then names the command alone)."""
+    doc = next((d for d in reversed(data.diagnose) if d.get("postmortem")), None)
+    if doc is None:
+        return ""
+    pm = doc["postmortem"]
+    if pm.get("checkpoints"):
+        return "Here each step was scored at its own checkpoint, the weights that sampled it."
+    first = (pm.get("steps") or [{}])[0].get("checkpoint") or "the model given"
+    return (f"No checkpoints were given for this run: every step was scored at one set of weights ({first}), so a "
+            "step those weights did not sample holds the policy's change α as well as β.")
+
+
+def fp8_emulated(data) -> str:
+    """Section 8's warning that its FP8 engine is emulated, only where the page holds FP8 data (a page without any
+    has no FP8 engine to warn about)."""
+    if not (data.fp8 or data.fp8_runs):
+        return ""
+    return ("The FP8 engine on this page is emulated on a CPU, not run on an FP8 GPU: phantomclip's local engine "
+            "applies vLLM's quantisers bit for bit and sums the exact E4M3 products in fp32, in one order. A GPU "
+            "kernel sums them in another order, which moves a single token's β_quant by as much as its size, so this "
+            "section reads what does not hang on the order: means, shares outside the trust region, and the runs' "
+            "outcomes.")
+
+
+def moe_model(data) -> str:
+    """Section 9: what the page's MoE model is, where moe_panel.MODEL_WORDS knows it (tiny-moe: a random model whose
+    figures show the mechanism, not a real MoE's size); '' without MoE data."""
+    from .moe_panel import MODEL_WORDS, experiment_model, moe_diagnose
+
+    names = [str(s.get("base_config", {}).get("model", "")) for s in data.moe]
+    doc = moe_diagnose(data)
+    names += [str((doc.get("config") or {}).get("model", ""))] if doc else []
+    known = [n for n in names if n.split(":")[0] in MODEL_WORDS]
+    if not known:
+        return ""
+    return (f"The MoE model of this page is {experiment_model({'base_config': {'model': known[0]}})}: its figures "
+            "show the mechanism, not the size of a real MoE's routing mismatch.")
+
+
+def _seed_compared(data) -> str:
+    from .seed_article import seed_compared
+
+    return seed_compared(data)
+
+
 def _moe_result(data) -> str:
     from .moe_panel import moe_result
 
@@ -300,7 +369,8 @@ def _moe_result(data) -> str:
 
 TEXTS: dict[str, Callable] = {"closed_loop_seeds": closed_loop_seeds, "alpha_beta_steps": alpha_beta_steps,
                               "rare_tokens": rare_tokens, "gap_along_runs": gap_along_runs, "fp8_result": fp8_result,
-                              "moe_result": _moe_result}
+                              "moe_result": _moe_result, "postmortem_weights": postmortem_weights,
+                              "seed_compared": _seed_compared, "fp8_emulated": fp8_emulated, "moe_model": moe_model}
 """marker name -> the sentence it becomes ("" when its data is missing)."""
 
 

@@ -16,6 +16,7 @@ from ..precision.fp8_layers import EMULATED
 from .escape import html_text
 from .interventions_table import finite, seed_values
 from .prose import fp8_verdicts
+from .seed_article import SEED_PHANTOM_SHARE
 
 
 def short_path(path: str, roots: list[Path]) -> str:
@@ -48,9 +49,16 @@ def machine(doc: dict) -> str:
 
 
 def _diagnose_source(doc: dict, roots: list[Path]) -> str:
+    """A diagnose file's data line; a post-mortem's counts the tokens of every recorded step the figure covers, with
+    the last step's (its tables') beside them."""
     e = doc.get("engine", {})
+    tokens = f"{e.get('tokens', '?')} tokens"
+    steps = (doc.get("postmortem") or {}).get("steps") or []
+    if len(steps) > 1 and all(isinstance(r.get("tokens"), int) for r in steps):
+        tokens = (f"{sum(r['tokens'] for r in steps)} tokens over {len(steps)} recorded steps (step "
+                  f"{steps[-1]['step']}'s tables: {steps[-1]['tokens']})")
     return (f"{short_path(doc['_path'], roots)}: {e.get('kind', '?')} engine in {e.get('dtype', '?')}, model "
-            f"{model_words(doc.get('model', {}).get('name', '?'))}, {e.get('tokens', '?')} tokens; {machine(doc)}")
+            f"{model_words(doc.get('model', {}).get('name', '?'))}, {tokens}; {machine(doc)}")
 
 
 def _runs_source(runs: list[dict], roots: list[Path]) -> str:
@@ -124,7 +132,10 @@ def _diagnose_line(doc: dict) -> str:
     name, stats = next(iter(doc["recipes"].items()))
     tr = doc["trust_region"]
     outside = stats.get("outside_trust_region")
-    line = (f"Before training, a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
+    steps = (doc.get("postmortem") or {}).get("steps")
+    when = (f"At step {html_text(steps[-1]['step'])}, the last recorded step of your run," if steps
+            else "Before training,")  # a post-mortem's recipes table is its last step's, not step 0's
+    line = (f"{when} a {html_text(name)} trainer and a {html_text(measured_engine(doc))} differ by "
             f"<b>{stats['beta_abs_mean']:.3g} <a href=\"#glossary-nats\">nats</a></b> per token (mean |β|)")
     if finite(outside):
         line += (f"; <b>{_pct(outside, 1)}</b> of tokens already lie outside the trust region "
@@ -138,7 +149,9 @@ def _training_line(summary: dict) -> str | None:
         return None  # the baseline clipped no token (no share), or no seed finished
     seeds = len(base["seeds"])
     return (f"In training, <b>{_pct(base['phantom_share_of_clipped']['mean'])}</b> of the tokens the clip zeroed "
-            f"were phantom-clipped (baseline, {seeds} seed{'s' if seeds > 1 else ''}; section 5).")
+            f"were phantom-clipped: <b>{_pct(base['phantom_rate']['mean'], 2)}</b> of all tokens (baseline, "
+            f"{seeds} seed{'s' if seeds > 1 else ''}; the seed article: about {_pct(SEED_PHANTOM_SHARE)} of all "
+            "tokens; section 5).")
 
 
 def _interventions_line(summary: dict) -> tuple[str, int, int] | None:
@@ -187,20 +200,20 @@ def _fp8_line(summary: dict) -> tuple[str, int, int] | None:
     return line, verdicts.compared, verdicts.found
 
 
-def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = (), moe: str = "") -> str:
+def html_summary(diagnose: list[dict], sanity: list[dict], fp8: list[dict] = (),
+                 moe: tuple[str, int, int] | None = None) -> str:
     """Up to six short lines (the page's first box, about 120 words): the gap before training, phantom clipping
     during training, what the interventions did, what the FP8 arms did, what routing replay did on an MoE model
-    (`moe`: the line, from moe_panel), and one note on the intervals of sections 7 and 8 counting the comparisons of
-    both."""
+    (`moe`: the line, its comparisons and how many exclude zero, from moe_panel.summary_line), and one note on the
+    intervals of sections 7, 8 and 9 counting the comparisons of all."""
     lines = []
     if diagnose:
         lines.append(_diagnose_line(diagnose[-1]))
     if sanity and (training := _training_line(sanity[-1])):
         lines.append(training)
-    compared = [found for found in (sanity and _interventions_line(sanity[-1]), fp8 and _fp8_line(fp8[-1])) if found]
+    compared = [found for found in (sanity and _interventions_line(sanity[-1]), fp8 and _fp8_line(fp8[-1]), moe)
+                if found]
     lines += [line for line, _, _ in compared]
-    if moe:
-        lines.append(moe)
     m, found = sum(c for _, c, _ in compared), sum(f for *_, f in compared)
     if m > 1:
         lines.append(f"These {m} intervals are 95% each, uncorrected: about {0.05 * m:.2g} would exclude zero by "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from .correlation import spearman
+from .correlation import spearman, spearman_interval
 from .plots import arm_colour, figure, mean_line, note, plot_layout, seed_band, seed_symbol, step_axis
 
 SHOWN_ARMS = ("none", "force-r1", "shadow-ratio", "match-bf16", "no-clip")
@@ -264,9 +264,15 @@ def fig_alpha_beta_steps(data) -> dict | None:
     inside = inside_axes(every)
     held = [p for p in every if p in inside]
     rho = spearman([p[0] for p in held], [p[1] for p in held])
-    if rho is not None:
-        layout["annotations"] = [note(0.98, 0.98, f"Spearman ρ = {rho:+.2f} over the {len(held)} points in view",
-                                      xref="paper", yref="paper", showarrow=False, xanchor="right", yanchor="top")]
+    if rho is not None:  # the count is of every arm's points inside the axes, which the hidden arms' share
+        on_open = sum(p in inside for arm, pts in alpha_beta_points(data).items()
+                      if arm_shown(arm, len(arms)) is True for p in pts)
+        interval = spearman_interval(rho, len(held))
+        text = f"Spearman ρ = {rho:+.2f}" + (f" [{interval[0]:+.2f}, {interval[1]:+.2f}]" if interval else "")
+        text += f" over the {len(held)} points inside the axes" + (
+            f", all arms ({on_open} shown on opening)" if on_open < len(held) else "")
+        layout["annotations"] = [note(0.98, 0.98, text, xref="paper", yref="paper", showarrow=False,
+                                      xanchor="right", yanchor="top")]
     title = ("Per step and run: mean α against mean β" if len(seeds) > 1 or len(arms) > 1
              else "Per step: mean α against mean β")
     return figure(traces, layout, title, caption, ("runs", used))

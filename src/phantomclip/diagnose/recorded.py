@@ -167,7 +167,8 @@ def read_sampled(cfg: DiagnoseConfig, lm: LoadedModel) -> Sampled:
     info = {**engine_info(cfg, header, len(batches.steps)), "logprobs": batches.logprobs}
     measured = cfg.logprobs_mode if cfg.sampling(0).truncated else None  # as diagnose.measured_column
     return sampled_from_rollouts(batches.rollouts, lm.tokenizer.pad_token_id, measured, info,
-                                 time.perf_counter() - t0, routes=batches.routes, recorded=batches)
+                                 time.perf_counter() - t0, trained=batches.trained, routes=batches.routes,
+                                 recorded=batches)
 
 
 def record_step(r) -> int | None:

@@ -122,3 +122,85 @@ def test_a_multi_turn_sample_is_scored_on_its_loss_mask_1_tokens(saved, tmp_path
         mean_abs = sum(abs(v) for v in expected) / len(expected)
         assert math.isclose(b["recipes"][recipe]["beta_abs_mean"], mean_abs, rel_tol=0, abs_tol=tol), recipe
     assert (1, 2) not in set(zip(b["tokens"]["sequence"], b["tokens"]["position"]))
+
+
+# ------------------------------------------------------------------------------------------------ top-p
+
+
+def _nucleus_dump(rows: list[dict], model, drop_target: tuple[int, int]) -> tuple[dict, list[float], list[float]]:
+    """A slime top-p dump built by hand: each token's nucleus is the top-p 0.7 set of an independent fp32 forward at
+    temperature 0.8 (sorted, kept while the mass before a token is under 0.7: a nucleus other than the trainer's own
+    top-p 0.9 would keep, as an engine's kernels give it another one), flattened as slime's ragged
+    rollout_top_p_token_ids / _offsets; the engine's log-prob is that forward's log-prob renormalised over the
+    nucleus plus the engine's own gap g (the saved full-vocabulary engine column minus the forward's), so slime's
+    trainer-side β of an exact fp32 trainer is −g. At `drop_target` (row, token) the sampled token is left out of its
+    nucleus: slime's trainer counts it anyway. Returns (dump, −g per token, log S per token), flat."""
+    samples, minus_g, log_s = [], [], []
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])  # [1, L]
+            P, target = len(r["prompt_ids"]), torch.tensor(r["completion_ids"])  # [n]
+            lp_all = torch.log_softmax(model(ids).logits[0, P - 1 : -1].float() / 0.8, -1)  # [n, V]
+            flat, offsets, processed = [], [0], []
+            for t in range(len(target)):
+                order = lp_all[t].argsort(descending=True)  # [V]
+                p = lp_all[t, order].exp()
+                kept = order[(p.cumsum(0) - p) < 0.7].tolist()
+                if (b, t) == drop_target and int(target[t]) in kept and len(kept) > 1:
+                    kept.remove(int(target[t]))
+                counted = sorted(set(kept) | {int(target[t])})
+                s = torch.logsumexp(lp_all[t, counted], 0).item()  # log S over the nucleus and the sampled token
+                g = r["logp_engine"][t] - lp_all[t, target[t]].item()
+                processed.append(min(lp_all[t, target[t]].item() - s + g, 0.0))
+                minus_g.append(lp_all[t, target[t]].item() - s - processed[-1])
+                log_s.append(s)
+                flat += kept
+                offsets.append(len(flat))
+            samples.append(_sample(r, rollout_log_probs=processed, rollout_top_p_token_ids=torch.tensor(
+                flat, dtype=torch.int32), rollout_top_p_token_offsets=torch.tensor(offsets, dtype=torch.int32)))
+    return {"rollout_id": 7, "samples": samples}, minus_g, log_s
+
+
+def test_a_top_p_dump_is_scored_over_its_recorded_nucleus(saved, tmp_path, tiny):
+    """fp32 trainer, slime's way: log p(target) − logsumexp over the recorded nucleus (and the target) − the engine's
+    log-prob, per token, equals the hand-built −g. Read from the JSON as logp − log_kept − logp_engine_processed
+    (logp = beta + the rebuilt full column). Bound, as for an independent forward: two fp32 forwards in other shapes
+    differ by about eps32 · |logit| · sqrt(terms), plus the JSON's 6-decimal rounding of three numbers. The same dump
+    read without its nucleus (SGLang's tempered full-vocabulary reading) is off by log S itself."""
+    from conftest import forward_terms, logit_bound
+
+    _, rows = saved
+    model = tiny.model.float().eval()
+    dump, minus_g, log_s = _nucleus_dump(rows, model, drop_target=(2, 1))
+    s2 = dump["samples"][2]
+    outside = s2["rollout_top_p_token_ids"][s2["rollout_top_p_token_offsets"][1]:s2["rollout_top_p_token_offsets"][2]]
+    assert rows[2]["completion_ids"][1] not in outside.tolist()  # the force-kept token is tested
+    torch.save(dump, tmp_path / "7.pt")
+    res = _diagnose(tmp_path, "nucleus", "--rollouts", str(tmp_path / "7.pt"), "--temperature", "0.8",
+                    "--top-p", "0.9")
+    assert res["engine"]["logprobs"] == "processed"
+    tok, fp32 = res["tokens"], res["tokens"]["per_recipe"]["fp32"]
+    logp = torch.tensor(fp32["beta"], dtype=torch.float64) + torch.tensor(tok["logp_engine"], dtype=torch.float64)
+    slime_beta = logp - torch.tensor(fp32["log_kept"], dtype=torch.float64) - torch.tensor(
+        tok["logp_engine_processed"], dtype=torch.float64)
+    context = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    bound = 4 * eps(torch.float32) * logit_bound(model) / 0.8 * math.sqrt(forward_terms(model.config, context)) + 2e-6
+    assert (slime_beta - torch.tensor(minus_g, dtype=torch.float64)).abs().max().item() <= bound
+    assert max(abs(a - b) for a, b in zip(fp32["log_kept"], log_s)) <= bound
+
+    for s in dump["samples"]:  # the nucleus dropped: read as 'tempered', full vocabulary
+        del s["rollout_top_p_token_ids"], s["rollout_top_p_token_offsets"]
+    torch.save(dump, tmp_path / "full.pt")
+    full = _diagnose(tmp_path, "full", "--rollouts", str(tmp_path / "full.pt"), "--temperature", "0.8")
+    assert full["engine"]["logprobs"] == "tempered"
+    off = [b - m for b, m in zip(full["tokens"]["per_recipe"]["fp32"]["beta"], minus_g)]
+    assert max(abs(o - s) for o, s in zip(off, log_s)) <= bound  # β_full = −g + log S: off by the kept mass
+    assert min(log_s) < -10 * bound
+
+
+def test_a_top_p_dump_without_the_runs_top_p_is_refused(saved, tmp_path, capsys, tiny):
+    _, rows = saved
+    dump, _, _ = _nucleus_dump(rows[:2], tiny.model.float().eval(), drop_target=(-1, -1))
+    torch.save(dump, tmp_path / "7.pt")
+    line = bad_cli(["diagnose", *TINY, "--rollouts", str(tmp_path / "7.pt"), "--temperature", "0.8"], capsys)
+    assert "7.pt: its records carry the engine's top-p nucleus" in line and "--rollout-top-p" in line, line

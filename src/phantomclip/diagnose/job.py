@@ -210,11 +210,13 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     t0 = time.perf_counter()
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
     logp, entropy, log_kept, routes = [], [], [], []
-    for host in sampled.packed:
+    nuclei = sampled.recorded.nuclei if sampled.recorded is not None else None  # the engine's own, where recorded
+    for i, host in enumerate(sampled.packed):
         p = {k: v.to(prep.device) for k, v in host.items()}  # the batch on the device; its scores back on the host
         with routing.capture(model) if sampled.routes else contextlib.nullcontext() as recorder:
             sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
-                       temperature=cfg.temperature, truncation=prep.truncation)
+                       temperature=cfg.temperature, truncation=prep.truncation,
+                       nucleus=nuclei[i].to(prep.device) if nuclei else None)
         if recorder is not None:
             routes.append(recorder.routes(routing.full_layout(p["input_ids"].shape[1]), *p["input_ids"].shape))
         logp.append(sc.logp.cpu())  # [B_i, T_i]

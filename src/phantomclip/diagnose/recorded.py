@@ -57,6 +57,8 @@ class Peeked:
     header: Header
     logprobs: str
     sampling: RecordedSampling | None
+    nucleus: bool = False
+    """the first record carries the engine's top-p nucleus (slime's rollout_top_p_token_ids)."""
 
 
 def peek(path: str) -> Peeked:
@@ -66,7 +68,8 @@ def peek(path: str) -> Peeked:
     if first is None:
         raise RecordError(f"{path}: holds no record: nothing to measure")
     r = first.record
-    return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling)
+    return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling,
+                  nucleus=r.nucleus is not None)
 
 
 def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig, list[str]]:
@@ -94,6 +97,13 @@ def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig
     change["engine_quant"] = ",".join(q for q in (_quant(cfg.rollouts, arg, getattr(engine, arg))
                                                   for arg in QUANT_NAMES) if q)
     s = recorded_sampling(cfg, peeked, notes)
+    if peeked.nucleus and s.top_p >= 1:
+        raise RecordError(f"{cfg.rollouts}: its records carry the engine's top-p nucleus (slime's "
+                          "rollout_top_p_token_ids), so their log-probs are renormalised over it: give the run's "
+                          "--top-p (slime's --rollout-top-p) and --temperature (--rollout-temperature)")
+    if peeked.nucleus:
+        notes.append("log-probs renormalised over the nucleus the engine recorded, on the trainer's side too, as "
+                     "slime's trainer computes them")
     if peeked.logprobs == "raw" and s != RecordedSampling(top_p=s.top_p, top_k=s.top_k, min_p=s.min_p):
         notes.append(f"raw log-probs are of the temperature-1 distribution: measured at temperature 1, not the "
                      f"sampling's {s.temperature:g}, over the full vocabulary")

@@ -32,7 +32,7 @@ from ..engines import start_engine
 from ..engines.drift import first_rows, measure_drift
 from ..engines.local import Rollout
 from ..engines.vllm_memory import BesideVllm
-from ..maths.frameworks import framework_figures
+from ..maths.frameworks import FRAMEWORKS, framework_figures
 from ..maths.metrics import (
     mean_or_nan,
     mismatch_stats,
@@ -337,6 +337,12 @@ def recipe_figures(
         stats["seconds_alone"] = s.seconds_alone
     stats["split"]["correlation"] = _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)
     stats["frameworks"] = framework_figures(s.logp, ref.logp_engine, mask, cfg.framework)
+    if cfg.sampling(0).truncated and "trl" in stats["frameworks"]:
+        # TRL's figures compare its trainer's log-probs (temperature, full vocabulary: the fused head's) with vLLM's
+        # processed ones, which it asks for (trl 1.16 generation/vllm_generation.py logprobs_mode=
+        # "processed_logprobs"; grpo_trainer.py: old_per_token_logps − sampling_per_token_logps): top-p's log S is in
+        # its IS ratio and its logp difference, as here
+        stats["frameworks"]["trl"] = FRAMEWORKS["trl"](s.logp, ref.logp_engine_processed, mask)
     tokens = {"beta": rounded((s.logp - ref.logp_engine)[mask]), "entropy": rounded(s.entropy[mask]),
               "beta_precision": rounded((s.logp - base)[mask])}
     if cfg.sampling(0).truncated:

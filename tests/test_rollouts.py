@@ -257,18 +257,20 @@ def test_a_torch_file_that_would_run_code_is_refused(tmp_path, capsys):
     dump = tmp_path / "evil.pt"
     torch.save({"rollout_id": 0, "samples": [_Payload()]}, dump, pickle_protocol=pickle.DEFAULT_PROTOCOL)
     line = bad_cli(["diagnose", *TINY, "--rollouts", str(dump)], capsys)
-    assert "refused: loading it would run code" in line
+    assert "refused: it pickles" in line and "could run code" in line
     assert not Path("/tmp/phantomclip-pwned").exists()
 
 
-def test_a_slime_sample_with_tool_tokens_is_refused(saved, tmp_path, capsys):
+def test_a_slime_loss_mask_of_another_length_is_refused(saved, tmp_path, capsys):
+    """slime holds loss_mask to one entry per response token (Sample._validate_response_metadata_lengths @624b824);
+    multi-turn samples themselves are measured (tests/test_rollouts_slime.py)."""
     _, path = saved
     dump = _slime_dump(_records(path))
-    dump["samples"][1]["loss_mask"][0] = 0
+    dump["samples"][1]["loss_mask"].append(0)
     torch.save(dump, tmp_path / "7.pt")
     line = bad_cli(["diagnose", *TINY, "--rollouts", str(tmp_path / "7.pt"), "--temperature", "0.8"], capsys,
                    after_progress=True)
-    assert "7.pt sample 1: has tool or environment tokens (loss_mask 0)" in line
+    assert "7.pt sample 1: loss_mask must be one 0 or 1 per completion token" in line, line
 
 
 # ------------------------------------------------------------------------------------------------ MoE, steps

@@ -190,6 +190,11 @@ def canary_lines(rows: list[dict]) -> list[str]:
             f"the engine held the synced weights at every sync{trend}"]
 
 
+DOWN_WEIGHT_BELOW = 0.8
+"""a mean IS weight under this is said as a down-weighting of every sequence: TRL's loss then trains on about that
+share of each sequence's gradient (a mean of 0.8 is already a fifth lost), whatever its clip does."""
+
+
 def setup_lines(result: dict) -> list[str]:
     """Where β meets the user's loss, in the trainer's own terms: the clip, the IS weight (what the correction touches
     per sequence and the effective sample size it leaves), or neither (and how to turn the correction on)."""
@@ -209,6 +214,12 @@ def setup_lines(result: dict) -> list[str]:
     lines = [f"{label}: clips its own log-probs; β is in its IS weight",
              f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
              + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else "")]
+    weight = (result["recipes"][user_recipe(result)].get("frameworks") or {}).get("trl", {}).get(
+        "sampling/importance_sampling_ratio/mean")
+    if exp.setup.framework == "trl" and isinstance(weight, float) and weight < DOWN_WEIGHT_BELOW:
+        lines.append(f"  TRL down-weights every sequence by about {weight:.2f} (its mean IS weight"
+                     + (", against vLLM's log-probs renormalised over top-p's kept tokens)"
+                        if result["config"].get("top_p", 1) < 1 else ")"))
     at = knob.get("at_length")
     if at and exp.unit == "sequence":
         n = (result.get("knobs") or {}).get("length", {}).get("target")

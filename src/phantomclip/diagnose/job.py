@@ -32,7 +32,7 @@ from ..engines import start_engine
 from ..engines.drift import first_rows, measure_drift
 from ..engines.local import Rollout
 from ..engines.vllm_memory import BesideVllm
-from ..maths.frameworks import framework_figures
+from ..maths.frameworks import FRAMEWORKS, framework_figures
 from ..maths.metrics import (
     mean_or_nan,
     mismatch_stats,
@@ -210,11 +210,13 @@ def score_recipe(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, name: st
     t0 = time.perf_counter()
     model = apply_recipe(prep.lm.model, recipe, matmul=prep.matmul)
     logp, entropy, log_kept, routes = [], [], [], []
-    for host in sampled.packed:
+    nuclei = sampled.recorded.nuclei if sampled.recorded is not None else None  # the engine's own, where recorded
+    for i, host in enumerate(sampled.packed):
         p = {k: v.to(prep.device) for k, v in host.items()}  # the batch on the device; its scores back on the host
         with routing.capture(model) if sampled.routes else contextlib.nullcontext() as recorder:
             sc = score(model, recipe, p["input_ids"], p["attention_mask"], p["completion_mask"],
-                       temperature=cfg.temperature, truncation=prep.truncation)
+                       temperature=cfg.temperature, truncation=prep.truncation,
+                       nucleus=nuclei[i].to(prep.device) if nuclei else None)
         if recorder is not None:
             routes.append(recorder.routes(routing.full_layout(p["input_ids"].shape[1]), *p["input_ids"].shape))
         logp.append(sc.logp.cpu())  # [B_i, T_i]
@@ -335,6 +337,12 @@ def recipe_figures(
         stats["seconds_alone"] = s.seconds_alone
     stats["split"]["correlation"] = _correlation(s.logp - ref.logp_shadow, ref.logp_shadow - ref.logp_engine, mask)
     stats["frameworks"] = framework_figures(s.logp, ref.logp_engine, mask, cfg.framework)
+    if cfg.sampling(0).truncated and "trl" in stats["frameworks"]:
+        # TRL's figures compare its trainer's log-probs (temperature, full vocabulary: the fused head's) with vLLM's
+        # processed ones, which it asks for (trl 1.16 generation/vllm_generation.py logprobs_mode=
+        # "processed_logprobs"; grpo_trainer.py: old_per_token_logps − sampling_per_token_logps): top-p's log S is in
+        # its IS ratio and its logp difference, as here
+        stats["frameworks"]["trl"] = FRAMEWORKS["trl"](s.logp, ref.logp_engine_processed, mask)
     tokens = {"beta": rounded((s.logp - ref.logp_engine)[mask]), "entropy": rounded(s.entropy[mask]),
               "beta_precision": rounded((s.logp - base)[mask])}
     if cfg.sampling(0).truncated:

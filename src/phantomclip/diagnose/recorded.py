@@ -46,6 +46,8 @@ class Peeked:
     header: Header
     logprobs: str
     sampling: RecordedSampling | None
+    nucleus: bool = False
+    """the first record carries the engine's top-p nucleus (slime's rollout_top_p_token_ids)."""
 
 
 def peek(path: str) -> Peeked:
@@ -55,7 +57,8 @@ def peek(path: str) -> Peeked:
     if first is None:
         raise RecordError(f"{path}: holds no record: nothing to measure")
     r = first.record
-    return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling)
+    return Peeked(header=header, logprobs=r.logprobs or header.logprobs, sampling=r.sampling or header.sampling,
+                  nucleus=r.nucleus is not None)
 
 
 RECORDED_FLAGS = ("engine_dtype", "engine_quant", "logprobs_mode", "temperature", "top_p", "top_k", "min_p")
@@ -108,6 +111,13 @@ def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig
     elif cfg.engine_quant:  # typed (the default is none): the file says nothing of FP8
         notes.append(f"the engine's FP8 arguments are not recorded: measured with --engine-quant {cfg.engine_quant}")
     s = recorded_sampling(cfg, peeked, notes)
+    if peeked.nucleus and s.top_p >= 1:
+        raise RecordError(f"{cfg.rollouts}: its records carry the engine's top-p nucleus (slime's "
+                          "rollout_top_p_token_ids), so their log-probs are renormalised over it: give the run's "
+                          "--top-p (slime's --rollout-top-p) and --temperature (--rollout-temperature)")
+    if peeked.nucleus:
+        notes.append("log-probs renormalised over the nucleus the engine recorded, on the trainer's side too, as "
+                     "slime's trainer computes them")
     if peeked.logprobs == "raw" and s != RecordedSampling(top_p=s.top_p, top_k=s.top_k, min_p=s.min_p):
         notes.append(f"raw log-probs are of the temperature-1 distribution: measured at temperature 1, not the "
                      f"sampling's {s.temperature:g}, over the full vocabulary")
@@ -180,7 +190,8 @@ def read_sampled(cfg: DiagnoseConfig, lm: LoadedModel) -> Sampled:
     info = {**engine_info(cfg, header, len(batches.steps)), "logprobs": batches.logprobs}
     measured = cfg.logprobs_mode if cfg.sampling(0).truncated else None  # as diagnose.measured_column
     return sampled_from_rollouts(batches.rollouts, lm.tokenizer.pad_token_id, measured, info,
-                                 time.perf_counter() - t0, routes=batches.routes, recorded=batches)
+                                 time.perf_counter() - t0, trained=batches.trained, routes=batches.routes,
+                                 recorded=batches)
 
 
 def record_step(r) -> int | None:

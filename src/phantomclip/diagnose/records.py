@@ -108,11 +108,17 @@ class Figures:
 
 
 def sampled_from_rollouts(rollouts: list[Rollout], pad_id: int, measured: Literal["raw", "processed"] | None,
-                          info: dict, seconds: float, **extra) -> Sampled:
+                          info: dict, seconds: float, trained: list[torch.Tensor | None] | None = None,
+                          **extra) -> Sampled:
     """An engine's batches (sampled, or read from a rollout file) packed for scoring, as one `Sampled`: the mask and
     both engine columns as [n, T] tensors, and the sampled tokens without a finite log-prob in either counted.
-    `measured`: the column the engine computed (None: both); `extra`: Sampled's optional fields."""
+    `measured`: the column the engine computed (None: both); `trained`: per batch, the completion tokens the policy
+    sampled ([B_i, T_i] bool, rollouts.Batches.trained; None: all), the others kept as context and never scored;
+    `extra`: Sampled's optional fields."""
     packed = [r.pack(pad_id) for r in rollouts]
+    for p, keep in zip(packed, trained or []):
+        if keep is not None:
+            p["completion_mask"] &= keep  # [B_i, T_i]: context tokens stay in the input, out of every figure
     mask = concat_batches([p["completion_mask"] for p in packed])  # [n, T]
     logp_engine = concat_batches([p["logp_engine"] for p in packed])  # [n, T]
     logp_engine_processed = concat_batches([p["logp_engine_processed"] for p in packed])  # [n, T]

@@ -300,8 +300,8 @@ THRESHOLDS: dict[tuple[str, str], tuple[str, float, str]] = {
         "asserted as value <= bound in slime/backends/megatron_utils/model.py"),
     ("prime-rl", "mismatch_kl/all/mean"): (
         "<", 0.015,
-        "prime-rl docs/development.md @559b447: a new model's PR must show every mismatch_kl entry below 0.015 (mean "
-        "over 20 steps of the math environment, batch 64); a review rule, not a CI assert"),
+        "prime-rl docs/development.md @559b447: a new model's PR must show every mismatch_kl entry below 0.015 (each "
+        "of 20 steps of the math environment, batch 64, not their mean); a review rule, not a CI assert"),
     ("skyrl", "policy/rollout_train_logprobs_abs_diff_mean"): (
         "<=", 0.0104,
         "SkyRL tests/train/gpu_e2e_test/gsm8k_colocate.sh @a956457: its CI bound for Qwen2.5-1.5B-Instruct on gsm8k "

@@ -116,6 +116,18 @@ def log_kept_mass(logp_all: torch.Tensor, logp_kept: torch.Tensor) -> torch.Tens
     return torch.logsumexp(logp_all.masked_fill(torch.isneginf(logp_kept), float("-inf")), dim=-1)
 
 
+def nucleus_log_mass(logp_all: torch.Tensor, kept_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log S [N]: the mass under logp_all [N, V] of a recorded nucleus, kept_ids [N, K] (−1: padding), with the
+    target [N] always counted once. slime's trainer renormalises over the engine's recorded nucleus this way: a
+    keep-mask from rollout_top_p_token_ids, the sampled token kept even where it is missing from it
+    (slime/utils/ppo_utils.py `_VocabParallelLogProbEntropy.forward` @624b824, `log_prob_logits[rows, target] =
+    vocab_parallel_logits[rows, target]`)."""
+    ids = torch.where(kept_ids >= 0, kept_ids.long(), targets[:, None])  # [N, K]: padding points at the target
+    keep = torch.zeros_like(logp_all, dtype=torch.bool).scatter(-1, ids, True)  # [N, V]
+    keep.scatter_(-1, targets[:, None], True)
+    return torch.logsumexp(logp_all.masked_fill(~keep, float("-inf")), dim=-1)
+
+
 def score(
     model: nn.Module,
     recipe: Recipe,
@@ -128,6 +140,7 @@ def score(
     grad: bool = False,
     truncation: tuple[int, float, float] | None = None,
     logit_stats: bool = False,
+    nucleus: torch.Tensor | None = None,
 ) -> Scores:
     """Log-probs and entropies of input_ids[b, t] at positions where score_mask is True.
 
@@ -136,11 +149,14 @@ def score(
     carry the graph back to the model's parameters (the trainer's forward); otherwise nothing is recorded.
     `truncation` = (top_k, top_p, min_p) also returns log S, the log of the probability mass that truncated
     sampling would keep at each scored position under this model (`Scores.log_kept`). `logit_stats` also returns
-    `LOGIT_STATS` of the logits at each scored position (`Scores.logit_stats`, after temperature).
+    `LOGIT_STATS` of the logits at each scored position (`Scores.logit_stats`, after temperature). `nucleus`
+    [B, T, K] (−1 padded): the engine's recorded nucleus of each token, whose mass is log S in place of
+    `truncation`'s (`nucleus_log_mass`).
     """
     with torch.set_grad_enabled(grad):
         return _score(model, recipe, input_ids, attention_mask, score_mask, chunk_size=chunk_size,
-                      temperature=temperature, entropy=entropy, truncation=truncation, logit_stats=logit_stats)
+                      temperature=temperature, entropy=entropy, truncation=truncation, logit_stats=logit_stats,
+                      nucleus=nucleus)
 
 
 def _score(
@@ -155,6 +171,7 @@ def _score(
     entropy: bool,
     truncation: tuple[int, float, float] | None,
     logit_stats: bool,
+    nucleus: torch.Tensor | None = None,
 ) -> Scores:
     B, T = input_ids.shape
     # A token can be scored only if the position before it is a real token (not padding, not column -1).
@@ -174,7 +191,8 @@ def _score(
         h = hidden[pred_mask]  # [N, H]
         targets = input_ids[score_mask]  # [N]
         out = _head_logprobs(model, head, h, targets, chunk_size=chunk_size, temperature=temperature,
-                             entropy=entropy, truncation=truncation, logit_stats=logit_stats)
+                             entropy=entropy, truncation=truncation, logit_stats=logit_stats,
+                             nucleus=None if nucleus is None else nucleus[score_mask])  # [N, K]
 
     def scatter(values: torch.Tensor | None) -> torch.Tensor:  # [N] -> [B, T], zeros where not scored (or not asked)
         blank = torch.zeros(B, T, dtype=torch.float32, device=device)
@@ -183,7 +201,7 @@ def _score(
     entropy_bt = scatter(None if out.entropy is None else out.entropy.detach())  # [B, T]
     stats = None if out.stats is None else torch.stack([scatter(c) for c in out.stats.unbind(-1)], -1)  # [B, T, 3]
     return Scores(logp=scatter(out.logp), entropy=entropy_bt, mask=score_mask,
-                  log_kept=scatter(out.log_kept) if truncation else None, logit_stats=stats)
+                  log_kept=scatter(out.log_kept) if out.log_kept is not None else None, logit_stats=stats)
 
 
 @dataclass
@@ -211,9 +229,11 @@ def _head_logprobs(
     entropy: bool,
     truncation: tuple[int, float, float] | None = None,
     logit_stats: bool = False,
+    nucleus: torch.Tensor | None = None,
 ) -> HeadScores:
     """The head on hidden states h [N, H] in chunks of `chunk_size` rows: log p(target), and what is asked of
-    entropy, log S under `truncation` = (top_k, top_p, min_p), and `logit_statistics`."""
+    entropy, log S under `truncation` = (top_k, top_p, min_p) or over the recorded `nucleus` [N, K], and
+    `logit_statistics`."""
     logps, ents, kepts, stats = [], [], [], []
     for s in range(0, targets.shape[0], chunk_size):
         logits = _final_logits(model, head(h[s : s + chunk_size]))  # [c, V], compute dtype
@@ -221,7 +241,10 @@ def _head_logprobs(
             logits = logits.float() / temperature
         with torch.autocast(h.device.type, enabled=False):  # the loss maths in fp32 (autocast would run vecdot in bf16)
             lp, e = logprobs_from_logits(logits, targets[s : s + chunk_size], entropy)  # [c], [c] or None
-            if truncation:
+            if nucleus is not None:
+                logp_all = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
+                kepts.append(nucleus_log_mass(logp_all, nucleus[s : s + chunk_size], targets[s : s + chunk_size]))
+            elif truncation:
                 logp_all = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
                 kepts.append(log_kept_mass(logp_all, truncate_logprobs(logp_all, *truncation)))
             if logit_stats:
@@ -235,7 +258,7 @@ def _head_logprobs(
         return (torch.cat(parts) if parts else blank) if asked else None
 
     return HeadScores(logp=joined(logps, True, empty), entropy=joined(ents, entropy, empty),
-                      log_kept=joined(kepts, bool(truncation), empty),
+                      log_kept=joined(kepts, bool(truncation) or nucleus is not None, empty),
                       stats=joined(stats, logit_stats, torch.zeros(0, 3, device=h.device)))
 
 

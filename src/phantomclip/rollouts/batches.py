@@ -40,6 +40,12 @@ class Batches:
     """per sequence: its recorded advantage."""
     logprobs: str
     sampling: RecordedSampling | None
+    trained: list[torch.Tensor] | None = None
+    """per batch, [B_i, T_i] bool on the packed grid: the completion tokens the policy sampled (Record.loss_mask 1),
+    where some record marks context tokens; None: every completion token."""
+    nuclei: list[torch.Tensor] | None = None
+    """per batch, [B_i, T_i, K_i] int32: the recorded nucleus of each completion token (Record.nucleus), −1 padded,
+    where the records carry one; None: none recorded."""
 
 
 def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, batch_size: int,
@@ -50,11 +56,12 @@ def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, 
     so nothing is scored before every record has passed its checks."""
     rollouts: list[Rollout] = []
     routes: list[Routes] = []
+    extras: dict[str, list[torch.Tensor]] = {"trained": [], "nuclei": []}
     steps: list[int | None] = []
     advantages: list[float | None] = []
     batch: list[Record] = []
     first: tuple[str, str, RecordedSampling | None] | None = None
-    has_routes = None
+    has_routes = has_nucleus = None
     for located in records:
         r, where = located.record, located.where
         check_against_model(r, where, shape)
@@ -65,24 +72,27 @@ def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, 
             raise fail(where, f"logprobs/sampling ({kind[0]}, {kind[1]}) differ from {first[0]}'s ({first[1]}, "
                                f"{first[2]}): one run measures one sampling distribution; split the file")
         if has_routes is None:
-            has_routes = r.routed_experts is not None
-        elif has_routes != (r.routed_experts is not None):
-            raise fail(where, "routed_experts is given for some records and not others: record them for every "
-                               "sequence or for none")
+            has_routes, has_nucleus = r.routed_experts is not None, r.nucleus is not None
+        elif has_routes != (r.routed_experts is not None) or has_nucleus != (r.nucleus is not None):
+            name = "routed_experts" if has_routes != (r.routed_experts is not None) else "nucleus"
+            raise fail(where, f"{name} is given for some records and not others: record it for every sequence or "
+                               "for none")
         steps.append(r.step if r.step is not None else r.weight_version)
         advantages.append(r.advantage)
         batch.append(r)
         if len(batch) == batch_size:
-            _close_batch(batch, rollouts, routes, kind, shape)
+            _close_batch(batch, rollouts, routes, kind, shape, extras)
         if limit and len(steps) == limit:
             break
     if batch:
-        _close_batch(batch, rollouts, routes, first[1:], shape)
+        _close_batch(batch, rollouts, routes, first[1:], shape, extras)
     if first is None:
         raise RecordError("the rollout file holds a header and no record: nothing to measure")
     logprobs, sampling = first[1:]
     return Batches(header=header, rollouts=rollouts, routes=routes if has_routes else None, steps=steps,
-                   advantages=advantages, logprobs=logprobs, sampling=sampling)
+                   advantages=advantages, logprobs=logprobs, sampling=sampling,
+                   trained=extras["trained"] if any(t is not None for t in extras["trained"]) else None,
+                   nuclei=extras["nuclei"] if has_nucleus else None)
 
 
 def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
@@ -98,6 +108,10 @@ def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
     if length > shape.context:
         raise fail(where, f"prompt + completion is {length} tokens, longer than the model's context "
                            f"({shape.context}): give the checkpoint that sampled them")
+    top = max((max(ids) for ids in r.nucleus or [] if ids), default=-1)
+    if top >= shape.vocab:
+        raise fail(where, f"nucleus names token {top}, outside the model's vocabulary ({shape.vocab} ids): give the "
+                           "checkpoint that sampled these tokens")
     if r.routed_experts is None:
         return
     if shape.moe is None:
@@ -114,12 +128,46 @@ def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
 
 
 def _close_batch(batch: list[Record], rollouts: list[Rollout], routes: list[Routes], kind: tuple,
-                 shape: ModelShape) -> None:
-    """Pack the batch's records as a Rollout (and their routes), then empty the batch."""
+                 shape: ModelShape, extras: dict[str, list]) -> None:
+    """Pack the batch's records as a Rollout (and their routes, loss masks and nuclei), then empty the batch."""
     rollouts.append(to_rollout(batch, *kind))
     if batch[0].routed_experts is not None:
         routes.append(routes_on_grid(batch, shape))
+    extras["trained"].append(trained_on_grid(batch))
+    if batch[0].nucleus is not None:
+        extras["nuclei"].append(nuclei_on_grid(batch))
     batch.clear()
+
+
+def _grid(records: list[Record]) -> tuple[int, int]:
+    """(P, T) of the packed batch (`Rollout.pack`: prompts left-padded to P columns, completions from column P)."""
+    P = max(len(r.prompt_ids) for r in records)
+    return P, P + max(max(len(r.completion_ids) for r in records), 1)
+
+
+def trained_on_grid(records: list[Record]) -> torch.Tensor | None:
+    """[B, T] bool: True on the completion tokens whose loss_mask is 1 (every completion token of a record without
+    one), False on context; None where no record marks context."""
+    if all(r.loss_mask is None for r in records):
+        return None
+    P, T = _grid(records)
+    keep = torch.zeros(len(records), T, dtype=torch.bool)  # [B, T]
+    for b, r in enumerate(records):
+        n = len(r.completion_ids)
+        keep[b, P : P + n] = torch.tensor(r.loss_mask, dtype=torch.bool) if r.loss_mask is not None else True
+    return keep
+
+
+def nuclei_on_grid(records: list[Record]) -> torch.Tensor:
+    """[B, T, K] int32: the nucleus of the completion token at each column (−1 padded to K, the largest nucleus;
+    −1 everywhere else)."""
+    P, T = _grid(records)
+    K = max(max((len(ids) for ids in r.nucleus), default=0) for r in records)
+    out = torch.full((len(records), T, max(K, 1)), -1, dtype=torch.int32)  # [B, T, K]
+    for b, r in enumerate(records):
+        for t, ids in enumerate(r.nucleus):
+            out[b, P + t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
 
 
 def to_rollout(records: list[Record], logprobs: str, sampling: RecordedSampling | None) -> Rollout:

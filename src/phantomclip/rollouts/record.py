@@ -159,6 +159,14 @@ class Record:
     """overrides the header's; None: the header's."""
     sampling: RecordedSampling | None = None
     """overrides the header's; None: the header's."""
+    loss_mask: list[int] | None = None
+    """one 0 or 1 per completion token: 0 on tokens the policy did not sample (a multi-turn sample's tool or
+    environment output, slime's loss_mask 0), which are read as context and left out of every figure, as the
+    trainer leaves them out of its loss; None: every completion token was sampled."""
+    nucleus: list[list[int]] | None = None
+    """per completion token, the token ids the engine's top-p kept when it sampled it (slime's
+    rollout_top_p_token_ids): 'processed' log-probs are renormalised over exactly these (and the sampled token), on
+    the trainer's side too; None: the trainer's own truncation stands for the engine's."""
     canary: bool | None = None
     """True for a probe record (the canary, docs/rollouts.md "Engine or learning"): fixed tokens the engine read, not
     sampled, at this step's weights; kept out of the run's own figures and read step by step on their own."""
@@ -328,7 +336,30 @@ def parse_record(obj, where: str) -> Record:
         routed_experts=_routes(obj.get("routed_experts"), where, len(prompt) + len(completion)),
         finished=finished, logprobs=_logprobs_mode(obj.get("logprobs"), where, optional=True),
         sampling=_sampling(obj.get("sampling"), where), canary=canary or None,
+        loss_mask=_loss_mask(obj.get("loss_mask"), where, len(completion)),
+        nucleus=_nucleus(obj.get("nucleus"), where, len(completion)),
     )
+
+
+def _loss_mask(value, where: str, n: int) -> list[int] | None:
+    """One 0/1 per completion token (True/False read as 1/0); None where every token is 1."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n or any(v not in (0, 1) for v in value):
+        raise fail(where, f"loss_mask must be one 0 or 1 per completion token ({n}), got {_show(value)}")
+    return None if all(value) else [int(v) for v in value]
+
+
+def _nucleus(value, where: str, n: int) -> list[list[int]] | None:
+    """Per completion token, a list of token ids (checked against the vocabulary later, `check_against_model`)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        got = len(value) if isinstance(value, list) else _show(value)
+        raise fail(where, f"nucleus has {got} entries for {n} completion tokens: give the kept token ids of each")
+    for i, ids in enumerate(value):
+        _int_list(ids, where, f"nucleus[{i}]", minimum=0)
+    return value
 
 
 def _logprobs_mode(value, where: str, optional: bool = False) -> str | None:

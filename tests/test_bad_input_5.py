@@ -94,8 +94,8 @@ def _slime(tmp_path: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"loss_mask": 1}, "loss_mask = 1 is not a list"),
-    ({"loss_mask": torch.tensor(1)}, "loss_mask = 1 is not a list"),
+    ({"loss_mask": 1}, "loss_mask must be one 0 or 1 per completion token (2), got 1"),
+    ({"loss_mask": torch.tensor(1)}, "loss_mask must be one 0 or 1 per completion token (2), got 1"),
     ({"weight_versions": 5}, "weight_versions = 5 is not a list"),
     ({"weight_versions": ["²"]}, "weight_versions[0] = '²' is not a version number"),
     ({"weight_versions": ["9" * 5000]}, "weight_versions[0] = '99999"),
@@ -127,7 +127,7 @@ def test_an_empty_torch_file_and_parquet_metadata_that_is_no_object_are_one_line
     miles = tmp_path / "rollout_1.parquet"
     pq.write_table(pa.Table.from_pylist([{"tokens": [1, 2, 3], "response_length": 1, "rollout_log_probs": [-1.0],
                                           "loss_mask": 1}]), miles)
-    assert "row 0: loss_mask = 1 is not a list" in _read_error(miles)
+    assert "row 0: loss_mask must be one 0 or 1 per completion token (1), got 1" in _read_error(miles)
 
 
 # ------------------------------------------------------------------------------------------------ 6: typed flags

@@ -26,8 +26,8 @@ from ..base.errors import IntegrationError, ascii_digits
 from ..base.files import check_output_dir
 from ..base.numerics import parse_dtype
 from ..precision.fp8_vllm import PLAIN, QUANT_NAMES, installed_build
-from ..rollouts.readers import VERSION_DIGITS
 from ..rollouts.record import EngineInfo, Header, Record, RecordedSampling, RecordError, parse_record, write_records
+from ..rollouts.slime_dumps import VERSION_DIGITS
 
 VLLM_LOGPROBS = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw", "processed": "processed"}
 """vLLM's `logprobs_mode` values (vllm/config/model.py, LogprobsMode; default 'raw_logprobs') -> the record's."""

@@ -269,7 +269,7 @@ class _Hooks:
         else:
             missing = torch.zeros_like(versions, dtype=torch.bool)
         stats = offpolicy_stats(self.latest - versions, rewrite.clip_log, tokens.advantages, rewrite.weight,
-                                rewrite.capped, missing, substitute, eps_low=self.trainer.epsilon_low,
+                                rewrite.capped, missing, substitute=substitute, eps_low=self.trainer.epsilon_low,
                                 eps_high=self.trainer.epsilon_high, bound=staleness_bound(self.trainer.args))
         self.offpolicy = offpolicy_figures(stats)
         sink = self.trainer._metrics["train"]

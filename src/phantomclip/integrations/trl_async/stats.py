@@ -96,8 +96,8 @@ OFFPOLICY_PAIRS = ("staleness_mean", "clip_rate", "weight_mean", "capped_share")
 
 
 def offpolicy_stats(staleness: torch.Tensor, clip_log: torch.Tensor, advantages: torch.Tensor,
-                    weight: torch.Tensor | None, capped: torch.Tensor | None, missing: torch.Tensor,
-                    substitute: torch.Tensor | None = None, *, eps_low: float, eps_high: float, bound: int) -> dict:
+                    weight: torch.Tensor | None, capped: torch.Tensor | None, missing: torch.Tensor, *,
+                    substitute: torch.Tensor | None = None, eps_low: float, eps_high: float, bound: int) -> dict:
     """What the fix logs on every micro-batch under every ratio, over every rank's trained tokens [M]: their
     staleness, |α| per staleness k = 0 .. bound (α: the log-ratio the fix's clip decides on, the policy's move since
     the sample's version as that ratio measures it: 0 by definition under "decoupled"), the share the clip cuts,

@@ -296,11 +296,12 @@ def test_the_input_is_split_by_step_once(run, tmp_path):
     ckpts, records = run
     steps = _steps_dir(tmp_path, records, canary=ckpts.parent / "canary")
     (tmp_path / "parts").mkdir()
-    files = split_by_step(str(steps), list(STEPS), tmp_path / "parts")
+    files, tokens = split_by_step(str(steps), list(STEPS), tmp_path / "parts")
     for step in STEPS:
         lines = Path(files[step]).read_text().splitlines()
         got = [json.loads(x) for x in lines[1:]]
         assert len(got) == len(records[step]) - 1 and {r["step"] for r in got} == {step}
+        assert tokens[step] == sum(len(r["completion_ids"]) for r in got)
         assert not any(r.get("canary") for r in got) and json.loads(lines[0])["engine"]["dtype"] == "bfloat16"
 
 
@@ -317,3 +318,17 @@ def test_evaluation_dumps_are_named_and_never_merged_into_a_step(run, tmp_path):
     d = _postmortem(tmp_path / "b", steps, "--checkpoints", str(ckpts))
     assert [r["beta_abs_mean"] for r in _rows(d)] == [r["beta_abs_mean"] for r in _rows(clean)]
     assert any(n.startswith("left out 1 evaluation dump(s) (eval_10.jsonl)") for n in d["engine"]["notes"])
+
+
+def test_the_rest_of_a_post_mortem_is_estimated_from_its_first_step():
+    """Hand-worked: the first step took 12 s for 40 tokens; the other three hold 10, 20 and 90 tokens. A fixed cost
+    per step gives 3 x 12 = 36 s; a cost per token 12 x 120 / 40 = 36 s as well: one figure. With 400 tokens left
+    (10 steps of 40) against one 4-token first step: fixed 10 x 12 = 120 s, per token 12 x 400 / 4 = 1200 s = 20 min:
+    a range, said in minutes."""
+    from phantomclip.diagnose.postmortem import estimate_line, remaining_seconds
+
+    assert remaining_seconds(12.0, 40, [10, 20, 90]) == (36.0, 36.0)
+    assert remaining_seconds(12.0, 4, [40] * 10) == (120.0, 1200.0)
+    line = estimate_line(3, 12.0, 40, [10, 20, 90])
+    assert "step 3 took 12.0 s for 40 completion tokens" in line and "the other 3 steps (120 tokens) about 36 s" in line
+    assert "between 2 min and 20 min more" in estimate_line(3, 12.0, 4, [40] * 10)

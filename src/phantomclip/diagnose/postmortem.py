@@ -20,6 +20,7 @@ import dataclasses
 import json
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,11 +77,15 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
     held = HeldModel()
     order = sorted(steps, key=lambda s: (str(matches[s].sampled_by), s))  # one load per checkpoint measured against
     with tempfile.TemporaryDirectory(prefix="phantomclip-steps-") as parts:
-        files = split_by_step(cfg.rollouts, steps, Path(parts))  # the input read once, not once a step
+        files, tokens = split_by_step(cfg.rollouts, steps, Path(parts))  # the input read once, not once a step
         for i, step in enumerate(order):
             say(f"post-mortem: step {step} ({i + 1} of {len(steps)})", markup=False)
+            started = time.perf_counter()
             result = diagnose_step(dataclasses.replace(cfg, rollouts_part=files[step]), step, matches[step],
                                    candidates, console, held)
+            if i == 0 and len(order) > 1:
+                say(estimate_line(step, time.perf_counter() - started, tokens[step],
+                                  [tokens[s] for s in order[1:]]), markup=False)
             rows[step] = {**step_row(step, matches[step], candidates, result), "canary": probe.get(step)}
             last = result if step == steps[-1] else last
     last["postmortem"] = {"steps": [rows[s] for s in steps], "checkpoints": cfg.checkpoints or None,
@@ -102,20 +107,46 @@ class HeldModel:
         return self.lm
 
 
-def split_by_step(path: str, steps: list[int], directory: Path) -> dict[int, str]:
+def split_by_step(path: str, steps: list[int], directory: Path) -> tuple[dict[int, str], dict[int, int]]:
     """The run's records (not the canary's) of each step in a file of their own under `directory`, with the input's
-    header, in one read of the input (each record keeps the log-prob kind and sampling its own file gave it)."""
+    header, in one read of the input (each record keeps the log-prob kind and sampling its own file gave it); and each
+    step's completion tokens."""
     header, records = read_rollouts(path)
     by_step: dict[int, list] = {s: [] for s in steps}
     for located in records:
         if not located.record.canary and record_step(located.record) in by_step:
             by_step[record_step(located.record)].append(located.record)
-    files = {}
+    files, tokens = {}, {}
     for step, kept in by_step.items():
         files[step] = str(directory / f"step-{step}.jsonl")
+        tokens[step] = sum(len(r.completion_ids) for r in kept)
         write_records(files[step], header, kept)
         by_step[step] = []  # written: let it go
-    return files
+    return files, tokens
+
+
+def remaining_seconds(first_s: float, first_tokens: int, rest_tokens: list[int]) -> tuple[float, float]:
+    """The time the other steps will take, as a range, from the first step's: a step costs between the same as the
+    first (a fixed cost per step: the recipes' set-up and one forward each, which dominates small steps) and the
+    first's time per completion token times its own tokens (batched scoring, which dominates large ones). Returns
+    (low, high) seconds."""
+    fixed = first_s * len(rest_tokens)
+    per_token = first_s * sum(rest_tokens) / max(first_tokens, 1)
+    return min(fixed, per_token), max(fixed, per_token)
+
+
+def estimate_line(step: int, first_s: float, first_tokens: int, rest_tokens: list[int]) -> str:
+    """What the rest of a post-mortem will cost, said after its first step (the only measurement of this machine's
+    pace there is before the bulk starts)."""
+    low, high = remaining_seconds(first_s, first_tokens, rest_tokens)
+    span = f"about {_minutes(low)}" if high < 1.5 * low else f"between {_minutes(low)} and {_minutes(high)}"
+    return (f"post-mortem: step {step} took {first_s:.1f} s for {first_tokens} completion tokens; the other "
+            f"{len(rest_tokens)} steps ({sum(rest_tokens)} tokens) {span} more at this pace (--rollouts-step N "
+            "measures one step)")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def diagnose_step(cfg: DiagnoseConfig, step: int, match: Match, candidates: dict, console,

@@ -107,16 +107,15 @@ def _argument_key(text: str) -> str:
 
 
 MEASURED_FIELDS = {
-    "model": lambda h: h.model.strip(),
     "engine.dtype": lambda h: _dtype_key(h.engine.dtype),
     "engine.quantization": lambda h: _argument_key(h.engine.quantization),
     "engine.kv_cache_dtype": lambda h: _argument_key(h.engine.kv_cache_dtype),
 }
-"""the header fields that change what is measured, as the value compared across the files of one directory: which
-checkpoint sampled (β checks the records against it), the engine's dtype (the shadow's) and its FP8 arguments (β_quant
-split off or not). The log-prob kind and the sampling are a record's own (a record may override its header's): every
-record is held to one kind and sampling by rollouts.batches.pack_records. The rest (the engine's name, version,
-device, the source, the date) is said, never measured."""
+"""the header fields compared across one directory's files: the engine's dtype (a file that records none agrees:
+UNSET_AGREES) and its FP8 arguments (unset means none). Not the model: a run's steps are sampled by different
+checkpoints, found by matching (diagnose.which_weights). The log-prob kind and sampling are a record's own, held to
+one per measurement by batches.pack_records. The rest (engine name, version, device, source, date) is only said."""
+UNSET_AGREES = {"engine.dtype"}
 
 
 def check_same_measurement(first: Header, first_name: str, other: Header, other_name: str) -> None:
@@ -125,9 +124,9 @@ def check_same_measurement(first: Header, first_name: str, other: Header, other_
     file's FP8 or fp32 engine measured as the first file's bf16 one gives a β of nothing that ran."""
     for name, key in MEASURED_FIELDS.items():
         a, b = key(first), key(other)
-        if a != b:
+        if a != b and not (name in UNSET_AGREES and not (a and b)):
             raise RecordError(f"{other_name}: {name} {b!r} differs from {first_name}'s {a!r}: one directory is "
-                              "measured as one engine on one checkpoint; measure the files apart (--rollouts FILE) "
+                              "measured as one engine; measure the files apart (--rollouts FILE) "
                               "or put them in directories of their own")
 
 

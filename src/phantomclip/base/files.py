@@ -297,6 +297,25 @@ def check_distinct_outputs(outputs: dict[str, str | Path]) -> None:
             seen[key] = f"{flag} {printable(str(path))}"
 
 
+OWN_OUTPUT = re.compile(rb'\A\s*\{\s*"(?:schema|phantomclip_rollouts)"\s*:')
+"""how a file phantomclip wrote begins: a result JSON's first key is its "schema" (diagnose, trace, compare), a
+rollout file's header's first key "phantomclip_rollouts"."""
+
+
+def check_replaceable(path: str | Path, flag: str) -> None:
+    """Refuse (ConfigError), before any work, an output path where a non-empty regular file is that phantomclip did
+    not write (OWN_OUTPUT): a user's file is never replaced unless they remove it; a run's earlier output is
+    (replaces_a_file says so once written)."""
+    if not replaces_a_file(path):
+        return
+    target, _ = output_target(path)
+    with open(target, "rb") as f:
+        head = f.read(256)
+    if head and not OWN_OUTPUT.match(head):
+        raise ConfigError(f"{flag} {printable(str(path))}: a file phantomclip did not write is there and is never "
+                          "replaced: remove it first or choose another path")
+
+
 def replaces_a_file(path: str | Path) -> bool:
     """Whether writing the output `path` replaces a regular file already there (a stream such as /dev/stdout is
     written into, a new path creates one): what the line saying it was written adds."""

@@ -19,8 +19,9 @@ from .flags import (
 )
 from .sources import apply_run_config, apply_trainer_config
 
-JSON_PATHS = (" (a file is replaced whole, through a temp file; a symlink's target is replaced, the link kept; a "
-              "device or FIFO such as /dev/stdout is written into; a directory is refused)")
+JSON_PATHS = (" (an earlier phantomclip output is replaced whole, through a temp file; a file phantomclip did not "
+              "write is refused; a symlink's target is replaced, the link kept; a device or FIFO such as /dev/stdout "
+              "is written into; a directory is refused)")
 """what --json does with what is already at PATH (files.output_target)."""
 
 
@@ -245,10 +246,11 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=N
     precheck(cfg) when given), run(cfg, stderr console) -> result, render(result, stdout console), then the result
     written to --json; the exit status is check(result)'s when given (diagnose's --fail-if gates), else 0.
     `outputs(cfg)`: the job's other output files by flag (diagnose's --save-rollouts), checked with --json before any
-    work (writable, no two of them the same file) and each said once written, with a word where it replaced a file."""
+    work (writable, no two of them the same file, no file phantomclip did not write) and each said once written,
+    with a word where it replaced an earlier output."""
     from rich.console import Console
 
-    from ..base.files import check_distinct_outputs, check_output_path, replaces_a_file, write_json
+    from ..base.files import check_distinct_outputs, check_output_path, check_replaceable, replaces_a_file, write_json
 
     cfg = config_from_args(cls, args)
     cfg.validate()
@@ -258,6 +260,8 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=N
     for flag, path in named.items():
         check_output_path(path, flag)
     check_distinct_outputs(named)
+    for flag, path in named.items():
+        check_replaceable(path, flag)
     replaced = {flag for flag, path in named.items() if replaces_a_file(path)}
     result = run(cfg, Console(stderr=True))
     render(result, Console())

@@ -154,9 +154,10 @@ class DiagnoseConfig:
     learning"). Empty: every step against --model."""
     save_rollouts: str = ""
     """also write what the engine sampled as a rollout file, for `--rollouts` later, e.g. on another machine or with
-    another checkpoint; as --json writes PATH: a file is replaced whole, through a temp file (the line that says it
-    was written says so), a device or FIFO such as /dev/stdout is written into; a directory, an unwritable place or
-    the --json file is refused before sampling. Empty: none."""
+    another checkpoint; as --json writes PATH: an earlier phantomclip output is replaced whole, through a temp file
+    (the line that says it was written says so), a device or FIFO such as /dev/stdout is written into; a file
+    phantomclip did not write, a directory, an unwritable place or the --json file is refused before sampling.
+    Empty: none."""
     checkpoint_lag: int | None = 0
     """steps between the recorded tokens and the checkpoint measuring them (a post-mortem sets it; None: unknown):
     the check that the records belong to the checkpoint (recorded.check_belongs) is made only at 0, since a later

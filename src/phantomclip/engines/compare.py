@@ -20,6 +20,9 @@ from ..models.prompts import bundled_prompts, encode_within
 from . import ENGINE_KINDS, start_engine
 from .local import SamplingParams
 
+COMPARE_SCHEMA = 1
+"""the version of `compare --json`'s layout (its first key, as every phantomclip result's: files.OWN_OUTPUT)."""
+
 
 class CompareError(PhantomclipError):
     """A bad `engines` setting; the message says what to do."""
@@ -115,4 +118,5 @@ def run_compare(cfg: CompareConfig, console=None) -> dict:
     device = resolve_device(cfg.device)
     lm = load_model(cfg.model, progress=say)
     lm.model.to(device)
-    return {"config": asdict(cfg), "device": describe_device(device), "rows": compare_engines(cfg, lm, say=say)}
+    return {"schema": COMPARE_SCHEMA, "config": asdict(cfg), "device": describe_device(device),
+            "rows": compare_engines(cfg, lm, say=say)}

@@ -231,14 +231,25 @@ class RolloutRecorder(_Recorder):
     `{out_dir}/step-{step:06d}-rank{rank}.jsonl` per generation, with each completion's prompt and completion ids,
     vLLM's log-probs of them (`sampling_per_token_logps`, processed: TRL asks vLLM for them), its advantage, the
     step and the weight version (the step of the last weight sync). Changes nothing TRL computes: it reads the
-    dict `_generate_and_score_completions` returns (trl 1.16 grpo_trainer.py)."""
+    dict `_generate_and_score_completions` returns (trl 1.16 grpo_trainer.py).
 
-    def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16", every: int = 1):
+    `canary`: True (the documented probe, `default_probe` of the trainer's tokenizer) or fixed token-id sequences:
+    right after every weight sync, vLLM's reading of them (`read_canary`) is written as canary records of that step,
+    `{out_dir}/canary-{step:06d}-rank{rank}.jsonl`, for the post-mortem's engine-or-learning test (docs/rollouts.md).
+    vLLM colocate mode only (the server's client has no prompt log-prob call), and not with vllm_enable_sleep_mode
+    (the KV cache sleeps between generations)."""
+
+    def __init__(self, out_dir: str | Path, engine_dtype: str = "bfloat16", every: int = 1,
+                 canary: bool | list[list[int]] = False):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise IntegrationError(f"RolloutRecorder: every must be a whole number >= 1, got {every!r}")
+        if canary is not True and canary is not False and not (
+                isinstance(canary, list) and canary and all(isinstance(c, list) and len(c) >= 2 for c in canary)):
+            raise IntegrationError("RolloutRecorder: canary must be True, False or a list of fixed token-id "
+                                   f"sequences of two or more ids each, got {type(canary).__name__}")
         check_engine("RolloutRecorder", engine_dtype)
         check_out_dir("RolloutRecorder", out_dir)
-        self.out_dir, self.engine_dtype, self.every = Path(out_dir), engine_dtype, every
+        self.out_dir, self.engine_dtype, self.every, self.canary = Path(out_dir), engine_dtype, every, canary
         self.trainer = None
         self.files: list[Path] = []
 
@@ -255,7 +266,10 @@ class RolloutRecorder(_Recorder):
         if not trainer.use_vllm:
             raise IntegrationError("RolloutRecorder needs use_vllm=True: without vLLM, TRL samples with the "
                                    "trainer's own model and there is no engine log-prob to record")
+        probe = self._probe(trainer) if self.canary else None
         self.trainer, trainer._pc_recorder = trainer, self
+        if probe is not None:
+            read_canary_after_sync(trainer.vllm_generation, lambda: self.record_canary(probe))
         original = trainer._generate_and_score_completions
         recorder = self
 
@@ -267,6 +281,30 @@ class RolloutRecorder(_Recorder):
             return batch
 
         trainer._generate_and_score_completions = generate_and_record
+
+    def _probe(self, trainer) -> list[list[int]]:
+        """The canary's fixed sequences, after the checks that it can be read in this trainer's vLLM mode."""
+        generation = getattr(trainer, "vllm_generation", None)
+        if getattr(generation, "mode", None) != "colocate" or getattr(generation, "llm", None) is None:
+            raise IntegrationError("RolloutRecorder(canary=...) needs vllm_mode='colocate': TRL's vLLM server client "
+                                   "has no prompt log-prob call; record the canary on the server's side "
+                                   "(record_canary on its LLM after each sync)")
+        if getattr(generation, "enable_sleep_mode", False):
+            raise IntegrationError("RolloutRecorder(canary=...) does not work with vllm_enable_sleep_mode=True yet "
+                                   "(vLLM's KV cache sleeps between generations): turn one of them off")
+        if self.canary is True:
+            tokenizer = trainer.processing_class
+            return default_probe(getattr(tokenizer, "tokenizer", tokenizer))
+        return [list(s) for s in self.canary]
+
+    def record_canary(self, probe: list[list[int]]) -> Path:
+        """vLLM's reading of the fixed probe now, as canary records of the step the sync is for."""
+        step, rank = self.trainer.state.global_step, self.trainer.accelerator.process_index
+        path = self.out_dir / f"canary-{step:06d}-rank{rank}.jsonl"
+        record_canary(self.trainer.vllm_generation.llm, probe, path, self.engine_dtype, step=step,
+                      model=str(getattr(self.trainer.model.config, "_name_or_path", "")))
+        self.files.append(path)
+        return path
 
     def record(self, batch: dict, step: int, version: int | None) -> Path | None:
         """One generation's batch as a rollout file; the rows TRL masked whole (truncated completions) or that have a
@@ -293,6 +331,19 @@ class RolloutRecorder(_Recorder):
         write_records(path, header, _checked(records, str(path)))
         self.files.append(path)
         return path
+
+
+def read_canary_after_sync(generation, read) -> None:
+    """Call `read()` after every weight sync of TRL's `VLLMGeneration` (trl 1.16 generation/vllm_generation.py
+    `sync_weights`, which GRPOTrainer calls once per step before generating), whatever sync is installed when the
+    recorder attaches (TRL's own, or integrations.trl.sync_vllm_by_reload's: call that one first)."""
+    sync = generation.sync_weights
+
+    def sync_then_read() -> None:
+        sync()
+        read()
+
+    generation.sync_weights = sync_then_read
 
 
 class AsyncRolloutRecorder(_Recorder):

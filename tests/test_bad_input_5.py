@@ -1,4 +1,4 @@
-"""Bad input and faults, fifth pass (issue 59): what a recorded file, its header, a recorder, a config's IS-mode and a
+"""Bad input and faults, fifth pass: what a recorded file, its header, a recorder, a config's IS-mode and a
 signal can do. One test per class, each with the audit's instance and a variant; every refusal is one line naming the
 file and the field (or the flag), exit 2, no traceback.
 """

@@ -29,10 +29,11 @@ def _tensors(cfg: DiagnoseConfig):
 
 def test_json_holds_every_framework_computed_from_the_beta_tensors(tmp_path, capsys):
     """Every framework's figures in the JSON are maths/frameworks.py's functions of (logp, logp_engine, completion
-    mask), the same full-vocabulary logp_engine as β. Compared against the unrounded tensors of an in-process run of the
-    same phases with the same config and seeds, which gives bit-identical tensors (the golden test holds whole runs
-    to 1e-12), so the only slack is the JSON's float round trip: exact. top-p 0.8 makes the engine's processed
-    column differ from the full one, so a wiring to the wrong column (or to the shadow's logp) would show."""
+    mask), the same full-vocabulary logp_engine as β (TRL's: the processed one TRL itself compares with). Compared
+    against the unrounded tensors of an in-process run of the same phases with the same config and seeds, which
+    gives bit-identical tensors (the golden test holds whole runs to 1e-12), so the only slack is the JSON's float
+    round trip: exact. top-p 0.8 makes the engine's processed column differ from the full one, so a wiring to the
+    wrong column (or to the shadow's logp) would show."""
     out = tmp_path / "d.json"
     assert main(TINY + ["--top-p", "0.8", "--json", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())  # undo the console's wrap
@@ -48,14 +49,17 @@ def test_json_holds_every_framework_computed_from_the_beta_tensors(tmp_path, cap
         got = d["recipes"][recipe]["frameworks"]
         assert list(got) == list(FRAMEWORKS)
         for name, fn in FRAMEWORKS.items():
-            want = fn(logp[recipe], ref.logp_engine, mask)
+            # TRL compares its trainer with vLLM's processed log-probs (tests/test_trl_truncated.py), the rest the
+            # full-vocabulary column β is taken on
+            column = ref.logp_engine_processed if name == "trl" else ref.logp_engine
+            want = fn(logp[recipe], column, mask)
             assert list(got[name]) == list(want), (recipe, name)
             for figure, value in want.items():
                 # JSON writes NaN/inf as null
                 assert got[name][figure] == (value if math.isfinite(value) else None), (recipe, name, figure)
             assert figs.recipes[recipe]["frameworks"][name] == pytest.approx(want, nan_ok=True)
-        # against the processed column the figures differ: the test can tell the columns apart
-        other = FRAMEWORKS["trl"](logp[recipe], ref.logp_engine_processed, mask)
+        # against the full column TRL's figures differ: the test can tell the columns apart
+        other = FRAMEWORKS["trl"](logp[recipe], ref.logp_engine, mask)
         assert other["sampling/sampling_logp_difference/mean"] != got["trl"]["sampling/sampling_logp_difference/mean"]
     # the printed table: the first recipe's headline and bounded figures, with thresholds and verdicts
     assert "what each framework would log: fp32 trainer against the bf16 local engine" in printed

@@ -1,4 +1,4 @@
-"""TRL under truncated sampling (issue 56 item 7): TRL's IS figures compare its trainer's log-probs (temperature, full
+"""TRL under truncated sampling: TRL's IS figures compare its trainer's log-probs (temperature, full
 vocabulary) with vLLM's processed ones (renormalised over top-p's kept tokens: trl 1.16 asks vLLM for
 logprobs_mode='processed_logprobs'), so what phantomclip says TRL would log is computed on that pair, and the
 `--setup trl-grpo` answer names the down-weighting it brings.

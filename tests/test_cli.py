@@ -61,7 +61,7 @@ def test_fp32_engine_against_fp32_trainer_is_zero_gap(tmp_path, capsys, tiny, ti
     assert "Your fp32 trainer pushes no measured token outside the trust region" in printed
     # the answer comes first, and judges nothing here: the trainer is the local engine's own recipe, whose near-zero
     # gap is a property of the stand-in (it shares the trainer's kernels), not of the user's engine
-    assert printed.startswith("answer: NOT JUDGED: your fp32 trainer shares the local engine's kernels")
+    assert printed.startswith("answer: NOT JUDGED: your fp32 trainer's body runs the local engine's own kernels")
 
 
 def test_bad_inputs_exit_2_with_one_line(tmp_path, capsys):

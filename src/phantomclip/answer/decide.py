@@ -27,10 +27,13 @@ from .changes import (
     CORRECTION_ON,
     as_dicts,
     cap_advice,
-    changes,
     config_of,
     epsilon_advice,
+    kernel_rule,
+    none_passed_lines,
     stand_in_kernels,
+    tested_changes,
+    unranked_lines,
 )
 from .exposure import Exposure, exposure, outside, pct, region_text, user_recipe
 from .setups import IN_CLIP, IN_NEITHER, IN_WEIGHT
@@ -94,9 +97,9 @@ def status(result: dict) -> tuple[str, list[str]]:
     if unmapped:
         return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
                               f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
-    if stand_in_recipe(result) == user_recipe(result):
-        return "not judged", [f"your {user_recipe(result)} trainer shares the local engine's kernels, so its β here "
-                              "is zero or nearly so by construction and says nothing of your engine's; measure it "
+    if not kernel_rule(result, user_recipe(result))[0]:
+        return "not judged", [f"your {user_recipe(result)} trainer's body runs the local engine's own kernels, so "
+                              "its β here holds no engine's kernel gap and says nothing of your engine's; measure it "
                               "with --engine vllm or --rollouts FILE from your engine"]
     mine = result["recipes"][user_recipe(result)]
     share, said = judged(result, exposure(result))
@@ -337,7 +340,9 @@ def answer(result: dict) -> dict:
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]
-    found = changes(result, framework, word, stand_in_recipe(result))
+    found, tested = tested_changes(result, framework, word, stand_in_recipe(result))
+    if word != "not judged":
+        reasons += unranked_lines(result) + (none_passed_lines(found, tested) if LEVELS[word] else [])
     return {
         "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
                      "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),

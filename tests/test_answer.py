@@ -383,3 +383,22 @@ def test_ok_offers_no_change_in_the_answer_nor_in_the_verdict():
     said = verdict(r)
     assert "As the answer above says (OK): nothing to change." in said and "Change:" not in said
     assert not any(line.startswith("no measured change") for line in ans["reasons"])
+
+
+def test_every_knob_figure_names_its_length():
+    """TRL's defaults (sequence_mask, C = 3) sampled at 48 tokens for a max_completion_length of 256: the measured
+    keep setting is for the sampled length, the extrapolated one for 256 tokens, and each line says which; the
+    answer's correction line names the sampled length too."""
+    r = _weighted("sequence_mask", 3.0, **{"bf16-autocast": _rec(0.15), "fp32": _rec(0.03)})
+    r["knobs"]["length"] = {"sampled_mean": 48.0, "target": 256, "extrapolated": True}
+    r["knobs"]["sequence_mask"] = {"unit": "sequence", "setting": {"cap": 3.0}, "tokens": 0.15, "sequences": 0.15,
+                                   "keep": {"cap": 4.2357}, "ess": 0.85,
+                                   "at_length": {"extrapolated": True, "sequences": 0.4, "keep": {"cap": 26.65}}}
+    line = next(x for x in knob_lines(r["knobs"]) if x.startswith("sequence_mask"))
+    assert line == ("sequence_mask C = 3: drops 15.00% of sequences (15.00% of tokens); 40.00% of 256-token ones "
+                    "(extrapolated) -> C ≥ 4.24 for 99% of sequences untouched at the sampled length (mean 48 tokens); "
+                    "C ≥ 26.7 for 99% of 256-token ones (extrapolated)")
+    reasons = answer(r)["reasons"]
+    i = reasons.index("  sequence_mask C = 3: 15.00% of sequences touched, ESS 0.850")  # 80 columns: split
+    assert reasons[i + 1] == "    (sampled: mean 48 tokens)"
+    assert "  40.00% of 256-token sequences (extrapolated: sample them to measure)" in reasons

@@ -209,9 +209,12 @@ def setup_lines(result: dict) -> list[str]:
                 *([f"  turn its correction on: {on}"] if on else [])]
     knob = correction_knob(result, exp) or {}
     ess = knob.get("ess")
+    touched = (f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
+               + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else ""))
+    length = sampled_length(result)
+    fits = len(touched + length) <= ANSWER_WIDTH - 2  # answer_lines indents each reason by 2
     lines = [f"{label}: clips its own log-probs; β is in its IS weight",
-             f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
-             + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else "")]
+             *([touched + length] if fits else [touched, *([f"   {length}"] if length else [])])]
     at = knob.get("at_length")
     if at and exp.unit == "sequence":
         n = (result.get("knobs") or {}).get("length", {}).get("target")
@@ -231,8 +234,23 @@ def knob_limit_lines(result: dict) -> list[str]:
         adv = cap_advice(result.get("knobs"), exp)
         if adv and not adv["within"]:
             need = f"[{adv['band'][0]:g}, {adv['band'][1]:g}]" if "band" in adv else f"C = {adv['cap']:g}"
-            return [f"keeping {100 * adv['keep_share']:g}% untouched needs {need}: past 2x yours, not offered"]
+            return [f"keeping {100 * adv['keep_share']:g}% untouched needs {need}: past 2x yours, not offered",
+                    *([f"  (for the sampled length: mean {sampled_mean(result):.0f} tokens)"]
+                      if sampled_mean(result) is not None and exp.unit == "sequence" else [])]
     return []
+
+
+def sampled_mean(result: dict) -> float | None:
+    """The sampled completions' mean length (the knob block's): the length every measured figure of the answer is
+    for, so that one extrapolated to another length is never read for it; None in a result without it."""
+    mean = ((result.get("knobs") or {}).get("length") or {}).get("sampled_mean")
+    return float(mean) if isinstance(mean, (int, float)) and math.isfinite(mean) else None
+
+
+def sampled_length(result: dict) -> str:
+    """' (sampled: mean 48 tokens)', or '' without the sampled length."""
+    mean = sampled_mean(result)
+    return "" if mean is None else f" (sampled: mean {mean:.0f} tokens)"
 
 
 RANDOM_WEIGHTS = "random "

@@ -102,3 +102,28 @@ def test_render_reads_only_the_dict(result):
     narrow = io.StringIO()
     render_diagnose(dict(result), Console(file=narrow, width=60))  # too narrow for a row per recipe: one row per figure
     assert "beta_abs_mean" in narrow.getvalue() and "fp32" in narrow.getvalue()
+
+
+def test_piped_output_breaks_no_word(monkeypatch):
+    """Piped (stdout not a terminal, no COLUMNS), the console lays out PIPED_WIDTH columns with no hard wrap: the
+    tables take their one-row-per-recipe layout and no recipe name is folded mid-word (Rich's default 80 columns
+    printed 'bf16-autoc' / 'ast'); a terminal keeps its own width."""
+    import json
+    import sys
+    from importlib.resources import files
+
+    from phantomclip.base.console import PIPED_WIDTH, stdout_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)  # a StringIO is no terminal
+    console = stdout_console()
+    assert console.width == PIPED_WIDTH and console.soft_wrap
+    demo = json.loads(files("phantomclip.report").joinpath("demo/diagnose.json").read_text())
+    render_diagnose(demo, console)
+    printed = out.getvalue()
+    names = list(demo["recipes"])
+    assert "bf16-autocast" in names
+    for line in printed.splitlines():
+        for word in line.split():  # every piece of a recipe name is the whole name
+            assert not any(n.startswith(word) and word != n and len(word) > 4 for n in names), (word, line)

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from .. import __version__
-from ..base.console import exit_at_once_on_interrupt, say_error
+from ..base.console import exit_at_once_on_interrupt, say_error, stdout_console
 from .flags import (
     EXIT_USAGE,
     OneLineParser,
@@ -157,7 +157,7 @@ def _experiment_parser(sub) -> None:
     helps = {
         "sanity": ("baseline and every intervention on reward = −length, same seeds and budget",
                    "Runs the baseline (trainer/engine precision as given) and each intervention under --seeds seeds, "
-                   "then prints per arm the mean and 95%% t interval over seeds, the paired difference to the baseline "
+                   "then prints per arm the mean and 95% t interval over seeds, the paired difference to the baseline "
                    "and a verdict (also summary.md / summary.json in --out)."),
         "epsilon": ("the ε sweep (0.05, 0.1, 0.2, 0.3) of the baseline and match-bf16",
                     "Runs the baseline and match-bf16 at each ε under --seeds seeds; read like sanity."),
@@ -202,7 +202,7 @@ def _run_experiment(args) -> int:
     only = _split_run_names(args.only, known) if args.only is not None else None
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
-    render_experiment(summary, Console())
+    render_experiment(summary, stdout_console())
     say(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
@@ -253,7 +253,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None) -> int:
     if args.json:
         check_output_path(args.json)
     result = run(cfg, Console(stderr=True))
-    render(result, Console())
+    render(result, stdout_console())
     if args.json:
         write_json(result, args.json)
         say(f"wrote {args.json}")

@@ -366,8 +366,10 @@ def test_a_figure_only_the_stand_ins_shared_kernels_produce_is_not_ranked():
     assert [c["setting"] for c in ans["changes"]] == ["dtype: float16", "with_async_shadow_ratio(AsyncGRPOTrainer)"]
     assert not any("fp32-head" in c["setting"] for c in ans["changes"])
     i = ans["reasons"].index("not ranked: fp32-head, 0.00% outside vs yours 1.50% (p = 3e-05):")
-    assert ans["reasons"][i + 1:i + 3] == ["  its bf16 body runs the local engine's own kernels;",
-                                           "  --engine vllm or --rollouts FILE from your engine measures it"]
+    assert ans["reasons"][i + 1:i + 5] == ["  its bf16 body runs the local engine's own kernels;",
+                                           "  --engine vllm or --rollouts FILE from your engine measures it",
+                                           "  the change it would be (TRL AsyncGRPOConfig):",
+                                           "    a fp32-head trainer (no AsyncGRPOConfig setting selects it)"]
     assert max(map(len, answer_lines(ans))) <= 80
     # the same record from vLLM on a GPU: fp32-head's figure holds that engine's kernel gap, and ranks first
     assert answer({**r, "engine": {**r["engine"], "kind": "vllm"}})["changes"][0]["share"] == 0.0

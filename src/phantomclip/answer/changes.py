@@ -225,17 +225,22 @@ def _recipe(result: dict, exp: Exposure, config: str, stand_in: str | None):
             best, best_gain = name, g
     if best is None:
         return None
-    settings = RECIPE_SETTINGS.get(config, {})
-    target, now = settings.get(best), settings.get(mine)
-    if config == "phantomclip":
-        fields, setting = {"trainer": best}, f"--trainer {best}"
-    elif target is None:
-        fields, setting = None, f"a {best} trainer (no {config} setting selects it)"
-    else:
-        fields = {k: v for k, v in target.items() if now is None or now.get(k) != v}
-        setting = as_pasted(fields, config)
+    fields, setting = recipe_setting(result, config, best)
     return Change(setting, _effect(exp, best_gain, kernel_rule(result, best)[1]), best_gain["other"], fields,
                   config), best_gain
+
+
+def recipe_setting(result: dict, config: str, name: str) -> tuple[dict | None, str]:
+    """(the fields, the pasted text) that move the user's recipe to recipe `name` in `config`: only the fields of
+    RECIPE_SETTINGS that differ from the user's recipe's; a sentence where no setting of `config` selects it."""
+    settings = RECIPE_SETTINGS.get(config, {})
+    target, now = settings.get(name), settings.get(user_recipe(result))
+    if config == "phantomclip":
+        return {"trainer": name}, f"--trainer {name}"
+    if target is None:
+        return None, f"a {name} trainer (no {config} setting selects it)"
+    fields = {k: v for k, v in target.items() if now is None or now.get(k) != v}
+    return fields, as_pasted(fields, config)
 
 
 def kernel_rule(result: dict, name: str) -> tuple[bool, str]:
@@ -263,16 +268,18 @@ MEASURE_KERNELS = "--engine vllm or --rollouts FILE from your engine measures it
 """what measures a figure the local engine's shared kernels produce (kernel_rule)."""
 
 
-def unranked_lines(result: dict) -> list[str]:
-    """One line per recipe `kernel_rule` keeps out of the ranking that would have touched fewer of the user's tokens:
-    its figure, why it is not offered, and what would measure it (two lines, each within the answer's 80 columns)."""
+def unranked_lines(result: dict, config: str = "phantomclip") -> list[str]:
+    """Lines for each recipe `kernel_rule` keeps out of the ranking that would have touched fewer of the user's
+    tokens: its figure, why it is not offered, what would measure it, and the change it would be in `config` (each
+    line within the answer's 80 columns)."""
     mine, exp, lines = user_recipe(result), exposure(result), []
     for name in result["recipes"]:
         g = None if name == mine or kernel_rule(result, name)[0] else recipe_gain(result, mine, name)
         if g is not None and g["other"] < g["mine"]:
-            dtype = result["engine"]["dtype"]
+            dtype, setting = result["engine"]["dtype"], recipe_setting(result, config, name)[1].splitlines()
             lines += [f"not ranked: {name}, {_effect(exp, g, '')}:",
-                      f"  its {dtype} body runs the local engine's own kernels;", f"  {MEASURE_KERNELS}"]
+                      f"  its {dtype} body runs the local engine's own kernels;", f"  {MEASURE_KERNELS}",
+                      f"  the change it would be ({CONFIG_NAMES.get(config, config)}):", *(f"    {x}" for x in setting)]
     return lines
 
 

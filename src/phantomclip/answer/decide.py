@@ -360,7 +360,8 @@ def answer(result: dict) -> dict:
     tr, eng = result["trust_region"], result["engine"]
     found, tested = tested_changes(result, framework, word, stand_in_recipe(result))
     if word != "not judged":
-        reasons += unranked_lines(result) + (none_passed_lines(found, tested) if LEVELS[word] else [])
+        reasons += (unranked_lines(result, config_of(result, framework))
+                    + (none_passed_lines(found, tested) if LEVELS[word] else []))
     return {
         "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
                      "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),

@@ -130,7 +130,7 @@ def as_pasted(fields: dict, config: str) -> str:
     """Fields as the user pastes them: YAML (nested where a key is dotted) for TRL's configs, key=value overrides for
     verl (its launcher's Hydra syntax), flags for phantomclip."""
     if config == "verl":
-        return "\n".join(f"{k}={_yaml_value(v)}" for k, v in fields.items())
+        return "\n".join(f"{k}={yaml_value(v)}" for k, v in fields.items())
     if config == "phantomclip":
         return " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
                         for k, v in fields.items())
@@ -146,7 +146,7 @@ def as_pasted(fields: dict, config: str) -> str:
     return yaml.safe_dump(nested, sort_keys=False, default_flow_style=False).strip()
 
 
-def _yaml_value(v) -> str:
+def yaml_value(v) -> str:
     """A value as YAML and Hydra write it: null, true/false, numbers in %g."""
     if v is None or isinstance(v, bool):
         return "null" if v is None else str(v).lower()

@@ -11,7 +11,7 @@ import math
 from ..base.numerics import parse_dtype
 from ..maths.metrics import HIGH_P, LOW_P
 from ..precision.recipes import engine_recipe
-from .changes import _yaml_value, kernel_rule
+from .changes import kernel_rule, yaml_value
 from .decide import answer, correction_knob, measured_engine, ranking, sampled_length
 from .exposure import exposure, region_text, user_recipe
 from .fp8_text import fp8_split_head
@@ -239,10 +239,10 @@ def _advice(result: dict, recs: dict[str, dict], ans: dict) -> str:
         head = (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
                 f"other{why}. β here is the {measured_engine(result)}'s rounding noise, amplified through the "
                 "network. ")
-    return head + change_sentence(ans)
+    return head + answer_sentence(ans)
 
 
-def change_sentence(ans: dict) -> str:
+def answer_sentence(ans: dict) -> str:
     """The answer's status and changes as one sentence: the changes in its order (fewest tokens touched first), each
     with its figure; under OK nothing to change; else why none is offered, as the answer's reasons say."""
     word = ans["status"].upper()
@@ -267,8 +267,8 @@ def one_line(change: dict) -> str:
     if not fields or change.get("config") == "phantomclip":
         return " ".join(change["setting"].split())
     if change.get("config") == "verl":
-        return " ".join(f"{k}={_yaml_value(v)}" for k, v in fields.items())
-    return ", ".join(f"{k}: {_yaml_value(v)}" for k, v in fields.items())
+        return " ".join(f"{k}={yaml_value(v)}" for k, v in fields.items())
+    return ", ".join(f"{k}: {yaml_value(v)}" for k, v in fields.items())
 
 
 def fmt_figure(v: float | None) -> str:

@@ -12,7 +12,7 @@ from ..base.numerics import parse_dtype
 from ..maths.metrics import HIGH_P, LOW_P
 from ..precision.recipes import engine_recipe
 from .changes import kernel_rule, yaml_value
-from .decide import answer, correction_knob, measured_engine, ranking, sampled_length
+from .decide import answer, correction_knob, measured_engine, ranking, sampled_mean
 from .exposure import exposure, region_text, user_recipe
 from .fp8_text import fp8_split_head
 from .setups import IN_CLIP, IN_WEIGHT
@@ -111,9 +111,15 @@ def _what_it_costs(result: dict) -> str:
         knob = correction_knob(result, exp) or {}
         return (f"; {exp.setup.label} clips on its own log-probs, so none of them is phantom-clipped: β enters its "
                 f"importance-sampling weight, where {exp.setting()} {exp.verb} {_share(knob.get('tokens'))} of tokens "
-                f"({_share(knob.get('sequences'))} of sequences){sampled_length(result)}")
+                f"({_share(knob.get('sequences'))} of sequences{_sampled(result)})")
     return (f"; {exp.setup.label} clips on its own log-probs and corrects nothing, so none of them is phantom-clipped, "
             "and each is trained on at full weight as if the trainer had sampled it")
+
+
+def _sampled(result: dict) -> str:
+    """'; sampled: mean 45 tokens': the length the correction's figures are for ('' without it)."""
+    mean = sampled_mean(result)
+    return "" if mean is None else f"; sampled: mean {mean:.0f} tokens"
 
 
 def _share(v) -> str:

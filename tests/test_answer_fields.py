@@ -15,6 +15,7 @@ from phantomclip.answer.changes import (
     CORRECTION_ON,
     EPSILON_FIELDS,
     FP8_OFF,
+    MODE_FIELDS,
     RECIPE_SETTINGS,
     REPLAY,
     _fp8_off_trl,
@@ -60,6 +61,8 @@ def _proposed() -> dict[str, set[str]]:
     out["GRPOConfig"].add(CORRECTION_ON["trl-grpo"].split(":")[0])
     out["verl"].add(CORRECTION_ON["verl-decoupled"].split("=")[0])
     out["verl"].add("algorithm.rollout_correction.rollout_rs_threshold")  # the IcePop band's (answer.changes)
+    for config, fields_of in MODE_FIELDS.items():  # the IS mode a change selects
+        out.setdefault(config, set()).update(fields_of("token_truncate"))
     return out
 
 

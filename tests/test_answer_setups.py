@@ -17,6 +17,7 @@ import math
 import pytest
 
 from phantomclip.answer.decide import answer
+from phantomclip.answer.verdict_text import one_line, verdict
 from phantomclip.diagnose.job import DiagnoseConfig, run_diagnose
 
 TINY = dict(model="tiny-random:0", n=16, max_tokens=16, seed=0, batch_invariance=False, framework=["trl"])
@@ -120,14 +121,19 @@ def _expected(r: dict, setup: str, mode: str, where: str) -> tuple[list, list]:
     mine = _touched(r, mine_beta, where, mode)
     # bf16: the local engine's stand-in, never offered; nor is with_shadow_ratio for TRL GRPOTrainer (its IS weight
     # on β_kernel alone): β_kernel against the local engine is the stand-in's own prefill-against-decode gap
-    alternatives = {"recipe": (r, _beta(r, "fp16"))}
+    alternatives = {"recipe": (r, _beta(r, "fp16"), mode, mode)}
+    if where == "weight":  # the truncating mode of the other unit at the user's cap, counted on sequences
+        cap = r["config"]["seq_mask_cap" if mode.startswith("sequence") else "token_cap"]
+        other = "token_truncate" if mode.startswith("sequence") else "sequence_truncate"
+        alternatives["mode"] = ({**r, "config": {**r["config"], "token_cap": cap, "seq_mask_cap": cap}}, mine_beta,
+                                other, "sequence")
     wider = _wider(r, where, mode)
     if wider is not None:
-        alternatives["widen"] = ({**r, "config": wider}, mine_beta)
+        alternatives["widen"] = ({**r, "config": wider}, mine_beta, mode, mode)
     tested = []
-    for kind, (cfg, beta) in alternatives.items():
-        theirs = _touched(cfg, beta, where, mode)
-        a, b = _units(r, mine, mode), _units(r, theirs, mode)
+    for kind, (cfg, beta, their_mode, unit) in alternatives.items():
+        theirs = _touched(cfg, beta, where, their_mode)
+        a, b = _units(r, mine, unit), _units(r, theirs, unit)
         worse = sum(x and not y for x, y in zip(a, b))
         better = sum(y and not x for x, y in zip(a, b))
         tested.append((kind, sum(theirs) / len(theirs), _p(worse, better)))
@@ -136,6 +142,7 @@ def _expected(r: dict, setup: str, mode: str, where: str) -> tuple[list, list]:
 
 
 KINDS = {"recipe": lambda c: c["fields"] is not None and any("dtype" in k for k in c["fields"]),
+         "mode": lambda c: "vllm_importance_sampling_mode" in c["setting"] or "rollout_is=" in c["setting"],
          "widen": lambda c: " at this " in c["effect"]}
 """how each kind of change is told apart in the answer's JSON."""
 
@@ -172,3 +179,20 @@ def test_status_and_first_change_per_setup(run, setup, mode, where):
         assert not any("epsilon" in c["setting"] or "clip_ratio" in c["setting"] for c in ans["changes"])
     if where == "none":
         assert "  turn its correction on: vllm_importance_sampling_correction: true" in ans["reasons"]
+
+
+@pytest.mark.parametrize("setup, mode, where", CASES)
+def test_the_verdict_states_the_answers_status_and_changes(run, setup, mode, where):
+    """One verdict: the paragraph under the answer names the same status and the same changes in the same order,
+    from one computation (the answer's block); under OK it offers none."""
+    r = _as(run, setup, mode, "verl" if setup.startswith("verl") else "trl")
+    ans, said = answer(r), verdict(r)
+    head = f"As the answer above says ({ans['status'].upper()})"
+    assert said.count("As the answer above says") == 1 and head in said
+    sentence = said[said.index(head):]
+    if not ans["changes"]:
+        assert sentence.startswith(head + ": ") and "change," not in sentence
+        return
+    listed = sentence[len(head + ", change, fewest tokens touched first: "):]
+    positions = [listed.index(f"{one_line(c)} ({c['effect']})") for c in ans["changes"]]
+    assert positions == sorted(positions) and positions[0] == 0

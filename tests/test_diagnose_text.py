@@ -26,18 +26,25 @@ def _result(**gaps):
 
 
 def test_same_gap_spread():
-    """Recipes within SAME_GAP_SPREAD of each other are one gap (the engine's noise); beyond it, the best is advised
-    with the one ε rule's setting (answer.epsilon_advice), never the verdict's own."""
+    """Recipes within SAME_GAP_SPREAD of each other are one gap (the engine's noise); the change sentence is the
+    answer's own (status and changes, in its order), never the verdict's."""
     assert SAME_GAP_SPREAD == 1.25
+    ok = {"status": "ok", "reasons": ["x"], "changes": []}
     r = _result(fp32=0.04, bf16=0.0496)
-    one_gap = _advice(r, r["recipes"], "bf16")  # 0.0496 / 0.04 = 1.24
+    one_gap = _advice(r, r["recipes"], ok)  # 0.0496 / 0.04 = 1.24
     assert one_gap.startswith("No trainer recipe removes the gap: all 2 are within 24% of each other, bf16 included")
-    r = _result(bf16=0.0501, fp32=0.04)
-    lever = _advice(r, r["recipes"], "fp32")  # 1.2525: a lever, and fp32 is not the user's (bf16, first)
-    assert lever.startswith("Change: train with fp32; or compute the clip ratio from a bf16 shadow forward")
-    assert "ε_low 0.3, ε_high 0.4 keep 99% of tokens inside" in lever
-    r["knobs"]["clip"]["keep"] = {"epsilon_low": 0.15, "epsilon_high": 0.19}  # narrower than 0.2 on both sides
-    assert "the current ε already keeps 99% of tokens inside" in _advice(r, r["recipes"], "fp32")
+    assert one_gap.endswith("As the answer above says (OK): nothing to change.")
+    r = _result(bf16=0.0501, fp32=0.04)  # 1.2525: not one gap
+    at_risk = {"status": "at risk", "reasons": ["x"], "changes": [
+        {"setting": "model_init_kwargs:\n  dtype: bfloat16\nbf16: false", "effect": "0.70% outside vs yours 1.50%",
+         "fields": {"model_init_kwargs.dtype": "bfloat16", "bf16": False}, "config": "GRPOConfig"},
+        {"setting": "with_async_shadow_ratio(AsyncGRPOTrainer)", "effect": "β leaves the clip", "fields": None}]}
+    assert _advice(r, r["recipes"], at_risk) == (
+        "As the answer above says (AT RISK), change, fewest tokens touched first: model_init_kwargs.dtype: bfloat16, "
+        "bf16: false (0.70% outside vs yours 1.50%); with_async_shadow_ratio(AsyncGRPOTrainer) (β leaves the clip).")
+    none = {"status": "at risk", "changes": [], "reasons": ["x", "no measured change passes the sign test (p < 0.025)"]}
+    assert _advice(r, r["recipes"], none).endswith("none measured passes the sign test on these tokens (sample "
+                                                   "more: --n).")
 
 
 def _split(now, prec, kern, corr):
@@ -95,3 +102,28 @@ def test_render_reads_only_the_dict(result):
     narrow = io.StringIO()
     render_diagnose(dict(result), Console(file=narrow, width=60))  # too narrow for a row per recipe: one row per figure
     assert "beta_abs_mean" in narrow.getvalue() and "fp32" in narrow.getvalue()
+
+
+def test_piped_output_breaks_no_word(monkeypatch):
+    """Piped (stdout not a terminal, no COLUMNS), the console lays out PIPED_WIDTH columns with no hard wrap: the
+    tables take their one-row-per-recipe layout and no recipe name is folded mid-word (Rich's default 80 columns
+    printed 'bf16-autoc' / 'ast'); a terminal keeps its own width."""
+    import json
+    import sys
+    from importlib.resources import files
+
+    from phantomclip.base.console import PIPED_WIDTH, stdout_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)  # a StringIO is no terminal
+    console = stdout_console()
+    assert console.width == PIPED_WIDTH and console.soft_wrap
+    demo = json.loads(files("phantomclip.report").joinpath("demo/diagnose.json").read_text())
+    render_diagnose(demo, console)
+    printed = out.getvalue()
+    names = list(demo["recipes"])
+    assert "bf16-autocast" in names
+    for line in printed.splitlines():
+        for word in line.split():  # every piece of a recipe name is the whole name
+            assert not any(n.startswith(word) and word != n and len(word) > 4 for n in names), (word, line)

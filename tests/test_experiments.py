@@ -32,6 +32,11 @@ def test_matrices_names_configs_and_seeds():
                               for a in ("none", "match-bf16") for e in (0.05, 0.1, 0.2, 0.3)]
     with pytest.raises(TrainConfigError, match="unknown run"):
         build_matrix("sanity", TrainConfig(), seeds=2, only=["none", "warp"])
+    # arm names hold commas ('none,epsilon=0.05'): every name in a list is quoted, so the list reads one way
+    with pytest.raises(TrainConfigError,
+                       match=r"unknown run\(s\) 'fp8,warp'; the runs are: 'none,epsilon=0.05', "
+                             r"'none,epsilon=0.1', 'none', "):
+        build_matrix("epsilon", TrainConfig(), seeds=1, only=["fp8,warp"])
     for bad in (0, -1, 1.5, True):
         with pytest.raises(TrainConfigError, match="--seeds must be a whole number"):
             build_matrix("sanity", TrainConfig(), seeds=bad)
@@ -138,9 +143,9 @@ def test_two_arms_two_seeds_end_to_end_interrupted_and_continued(tmp_path, capsy
     assert drop(cut["runs"]) == drop(whole["runs"]) and cut["verdict"] == whole["verdict"]
     capsys.readouterr()
     line = bad_cli([*args[:-4], "--seeds", "3", "--only", "none,force-r1", "--out", str(tmp_path / "whole")], capsys)
-    assert "new in this command: force-r1/seed-2, none/seed-2" in line
+    assert "new in this command: 'force-r1/seed-2', 'none/seed-2'" in line
     line = bad_cli([*args[:-2], "--only", "none", "--out", str(tmp_path / "whole")], capsys)
-    assert "not in this command: force-r1/seed-0, force-r1/seed-1" in line
+    assert "not in this command: 'force-r1/seed-0', 'force-r1/seed-1'" in line
 
 
 def test_train_bad_inputs_exit_2(tmp_path, capsys):

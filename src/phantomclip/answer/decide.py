@@ -27,10 +27,13 @@ from .changes import (
     CORRECTION_ON,
     as_dicts,
     cap_advice,
-    changes,
     config_of,
     epsilon_advice,
+    kernel_rule,
+    none_passed_lines,
     stand_in_kernels,
+    tested_changes,
+    unranked_lines,
 )
 from .exposure import Exposure, exposure, outside, pct, region_text, user_recipe
 from .setups import IN_CLIP, IN_NEITHER, IN_WEIGHT
@@ -94,9 +97,9 @@ def status(result: dict) -> tuple[str, list[str]]:
     if unmapped:
         return "not judged", [f"{unmapped}: no recipe phantomclip measures matches it, so no status; the changes "
                               f"below are the generic ones for the {user_recipe(result)} trainer measured instead"]
-    if stand_in_recipe(result) == user_recipe(result):
-        return "not judged", [f"your {user_recipe(result)} trainer shares the local engine's kernels, so its β here "
-                              "is zero or nearly so by construction and says nothing of your engine's; measure it "
+    if not kernel_rule(result, user_recipe(result))[0]:
+        return "not judged", [f"your {user_recipe(result)} trainer's body runs the local engine's own kernels, so "
+                              "its β here holds no engine's kernel gap and says nothing of your engine's; measure it "
                               "with --engine vllm or --rollouts FILE from your engine"]
     mine = result["recipes"][user_recipe(result)]
     share, said = judged(result, exposure(result))
@@ -211,9 +214,12 @@ def setup_lines(result: dict) -> list[str]:
                 *([f"  turn its correction on: {on}"] if on else [])]
     knob = correction_knob(result, exp) or {}
     ess = knob.get("ess")
+    touched = (f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
+               + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else ""))
+    length = sampled_length(result)
+    fits = len(touched + length) <= ANSWER_WIDTH - 2  # answer_lines indents each reason by 2
     lines = [f"{label}: clips its own log-probs; β is in its IS weight",
-             f"  {exp.setting()}: {pct(float(knob.get('sequences') or 0))} of sequences touched"
-             + (f", ESS {ess:.3f}" if isinstance(ess, float) and math.isfinite(ess) else "")]
+             *([touched + length] if fits else [touched, *([f"   {length}"] if length else [])])]
     weight = (result["recipes"][user_recipe(result)].get("frameworks") or {}).get("trl", {}).get(
         "sampling/importance_sampling_ratio/mean")
     if exp.setup.framework == "trl" and isinstance(weight, float) and weight < DOWN_WEIGHT_BELOW:
@@ -239,8 +245,23 @@ def knob_limit_lines(result: dict) -> list[str]:
         adv = cap_advice(result.get("knobs"), exp)
         if adv and not adv["within"]:
             need = f"[{adv['band'][0]:g}, {adv['band'][1]:g}]" if "band" in adv else f"C = {adv['cap']:g}"
-            return [f"keeping {100 * adv['keep_share']:g}% untouched needs {need}: past 2x yours, not offered"]
+            return [f"keeping {100 * adv['keep_share']:g}% untouched needs {need}: past 2x yours, not offered",
+                    *([f"  (for the sampled length: mean {sampled_mean(result):.0f} tokens)"]
+                      if sampled_mean(result) is not None and exp.unit == "sequence" else [])]
     return []
+
+
+def sampled_mean(result: dict) -> float | None:
+    """The sampled completions' mean length (the knob block's): the length every measured figure of the answer is
+    for, so that one extrapolated to another length is never read for it; None in a result without it."""
+    mean = ((result.get("knobs") or {}).get("length") or {}).get("sampled_mean")
+    return float(mean) if isinstance(mean, (int, float)) and math.isfinite(mean) else None
+
+
+def sampled_length(result: dict) -> str:
+    """' (sampled: mean 48 tokens)', or '' without the sampled length."""
+    mean = sampled_mean(result)
+    return "" if mean is None else f" (sampled: mean {mean:.0f} tokens)"
 
 
 RANDOM_WEIGHTS = "random "
@@ -348,7 +369,10 @@ def answer(result: dict) -> dict:
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]
-    found = changes(result, framework, word, stand_in_recipe(result))
+    found, tested = tested_changes(result, framework, word, stand_in_recipe(result))
+    if word != "not judged":
+        reasons += (unranked_lines(result, config_of(result, framework))
+                    + (none_passed_lines(found, tested) if LEVELS[word] else []))
     return {
         "contract": {"trainer": user_recipe(result), "engine": eng["kind"],
                      "engine_dtype": (result.get("fp8") or {}).get("engine_recipe", eng["dtype"]),

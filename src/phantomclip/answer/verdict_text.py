@@ -10,9 +10,9 @@ import math
 
 from ..base.numerics import parse_dtype
 from ..maths.metrics import HIGH_P, LOW_P
-from ..precision.recipes import engine_recipe, get_recipe
-from .changes import cap_advice, epsilon_advice
-from .decide import correction_knob, measured_engine, ranking
+from ..precision.recipes import engine_recipe
+from .changes import kernel_rule, yaml_value
+from .decide import answer, correction_knob, measured_engine, ranking, sampled_mean
 from .exposure import exposure, region_text, user_recipe
 from .fp8_text import fp8_split_head
 from .setups import IN_CLIP, IN_WEIGHT
@@ -52,11 +52,15 @@ def verdict(result: dict) -> str:
         return recs[k]["nonfinite"] - engine_missing
 
     region = region_text(result)
-    best, mine = ranking(result)[0], user_recipe(result)
-    b = usable[best]
+    mine = user_recipe(result)
+    ranked = ranking(result)
+    best = next((k for k in ranked if k == mine or kernel_rule(result, k)[0]), ranked[0])  # answer/changes.kernel_rule
+    b, left_out = usable[best], ranked[:ranked.index(best)]
     parts = [
         f"Fewest tokens outside {region} against the {measured_engine(result)}: {best} "
-        f"({100 * b['outside_trust_region']:.2f}%, mean |β| {b['beta_abs_mean']:.4f})."
+        f"({100 * b['outside_trust_region']:.2f}%, mean |β| {b['beta_abs_mean']:.4f})"
+        + (f"; {', '.join(left_out)} left out: {'its' if len(left_out) == 1 else 'their'} body runs the local "
+           "engine's own kernels, so no engine's kernel gap is in that figure." if left_out else ".")
     ]
     w = usable.get(mine)
     if w is not None and w["outside_trust_region"] > 0:
@@ -67,7 +71,7 @@ def verdict(result: dict) -> str:
             + (f", and low-probability tokens (p < {LOW_P:g}) carry {w['lowp_highp_ratio']:.1f}x the |β| of confident "
                f"ones (p > {HIGH_P:g})." if math.isfinite(w["lowp_highp_ratio"]) else ".")
         )
-        parts.append(_advice(result, usable, best))
+        parts.append(_advice(result, usable, answer(result)))
     elif w is not None:
         parts.append(f"Your {mine} trainer pushes no measured token outside the trust region {region}: precision "
                      "alone will not cause phantom clipping here.")
@@ -107,9 +111,15 @@ def _what_it_costs(result: dict) -> str:
         knob = correction_knob(result, exp) or {}
         return (f"; {exp.setup.label} clips on its own log-probs, so none of them is phantom-clipped: β enters its "
                 f"importance-sampling weight, where {exp.setting()} {exp.verb} {_share(knob.get('tokens'))} of tokens "
-                f"({_share(knob.get('sequences'))} of sequences)")
+                f"({_share(knob.get('sequences'))} of sequences{_sampled(result)})")
     return (f"; {exp.setup.label} clips on its own log-probs and corrects nothing, so none of them is phantom-clipped, "
             "and each is trained on at full weight as if the trainer had sampled it")
+
+
+def _sampled(result: dict) -> str:
+    """'; sampled: mean 45 tokens': the length the correction's figures are for ('' without it)."""
+    mean = sampled_mean(result)
+    return "" if mean is None else f"; sampled: mean {mean:.0f} tokens"
 
 
 def _share(v) -> str:
@@ -149,7 +159,7 @@ def _split_verdict(result: dict, name: str) -> str:
     if round(left[lever], 4) >= round(now, 4):  # compared as printed: "0.0352 -> 0.0352" shrinks nothing
         return head + (f" Neither lever alone shrinks the gap ({lever} would leave {left[lever]:.4f}, {other} "
                        f"{left[other]:.4f}): tolerate or correct β instead.")
-    worse = ", more than now" if left[other] > now else ""
+    worse = ", more than now" if round(left[other], 4) > round(now, 4) else ""  # as printed: 0.0705 is not more
     rest = f"{other} alone would leave {left[other]:.4f}{worse}"
     lever_cap = lever[0].upper() + lever[1:]
     if left[lever] > SMALL_GAIN * now:
@@ -221,58 +231,50 @@ DRIFT_METHODS = {"rescore": "the fixed tokens teacher-forced through its decode 
 """how --drift read the tokens again (engines/drift.py), as the verdict and the printed block say it."""
 
 
-def epsilon_words(result: dict) -> str:
-    """The ε advice (answer.changes.epsilon_advice, the one rule) as words: the ε to set, or that the current one
-    suffices, or that it would need more than WIDEN_AT_MOST times the current ε."""
-    eps = epsilon_advice(result.get("knobs"))
-    if eps is None:
-        keep = (result.get("knobs") or {}).get("keep_share")
-        return (f"the current ε already keeps {100 * keep:g}% of tokens inside" if keep is not None
-                else "no ε advice (a result without the knob figures)")
-    past = "" if eps["within"] else ", past twice the current ε: better fix β where it arises"
-    return (f"ε_low {eps['epsilon_low']:g}, ε_high {eps['epsilon_high']:g} keep {100 * eps['keep_share']:g}% of "
-            f"tokens inside{past}")
-
-
-def _carry(result: dict) -> tuple[str, str]:
-    """(how β must then be carried, the alternative to a recipe change) in the ratio the user's trainer clips: the
-    clip's ε (the one ε rule), the correction's cap (the one cap rule), or a correction where there is none."""
-    exp, eng = exposure(result), result["engine"]["dtype"]
-    if exp.where == IN_CLIP:
-        widen = epsilon_words(result)
-        return (f"so the clip must tolerate it: widen ε ({widen}), correct with importance sampling (TIS/MIS), or "
-                "sample in a wider dtype (compare --engine-dtype fp16 or fp32).",
-                f"compute the clip ratio from a {eng} shadow forward, or widen ε ({widen})")
-    if exp.where == IN_WEIGHT:
-        adv, keep = cap_advice(result.get("knobs"), exp), (result.get("knobs") or {}).get("keep_share", math.nan)
-        if adv is None:
-            cap = f"the current {exp.setting()} already keeps {100 * keep:g}% untouched"
-        else:
-            need = f"icepop [{adv['band'][0]:g}, {adv['band'][1]:g}]" if "band" in adv else f"C = {adv['cap']:g}"
-            cap = f"{need} keeps {100 * keep:g}% untouched" + ("" if adv["within"] else ", past 2x yours")
-        return (f"so the correction carries it ({cap}), or sample in a wider dtype.", f"raise the cap ({cap})")
-    return ("so turn on the importance-sampling correction, or sample in a wider dtype.",
-            "turn on the importance-sampling correction")
-
-
-def _advice(result: dict, recs: dict[str, dict], best: str) -> str:
-    """What to change, from the figures: is a trainer recipe the lever, or is β the engine's own noise?"""
+def _advice(result: dict, recs: dict[str, dict], ans: dict) -> str:
+    """What the figures say of the recipes (one gap, or not), then the answer's own changes (`ans`, answer/decide.py's
+    block): the verdict restates them and never makes its own, so the two cannot disagree."""
     eng, kind = result["engine"]["dtype"], result["engine"]["kind"]
-    tolerate, otherwise = _carry(result)
     gaps = [v["beta_abs_mean"] for v in recs.values()]
     spread = max(gaps) / min(gaps) if min(gaps) > 0 else math.inf
     same = engine_recipe(parse_dtype(eng)).name
     same = same if same in recs else None
+    head = ""
     if len(recs) > 1 and spread < SAME_GAP_SPREAD:
         why = f", {same} included (the engine's own dtype, with other kernels: {_kernels(kind)})" if same else ""
-        return (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
+        head = (f"No trainer recipe removes the gap: all {len(recs)} are within {100 * (spread - 1):.0f}% of each "
                 f"other{why}. β here is the {measured_engine(result)}'s rounding noise, amplified through the "
-                "network, " + tolerate)
-    if best == user_recipe(result):
-        return f"{best} is already the best measured recipe: {otherwise}."
-    if get_recipe(best).compute_dtype == parse_dtype(eng):
-        return f"Change: train with {best}, which matches the engine's {eng} arithmetic; else {otherwise}."
-    return f"Change: train with {best}; or {otherwise}."
+                "network. ")
+    return head + answer_sentence(ans)
+
+
+def answer_sentence(ans: dict) -> str:
+    """The answer's status and changes as one sentence: the changes in its order (fewest tokens touched first), each
+    with its figure; under OK nothing to change; else why none is offered, as the answer's reasons say."""
+    word = ans["status"].upper()
+    if not ans["changes"]:
+        if ans["status"] == "ok":
+            why = "nothing to change"
+        elif ans["status"] == "not judged":
+            why = "no status, so no change is weighed"
+        elif any(r.startswith("no measured change passes") for r in ans["reasons"]):
+            why = "no change is offered: none measured passes the sign test on these tokens (sample more: --n)"
+        else:
+            why = "no change is offered: nothing measured here touches fewer of your tokens"
+        return f"As the answer above says ({word}): {why}."
+    listed = "; ".join(f"{one_line(c)} ({c['effect']})" for c in ans["changes"])
+    return f"As the answer above says ({word}), change, fewest tokens touched first: {listed}."
+
+
+def one_line(change: dict) -> str:
+    """A change's setting on one line: its fields as dotted `key: value` (TRL's YAML), `key=value` (verl), or the
+    setting itself (flags, code)."""
+    fields = change.get("fields")
+    if not fields or change.get("config") == "phantomclip":
+        return " ".join(change["setting"].split())
+    if change.get("config") == "verl":
+        return " ".join(f"{k}={yaml_value(v)}" for k, v in fields.items())
+    return ", ".join(f"{k}: {yaml_value(v)}" for k, v in fields.items())
 
 
 def fmt_figure(v: float | None) -> str:

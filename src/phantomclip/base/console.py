@@ -187,6 +187,22 @@ def exit_at_once_on_interrupt(prog: str) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+PIPED_WIDTH = 200
+"""the columns stdout's console lays out for when it is not a terminal (a file, a pipe, less, grep): wide enough for
+every table's one-row-per-recipe layout (diagnose's widest, 16 + 13 x 14 = 198 columns), so no cell is folded
+mid-word (`bf16-autoc`/`ast` at Rich's default of 80 columns); prose is not hard-wrapped at all (soft wrap), the
+reader's pager or editor wraps it."""
+
+
+def stdout_console():
+    """A Rich console on stdout: a terminal's own width (or COLUMNS, where set); piped, PIPED_WIDTH and no hard wrap."""
+    from rich.console import Console
+
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=PIPED_WIDTH, soft_wrap=True)
+
+
 def say_error(line: str, code: int) -> int:
     """Print the one error line on stderr and return `code`; a stderr that cannot be written loses the line, never
     raises. A stdout that failed is pointed at /dev/null, so Python's flush at exit does not fail a second time."""

@@ -7,7 +7,14 @@ import argparse
 import sys
 
 from .. import __version__
-from ..base.console import TERMINATED_EXIT, Terminated, exit_at_once_on_interrupt, say_error, terminate_as_interrupt
+from ..base.console import (
+    TERMINATED_EXIT,
+    Terminated,
+    exit_at_once_on_interrupt,
+    say_error,
+    stdout_console,
+    terminate_as_interrupt,
+)
 from .flags import (
     EXIT_USAGE,
     OneLineParser,
@@ -160,7 +167,7 @@ def _experiment_parser(sub) -> None:
     helps = {
         "sanity": ("baseline and every intervention on reward = −length, same seeds and budget",
                    "Runs the baseline (trainer/engine precision as given) and each intervention under --seeds seeds, "
-                   "then prints per arm the mean and 95%% t interval over seeds, the paired difference to the baseline "
+                   "then prints per arm the mean and 95% t interval over seeds, the paired difference to the baseline "
                    "and a verdict (also summary.md / summary.json in --out)."),
         "epsilon": ("the ε sweep (0.05, 0.1, 0.2, 0.3) of the baseline and match-bf16",
                     "Runs the baseline and match-bf16 at each ε under --seeds seeds; read like sanity."),
@@ -205,7 +212,7 @@ def _run_experiment(args) -> int:
     only = _split_run_names(args.only, known) if args.only is not None else None
     matrix = build_matrix(args.experiment, cfg, args.seeds, only=only)
     summary = run_experiment(matrix, args.out, console=Console(stderr=True), keep_checkpoints=args.keep_checkpoints)
-    render_experiment(summary, Console())
+    render_experiment(summary, stdout_console())
     say(f"wrote {args.out}/summary.md and summary.json")
     return 0
 
@@ -264,7 +271,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=N
         check_replaceable(path, flag)
     replaced = {flag for flag, path in named.items() if replaces_a_file(path)}
     result = run(cfg, Console(stderr=True))
-    render(result, Console())
+    render(result, stdout_console())
     if args.json:
         write_json(result, args.json)
     for flag, path in named.items():

@@ -103,11 +103,12 @@ class DiagnoseConfig:
     knobs) or of sequences (sequence knobs) untouched on the measured β of the first trainer recipe, in (0, 1)."""
     batch_invariance: bool = True
     """also score up to 12 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
-    each trainer recipe, and report split.batch = logp in the run's batch − logp alone. Costs 16 single-sequence
-    forwards per recipe (`seconds_alone`). Measured on tiny-random (n 64, 16 tokens): 0.03-0.07 s per recipe, +0.3 s
-    on a 5 s run. Estimated for the bundled model's default run (not measured): 16 unpadded rows are about a fifth of
-    the tokens of a recipe's batched scoring (16-22 s, bench/RESULTS.md), so about 4 s per recipe, 20 s on 127 s:
-    about 15%."""
+    each trainer recipe, and report split.batch = logp in the run's batch − logp alone: 12 single-sequence forwards
+    per recipe (`seconds_alone`). Measured on the bundled model's default run
+    (bench/benchmarks/bench_batch_invariance.py, 3 runs with and 3 without, interleaved; 2-core AMX Xeon shared with
+    other jobs, 2026-12-07): median 505 s with the pass against 241 s without, so it about doubles the run (+264 s,
+    109%); the rows alone took 0.6-5.5x each recipe's batched scoring (median 3.0x). Turn it off to save that
+    time."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see
     precision/recipes.py)."""

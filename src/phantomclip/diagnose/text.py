@@ -162,7 +162,9 @@ def render_diagnose(result: dict, console: Console) -> None:
         console.print()
     if "knobs" in result:  # a JSON written before the knob advice has none
         knobs = result["knobs"]
-        console.print(f"[bold]for your config[/] ({knobs['recipe']} trainer's β; every figure: JSON knobs):")
+        mean = as_float(knobs["length"].get("sampled_mean"))
+        sampled = f" on the sampled completions, mean {mean:.0f} tokens" if math.isfinite(mean) else ""
+        console.print(f"[bold]for your config[/] ({knobs['recipe']} trainer's β{sampled}; every figure: JSON knobs):")
         for line in knob_lines(knobs):
             console.print("  " + line, markup=False)
         console.print()
@@ -246,9 +248,11 @@ def _knob_advice(keep: dict) -> str:
 
 def knob_lines(knobs: dict) -> list[str]:
     """One line per knob of a result's `knobs` block: its current setting -> what it touches; the setting that
-    leaves `keep_share` untouched. Sequence figures extrapolated to the target length say so."""
+    leaves `keep_share` untouched. A sequence knob's setting names its length: the sampled one (measured), and the
+    target length where the figures were extrapolated to it (they say so)."""
     keep = f"{100 * knobs['keep_share']:g}%"
-    n = knobs["length"]["target"]
+    n, mean = knobs["length"]["target"], as_float(knobs["length"].get("sampled_mean"))
+    sampled = f" at the sampled length (mean {mean:.0f} tokens)" if math.isfinite(mean) else ""
     pct = lambda v: _fmt("outside_trust_region", as_float(v))  # noqa: E731 (a share, as the tables print it)
     lines = []
     for name, label in KNOB_LABELS.items():
@@ -266,10 +270,10 @@ def knob_lines(knobs: dict) -> list[str]:
         elif k["unit"] == "token":
             touched = f"{verb} {pct(k['tokens'])} of tokens, {pct(k['sequences'])} of sequences{longer}"
             advice = f"{_knob_advice(k['keep'])} for {keep} of tokens untouched"
-        else:
+        else:  # both lengths named: the measured setting at the sampled length, the extrapolated one at n
             touched = f"{verb} {pct(k['sequences'])} of sequences ({pct(k['tokens'])} of tokens){longer}"
-            advice = (f"{_knob_advice(at['keep'])} for {keep} of {n}-token sequences untouched (extrapolated)" if at
-                      else f"{_knob_advice(k['keep'])} for {keep} of sequences untouched")
+            advice = f"{_knob_advice(k['keep'])} for {keep} of sequences untouched{sampled}" + (
+                f"; {_knob_advice(at['keep'])} for {keep} of {n}-token ones (extrapolated)" if at else "")
         lines.append(f"{label} {_knob_now(k['setting'])}: {touched} -> {advice}")
     return lines
 

@@ -98,6 +98,11 @@ class Matrix:
         return [(arm, s, replace(cfg, seed=s)) for s in self.seeds for arm, cfg in self.arms.items()]
 
 
+def quoted(names) -> str:
+    """Arm names in a comma list, each in quotes: a name may hold commas ('fp8,tis'), so a bare list is ambiguous."""
+    return ", ".join(f"'{n}'" for n in names)
+
+
 def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str] | None = None) -> Matrix:
     """The matrix of `experiment` with seeds base.seed .. base.seed + seeds − 1; `only` keeps some arms."""
     if experiment not in EXPERIMENTS:
@@ -112,7 +117,7 @@ def build_matrix(experiment: str, base: TrainConfig, seeds: int, only: list[str]
     if only:
         unknown = [n for n in only if n not in arms]
         if unknown:
-            raise TrainConfigError(f"--only: unknown run(s) {', '.join(unknown)}; the runs are: {', '.join(arms)}")
+            raise TrainConfigError(f"--only: unknown run(s) {quoted(unknown)}; the runs are: {quoted(arms)}")
         arms = {n: arms[n] for n in only}  # an arm named here that the engine cannot run is refused by validate
     else:  # the whole experiment: what the engine cannot run is left out, and said
         left_out = {name: engine_refuses(cfg) for name, cfg in arms.items() if engine_refuses(cfg)}
@@ -143,8 +148,8 @@ def check_manifest(matrix: Matrix, out: Path) -> None:
     missing, extra = sorted(have - want), sorted(want - have)
     raise TrainConfigError(
         f"{out} holds a {old.get('experiment')} experiment with other arms or seeds"
-        + (f"; not in this command: {', '.join(missing)}" if missing else "")
-        + (f"; new in this command: {', '.join(extra)}" if extra else "")
+        + (f"; not in this command: {quoted(missing)}" if missing else "")
+        + (f"; new in this command: {quoted(extra)}" if extra else "")
         + ": rerun with the same --seeds/--only (and seed), or choose another --out")
 
 

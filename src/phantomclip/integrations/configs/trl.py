@@ -49,7 +49,8 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
             said = unknown_keys_note(list(cfg), known_keys("trl"), "trl 1.16's GRPOConfig, AsyncGRPOConfig, "
                                      "ModelConfig or ScriptArguments (TRL refuses it)")
             notes += [said] if said else []
-        for part in (_trainer_and_engine, _setup, _quantization, _sampling, _clip, _length, _correction_cap, _model):
+        for part in (_deprecated, _trainer_and_engine, _setup, _quantization, _sampling, _clip, _length,
+                     _correction_cap, _model):
             part(cfg, settings, notes)
     return settings, notes
 
@@ -57,8 +58,22 @@ def diagnose_settings_from_trl(config) -> tuple[dict, list[str]]:
 ASYNC_KEYS = ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "queue_maxsize", "token_budget",
               "fork_threshold_tokens", "heartbeat_stale_after_s", "request_timeout", "weight_sync_timeout")
 """fields AsyncGRPOConfig has and GRPOConfig lacks (trl 1.16 trl/experimental/async_grpo/async_grpo_config.py; its
-`dtype` is left out: a key of model_init_kwargs in GRPOConfig's files too): a config holding one is the asynchronous
-trainer's."""
+`dtype` is left out: ModelConfig, which `trl grpo` reads beside GRPOConfig, has it too): a config holding one is the
+asynchronous trainer's."""
+
+
+DEPRECATED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",
+              "use_transformers_paged": "use_transformers_continuous_batching"}
+"""GRPOConfig's deprecated fields and the fields TRL names in their place (trl 1.16 grpo_config.py, <Deprecated> in
+the docstring and the FutureWarning of __post_init__, which copies vllm_importance_sampling_cap over clip_max)."""
+
+
+def _deprecated(cfg: dict, settings: dict, notes: list[str]) -> None:
+    """A note per deprecated field the config gives, naming TRL's replacement; each is still read as TRL reads it."""
+    for old, new in DEPRECATED.items():
+        if cfg.get(old) is not None:
+            notes.append(f"{old} is deprecated in trl 1.16 (removed in v2.0.0): use {new}; read as TRL reads it, "
+                         f"in place of {new}")
 
 
 def _setup(cfg: dict, settings: dict, notes: list[str]) -> None:
@@ -102,13 +117,14 @@ def _flag(cfg: dict, key: str, default: bool | None = None) -> bool | None:
 
 def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
     """Trainer recipe: cast_lm_head_to_fp32 -> `_fp32_head`'s; fp16 (autocast over TRL's fp32 weights) ->
-    fp16-autocast; a model loaded in bf16 (model_init_kwargs dtype) -> bf16, in fp16 without bf16 autocast -> fp16;
+    fp16-autocast; a model loaded in bf16 (`_model_dtype`: model_init_kwargs.dtype, else dtype) -> bf16, in fp16
+    without bf16 autocast -> fp16;
     bf16 (TRL's default when fp16 is off) -> bf16-autocast; otherwise fp32; the other recipes are measured beside it.
     Engine: bf16 (vLLM's 'auto' dtype on bf16 checkpoints; GRPOConfig has no field for it, so a `vllm_dtype` key of
     our own may say otherwise)."""
     fp16 = _flag(cfg, "fp16", False)
     bf16 = _flag(cfg, "bf16", not fp16)  # TRL's default: bf16 unless fp16
-    model_dtype = _model_dtype(cfg, notes)
+    model_dtype, dtype_key = _model_dtype(cfg, notes)
     if _flag(cfg, "cast_lm_head_to_fp32"):
         trainer = _fp32_head(model_dtype, bf16, fp16, settings, notes)
     elif fp16:
@@ -121,15 +137,15 @@ def _trainer_and_engine(cfg: dict, settings: dict, notes: list[str]) -> None:
         trainer = "bf16-autocast"
     else:
         trainer = "fp32"
-    notes.append(trainer_note(trainer, "bf16, fp16, cast_lm_head_to_fp32, model_init_kwargs.dtype"))
+    notes.append(trainer_note(trainer, "bf16, fp16, cast_lm_head_to_fp32, model_init_kwargs.dtype, dtype"))
     if model_dtype == "fp16" and bf16 and trainer == "bf16-autocast":  # fp16 weights, bf16 matmuls: no recipe
-        unmapped(settings, "model_init_kwargs.dtype float16 under bf16 autocast")
-        notes.append("model_init_kwargs dtype float16 with bf16 autocast (TRL's default bf16: true): fp16 weights "
+        unmapped(settings, f"{dtype_key} float16 under bf16 autocast")
+        notes.append(f"{dtype_key} float16 with bf16 autocast (TRL's default bf16: true): fp16 weights "
                      "whose matmuls run in bf16, a mix no recipe measures; bf16-autocast is the nearest (pass "
                      "--trainer fp16 with `bf16: false` in your config for a pure fp16 trainer)")
     if model_dtype == "auto":
-        unmapped(settings, "model_init_kwargs.dtype 'auto' (the checkpoint's own dtype)")
-        notes.append("model_init_kwargs dtype 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
+        unmapped(settings, f"{dtype_key} 'auto' (the checkpoint's own dtype)")
+        notes.append(f"{dtype_key} 'auto' loads the checkpoint's dtype: if it is bf16, the trainer is bf16 "
                      "(pass --trainer bf16)")
     if _flag(cfg, "use_vllm") is False:
         notes.append("use_vllm is false: TRL samples with the trainer's own model, so trainer and engine share a "
@@ -155,10 +171,13 @@ def _fp32_head(model_dtype: str, bf16: bool, fp16: bool, settings: dict, notes: 
     return "bf16-autocast-fp32-head" if bf16 else "fp32"
 
 
-def _model_dtype(cfg: dict, notes: list[str]) -> str:
-    """model_init_kwargs' dtype (or torch_dtype) as 'bf16', 'fp16', 'fp32', 'auto', or '' when not given; a dtype
-    no recipe has (int8, float64) is named in a note. TRL takes model_init_kwargs as a mapping (or a JSON string on
-    the command line, which a YAML file has no need of)."""
+def _model_dtype(cfg: dict, notes: list[str]) -> tuple[str, str]:
+    """(the trainer's load dtype as 'bf16', 'fp16', 'fp32', 'auto', or '' when not given; the field it came from):
+    model_init_kwargs' dtype (or torch_dtype), else the top-level `dtype` (AsyncGRPOConfig's own field, trl 1.16
+    experimental/async_grpo/async_grpo_config.py, and ModelConfig's, which the `trl grpo` script copies into
+    model_init_kwargs, scripts/grpo.py; both default to float32, and a dtype in model_init_kwargs takes precedence in
+    both). A dtype no recipe has (int8, float64) is named in a note. TRL takes model_init_kwargs as a mapping (or a
+    JSON string on the command line, which a YAML file has no need of)."""
     init = cfg.get("model_init_kwargs")
     if isinstance(init, str):  # a JSON string, as TrainingArguments reads its _VALID_DICT_FIELDS
         try:
@@ -168,15 +187,19 @@ def _model_dtype(cfg: dict, notes: list[str]) -> str:
                               ) from None
     init = mapping(FLAG, "model_init_kwargs", init)
     key = "dtype" if "dtype" in init else "torch_dtype"
-    if init.get(key) is None:
-        return ""
-    given = text(FLAG, f"model_init_kwargs.{key}", init[key])
+    if init.get(key) is not None:
+        key, value = f"model_init_kwargs.{key}", init[key]
+    elif cfg.get("dtype") is not None:
+        key, value = "dtype", cfg["dtype"]
+    else:
+        return "", ""
+    given = text(FLAG, key, value)
     name = CONFIG_DTYPES.get(given.lower().removeprefix("torch."), "auto" if given == "auto" else None)
     if name is None:
-        notes.append(f"model_init_kwargs {key} {brief(given)} is not a dtype phantomclip measures (fp32, bf16, "
+        notes.append(f"{key} {brief(given)} is not a dtype phantomclip measures (fp32, bf16, "
                      "fp16): the trainer recipe is read from bf16 / fp16 alone")
-        return ""
-    return name
+        return "", key
+    return name, key
 
 
 def _engine_dtype(cfg: dict) -> str:

@@ -196,8 +196,27 @@ LAYOUT_JS = """() => {
     if (bg && !inside(box(bg), f)) out.push("the legend outside the figure");
     const bar = fig.querySelector(".modebar");
     if (bar) for (const it of items) if (hit(it, box(bar))) out.push("the toolbar over a legend entry");
+    // every note Plotly draws inside the figure and over no tick label, axis title or legend entry (layout.js
+    // writes one that does not fit under the figure); on a phone the toolbar is not shown at all
+    const labels = texts(fig, "g[class^=xtick] text, g[class^=ytick] text, text.xtitle, text.ytitle, g.legend text");
+    for (const n of texts(fig, "text.annotation-text")) {
+      if (!inside(n, f)) out.push(`note '${n.text}' outside the figure`);
+      for (const l of labels) if (hit(n, l)) out.push(`note '${n.text}' over '${l.text}'`);
+    }
+    if (bar && vw < 640 && bar.getBoundingClientRect().width > 0) out.push("the toolbar shown on a phone");
+    if (bar && bg && hit(box(bar), box(bg)) && bar.getBoundingClientRect().width > 0)
+      out.push("the toolbar over the legend");
     const plot = fig.querySelector("rect.nsewdrag");
-    figures.push({id: fig.id, out, plot: plot ? box(plot).b - box(plot).t : 0});
+    const xa = fig._fullLayout.xaxis, spread = [];
+    if (xa && xa.type === "linear") {  // how much of the x range the drawn points span (scatter markers only)
+      const xs = fig.data.filter(t => t.type === "scatter" && t.mode === "markers" && t.visible !== "legendonly")
+        .flatMap(t => t.x).filter(Number.isFinite);
+      if (xs.length) spread.push((Math.max(...xs) - Math.min(...xs)) / (xa.range[1] - xa.range[0]));
+    }
+    const notes = fig.nextElementSibling && fig.nextElementSibling.classList.contains("fig-notes")
+      ? [...fig.nextElementSibling.children].map(p => p.textContent) : [];
+    figures.push({id: fig.id, out, plot: plot ? box(plot).b - box(plot).t : 0, spread: spread[0], notes,
+                  xrange: xa ? xa.range : null});
   }
   return {found, checked, tables, wide, figures};
 }"""
@@ -279,6 +298,16 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         assert len(layout["figures"]) == DEMO_FIGURES
         for f in layout["figures"]:
             assert not f["out"] and f["plot"] >= MIN_PLOT, f
+        by_id = {f["id"]: f for f in layout["figures"]}
+        # the per-token α-β points span more than half the α axis (autorange, making room for the note, ran it to
+        # 1.7 nats for points within 0.65); the β-split bars fill their axis (10 recipes, -0.5 to 9.5, not -5.4)
+        assert by_id["fig-alpha_beta_tokens"]["spread"] > 0.5, by_id["fig-alpha_beta_tokens"]
+        assert by_id["fig-beta_split"]["xrange"] == [-0.5, 9.5], by_id["fig-beta_split"]
+        hist = by_id["fig-beta_hist"]["xrange"]
+        assert hist[1] - hist[0] < 1, hist  # the tokens' β lie in [-0.32, 0.34]: the axis was 3.9 nats wide
+    if viewport[0] == 390:  # a note that does not fit beside its point on a phone is written under its figure
+        notes = {f["id"]: f["notes"] for f in layouts[-1]["figures"]}
+        assert notes["fig-beta_hist"] == ["fp32: 4 of 508 tokens outside the band"], notes
 
 
 def test_sections_that_disagree_say_so_with_their_numbers(demo_page):

@@ -270,10 +270,15 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         # the band button: every arm's band drawn, then back to the two drawn on opening
         bands = "() => document.getElementById('fig-training').data.filter(t => t.fill === 'toself')"
         opened = page.evaluate(bands + ".map(t => t.opacity)")
+        caption = "() => document.getElementById('caption-training').textContent"
+        assert "band: the seeds' min–max, drawn for none and force-r1 (the button" in page.evaluate(caption)
         page.click("button.band-toggle[data-figure=training]")
         assert set(page.evaluate(bands + ".map(t => t.opacity)")) == {max(opened)} and 0 in opened
+        assert ("drawn for every arm (the button below shows only none and force-r1's again)"
+                in page.evaluate(caption))  # the caption says what the figure now draws
         page.click("button.band-toggle[data-figure=training]")
         assert page.evaluate(bands + ".map(t => t.opacity)") == opened
+        assert "drawn for none and force-r1 (the button" in page.evaluate(caption)
         # the glossary link of the introduction opens the folded box; so does the summary's link to a term
         assert not page.evaluate("document.getElementById('glossary').open")
         page.click("a[href='#glossary']")
@@ -579,3 +584,19 @@ def test_copies_keep_arm_names_and_the_missing_machine_is_said_once(demo_page):
             "that record: trace and trace --run files written now keep it)") in text
     ids = [term_id(t) for t in terms()]
     assert len(set(ids)) == len(ids) and all(f'<dt id="{i}">' in text for i in ids)
+
+
+def test_per_step_caption_and_notes_say_what_is_drawn():
+    """The per-step caption has a second form for after the band button (every arm's band drawn), and a note of one
+    token says 'token'."""
+    from phantomclip.report.training_panel import _key_points, per_step_caption
+
+    arms = {a: [{}, {}, {}] for a in ("none", "force-r1", "match-bf16", "tis")}
+    few = per_step_caption(arms, carry=False)
+    every = per_step_caption(arms, carry=False, every_band=True)
+    assert few == ("Line: the mean over seeds; band: the seeds' min–max, drawn for none and force-r1 (the button "
+                   "below shows every arm's); open marker: a step fewer seeds reached.")
+    assert every == ("Line: the mean over seeds; band: the seeds' min–max, drawn for every arm (the button below "
+                     "shows only none and force-r1's again); open marker: a step fewer seeds reached.")
+    notes = _key_points({"none": [[3.0], [2.0]], "force-r1": [[2.0], [1.0, 1.0]]}, 1, ["none", "force-r1"], "tokens")
+    assert [n["text"] for n in notes] == ["none: 2 tokens at step 2", "force-r1: 1 token at step 2"]

@@ -134,6 +134,8 @@ function bandToggle(button) {
   Plotly.restyle(gd, {opacity: bands.map((i, k) => all ? full : gd._bandOpacity[k])}, bands);
   button.setAttribute("aria-pressed", String(all));
   button.textContent = all ? "Show fewer bands" : "Show every arm's band";
+  const caption = document.getElementById("caption-" + button.dataset.figure);  // it says which bands are drawn
+  if (caption && caption.dataset.every) caption.textContent = all ? caption.dataset.every : caption.dataset.few;
 }
 
 // A link to the folded glossary, or to a term in it, opens the box (a closed <details> hides its target) and scrolls

@@ -196,8 +196,27 @@ LAYOUT_JS = """() => {
     if (bg && !inside(box(bg), f)) out.push("the legend outside the figure");
     const bar = fig.querySelector(".modebar");
     if (bar) for (const it of items) if (hit(it, box(bar))) out.push("the toolbar over a legend entry");
+    // every note Plotly draws inside the figure and over no tick label, axis title or legend entry (layout.js
+    // writes one that does not fit under the figure); on a phone the toolbar is not shown at all
+    const labels = texts(fig, "g[class^=xtick] text, g[class^=ytick] text, text.xtitle, text.ytitle, g.legend text");
+    for (const n of texts(fig, "text.annotation-text")) {
+      if (!inside(n, f)) out.push(`note '${n.text}' outside the figure`);
+      for (const l of labels) if (hit(n, l)) out.push(`note '${n.text}' over '${l.text}'`);
+    }
+    if (bar && vw < 640 && bar.getBoundingClientRect().width > 0) out.push("the toolbar shown on a phone");
+    if (bar && bg && hit(box(bar), box(bg)) && bar.getBoundingClientRect().width > 0)
+      out.push("the toolbar over the legend");
     const plot = fig.querySelector("rect.nsewdrag");
-    figures.push({id: fig.id, out, plot: plot ? box(plot).b - box(plot).t : 0});
+    const xa = fig._fullLayout.xaxis, spread = [];
+    if (xa && xa.type === "linear") {  // how much of the x range the drawn points span (scatter markers only)
+      const xs = fig.data.filter(t => t.type === "scatter" && t.mode === "markers" && t.visible !== "legendonly")
+        .flatMap(t => t.x).filter(Number.isFinite);
+      if (xs.length) spread.push((Math.max(...xs) - Math.min(...xs)) / (xa.range[1] - xa.range[0]));
+    }
+    const notes = fig.nextElementSibling && fig.nextElementSibling.classList.contains("fig-notes")
+      ? [...fig.nextElementSibling.children].map(p => p.textContent) : [];
+    figures.push({id: fig.id, out, plot: plot ? box(plot).b - box(plot).t : 0, spread: spread[0], notes,
+                  xrange: xa ? xa.range : null});
   }
   return {found, checked, tables, wide, figures};
 }"""
@@ -251,10 +270,15 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         # the band button: every arm's band drawn, then back to the two drawn on opening
         bands = "() => document.getElementById('fig-training').data.filter(t => t.fill === 'toself')"
         opened = page.evaluate(bands + ".map(t => t.opacity)")
+        caption = "() => document.getElementById('caption-training').textContent"
+        assert "band: the seeds' min–max, drawn for none and force-r1 (the button" in page.evaluate(caption)
         page.click("button.band-toggle[data-figure=training]")
         assert set(page.evaluate(bands + ".map(t => t.opacity)")) == {max(opened)} and 0 in opened
+        assert ("drawn for every arm (the button below shows only none and force-r1's again)"
+                in page.evaluate(caption))  # the caption says what the figure now draws
         page.click("button.band-toggle[data-figure=training]")
         assert page.evaluate(bands + ".map(t => t.opacity)") == opened
+        assert "drawn for none and force-r1 (the button" in page.evaluate(caption)
         # the glossary link of the introduction opens the folded box; so does the summary's link to a term
         assert not page.evaluate("document.getElementById('glossary').open")
         page.click("a[href='#glossary']")
@@ -279,6 +303,16 @@ def test_demo_page_in_chromium_has_no_collisions_and_fits(demo_page, viewport):
         assert len(layout["figures"]) == DEMO_FIGURES
         for f in layout["figures"]:
             assert not f["out"] and f["plot"] >= MIN_PLOT, f
+        by_id = {f["id"]: f for f in layout["figures"]}
+        # the per-token α-β points span more than half the α axis (autorange, making room for the note, ran it to
+        # 1.7 nats for points within 0.65); the β-split bars fill their axis (10 recipes, -0.5 to 9.5, not -5.4)
+        assert by_id["fig-alpha_beta_tokens"]["spread"] > 0.5, by_id["fig-alpha_beta_tokens"]
+        assert by_id["fig-beta_split"]["xrange"] == [-0.5, 9.5], by_id["fig-beta_split"]
+        hist = by_id["fig-beta_hist"]["xrange"]
+        assert hist[1] - hist[0] < 1, hist  # the tokens' β lie in [-0.32, 0.34]: the axis was 3.9 nats wide
+    if viewport[0] == 390:  # a note that does not fit beside its point on a phone is written under its figure
+        notes = {f["id"]: f["notes"] for f in layouts[-1]["figures"]}
+        assert notes["fig-beta_hist"] == ["fp32: 4 of 508 tokens outside the band"], notes
 
 
 def test_sections_that_disagree_say_so_with_their_numbers(demo_page):
@@ -550,3 +584,19 @@ def test_copies_keep_arm_names_and_the_missing_machine_is_said_once(demo_page):
             "that record: trace and trace --run files written now keep it)") in text
     ids = [term_id(t) for t in terms()]
     assert len(set(ids)) == len(ids) and all(f'<dt id="{i}">' in text for i in ids)
+
+
+def test_per_step_caption_and_notes_say_what_is_drawn():
+    """The per-step caption has a second form for after the band button (every arm's band drawn), and a note of one
+    token says 'token'."""
+    from phantomclip.report.training_panel import _key_points, per_step_caption
+
+    arms = {a: [{}, {}, {}] for a in ("none", "force-r1", "match-bf16", "tis")}
+    few = per_step_caption(arms, carry=False)
+    every = per_step_caption(arms, carry=False, every_band=True)
+    assert few == ("Line: the mean over seeds; band: the seeds' min–max, drawn for none and force-r1 (the button "
+                   "below shows every arm's); open marker: a step fewer seeds reached.")
+    assert every == ("Line: the mean over seeds; band: the seeds' min–max, drawn for every arm (the button below "
+                     "shows only none and force-r1's again); open marker: a step fewer seeds reached.")
+    notes = _key_points({"none": [[3.0], [2.0]], "force-r1": [[2.0], [1.0, 1.0]]}, 1, ["none", "force-r1"], "tokens")
+    assert [n["text"] for n in notes] == ["none: 2 tokens at step 2", "force-r1: 1 token at step 2"]

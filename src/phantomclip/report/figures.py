@@ -100,7 +100,10 @@ def fig_beta_hist(data) -> dict | None:
     traces = [{"type": "histogram", "name": name, "x": betas, "nbinsx": 120, "opacity": 0.6,
                "marker": {"color": PALETTE[i]}, "visible": True if i == 0 else "legendonly"}
               for i, (name, betas) in enumerate(arrays.items())]
-    layout = plot_layout("β (nats)", "tokens", barmode="overlay", yaxis=LOG_AXIS)
+    every = [b for bs in arrays.values() for b in bs] + [tr["log_low"], tr["log_high"]]
+    pad = 0.05 * (max(every) - min(every))  # every token in view: the few outside the band are the point
+    layout = plot_layout("β (nats)", "tokens", barmode="overlay", yaxis=LOG_AXIS,
+                         xaxis={"range": [min(every) - pad, max(every) + pad]})
     layout["shapes"] = [{"type": "rect", "xref": "x", "yref": "paper", "x0": tr["log_low"], "x1": tr["log_high"],
                          "y0": 0, "y1": 1, "fillcolor": "#009E73", "opacity": 0.12, "line": {"width": 0}}]
     name, betas = next(iter(arrays.items()))
@@ -162,17 +165,38 @@ def fig_beta_split(data) -> dict | None:
                 y.append(stats["beta_abs_mean"] if key is None else stats["split"][key]["beta_abs_mean"])
         traces.append({"type": "bar", "name": part, "x": [engines, recipes], "y": y, "marker": {"color": PALETTE[i]},
                        "hovertemplate": "%{x}: mean |β| %{y:.4f}"})
-    layout = plot_layout("trainer recipe, by engine", "mean |β| (nats)", barmode="group", xaxis={"tickangle": 0})
+    n = len(traces[0]["y"])  # the bars' categories fill the axis: autorange made room for the note's words too,
+    # and left 40% of a phone's plot empty
+    layout = plot_layout("trainer recipe, by engine", "mean |β| (nats)", barmode="group",
+                         xaxis={"tickangle": 0, "range": [-0.5, n - 0.5]})
     total, precision = traces[0], traces[1]
     at = next((k for k, v in enumerate(precision["y"]) if v == 0), None)
-    if at is not None:
-        top = max(t["y"][at] for t in traces)  # x: the category's place on the two-level axis
-        layout["annotations"] = [note(at, top, f"{total['x'][1][at]}: no precision part, all kernel", ay=-45)]
+    if at is not None:  # x: the category's place on the two-level axis; the words on the side with more room
+        top = max(t["y"][at] for t in traces)
+        right = at < n / 2
+        layout["annotations"] = [note(at, top, f"{total['x'][1][at]}: no precision part, all kernel", ay=-45,
+                                      ax=30 if right else -30, xanchor="left" if right else "right")]
     return figure(traces, layout, "Mean |β| per trainer recipe, and its precision and kernel parts",
                   "β_precision: the recipe against its own forward in the engine's dtype (the shadow); β_kernel: "
                   "that shadow against the engine (same weights and dtype, other kernels). The parts add up to β "
                   "token by token; their sizes do not add, since both hold the shadow's rounding with opposite signs.",
                   ("diagnose", docs))
+
+
+SPREAD_QUANTILE = 0.99
+"""the per-token α axis reaches this quantile of |α| (with SPREAD_MARGIN): Plotly's autorange also makes room for a
+note's words, and on a phone it ran the axis to 1.7 nats for points within 0.65 (the histogram's β axis, now the
+data's range, to 3.6 for tokens within 0.34), crowding them into a fraction of the width."""
+SPREAD_MARGIN = 1.15
+
+
+def spread_range(values: list[float], keep: list[float] = ()) -> list[float]:
+    """An axis range, symmetric about 0, reaching SPREAD_MARGIN times the SPREAD_QUANTILE quantile of |values| and
+    every value of `keep` (the trust region's edges, which the figure draws)."""
+    mags = sorted(abs(v) for v in values)
+    bulk = mags[math.ceil(SPREAD_QUANTILE * (len(mags) - 1))] if mags else 0.0
+    reach = SPREAD_MARGIN * max([bulk] + [abs(k) for k in keep]) or 1.0
+    return [-reach, reach]
 
 
 def _epsilons(run: dict) -> tuple[float, float]:
@@ -259,19 +283,25 @@ def fig_alpha_beta_tokens(data) -> dict | None:
     traces = [{"type": "scatter", "mode": "markers", "name": f"{k} ({len(xs)})", "x": xs, "y": ys,
                "marker": {"size": size, "opacity": 0.75, "color": colour, "symbol": symbol}}
               for k, (xs, ys) in groups.items() for colour, symbol, size in [TOKEN_STYLES[k]]]
-    layout = plot_layout("α (nats)", "β (nats)", showlegend=True)
-    layout["shapes"] = _trust_region_edges([a for xs, _ in groups.values() for a in xs], _epsilons(run))
+    every = [a for xs_, _ in groups.values() for a in xs_]
+    eps = _epsilons(run)
+    x_range = spread_range(every, [math.log1p(-eps[0]), math.log1p(eps[1])])
+    layout = plot_layout("α (nats)", "β (nats)", showlegend=True, xaxis={"range": x_range})
+    layout["shapes"] = _trust_region_edges(every, eps)
     xs, ys = groups["phantom-clipped"]
     if xs:  # the one furthest out, its words on the side with more room (a phone's plot is 300 px wide)
         k = max(range(len(ys)), key=lambda i: abs(ys[i]))
-        every = [a for xs_, _ in groups.values() for a in xs_]
-        right = xs[k] < (min(every) + max(every)) / 2
+        right = xs[k] < sum(x_range) / 2
         layout["annotations"] = [note(xs[k], ys[k], "phantom-clipped: α alone inside", ax=50 if right else -50,
                                       ay=-40 if ys[k] < 0 else 40, xanchor="left" if right else "right")]
     steps = [t["step"] for t in run["tokens"]]
     caption = (f"Each token with a gradient to lose, by what the clip did to it. Dashed: α + β at the trust region's "
                f"edges; dotted: α alone at them. Not drawn: {zeros} tokens of advantage 0 (groups whose rewards were "
                "all equal: no gradient to lose).")
+    past = sum(not x_range[0] <= a <= x_range[1] for a in every)
+    if past:
+        caption += (f" The α axis holds {100 * SPREAD_QUANTILE:g}% of the tokens: {past} of {len(every)} lie past "
+                    "its ends (double-click the plot to show them).")
     if not _clipped(groups):
         caption += (" No token of these steps was clipped" + (f" in any of the {len(runs)} runs that logged tokens"
                                                               if len(runs) > 1 else "") + ".")

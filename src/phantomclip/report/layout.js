@@ -1,5 +1,5 @@
 // The page's layout rules that need the browser's measurements: the toolbar clear of the legend, legends that never
-// scroll inside their figure, tick labels that never overlap, tables that reflow on a phone, the seed-band button
+// scroll inside their figure, tick labels that never overlap, notes that never leave their figure or cover a label, tables that reflow on a phone, the seed-band button
 // and links into the folded glossary. fitFigure runs when a figure is first drawn and again after the window changes width (a phone turned upright).
 
 // Plotly's toolbar (the modebar: zoom, pan, download) shows on hover at the figure's top right. Across the top it
@@ -67,12 +67,46 @@ async function fitFigure(gd) {
     - gd.getBoundingClientRect().bottom;
   if (below > 0) await Plotly.relayout(gd, {"margin.b": gd._fullLayout._size.b + Math.ceil(below) + 4});
   const plot = gd.querySelector("rect.nsewdrag");
-  if (!plot) return;
-  const short = MIN_PLOT_HEIGHT - plot.getBoundingClientRect().height;
-  if (short > 1) {
-    gd.style.height = (gd.getBoundingClientRect().height + short) + "px";
-    await Plotly.Plots.resize(gd);
+  if (plot) {
+    const short = MIN_PLOT_HEIGHT - plot.getBoundingClientRect().height;
+    if (short > 1) {
+      gd.style.height = (gd.getBoundingClientRect().height + short) + "px";
+      await Plotly.Plots.resize(gd);
+    }
   }
+  await moveStrayNotes(gd);
+}
+
+// A note (a Plotly annotation) drawn past its figure's edge, where the SVG cuts it off, or over a tick label, an axis
+// title or a legend entry is written under the figure instead, as a line of text (div.fig-notes): on a phone the
+// plot is about 270 px wide and a note of 200 px beside its point rarely fits. Its text is the drawn text, set as
+// text, never as markup.
+async function moveStrayNotes(gd) {
+  const f = gd.getBoundingClientRect();
+  const others = textBoxes(gd, "g[class^=xtick] text, g[class^=ytick] text, text.xtitle, text.ytitle, g.legend text");
+  const moved = [];
+  for (const g of gd.querySelectorAll("g.annotation")) {
+    const i = Number(g.dataset.index), text = g.querySelector("text.annotation-text");
+    if (!text || ((gd.layout.annotations || [])[i] || {}).visible === false) continue;
+    const r = text.getBoundingClientRect();
+    const out = r.left < f.left - 1 || r.right > f.right + 1 || r.top < f.top - 1 || r.bottom > f.bottom + 1;
+    if (out || others.some(o => anyOverlap([r, o])))
+      moved.push([i, text.textContent]);
+  }
+  if (!moved.length) return;
+  let box = gd.nextElementSibling;
+  if (!box || !box.classList.contains("fig-notes")) {
+    box = document.createElement("div");
+    box.className = "fig-notes";
+    gd.insertAdjacentElement("afterend", box);
+  }
+  for (const [, words] of moved) {
+    const p = document.createElement("p");
+    p.className = "fig-note";
+    p.textContent = words;
+    box.appendChild(p);
+  }
+  await Plotly.relayout(gd, Object.fromEntries(moved.map(([i]) => [`annotations[${i}].visible`, false])));
 }
 
 // Each cell of a table learns its column's header (data-label), which the phone layout prints before the value;
@@ -100,6 +134,8 @@ function bandToggle(button) {
   Plotly.restyle(gd, {opacity: bands.map((i, k) => all ? full : gd._bandOpacity[k])}, bands);
   button.setAttribute("aria-pressed", String(all));
   button.textContent = all ? "Show fewer bands" : "Show every arm's band";
+  const caption = document.getElementById("caption-" + button.dataset.figure);  // it says which bands are drawn
+  if (caption && caption.dataset.every) caption.textContent = all ? caption.dataset.every : caption.dataset.few;
 }
 
 // A link to the folded glossary, or to a term in it, opens the box (a closed <details> hides its target) and scrolls
@@ -123,8 +159,11 @@ window.addEventListener("resize", () => {
     const narrow = window.innerWidth < 640;  // the template's NARROW, at the new width: the phone's smaller text
     for (const gd of document.querySelectorAll(".figure.js-plotly-plot")) {
       const base = FIGURES[gd.id.slice("fig-".length)].layout;
+      // the notes' size as on a first draw at this width (a note kept at 12 px covered ticks after the turn)
+      const notes = Object.fromEntries((base.annotations || []).map((a, i) =>
+        [`annotations[${i}].font.size`, narrow ? 10 : (a.font || {}).size]));
       await Plotly.relayout(gd, {"font.size": narrow ? 11 : base.font.size,
-                                 "legend.font.size": narrow ? 10 : (base.legend.font || {}).size});
+                                 "legend.font.size": narrow ? 10 : (base.legend.font || {}).size, ...notes});
       await Plotly.Plots.resize(gd);
       await fitFigure(gd);
     }

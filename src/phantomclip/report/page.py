@@ -148,10 +148,12 @@ def _figure_block(name: str, fig: dict, figures: dict, roots: list[Path]) -> str
     title, caption = fig.pop("title"), fig.pop("caption", "")
     toggle = ('<button type="button" class="band-toggle" aria-pressed="false" onclick="bandToggle(this)" '
               f'data-figure="{name}">Show every arm\'s band</button>' if fig.pop("band_toggle", False) else "")
+    every = fig.pop("caption_every_band", "")  # the caption once the button has drawn every band (bandToggle)
+    swap = (f' data-few="{html_text(caption)}" data-every="{html_text(every)}"' if toggle and every != caption else "")
     figures[name] = _compact(json_safe(plotly_text(fig)))  # NaN/inf -> null: browsers' JSON has neither
     return (f'<figure class="chart"><div class="fig-title">{html_text(title)}</div>'
             f'<div class="figure" id="fig-{name}"></div>{toggle}'
-            + (f'<p class="caption">{html_text(caption)}</p>' if caption else "")
+            + (f'<p class="caption" id="caption-{name}"{swap}>{html_text(caption)}</p>' if caption else "")
             + f'<figcaption class="source">{html_text(source_line(kind, docs, roots))}</figcaption></figure>')
 
 

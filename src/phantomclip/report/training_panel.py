@@ -69,9 +69,11 @@ def band_arms(arms: dict[str, list[dict]], shown_arms: tuple[str, ...] = SHOWN_A
     return shown[:BAND_ARMS]
 
 
-def per_step_caption(arms: dict[str, list[dict]], carry: bool, shown_arms: tuple[str, ...] = SHOWN_ARMS) -> str:
+def per_step_caption(arms: dict[str, list[dict]], carry: bool, shown_arms: tuple[str, ...] = SHOWN_ARMS,
+                     every_band: bool = False) -> str:
     """What the lines and bands of a per-step figure are for the seeds actually there: with one seed per arm there
-    is no mean and no band, and with one run no arm to compare."""
+    is no mean and no band, and with one run no arm to compare. `every_band`: the caption after the button under
+    the figure has drawn every arm's band (layout.js bandToggle swaps the two)."""
     most = max(len(runs) for runs in arms.values())
     fewest = min(len(runs) for runs in arms.values())
     if most == 1:
@@ -80,8 +82,10 @@ def per_step_caption(arms: dict[str, list[dict]], carry: bool, shown_arms: tuple
     else:
         banded = band_arms(arms, shown_arms)
         shown = sum(arm_shown(a, len(arms), shown_arms) is True for a in arms)
-        how = "Line: the mean over seeds; band: the seeds' min–max" + (
-            f", drawn for {' and '.join(banded)} (the button below shows every arm's)" if shown > len(banded) else "")
+        how = "Line: the mean over seeds; band: the seeds' min–max"
+        if shown > len(banded):
+            how += (f", drawn for every arm (the button below shows only {' and '.join(banded)}'s again)" if every_band
+                    else f", drawn for {' and '.join(banded)} (the button below shows every arm's)")
         how += "; open marker: a step fewer seeds reached" if not carry else ""
         if fewest == 1:
             how += "; an arm of one seed has no band"
@@ -99,7 +103,7 @@ def _key_points(per_arm: dict[str, list[list[float]]], scale: float, shown: list
         return None if i is None else (i + 1, scale * sum(values[i]) / len(values[i]))
 
     def amount(v: float) -> str:
-        return f"{v:.2g}%" if unit == "%" else f"{v:.3g} {unit}"
+        return f"{v:.2g}%" if unit == "%" else f"{v:.3g} {unit[:-1] if v == 1 and unit.endswith('s') else unit}"
 
     notes = []
     base = last("none") if "none" in per_arm else None
@@ -161,7 +165,9 @@ def per_step(data, key: str, what: str, ylabel: str, carry: bool = False, runs: 
     unit = "%" if scale == 100 else "nats" if "nats" in ylabel else ylabel
     layout["annotations"] = _key_points(per_arm, scale, opened, unit)
     toggle = any(t.get("opacity") == 0 for t in traces if t.get("fill") == "toself")
-    return figure(traces, layout, what, caption, ("runs", used), band_toggle=toggle)
+    return figure(traces, layout, what, caption, ("runs", used), band_toggle=toggle,
+                  caption_every_band=caption.replace(per_step_caption(arms, carry, shown),
+                                                     per_step_caption(arms, carry, shown, every_band=True), 1))
 
 
 CUT_FACTOR = 2.0

@@ -172,3 +172,19 @@ def run_ranks(worker: str, out: Path, world: int, timeout: int, **env: str) -> l
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+SIGNAL_AT = """
+import builtins, os, signal, sys
+from phantomclip.cli import main as cli
+real = builtins.__import__
+def signal_at(name, *args, **kwargs):  # the signal argv[2] the moment the module named argv[1] is first imported
+    if name == sys.argv[1]:
+        builtins.__import__ = real
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    return real(name, *args, **kwargs)
+builtins.__import__ = signal_at
+sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-tokens", "2"]))
+"""
+"""a diagnose run sent a signal (argv[2]: SIGINT, SIGTERM) the moment a module (argv[1]) is first imported: run as
+`python -c SIGNAL_AT module SIGNAME`."""

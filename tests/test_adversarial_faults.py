@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bad_cli, over
+from conftest import SIGNAL_AT, bad_cli, over
 from phantomclip.base.errors import ConfigError
 from phantomclip.cli.main import main
 from phantomclip.integrations.configs.load import EXPANSION_LIMIT
@@ -494,18 +494,6 @@ def test_a_group_or_a_step_past_any_memory_is_refused_before_work(capsys, monkey
     assert line.endswith("lower --group-size, --prompts-per-step or --max-tokens")
 
 
-INTERRUPT_AT = """
-import builtins, os, signal, sys
-from phantomclip.cli import main as cli
-real = builtins.__import__
-def ctrl_c_at(name, *args, **kwargs):  # Ctrl-C the moment the module named argv[1] is first imported
-    if name == sys.argv[1]:
-        builtins.__import__ = real
-        os.kill(os.getpid(), signal.SIGINT)
-    return real(name, *args, **kwargs)
-builtins.__import__ = ctrl_c_at
-sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-tokens", "2"]))
-"""
 
 
 @pytest.mark.parametrize("module,said", [("torch", "phantomclip: interrupted"),  # the parsers' first heavy import
@@ -525,8 +513,8 @@ def test_ctrl_c_while_the_libraries_import_is_one_line_and_130(module, said):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
-    done = subprocess.run([sys.executable, "-c", INTERRUPT_AT, module], capture_output=True, text=True, timeout=120,
-                          preexec_fn=as_a_terminal_starts_it)
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT, module, "SIGINT"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=as_a_terminal_starts_it)
     assert done.returncode == 130 and done.stderr.strip() == said, (done.returncode, done.stderr[-2000:])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import bad_cli
+from conftest import SIGNAL_AT, bad_cli
 from phantomclip.base.errors import PhantomclipError
 from phantomclip.rollouts.readers import read_rollouts
 
@@ -239,18 +239,6 @@ def test_a_users_file_is_never_replaced_and_an_earlier_output_is_with_a_word(tmp
 
 # ------------------------------------------------------------------------------------------------ 10: SIGTERM
 
-TERMINATE_AT = """
-import builtins, os, signal, sys
-from phantomclip.cli import main as cli
-real = builtins.__import__
-def term_at(name, *args, **kwargs):  # SIGTERM the moment the module named argv[1] is first imported
-    if name == sys.argv[1]:
-        builtins.__import__ = real
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(name, *args, **kwargs)
-builtins.__import__ = term_at
-sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-tokens", "2"]))
-"""
 
 
 @pytest.mark.parametrize("module, said", [("torch", "phantomclip: terminated"),
@@ -258,7 +246,8 @@ sys.exit(cli.main(["diagnose", "--model", "tiny-random", "--n", "2", "--max-toke
 def test_sigterm_is_one_line_and_143(module, said):
     """The audit's instance: SIGTERM ended a run with no line (rc -15). At start-up (torch importing) and in the
     command (its own imports): one line and 143, as Ctrl-C gives 130."""
-    done = subprocess.run([sys.executable, "-c", TERMINATE_AT, module], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT, module, "SIGTERM"], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 143 and done.stderr.strip() == said, (done.returncode, done.stderr[-2000:])
 
 

@@ -14,17 +14,8 @@ import pytest
 import torch
 
 from conftest import bad_cli, eps
-from phantomclip.cli.main import main
 from phantomclip.rollouts.slime_dumps import load_dump
-
-TINY = ["--model", "tiny-random:0"]
-RECIPES = ["--trainer", "fp32,bf16"]
-
-
-def _diagnose(tmp_path: Path, name: str, *args: str) -> dict:
-    out = tmp_path / f"{name}.json"
-    assert main(["diagnose", *TINY, *RECIPES, "--json", str(out), *args]) == 0
-    return json.loads(out.read_text())
+from test_rollouts import TINY, _diagnose  # the same diagnose runs as the rollout tests'
 
 
 @pytest.fixture(scope="module")

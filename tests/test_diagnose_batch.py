@@ -4,6 +4,7 @@ scored alone), with --no-batch-invariance and --keep-share."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ def test_json_and_tables_hold_the_batch_part_and_the_knobs(tmp_path, capsys):
     assert k["geo_mask"]["sequences"] == fp32["seq_geo_outside_trust_region"]
     # tiny-random rarely stops early: the mean length is near --max-tokens, nothing is extrapolated
     assert not k["length"]["extrapolated"] and all(k[name]["at_length"] is None for name in KNOB_LABELS)
-    assert "for your config (fp32 trainer's β; every figure: JSON knobs):" in printed
+    assert re.search(r"for your config \(fp32 trainer's β on the sampled completions, mean \d+ tokens; every "
+                     r"figure: JSON knobs\):", " ".join(printed.split()))
     lines = knob_lines(k)
     assert len(lines) == len(KNOB_LABELS)
     for line in lines:
@@ -149,16 +151,18 @@ def test_knob_lines_mark_the_extrapolated_figures():
     """tests/test_knobs.py's extrapolation table: β = [[0, 0.2], [0.2, 0.2]] sampled at length 2, told at 4 tokens.
     clip: the three 0.2 are above log 1.2 (75% of tokens, both sequences; 1 − 0.25^4 = 99.61% of 4-token ones),
     ε_high ≥ e^0.2 − 1 = 0.2214 printed rounded up, ε_low the current 0.2 (never narrower than now);
-    sequence_mask at C = e^0.7: S = [0.2, 0.4] drops nothing,
-    P(S_4 > 0.7) = 22.66%, C ≥ 2.4848 printed as 2.49."""
+    sequence_mask at C = e^0.7: S = [0.2, 0.4] drops nothing; at the sampled length (2 tokens) 99% of the two
+    sequences untouched needs C ≥ e^0.4 = 1.4918, printed rounded up as 1.5; P(S_4 > 0.7) = 22.66%, C ≥ 2.4848
+    printed as 2.49 for 4-token ones: each figure names its length."""
     beta = torch.tensor([[0.0, 0.2], [0.2, 0.2]])
     knobs = knob_figures(beta, torch.ones(2, 2, dtype=torch.bool), KnobSettings(seq_mask_cap=math.exp(0.7)), 0.99, 4)
     lines = dict(zip(KNOB_LABELS, knob_lines(knobs)))
     assert lines["clip"] == ("PPO clip ε 0.2/0.2: clips 75.00% of tokens, 100.00% of sequences; 99.61% of 4-token ones "
                              "(extrapolated) -> ε_low ≥ 0.2, ε_high ≥ 0.222 for 99% of tokens untouched")
     assert lines["sequence_mask"] == ("sequence_mask C = 2.01375: drops 0.00% of sequences (0.00% of tokens); 22.66% "
-                                      "of 4-token ones (extrapolated) -> C ≥ 2.49 for 99% of 4-token sequences "
-                                      "untouched (extrapolated)")
+                                      "of 4-token ones (extrapolated) -> C ≥ 1.5 for 99% of sequences untouched "
+                                      "at the sampled length (mean 2 tokens); C ≥ 2.49 for 99% of 4-token ones "
+                                      "(extrapolated)")
 
 
 def test_bound_rounds_outward():

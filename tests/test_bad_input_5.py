@@ -202,6 +202,18 @@ print("wrote /dev/stdout")
 """
 
 
+@pytest.mark.parametrize("flag", ["--json", "--save-rollouts"])
+def test_a_path_nothing_can_be_written_to_is_refused_before_sampling(flag, capsys):
+    """/proc/nope/x passed the check as root (a /proc path was taken for a descriptor to write into, and os.access
+    says yes to root everywhere) and failed after the whole run: now one line before any work."""
+    from phantomclip.base.files import _can_create_in
+
+    line = bad_cli(["diagnose", *TINY, flag, "/proc/nope/x"], capsys)
+    assert line.endswith(f"{flag} cannot write /proc/nope/x: nothing under /proc is there to write into; choose "
+                         "another location"), line
+    assert not _can_create_in(Path("/proc"))  # the probe, where os.access(W_OK) says yes to root
+
+
 def test_save_rollouts_into_a_redirected_stdout_keeps_what_was_printed(tmp_path):
     """The audit's instance: `--save-rollouts /dev/stdout > f` reopened f at offset 0 and wrote over what was printed
     before (or the records were written over after). The records are written into the descriptor itself, after what

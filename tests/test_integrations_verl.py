@@ -3,6 +3,7 @@ and algorithm/rollout_correction.yaml) -> exact diagnose settings;
 missing keys -> notes; garbage -> one line, exit 2."""
 
 import json
+import re
 
 import pytest
 
@@ -121,6 +122,11 @@ def test_missing_keys_are_notes_with_verls_defaults():
     ("actor_rollout_ref:\n  actor:\n    clip_ratio: wide\n", "actor.clip_ratio is 'wide', not a number"),
     ("algorithm:\n  rollout_correction:\n    rollout_rs: token_k1\n    rollout_rs_threshold: \"0_2\"\n",
      "bounds must be positive"),
+    # the audit's case: a band that misses 1 reached diagnose as --icepop-low/--icepop-high, naming our flags
+    ("algorithm:\n  rollout_correction:\n    rollout_rs: token_k1\n    rollout_rs_threshold: \"2.0_0.5\"\n",
+     r"rollout_rs_threshold '2.0_0.5': the band must hold 1 \(LOWER <= 1 <= UPPER"),
+    ("algorithm:\n  rollout_correction:\n    rollout_rs: token_k1\n    rollout_rs_threshold: \"0.5_0.9\"\n",
+     r"rollout_rs_threshold '0.5_0.9': the band must hold 1"),
 ])
 def test_garbage_is_one_line_exit_2(tmp_path, capsys, text, message):
     path = tmp_path / "bad.yaml"
@@ -128,7 +134,7 @@ def test_garbage_is_one_line_exit_2(tmp_path, capsys, text, message):
     with pytest.raises(ConfigError, match=message):
         diagnose_settings_from_verl(path)
     line = bad_cli(["diagnose", "--from-verl-config", str(path)], capsys)
-    assert line.startswith("phantomclip diagnose: error: --from-verl-config") and message in line
+    assert line.startswith("phantomclip diagnose: error: --from-verl-config") and re.search(message, line), line
 
 
 def test_cli_reads_the_verl_config_and_keeps_an_explicit_max_tokens(tmp_path, capsys):

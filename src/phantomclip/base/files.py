@@ -127,6 +127,9 @@ def output_target(path: str | Path) -> tuple[Path, bool]:
         raise WriteError(f"{path} is {special_kind(st.st_mode)}, not a regular file: an output written there would "
                          "replace it; give a regular file's path")
     if _names_a_descriptor(path):  # /dev/stdout redirected to a file: write into the descriptor, as asked
+        if st is None:  # /proc/nope/x: no descriptor there to write into, and /proc takes no new file
+            raise WriteError(f"cannot write {printable(str(path))}: nothing under /proc is there to write into; "
+                             "choose another location")
         return path, True
     if st is not None and read_only(path, st):  # a rename would replace it all the same: ask first
         raise WriteError(f"{printable(str(path))} is read-only: make it writable (chmod u+w) or choose another path")
@@ -271,8 +274,18 @@ def check_output_path(path: str | Path, flag: str = "--json") -> None:
     parent = target.parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or not _can_create_in(parent):
         raise ConfigError(f"{flag} {path}: cannot write under {parent}: choose a writable location")
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can really be made in `directory`: os.access says yes to root everywhere, /proc included,
+    where the write then fails after the run's work; a probe file made and removed at once says what will happen."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".phantomclip-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def check_distinct_outputs(outputs: dict[str, str | Path]) -> None:

@@ -309,6 +309,9 @@ def _rejection(options: str, spec, settings: dict, notes: list[str]) -> None:
             if upper <= 0 or (lower is not None and lower <= 0):  # before 1 / upper: 0 was a ZeroDivisionError
                 raise ConfigError(f"{FLAG}: {key} {brief(text_)}: bounds must be positive")
             lower = 1 / upper if lower is None else lower
+            if not lower <= 1 <= upper:  # else every token the engine and trainer agree on (r = 1) is dropped
+                raise ConfigError(f"{FLAG}: {key} {brief(text_)}: the band must hold 1 (LOWER <= 1 <= UPPER, e.g. "
+                                  "0.5_2.0), else it drops the tokens where trainer and engine agree")
             # verl keeps log(lower) <= −log r <= log(upper): r in [1/upper, 1/lower]
             settings["icepop_low"], settings["icepop_high"] = 1 / upper, 1 / lower
     other = [n for n in names if n != TOKEN_RS]

@@ -105,10 +105,10 @@ class DiagnoseConfig:
     """also score up to 12 sequences (BATCH_INVARIANCE_SEQUENCES, spread over the n) one at a time, unpadded, under
     each trainer recipe, and report split.batch = logp in the run's batch − logp alone: 12 single-sequence forwards
     per recipe (`seconds_alone`). Measured on the bundled model's default run
-    (bench/benchmarks/bench_batch_invariance.py, 3 runs with and 3 without, interleaved; 2-core AMX Xeon shared with
-    other jobs, 2026-12-07): median 505 s with the pass against 241 s without, so it about doubles the run (+264 s,
-    109%); the rows alone took 0.6-5.5x each recipe's batched scoring (median 3.0x). Turn it off to save that
-    time."""
+    (bench/benchmarks/bench_batch_invariance.py, runs with and without interleaved, 2-core AMX Xeon, 2026-12-07):
+    idle, median 48.6 s with the pass against 35.9 s without (+35%); shared with other jobs (load 4.4-6.7), 505 s
+    against 241 s (+109%: single-sequence forwards slow down far more under load than batched ones). Turn it off to
+    save that time."""
     matmul: str = "auto"
     """low-precision matmul kernels: auto, native (PyTorch's) or emulated (fp32 accumulate; see
     precision/recipes.py)."""

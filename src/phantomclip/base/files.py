@@ -315,18 +315,19 @@ OWN_OUTPUT = re.compile(rb'\A\s*\{\s*"(?:schema|phantomclip_rollouts)"\s*:')
 rollout file's header's first key "phantomclip_rollouts"."""
 
 
-def check_replaceable(path: str | Path, flag: str) -> None:
+def check_replaceable(path: str | Path, flag: str) -> bool:
     """Refuse (ConfigError), before any work, an output path where a non-empty regular file is that phantomclip did
-    not write (OWN_OUTPUT): a user's file is never replaced unless they remove it; a run's earlier output is
-    (replaces_a_file says so once written)."""
+    not write (OWN_OUTPUT): a user's file is never replaced unless they remove it; a run's earlier output is. Returns
+    whether writing `path` replaces a file (replaces_a_file), for the line that says it was written."""
     if not replaces_a_file(path):
-        return
+        return False
     target, _ = output_target(path)
     with open(target, "rb") as f:
         head = f.read(256)
     if head and not OWN_OUTPUT.match(head):
         raise ConfigError(f"{flag} {printable(str(path))}: a file phantomclip did not write is there and is never "
                           "replaced: remove it first or choose another path")
+    return True
 
 
 def replaces_a_file(path: str | Path) -> bool:

@@ -257,7 +257,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=N
     with a word where it replaced an earlier output."""
     from rich.console import Console
 
-    from ..base.files import check_distinct_outputs, check_output_path, check_replaceable, replaces_a_file, write_json
+    from ..base.files import check_distinct_outputs, check_output_path, check_replaceable, write_json
 
     cfg = config_from_args(cls, args)
     cfg.validate()
@@ -267,9 +267,7 @@ def _run_config_job(cls, args, run, render, check=None, precheck=None, outputs=N
     for flag, path in named.items():
         check_output_path(path, flag)
     check_distinct_outputs(named)
-    for flag, path in named.items():
-        check_replaceable(path, flag)
-    replaced = {flag for flag, path in named.items() if replaces_a_file(path)}
+    replaced = {flag for flag, path in named.items() if check_replaceable(path, flag)}
     result = run(cfg, Console(stderr=True))
     render(result, stdout_console())
     if args.json:

@@ -263,3 +263,39 @@ def test_titles_are_short_captions_say_the_rest_and_every_table_names_its_data(d
     alone = ReportData(runs=demo.runs)  # no diagnose JSON: the figure is a note, and its lead-in goes with it
     page = html.unescape(render(alone))
     assert lead not in page and "phantomclip diagnose --json diagnose.json" in page
+
+
+LEAD_INS = ("Mean |β| by the engine's probability of the token:",
+            "with the trust region shaded:",
+            "How the share of tokens outside the trust region depends on ε:",
+            "Per token of the first steps of a run, α against β",
+            "Per step, the mean α against the mean β of each run:",
+            "Each arm against the baseline, seed by seed:",
+            "Each arm against the bf16 engine, seed by seed:",
+            "Per step, drawn as in section 5")
+"""sentences that describe the figure or table after them: on a page without its data they would dangle over the
+note that names the missing command."""
+
+
+def test_no_lead_in_dangles_over_a_note_and_the_theory_stays(demo):
+    """The demo page keeps every lead-in; a page with no data, and one with a reader's single run, keep none whose
+    figure is a note (the paragraph before each note is prose that stands alone, never one ending in ':'), while the
+    sections' explanations stay."""
+    import re
+
+    from phantomclip.report import ReportData, render
+
+    full = html.unescape(render(demo))
+    assert all(lead in full for lead in LEAD_INS)
+    for data in (ReportData(), ReportData(runs=demo.runs[:1])):
+        page = html.unescape(render(data))
+        notes = [m.start() for m in re.finditer(r'<p class="missing"', page)]
+        assert notes
+        for at in notes:
+            before = re.findall(r"<p>((?:(?!<p>).)*?)</p>\s*$", page[:at], flags=re.S)
+            assert not before or not before[-1].rstrip().endswith(":"), before[-1][-200:]
+        shown = [lead for lead in LEAD_INS if lead in page]
+        # a single run draws the closed loop's per-step α-β figure: its lead-in stays, the others go with their notes
+        assert shown == (["Per step, the mean α against the mean β of each run:"] if data.runs else []), shown
+        assert "So the rare tokens should carry the large ratios." in page  # section 3's reasoning needs no data
+        assert "does not mean there is none" not in page  # the interval rule goes with the table it reads

@@ -293,3 +293,26 @@ def test_a_page_with_one_run_says_nothing_of_fp8_or_the_demo(demo):
     full = html.unescape(render(demo))
     assert "The FP8 engine on this page is emulated on a CPU" in full
     assert "The MoE model of this page is tiny-moe, a random 2-layer Qwen3-MoE" in full
+
+
+def test_a_readers_single_run_has_one_name_in_every_figure(tmp_path):
+    """A reader's run directory 'run1' (intervention none, in no experiment) and its `trace --run` JSON: the training
+    figures and the growth figures both call it run1, never 'none' in one and 'run1' in the other; an experiment's
+    seeds keep their arm (the demo's growth runs none/seed-k are the training figures' 'none')."""
+    import json
+    import shutil
+
+    from phantomclip.report.growth_panel import arm_and_seed, fig_growth
+    from phantomclip.report.training_panel import per_step
+
+    demo = demo_sources()[0]
+    shutil.copytree(demo / "sanity" / "none" / "seed-0", tmp_path / "run1")
+    growth = json.loads((demo / "growth" / "none-seed0.json").read_text())
+    (tmp_path / "growth.json").write_text(json.dumps({**growth, "run": str(tmp_path / "run1")}))
+    data = collect([tmp_path])
+    assert [r["config"]["intervention"] for r in data.runs] == ["none"]
+    training = per_step(data, "completion/length_mean", "t", "tokens", carry=True)
+    assert [t["name"] for t in training["data"] if t.get("name")] == ["run1 (1 seed)"]
+    growth_names = {t["name"] for t in fig_growth(data.growths)["data"]}
+    assert growth_names == {"run1"}
+    assert arm_and_seed({"run": "/x/none/seed-2"}) == ("none", 2) and arm_and_seed({"run": "/x/run1"}) == ("run1", 0)

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..maths.proportions import wilson_interval
 from .escape import html_text
 from .plots import PALETTE, arm_colour, category_axis, figure, log_axis, note, plot_layout, seed_symbol, step_axis
+from .sources import seed_group
 
 COMMAND = "phantomclip train --keep-snapshots 5 --out runs/r && phantomclip trace --run runs/r --json growth.json"
 """what writes the data of this section."""
@@ -47,9 +48,10 @@ def site_label(site: str) -> str:
 
 
 def arm_and_seed(doc: dict) -> tuple[str, int]:
-    """('none', 0) for a run named none-seed0 or none/seed-0; (its name, 0) when the name carries no seed."""
-    m = re.fullmatch(r"(.+?)[-/]seed-?(\d+)", run_name(doc))
-    return (m.group(1), int(m.group(2))) if m else (run_name(doc), 0)
+    """('none', 0) for a run named none-seed0 or none/seed-0; (its name, 0) when the name carries no seed: the group
+    and seed the training figures give the same run (sources.seed_group)."""
+    group, seed = seed_group(run_name(doc))
+    return group, seed or 0
 
 
 def _line(growths: list[dict], i: int, name: str, xy: tuple[list, list], dash: str) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -172,6 +173,7 @@ def _add(data: ReportData, f: Path, doc: dict, manifests: Manifests) -> bool:
             warnings.warn(f"{f.parent} is being written (phantomclip process {writer}): the page draws the "
                           f"{len(metrics)} steps it has logged so far", PhantomclipWarning, stacklevel=2)
         run = {"_path": str(f.parent), "name": name, "config": doc, "arm": arm, "experiment": experiment,
+               "group": arm if experiment or doc.get("engine_quant") else seed_group(name)[0],
                "metrics": metrics, "tokens": read_jsonl(f.parent / "tokens.jsonl")}
         {"fp8": data.fp8_runs, "moe-r3": data.moe_runs}.get(experiment or "", data.runs).append(run)
         return True
@@ -185,6 +187,17 @@ def _add(data: ReportData, f: Path, doc: dict, manifests: Manifests) -> bool:
     doc["_path"] = str(f)
     getattr(data, kind).append(doc)
     return True
+
+
+def seed_group(name: str) -> tuple[str, int | None]:
+    """('none', 0) for a run named 'none/seed-0' or 'none-seed0' (one seed of a group); (name, None) otherwise.
+
+    A run's "group" is the name every figure gives it: an experiment's arm ('force-r1'), an FP8 engine's ('fp8,tis'),
+    else the name its reader gave the run directory, seeds of OUT/x/seed-k together as x. The intervention is not a
+    name for a reader's own run: one run drawn as 'none' in the training figures and as 'run1' in the trace growth
+    figures read as two runs."""
+    m = re.fullmatch(r"(.+?)[-/]seed-?(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
 def experiment_arm(run: Path, config: dict, manifests: Manifests) -> tuple[str | None, str]:

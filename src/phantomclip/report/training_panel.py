@@ -23,12 +23,12 @@ the clip (MIS and IcePop start hidden)."""
 
 
 def arm_runs(data, key: str, runs: list[dict] | None = None) -> dict[str, list[dict]]:
-    """Runs that log `key` (`runs`, or the closed loop's `data.runs`), grouped by arm (the experiment's arm name,
-    else the intervention), in the order they were found."""
+    """Runs that log `key` (`runs`, or the closed loop's `data.runs`), grouped by the name every figure gives them
+    (sources.seed_group: the experiment's arm, else the run directory's), in the order they were found."""
     arms: dict[str, list[dict]] = {}
     for r in data.runs if runs is None else runs:
         if r["metrics"] and key in r["metrics"][0]:
-            arms.setdefault(r.get("arm") or r["config"].get("intervention", r["name"]), []).append(r)
+            arms.setdefault(r["group"], []).append(r)
     return arms
 
 

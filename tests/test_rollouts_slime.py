@@ -195,3 +195,40 @@ def test_a_top_p_dump_without_the_runs_top_p_is_refused(saved, tmp_path, capsys,
     torch.save(dump, tmp_path / "7.pt")
     line = bad_cli(["diagnose", *TINY, "--rollouts", str(tmp_path / "7.pt"), "--temperature", "0.8"], capsys)
     assert "7.pt: its records carry the engine's top-p nucleus" in line and "--rollout-top-p" in line, line
+
+
+def test_which_weights_scores_a_top_p_dump_over_its_nucleus(saved, tmp_path, tiny):
+    """The post-mortem's matching (which_weights.candidate_logps) reads a top-p dump as the main path does: the
+    engine-dtype shadow's log-probs renormalised over the recorded nucleus, against the engine's processed column.
+    Its median |β| equals the one the main diagnose computes for the same recipe (the same scoring: to the JSON's
+    6-decimal rounding of the three numbers each token's β is rebuilt from), and is far from the full-vocabulary
+    reading's, which is off by log S (the nucleus's mass) on every token."""
+    from phantomclip.diagnose.config import DiagnoseConfig
+    from phantomclip.diagnose.job import settled
+    from phantomclip.diagnose.which_weights import candidate_logps, median_abs, sample_by_step
+    from phantomclip.maths.metrics import quantile_or_nan
+
+    _, rows = saved
+    dump, _, _ = _nucleus_dump(rows, tiny.model.float().eval(), drop_target=(-1, -1))
+    torch.save(dump, tmp_path / "7.pt")
+    res = _diagnose(tmp_path, "nucleus", "--rollouts", str(tmp_path / "7.pt"), "--temperature", "0.8",
+                    "--top-p", "0.9", "--no-batch-invariance")
+    cfg = settled(DiagnoseConfig(model="tiny-random:0", rollouts=str(tmp_path / "7.pt"), temperature=0.8, top_p=0.9,
+                                 typed_flags=["temperature", "top_p"]))  # as the command line types them
+    shadow = cfg.engine_recipe().name
+    tok, main = res["tokens"], res["tokens"]["per_recipe"][shadow]
+    beta_main = [b + e - k - p for b, e, k, p in zip(main["beta"], tok["logp_engine"], main["log_kept"],
+                                                     tok["logp_engine_processed"])]
+    header, samples = sample_by_step(cfg.rollouts, [7], 64)
+    logp_engine, logp_shadow, mask = candidate_logps(cfg, cfg.model, header, samples)[7]
+    median_ww = median_abs(logp_engine, logp_shadow, mask)
+    assert int(mask.sum()) == len(beta_main)
+    median_main = quantile_or_nan(torch.tensor(beta_main, dtype=torch.float64).abs(), 0.5)
+    assert abs(median_ww - median_main) <= 4 * 5e-7  # four numbers rounded to 6 decimals in the JSON
+    for sample in dump["samples"]:  # the nucleus dropped: read as 'tempered', the whole vocabulary
+        del sample["rollout_top_p_token_ids"], sample["rollout_top_p_token_offsets"]
+    torch.save(dump, tmp_path / "full.pt")
+    whole = settled(DiagnoseConfig(model="tiny-random:0", rollouts=str(tmp_path / "full.pt"), temperature=0.8,
+                                   typed_flags=["temperature"]))
+    header, samples = sample_by_step(whole.rollouts, [7], 64)
+    assert median_ww < 0.5 * median_abs(*candidate_logps(whole, whole.model, header, samples)[7])  # off by log S

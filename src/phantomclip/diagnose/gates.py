@@ -57,13 +57,15 @@ def parse_gate(expr: str) -> Gate:
 DIAGNOSE_KEYS: dict[str, str | None] = {
     "schema": None, "config": None, "versions": None, "cpu": None, "device": None, "model": None, "engine": None,
     "trust_region": None, "shadow": None, "recipes": None, "knobs": None, "drift": "drift", "fp8": "engine_quant",
-    "routing": "routing", "tokens": None, "answer": None, "verdict": None}
+    "routing": "routing", "recorded_trainer": "rollouts", "tokens": None, "answer": None, "verdict": None}
 """the top-level keys of diagnose's result (diagnose.result_dict, answer/decide.py's `answer`, diagnose.text's
 `verdict`; docs/metrics.md, 'The CI gate', lists them) -> the DiagnoseConfig field without which the key is absent
 (None: always there): `drift` with --drift, `fp8` with --engine-quant, `routing` on a mixture-of-experts model unless
---no-routing. The one table --fail-if's roots are checked against before any work."""
+--no-routing, `recorded_trainer` with --rollouts whose records carry the trainer's own log-probs. The one table
+--fail-if's roots are checked against before any work."""
 KEY_NEEDS = {"drift": "--drift K", "engine_quant": "--engine-quant", "routing": "a mixture-of-experts model (and no "
-             "--no-routing)"}
+             "--no-routing)", "rollouts": "--rollouts whose records carry the trainer's own log-probs (slime's "
+             "--save-debug-train-data)"}
 
 
 def check_gate_roots(gates: list[Gate], cfg) -> None:

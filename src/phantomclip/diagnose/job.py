@@ -49,7 +49,15 @@ from ..routing.figures import route_figures, route_split
 from .config import DiagnoseConfig
 from .fp8 import fp8_figures, plain_engine_reads
 from .knobs import knob_figures
-from .recorded import check_belongs, peek, phantom_shares, read_sampled, recorded_config, save_rollouts
+from .recorded import (
+    check_belongs,
+    peek,
+    phantom_shares,
+    read_sampled,
+    recorded_config,
+    recorded_trainer,
+    save_rollouts,
+)
 from .records import Figures, Prepared, Reference, Sampled, Scored, concat_batches, sampled_from_rollouts
 
 if TYPE_CHECKING:
@@ -68,6 +76,8 @@ def run_diagnose(cfg: DiagnoseConfig, console: Console | None = None, lm: Loaded
     figs = figures(cfg, scored, ref, sampled.mask)
     phantom_shares(figs.recipes, {n: scored[n].logp for n in cfg.trainer}, ref.logp_engine, sampled.mask, sampled,
                    (cfg.epsilon, cfg.epsilon_high))  # where the records carry their advantages
+    figs.recorded_trainer = recorded_trainer(cfg, sampled, {n: measured_pair(cfg, sampled, scored[n])
+                                                            for n in cfg.trainer})  # where they carry its log-probs
     if sampled.routes:
         figs.routing, beta_rest = route_phase(cfg, prep, sampled, scored, ref)
         figs.per_token[cfg.trainer[0]]["beta_rest"] = rounded(beta_rest[sampled.mask])  # the answer's replay test
@@ -380,6 +390,7 @@ def result_dict(cfg: DiagnoseConfig, prep: Prepared, sampled: Sampled, ref: Refe
         **({"drift": sampled.drift.as_dict()} if sampled.drift else {}),
         **({"fp8": figs.fp8} if figs.fp8 else {}),
         **({"routing": figs.routing} if figs.routing else {}),
+        **({"recorded_trainer": figs.recorded_trainer} if figs.recorded_trainer else {}),
         "tokens": {
             "sequence": seq_index, "position": position, "logp_engine": rounded(ref.logp_engine[mask]),
             "logp_engine_processed": rounded(ref.logp_engine_processed[mask]),

@@ -11,6 +11,7 @@ the first recipe scored, before the others.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,16 +20,16 @@ import torch
 
 from ..base.files import printable
 from ..base.numerics import dtype_name, parse_dtype
-from ..maths.metrics import mean_or_nan, phantom_clip_mask, quantile_or_nan
+from ..maths.metrics import mean_or_nan, mismatch_stats, phantom_clip_mask, quantile_or_nan
 from ..models.load import LoadedModel
 from ..precision.fp8_vllm import PLAIN, QUANT_NAMES
 from ..precision.recipes import engine_quants
 from ..rollouts.batches import ModelShape, pack_records, records_from_rollout
-from ..rollouts.readers import evaluation_files, read_rollouts
+from ..rollouts.readers import evaluation_files, read_rollouts, rollout_dumps_beside_train_dumps
 from ..rollouts.record import Header, RecordedSampling, RecordError
 from ..routing.routes import EXPERT_KEYS, routers
 from .config import DiagnoseConfig
-from .records import Sampled, sampled_from_rollouts
+from .records import Sampled, concat_batches, sampled_from_rollouts
 
 RECORD_MISMATCH = 0.5
 """a record whose median |β| against the engine-dtype shadow exceeds this (in nats) was not sampled from this
@@ -89,6 +90,10 @@ def recorded_config(cfg: DiagnoseConfig, peeked: Peeked) -> tuple[DiagnoseConfig
         notes.append(f"left out {len(evals)} evaluation dump(s) ({', '.join(printable(p.name) for p in evals[:3])}"
                      f"{', ...' if len(evals) > 3 else ''}): another sampling than the training steps'; diagnose one "
                      "on its own with --rollouts FILE")
+    beside = rollout_dumps_beside_train_dumps(cfg.rollouts) if os.path.isdir(cfg.rollouts) else []
+    if beside:
+        notes.append(f"left out {len(beside)} --save-debug-rollout-data dump(s): the train-data dumps beside them "
+                     "hold the same samples with the trainer's log-probs; diagnose one on its own with --rollouts FILE")
     change = {"logprobs_mode": "processed" if peeked.logprobs == "processed" else "raw"}
     if "logprobs_mode" in typed and cfg.logprobs_mode != change["logprobs_mode"]:
         raise contradiction(cfg, "logprobs_mode", cfg.logprobs_mode, f"logprobs {peeked.logprobs!r}")
@@ -212,6 +217,35 @@ def phantom_shares(recipes: dict[str, dict], logp: dict[str, torch.Tensor], logp
         ok = mask & torch.isfinite(beta)  # [n, T]
         clipped = phantom_clip_mask(beta[ok], advantages[ok], *eps)  # [N]
         recipes[name]["phantom_share_at_alpha0"] = mean_or_nan(clipped.double())
+
+
+RECORDED_BETA_KEYS = ("tokens", "beta_mean", "beta_abs_mean", "beta_abs_p99", "beta_abs_max", "outside_trust_region")
+"""the figures of β as the user's trainer computed it (`recorded_trainer`), as each recipe's of the same name."""
+
+
+def recorded_trainer(cfg: DiagnoseConfig, sampled: Sampled,
+                     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict | None:
+    """Where records carry the user's trainer's own log-probs (Record.logp_trainer_recorded: slime's
+    --save-debug-train-data): β as that trainer computed it (its log-probs − the engine's, on the same loss-mask
+    tokens, with this run's trust region), and per recipe the gap Δ = theirs − our re-score of that recipe in the
+    engine's column (`pairs`: recipe -> (ours, the engine's) [n, T], job.measured_pair): what their machine's kernels
+    and precision give that this machine's recipe does not. None where no record carries them."""
+    grids = sampled.recorded.logp_trainer_recorded if sampled.recorded is not None else None
+    if grids is None:
+        return None
+    theirs = concat_batches([g if g is not None else torch.full(p["input_ids"].shape, math.nan, dtype=torch.float64)
+                             for g, p in zip(grids, sampled.packed)])  # [n, T] float64, NaN: not recorded
+    engine = next(iter(pairs.values()))[1].double()  # [n, T] the column the engine recorded, the same for every recipe
+    have = sampled.mask & torch.isfinite(theirs) & torch.isfinite(engine)  # [n, T]
+    stats = mismatch_stats(theirs, engine, have, cfg.epsilon, cfg.epsilon_high, cfg.seq_mask_cap)
+    gaps = {}
+    for name, (ours, _) in pairs.items():
+        ok = have & torch.isfinite(ours)  # [n, T]
+        delta = (theirs - ours.double())[ok]  # [N]
+        gaps[name] = {"tokens": int(ok.sum()), "mean": mean_or_nan(delta), "abs_mean": mean_or_nan(delta.abs()),
+                      "abs_max": delta.abs().max().item() if delta.numel() else math.nan}
+    return {"source": sampled.info.get("source", ""), "tokens_of_run": int(sampled.mask.sum()),
+            "beta": {k: stats[k] for k in RECORDED_BETA_KEYS}, "gap": gaps}
 
 
 def engine_info(cfg: DiagnoseConfig, header: Header, sequences: int) -> dict:

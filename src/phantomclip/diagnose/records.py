@@ -105,6 +105,9 @@ class Figures:
     """--engine-quant: the FP8 engine beside the plain engine on the same samples, and β_quant (`fp8_figures`)."""
     routing: dict | None = None
     """MoE models: the route table (`route_phase`, routing.route_figures)."""
+    recorded_trainer: dict | None = None
+    """--rollouts whose records carry the user's trainer's own log-probs: its β and its gap to each recipe
+    (recorded.recorded_trainer)."""
 
 
 def sampled_from_rollouts(rollouts: list[Rollout], pad_id: int, measured: Literal["raw", "processed"] | None,

@@ -179,13 +179,32 @@ def render_diagnose(result: dict, console: Console) -> None:
 
 def optional_blocks(result: dict) -> list[list[str]]:
     """The blocks a run has only with some settings, in print order: --drift, an FP8 engine (--engine-quant,
-    answer/fp8_text.py), an MoE model's route table (routing/text.py), a post-mortem's rows
-    (diagnose/postmortem_text.py)."""
+    answer/fp8_text.py), an MoE model's route table (routing/text.py), records that carry the trainer's own
+    log-probs (`recorded_trainer_lines`), a post-mortem's rows (diagnose/postmortem_text.py)."""
     from .postmortem_text import postmortem_lines
 
     makers = {"drift": lambda: drift_lines(result["drift"]), "fp8": lambda: fp8_lines(result),
-              "routing": lambda: routing_lines(result), "postmortem": lambda: postmortem_lines(result)}
+              "routing": lambda: routing_lines(result), "recorded_trainer": lambda: recorded_trainer_lines(result),
+              "postmortem": lambda: postmortem_lines(result)}
     return [make() for key, make in makers.items() if key in result]
+
+
+def recorded_trainer_lines(result: dict) -> list[str]:
+    """The printed block of records that carry the user's trainer's own log-probs (the JSON's recorded_trainer): β as
+    that trainer computed it, then per recipe our re-score's β and the gap between the two trainers' log-probs."""
+    t, pct = result["recorded_trainer"], lambda v: _fmt("outside_trust_region", as_float(v))  # noqa: E731
+    num = lambda v: _fmt("beta_abs_mean", as_float(v))  # noqa: E731 (a figure, as the tables print it)
+    b, of = t["beta"], t["tokens_of_run"]
+    lines = [f"your trainer's own log-probs, recorded with the tokens ({t['source'] or 'the file'}): {b['tokens']} "
+             f"tokens{'' if b['tokens'] == of else f' of {of}'} (every figure: JSON recorded_trainer)",
+             f"  β as your trainer computed it (its log-probs − the engine's): mean |β| {num(b['beta_abs_mean'])}, "
+             f"max {num(b['beta_abs_max'])}, outside the trust region {pct(b['outside_trust_region'])}"]
+    for name, g in t["gap"].items():
+        r = result["recipes"][name]
+        lines.append(f"  {name} re-scored here: mean |β| {num(r['beta_abs_mean'])}, outside "
+                     f"{pct(r['outside_trust_region'])}{'' if b['tokens'] == of else f' (all {of} tokens)'}; your "
+                     f"trainer − this re-score: mean |Δ| {num(g['abs_mean'])}, max |Δ| {num(g['abs_max'])}")
+    return lines
 
 
 def framework_rows(result: dict) -> list[tuple[str, str, float | None, str | None, str]]:

@@ -46,6 +46,9 @@ class Batches:
     nuclei: list[torch.Tensor] | None = None
     """per batch, [B_i, T_i, K_i] int32: the recorded nucleus of each completion token (Record.nucleus), −1 padded,
     where the records carry one; None: none recorded."""
+    logp_trainer_recorded: list[torch.Tensor | None] | None = None
+    """per batch, [B_i, T_i] float64 on the packed grid: the user's trainer's own log-prob of each completion token
+    (Record.logp_trainer_recorded), NaN where a record has none (a batch without any: None); None: no record has."""
 
 
 def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, batch_size: int,
@@ -56,7 +59,7 @@ def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, 
     so nothing is scored before every record has passed its checks."""
     rollouts: list[Rollout] = []
     routes: list[Routes] = []
-    extras: dict[str, list[torch.Tensor]] = {"trained": [], "nuclei": []}
+    extras: dict[str, list[torch.Tensor]] = {"trained": [], "nuclei": [], "trainer": []}
     steps: list[int | None] = []
     advantages: list[float | None] = []
     batch: list[Record] = []
@@ -92,7 +95,8 @@ def pack_records(records: Iterator[Located], header: Header, shape: ModelShape, 
     return Batches(header=header, rollouts=rollouts, routes=routes if has_routes else None, steps=steps,
                    advantages=advantages, logprobs=logprobs, sampling=sampling,
                    trained=extras["trained"] if any(t is not None for t in extras["trained"]) else None,
-                   nuclei=extras["nuclei"] if has_nucleus else None)
+                   nuclei=extras["nuclei"] if has_nucleus else None,
+                   logp_trainer_recorded=extras["trainer"] if any(t is not None for t in extras["trainer"]) else None)
 
 
 def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
@@ -129,13 +133,15 @@ def check_against_model(r: Record, where: str, shape: ModelShape) -> None:
 
 def _close_batch(batch: list[Record], rollouts: list[Rollout], routes: list[Routes], kind: tuple,
                  shape: ModelShape, extras: dict[str, list]) -> None:
-    """Pack the batch's records as a Rollout (and their routes, loss masks and nuclei), then empty the batch."""
+    """Pack the batch's records as a Rollout (and their routes, loss masks, nuclei and the trainer's recorded
+    log-probs), then empty the batch."""
     rollouts.append(to_rollout(batch, *kind))
     if batch[0].routed_experts is not None:
         routes.append(routes_on_grid(batch, shape))
     extras["trained"].append(trained_on_grid(batch))
     if batch[0].nucleus is not None:
         extras["nuclei"].append(nuclei_on_grid(batch))
+    extras["trainer"].append(trainer_on_grid(batch))
     batch.clear()
 
 
@@ -156,6 +162,19 @@ def trained_on_grid(records: list[Record]) -> torch.Tensor | None:
         n = len(r.completion_ids)
         keep[b, P : P + n] = torch.tensor(r.loss_mask, dtype=torch.bool) if r.loss_mask is not None else True
     return keep
+
+
+def trainer_on_grid(records: list[Record]) -> torch.Tensor | None:
+    """[B, T] float64: each completion token's logp_trainer_recorded at its column, NaN elsewhere and on records
+    without one; None where no record of the batch has one."""
+    if all(r.logp_trainer_recorded is None for r in records):
+        return None
+    P, T = _grid(records)
+    out = torch.full((len(records), T), math.nan, dtype=torch.float64)  # [B, T]
+    for b, r in enumerate(records):
+        if r.logp_trainer_recorded is not None:
+            out[b, P : P + len(r.completion_ids)] = torch.tensor(r.logp_trainer_recorded, dtype=torch.float64)
+    return out
 
 
 def nuclei_on_grid(records: list[Record]) -> torch.Tensor:

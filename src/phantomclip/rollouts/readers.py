@@ -23,7 +23,7 @@ from .record import (
     parse_record,
     read_rollout_lines,
 )
-from .slime_dumps import read_slime, slime_record
+from .slime_dumps import is_train_dump, read_slime, slime_record
 
 Reader = Callable[[str], tuple[Header, Iterator[Located]]]
 
@@ -118,14 +118,27 @@ def evaluation_files(directory: str) -> list[Path]:
 
 
 def rollout_files(directory: str) -> list[Path]:
-    """The rollout files of a directory (not its subdirectories, not its evaluation dumps), in the order of the
-    numbers in their names (step 2 before step 10), then by name."""
+    """The rollout files of a directory (not its subdirectories, not its evaluation dumps, not slime rollout-data
+    dumps beside its train-data dumps: `rollout_dumps_beside_train_dumps`), in the order of the numbers in their
+    names (step 2 before step 10), then by name."""
     found = [p for p in Path(directory).iterdir() if p.suffix.lower() in SUFFIXES and p.is_file()
              and not p.name.startswith(EVAL_PREFIX)]
     if not found:
         raise RecordError(f"{printable(directory)}: holds no rollout file ({', '.join(SUFFIXES)}): give the directory "
                           "the recorder wrote")
+    beside = set(rollout_dumps_beside_train_dumps(directory))
+    found = [p for p in found if p not in beside]
     return sorted(found, key=lambda p: ([int(x) for x in re.findall(r"\d+", p.name)], p.name))
+
+
+def rollout_dumps_beside_train_dumps(directory: str) -> list[Path]:
+    """slime's rollout-data dumps in a directory that also holds its train-data dumps (format 2): those hold the same
+    samples (slime joins the two by rollout_position: tests/test_qwen2.5_0.5B_debug_train_dump_e2e.py @624b824) with
+    the trainer's own log-probs beside the engine's, so the rollout-data dumps are left out, not counted twice."""
+    dumps = [p for p in Path(directory).iterdir() if p.is_file() and SUFFIXES.get(p.suffix.lower()) == "slime"
+             and not p.name.startswith(EVAL_PREFIX)]
+    train = [p for p in dumps if is_train_dump(p)]
+    return sorted(p for p in dumps if p not in train) if train else []
 
 
 def read_directory(directory: str) -> tuple[Header, Iterator[Located]]:

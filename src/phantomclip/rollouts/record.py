@@ -166,6 +166,8 @@ class Record:
     """per completion token, the token ids the engine's top-p kept when it sampled it (slime's
     rollout_top_p_token_ids): 'processed' log-probs are renormalised over exactly these (and the sampled token), on
     the trainer's side too; None: the trainer's own truncation stands for the engine's."""
+    logp_trainer_recorded: list[float] | None = None
+    """the user's trainer's log-prob of each completion token as its run recorded it (slime's train dump log_probs)."""
     canary: bool | None = None
     """True for a probe record (the canary, docs/rollouts.md "Engine or learning"): fixed tokens the engine read, not
     sampled, at this step's weights; kept out of the run's own figures and read step by step on their own."""
@@ -217,21 +219,19 @@ def _number(value, where: str, name: str) -> float:
                            "value itself") from None
 
 
-def check_logprobs(values, n: int, where: str) -> list[float]:
-    """The engine's log-probs of n completion tokens: a list of n finite numbers <= 0. A positive log-prob is no
-    probability (an engine computes log-softmax in fp32, whose largest value is exactly 0), a NaN or -inf one cannot
-    be compared: both are refused with the token's index."""
+def check_logprobs(values, n: int, where: str, name: str = "logp_engine") -> list[float]:
+    """The log-probs `name` of n completion tokens (the engine's, or the trainer's as recorded): a list of n finite
+    numbers <= 0. A positive log-prob is no probability (log-softmax in fp32 has 0 as its largest value), a NaN or
+    -inf one cannot be compared: both are refused with the token's index."""
     if not isinstance(values, list) or len(values) != n:
         got = len(values) if isinstance(values, list) else _show(values)
-        raise fail(where, f"logp_engine has {got} values for {n} completion tokens: give one log-prob per sampled "
-                           "token")
+        raise fail(where, f"{name} has {got} values for {n} completion tokens: give one log-prob per sampled token")
     out = []
     for i, v in enumerate(values):
-        x = _number(v, where, f"logp_engine[{i}]")
+        x = _number(v, where, f"{name}[{i}]")
         if not math.isfinite(x) or x > 0:
             why = "is not finite" if not math.isfinite(x) else "is not a log-prob (<= 0)"
-            raise fail(where, f"logp_engine[{i}] = {_show(v)} {why}: record the engine's own log-prob of each "
-                               "sampled token")
+            raise fail(where, f"{name}[{i}] = {_show(v)} {why}: record the {name.split('_')[1]}'s log-prob per token")
         out.append(x)
     return out
 
@@ -329,6 +329,8 @@ def parse_record(obj, where: str) -> Record:
     return Record(
         prompt_ids=prompt, completion_ids=completion,
         logp_engine=check_logprobs(obj["logp_engine"], len(completion), where),
+        logp_trainer_recorded=None if obj.get("logp_trainer_recorded") is None else check_logprobs(
+            obj["logp_trainer_recorded"], len(completion), where, "logp_trainer_recorded"),
         step=_optional_int(obj.get("step"), where, "step"),
         weight_version=_optional_int(obj.get("weight_version"), where, "weight_version"),
         advantage=None if advantage is None else float(advantage),

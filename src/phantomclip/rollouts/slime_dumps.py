@@ -58,6 +58,11 @@ def load_dump(path: str) -> dict:
                           "convert it to a rollout JSONL file (docs/rollouts.md)") from None
     except (RuntimeError, OSError, EOFError, ValueError, IndexError) as e:
         raise RecordError(f"{name}: not a torch file torch.load can read ({str(e).splitlines()[0][:100]})") from None
+    if isinstance(data, dict) and "rollout_data" in data and "samples" not in data:
+        raise RecordError(f"{name}: a per-rank --save-debug-train-data file without format_version (miles @31f1ca9 and "
+                          "slime before format 2 save {rollout_id, rank, rollout_data} with context-parallel shards "
+                          "as they lay): not read; give slime's format-2 train dump, or the run's "
+                          "--save-debug-rollout-data dump")
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
         raise RecordError(f"{name}: not a slime/miles dump (a dict with 'samples', as --save-debug-rollout-data and "
                           "--save-debug-train-data write)")
@@ -73,6 +78,8 @@ def read_slime(path: str) -> tuple[Header, Iterator[Located]]:
     they are renormalised over it ('processed'). One rollout's dump is loaded whole (a pickle cannot be streamed)."""
     data = load_dump(path)
     name = printable(path)
+    if "format_version" in data or "dp_shards" in data:
+        return read_train_data(data, name)
     step = _plain(data.get("rollout_id"))
     step = step if isinstance(step, int) else None
     samples = data["samples"]
@@ -83,7 +90,7 @@ def read_slime(path: str) -> tuple[Header, Iterator[Located]]:
                     for i, s in enumerate(samples))
 
 
-def slime_record(sample, where: str, step: int | None) -> Record:
+def slime_record(sample, where: str, step: int | None, trainer: list | None = None) -> Record:
     """One slime Sample dict as a record (slime/utils/types.py `Sample` @624b824; every field checked by
     parse_record): `tokens` is prompt + response, the last `response_length` of them the response;
     `rollout_log_probs` one per response token (`_validate_response_metadata_lengths`), 0.0 placeholders on tool
@@ -92,7 +99,8 @@ def slime_record(sample, where: str, step: int | None) -> Record:
     `sum_of_sample_mean` over the loss masks, line 1140), so they are context here; `rollout_top_p_token_ids` /
     `rollout_top_p_token_offsets` the nucleus of response token r at ids[offsets[r]:offsets[r + 1]] (offsets one
     longer than the response); `rollout_routed_experts` [len(tokens) − 1, layers, k] (a torch tensor in slime, a
-    numpy array in miles); `weight_versions` one string per engine call."""
+    numpy array in miles); `weight_versions` one string per engine call. `trainer`: the trainer's own log-prob of
+    each response token, where a train dump recorded them (`train_record`)."""
     if not isinstance(sample, dict):
         raise fail(where, "is not a Sample dict")
     tokens, n = _plain(sample.get("tokens")), _plain(sample.get("response_length"))
@@ -104,9 +112,94 @@ def slime_record(sample, where: str, step: int | None) -> Record:
            "logp_engine": _plain(sample.get("rollout_log_probs")), "step": step,
            "weight_version": versions[-1] if versions else None,
            "routed_experts": _plain(sample.get("rollout_routed_experts")),
-           "finished": sample.get("status") == "completed", "loss_mask": _plain(sample.get("loss_mask")),
-           "nucleus": _nucleus(sample, where, n)}
+           "finished": sample["status"] == "completed" if "status" in sample else None,
+           "loss_mask": _plain(sample.get("loss_mask")), "nucleus": _nucleus(sample, where, n),
+           "logp_trainer_recorded": trainer}
     return parse_record(obj, where)
+
+
+TRAIN_FORMAT = 2
+"""the `format_version` of slime's --save-debug-train-data this reader understands (slime/observability/
+train_data_utils.py `_build_dump_payload` @624b824)."""
+TRAIN_COLUMNS = {"tokens": "tokens", "response_length": "response_lengths", "rollout_log_probs": "rollout_log_probs",
+                 "loss_mask": "loss_masks", "rollout_top_p_token_ids": "rollout_top_p_token_ids",
+                 "rollout_top_p_token_offsets": "rollout_top_p_token_offsets",
+                 "rollout_routed_experts": "rollout_routed_experts"}
+"""a Sample field `slime_record` reads -> the train dump's per-sample column holding it (slime/ray/rollout.py
+`_convert_samples_to_train_data` names the columns; `_split_train_data_by_dp` ships them to the trainer)."""
+
+
+def read_train_data(data: dict, name: str) -> tuple[Header, Iterator[Located]]:
+    """slime's `--save-debug-train-data` dump, format 2 (slime/observability/train_data_utils.py `_build_dump_payload`,
+    written by `save_debug_train_data` @624b824): {"format_version": 2, "rollout_id", "rank" (the writer's), "samples",
+    "dp_shards" (the DP / micro-batch layout), "raw_reward"}, one file per rollout holding every DP rank's samples:
+    the last pipeline stage's tensor-parallel rank 0 gathers them, context-parallel shards restored to one value per
+    response token first (`restore_context_parallel_fields_to_cpu`). The step is the rollout_id; per sample,
+    `train_record`. A dump of another format_version, or without one, is refused."""
+    version = _plain(data.get("format_version"))
+    if version != TRAIN_FORMAT:
+        said = f"format_version {brief(version)}" if "format_version" in data else "no format_version"
+        raise RecordError(f"{name}: a --save-debug-train-data dump with {said}: phantomclip reads format "
+                          f"{TRAIN_FORMAT} (slime @624b824); give the run's --save-debug-rollout-data dump instead")
+    step = _plain(data.get("rollout_id"))
+    step = step if isinstance(step, int) else None
+    samples = data["samples"]
+    nucleus = bool(samples) and isinstance(samples[0], dict) and samples[0].get("rollout_top_p_token_ids") is not None
+    header = Header(source="slime --save-debug-train-data", logprobs="processed" if nucleus else "tempered",
+                    engine=EngineInfo(name="sglang"))
+    return header, (Located(f"{name} sample {i}", train_record(s, f"{name} sample {i}", step))
+                    for i, s in enumerate(samples))
+
+
+def train_record(sample, where: str, step: int | None) -> Record:
+    """One sample of a format-2 train dump as a record: the trainer's per-sample columns (`TRAIN_COLUMNS`; tokens
+    int64 prompt + response, `total_lengths` = len(tokens), loss_masks int32 and rollout_log_probs float32 one per
+    response token, as the trainer moved them to its GPU: backends/megatron_utils/actor.py `_get_rollout_data`) read
+    as `slime_record` reads a rollout dump's Sample, and `log_probs`, the trainer's own float32 log-prob of each
+    response token (backends/megatron_utils/loss.py `get_log_probs_and_entropy`: fp32 logits over
+    --rollout-temperature, renormalised over the recorded nucleus as the engine's are; captured from the training
+    forward where slime made no separate recompute, actor.py `train_actor`), as the record's logp_trainer_recorded.
+    A dump without the engine's log-probs, or whose log_probs are not one per response token, is refused."""
+    if not isinstance(sample, dict):
+        raise fail(where, "is not a sample dict")
+    if sample.get("rollout_log_probs") is None:
+        raise fail(where, "has no rollout_log_probs (the engine's log-prob of each response token: slime carries them "
+                          "into training only where the rollout recorded them), so β has nothing to compare: dump a "
+                          "run whose rollout records Sample.rollout_log_probs")
+    n, tokens = _plain(sample.get("response_lengths")), _plain(sample.get("tokens"))
+    trainer, mask = _plain(sample.get("log_probs")), _plain(sample.get("loss_masks"))
+    if trainer is not None and not (isinstance(trainer, list) and len(trainer) == n
+                                    and (mask is None or isinstance(mask, list) and len(mask) == n)):
+        raise fail(where, f"log_probs ({_count(trainer)}) are not one per response token (response_lengths {n!r}, "
+                          f"loss_masks {_count(mask)}): format 2 restores the trainer's log-probs to the whole "
+                          "response; give the dump as slime wrote it, or the run's --save-debug-rollout-data dump")
+    total = _plain(sample.get("total_lengths"))
+    if total is not None and isinstance(tokens, list) and total != len(tokens):
+        raise fail(where, f"total_lengths {brief(total)} is not the number of tokens ({len(tokens)}): give the dump "
+                          "as slime wrote it")
+    return slime_record({field: sample[column] for field, column in TRAIN_COLUMNS.items() if column in sample},
+                        where, step, trainer=trainer)
+
+
+TRAIN_PEEK_BYTES = 64
+"""what `is_train_dump` reads of a dump's pickle: its protocol header, the dict's opening and its first key."""
+
+
+def is_train_dump(path: Path) -> bool:
+    """Whether a torch file is a train-data dump, read without loading it: `_build_dump_payload`'s dict has
+    format_version as its first key, which pickles (in insertion order) within the first bytes of the zip's data.pkl,
+    where a rollout dump's first key is rollout_id. A file that is no torch zip is not one (its reader says why)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickled = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+            if pickled is None:
+                return False
+            with z.open(pickled) as f:
+                return b"format_version" in f.read(TRAIN_PEEK_BYTES)
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _nucleus(sample: dict, where: str, n: int) -> list[list[int]] | None:

@@ -177,7 +177,7 @@ def test_diagnose_flags_are_the_config_fields():
     _diagnose_parser(sub)
     args = vars(sub.choices["diagnose"].parse_args([]))
     assert args.pop("json") is None and args.pop("from_trl_config") is None and args.pop("fail_if") is None
-    assert args.pop("from_verl_config") is None and args.pop("max_tokens") is None
+    assert args.pop("from_verl_config") is None and args.pop("from_verl_log") is None and args.pop("max_tokens") is None
     assert args.pop("n") is None  # None: 64 when sampling, every record with --rollouts (cli.sources)
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(DiagnoseConfig)}

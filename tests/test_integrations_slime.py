@@ -9,14 +9,16 @@ fp32 subtraction on both sides (compared exactly); per-sample means in float64 a
 
 from __future__ import annotations
 
+import json
 import math
 from argparse import Namespace
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from phantomclip.base.errors import IntegrationError
+from phantomclip.base.errors import IntegrationError, PhantomclipError
 from phantomclip.integrations.slime import DELEGATE_ENV, log_rollout, rollout_figures, tis_function
 from phantomclip.maths.frameworks import slime as slime_figures
 
@@ -169,3 +171,92 @@ def test_neither_framework_installed_is_one_line(monkeypatch):
         tis_function(ARGS, pg_loss=torch.ones(1), train_log_probs=[torch.zeros(1)], rollout_log_probs=[torch.zeros(1)],
                      loss_masks=[torch.ones(1)])
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- the rollout file (ROLLOUTS_ENV)
+
+
+@dataclass
+class Sample:
+    """slime's Sample (slime/utils/types.py @624b824) restated with the fields the record reads, and its `to_dict`
+    (`self.__dict__.copy()` with the status as its value)."""
+
+    tokens: list[int] = field(default_factory=list)
+    response_length: int = 0
+    reward: float | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    status: str = "pending"
+
+    def to_dict(self):
+        return self.__dict__.copy()
+
+
+SLIME_ARGS = Namespace(**vars(ARGS), hf_checkpoint="Qwen/Qwen3-0.6B", rollout_temperature=0.8, rollout_top_p=1.0,
+                       rollout_top_k=-1, sglang_dtype="bfloat16", sglang_quantization=None,
+                       sglang_kv_cache_dtype="auto", custom_rollout_log_function_path=f"{log_rollout.__module__}."
+                       "log_rollout")
+
+
+def _rollout_samples() -> list[Sample]:
+    """Four samples of one rollout: two plain, one multi-turn (a tool token: loss mask 0, log-prob 0.0 as slime's
+    add_response_tokens pads it), one with a positive log-prob (no probability: refused), one without log-probs."""
+    return [Sample(tokens=[1, 2, 3, 4, 5], response_length=2, reward=1.0, loss_mask=[1, 1], weight_versions=["3"],
+                   rollout_log_probs=[-0.5, -1.25], status="completed"),
+            Sample(tokens=[1, 2, 3, 6, 7, 8], response_length=3, reward=0.0, loss_mask=[1, 0, 1],
+                   weight_versions=["default", "3"], rollout_log_probs=[-2.0, 0.0, -0.125], status="truncated"),
+            Sample(tokens=[1, 2, 9, 9], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-0.5, 0.25]),
+            Sample(tokens=[1, 2, 9], response_length=1, loss_mask=[1], rollout_log_probs=None)]
+
+
+def test_log_rollout_writes_the_rollout_record(monkeypatch, tmp_path):
+    from phantomclip.integrations.slime import ROLLOUTS_ENV
+    from phantomclip.rollouts.readers import read_rollouts
+    from phantomclip.rollouts.record import Record
+
+    out = tmp_path / "rollouts"
+    monkeypatch.setenv(ROLLOUTS_ENV, str(out))
+    extra = {}
+    # as slime/observability/rollout_metrics.py log_rollout_data calls the custom function, rollout 7
+    assert log_rollout(7, SLIME_ARGS, _rollout_samples(), extra, 12.5) is False
+    assert extra["phantomclip/rollout/samples_not_recorded"] == 1  # the positive log-prob
+    assert extra["phantomclip/rollout/samples_without_logprobs"] == 1
+    assert sorted(p.name for p in out.iterdir()) == ["step-000007.jsonl"]  # no temp file left
+    # the same reader diagnose --rollouts (and its post-mortem) uses for TRL's RolloutRecorder directory
+    header, located = read_rollouts(str(out))
+    records = [item.record for item in located]
+    assert (header.source, header.model, header.logprobs) == ("slime (phantomclip log_rollout)", "Qwen/Qwen3-0.6B",
+                                                              "tempered")
+    assert (header.engine.name, header.engine.dtype, header.engine.kv_cache_dtype) == ("sglang", "bfloat16", "")
+    assert (header.sampling.temperature, header.sampling.top_p, header.sampling.top_k) == (0.8, 1.0, 0)  # -1: off
+    first, second = records
+    assert (first.prompt_ids, first.completion_ids, first.logp_engine) == ([1, 2, 3], [4, 5], [-0.5, -1.25])
+    assert (first.step, first.weight_version, first.finished, first.advantage) == (7, 3, True, None)
+    assert (second.prompt_ids, second.completion_ids, second.loss_mask) == ([1, 2, 3], [6, 7, 8], [1, 0, 1])
+    assert (second.weight_version, second.finished) == (3, False)  # 'default' names no version: the last number
+    line = json.loads((out / "step-000007.jsonl").read_text().splitlines()[1])
+    assert set(line) <= {f.name for f in fields(Record)}  # TRL's record's field names, nothing of its own
+    # the TIS hook, as policy_loss_function calls it (keywords, args included), writes nothing
+    monkeypatch.setenv(DELEGATE_ENV, f"{__name__}.vanilla_tis_reference")
+    train, rollout, masks, pg = _slime_batch()
+    tis_function(args=SLIME_ARGS, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
+                 total_lengths=[9, 6, 11], response_lengths=[5, 3, 7])
+    assert sorted(p.name for p in out.iterdir()) == ["step-000007.jsonl"]
+
+
+@pytest.mark.parametrize("case", ["out is a file", "quantization"])
+def test_rollout_record_bad_settings_one_line(monkeypatch, tmp_path, case):
+    from phantomclip.integrations.slime import ROLLOUTS_ENV
+
+    (tmp_path / "file").write_text("")
+    args = SLIME_ARGS
+    if case == "out is a file":
+        monkeypatch.setenv(ROLLOUTS_ENV, str(tmp_path / "file" / "rollouts"))
+    else:
+        monkeypatch.setenv(ROLLOUTS_ENV, str(tmp_path / "rollouts"))
+        args = Namespace(**{**vars(SLIME_ARGS), "sglang_quantization": "awq"})
+    with pytest.raises(PhantomclipError) as e:  # WriteError for the directory, IntegrationError for the engine
+        log_rollout(0, args, _rollout_samples(), {}, 1.0)
+    assert "\n" not in str(e.value)
+    assert ("rollouts" in str(e.value)) if case == "out is a file" else ("quantization 'awq'" in str(e.value))

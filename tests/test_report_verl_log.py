@@ -1,6 +1,6 @@
 """`phantomclip report --from` a verl run's file log: what the run logged from inside verl (docs/verl.md), read back
-into "Your framework" beside diagnose's figures for the same definitions (report/sources.py read_verl_log,
-report/framework_log.py).
+into "Your framework" beside diagnose's figures for the same definitions (runs/framework_log.py read_verl_log, which
+report/sources.py calls on every .jsonl it finds, and report/framework_log.py).
 
 The log is written here in verl 0.9.1's format (verl/utils/tracking.py `FileLogger.log`: one
 `{"step": N, "data": {...}}` per line, NaN as null as orjson writes it). Values are compared as the table prints them
@@ -16,7 +16,8 @@ import pytest
 
 from phantomclip.cli.main import main
 from phantomclip.report.framework_panel import html_framework_panel
-from phantomclip.report.sources import ReportError, collect, read_verl_log
+from phantomclip.report.sources import ReportError, collect
+from phantomclip.runs.framework_log import read_verl_log
 
 GOLDEN = Path(__file__).parent / "golden" / "diagnose-tiny-amx.json"
 

@@ -64,6 +64,9 @@ def _diagnose_parser(sub) -> None:
                          help="the same from a verl PPO/GRPO trainer YAML (the model, actor and rollout dtypes, "
                          "rollout sampling, clip ratios, algorithm.rollout_correction, data.max_response_length); a "
                          "flag you type wins over the config's value")
+    configs.add_argument("--from-verl-log", default=None, metavar="LOG",
+                         help="measure nothing: print the phantomclip/* and rollout_corr/* figures a verl run logged "
+                         "(its stdout or its file log) per step and over the run, judged on its last steps; alone")
     p.add_argument("--fail-if", action="append", default=None, metavar="EXPR",
                    help="CI gate, repeatable: exit 1 if KEY OP NUMBER holds (OP: > >= < <=), KEY a dotted path into "
                    "the JSON result, tried as given and then under 'recipes.', e.g. 'fp32.outside_trust_region>0.01' "
@@ -78,6 +81,8 @@ def _run_diagnose(args) -> int:
     from ..diagnose.recorded import RECORDED_FLAGS
     from ..diagnose.text import render_diagnose, with_verdict
 
+    if args.from_verl_log:
+        return _print_verl_log(args)
     gates = [parse_gate(expr) for expr in args.fail_if or []]  # a malformed gate is refused before any work
     if args.drift and not any(g.key.split(".")[0] == "drift" for g in gates):
         gates.append(parse_gate(DRIFT_GATE))
@@ -87,6 +92,20 @@ def _run_diagnose(args) -> int:
                            render_diagnose, check=lambda result: check_gates(gates, result),
                            precheck=lambda cfg: check_gate_roots(gates, cfg),
                            outputs=lambda cfg: {"--save-rollouts": cfg.save_rollouts})
+
+
+def _print_verl_log(args) -> int:
+    """diagnose --from-verl-log: a run's own log read back; nothing is sampled, so any other flag typed is refused."""
+    from ..base.errors import ConfigError
+    from ..diagnose.verl_log import verl_log_lines
+
+    other = sorted(set(getattr(args, "typed", ())) - {"from_verl_log"})
+    if other:
+        raise ConfigError(f"--{other[0].replace('_', '-')} with --from-verl-log: reading a run's log measures "
+                          "nothing, so the flag would be ignored; drop it")
+    for line in verl_log_lines(args.from_verl_log):
+        say(line)
+    return 0
 
 
 def _train_parser(sub) -> None:
@@ -450,7 +469,6 @@ def _run_command(parser, sub, args, extra: list[str], argv: list[str] | None) ->
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # Expected failures (bad paths, names, values) are PhantomclipErrors with a message written for the user.
     from ..base.errors import PhantomclipError, PhantomclipWarning
-
 
     commands = {"diagnose": _run_diagnose, "train": _run_train, "experiment": _run_experiment, "trace": _run_trace,
                 "engines": _run_engines,

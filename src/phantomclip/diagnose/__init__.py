@@ -4,7 +4,7 @@ contract. The job (job) over its config and typed records, the FP8 engine's part
 a run's recorded steps, each against the weights that sampled it (postmortem, which_weights), and what it
 prints (text, postmortem_text).
 
-May import: base, precision, maths, models, engines, routing, rollouts, answer.
+May import: base, precision, maths, models, runs, engines, routing, rollouts, answer.
 """
 
 from .. import moved_names

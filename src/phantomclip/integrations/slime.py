@@ -15,7 +15,10 @@ slime (THUDM/slime, commit 624b824a898ab0ec1fcb4d373004c7f3852bf515) offers two 
   PHANTOMCLIP_SLIME_TIS_DELEGATE) and returns its loss and masks as they are; it only adds `phantomclip/*` metrics.
 - `--custom-rollout-log-function-path phantomclip.integrations.slime.log_rollout`: slime/observability/
   rollout_metrics.py `log_rollout_data` calls it as `(rollout_id, args, samples, rollout_extra_metrics,
-  rollout_time)` before its own logging, which runs unless it returns True.
+  rollout_time)` before its own logging, which runs unless it returns True. It runs once per rollout in the one
+  RolloutManager actor (slime/ray/rollout.py `generate`), with the rollout's samples flattened; with
+  PHANTOMCLIP_SLIME_ROLLOUTS_DIR set it also writes them as the rollout file TRL's RolloutRecorder writes
+  (`record_rollout`), which `diagnose --rollouts` and its post-mortem read.
 
 What the figures hold. train_log_probs are the actor's recompute at the sampling weights when slime made one
 (batch["log_probs"]: the default, without `--use-rollout-logprobs`), so β = train − rollout is the mismatch alone,
@@ -32,11 +35,15 @@ import importlib
 import importlib.util
 import math
 import os
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
 from ..base.errors import IntegrationError
 from ..maths.metrics import LOW_P, trust_region_split
+from ..rollouts.record import EngineInfo, Header, RecordedSampling, RecordError, write_records
+from ..rollouts.slime_dumps import slime_record
 
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 """the slime commit the hooks' signatures were read at (THUDM/slime, 2026-08-21)."""
@@ -54,6 +61,9 @@ rollout_id)` (slime/observability/rollout_metrics.py, miles/ray/rollout/metrics.
 DELEGATE_ENV = "PHANTOMCLIP_SLIME_TIS_DELEGATE"
 """the dotted path of the TIS function to delegate to when it is not slime's vanilla one (e.g. slime's
 `slime.backends.megatron_utils.loss.icepop_function` or examples.train_infer_mismatch_helper.mis's)."""
+ROLLOUTS_ENV = "PHANTOMCLIP_SLIME_ROLLOUTS_DIR"
+"""a directory: `log_rollout` writes each rollout there as a rollout file, `step-{rollout_id:06d}.jsonl` (unset: no
+file). One process writes it (slime's RolloutManager), so the name has no rank, as AsyncRolloutRecorder's."""
 _PREFIX = "phantomclip/"
 
 
@@ -146,6 +156,62 @@ def rollout_figures(samples) -> dict[str, float]:
             f"{_PREFIX}rollout/lowp_share": (lp.exp() < LOW_P).double().mean().item() if n else math.nan}
 
 
+def _sglang_setting(args, name: str) -> str:
+    """One of slime's --sglang-* settings (SGLang's own ServerArgs, prefixed: slime/backends/sglang_utils/
+    arguments.py); '' where unset or 'auto' (the checkpoint's dtype, not known here)."""
+    value = getattr(args, name, None)
+    return "" if value is None or str(value).strip().lower() in ("", "auto", "none") else str(value)
+
+
+def rollout_header(args, nucleus: bool) -> Header:
+    """The rollout file's header from slime's args: the checkpoint (--hf-checkpoint), SGLang's dtype and FP8
+    arguments where set (checked as diagnose reads them, recorders.check_engine, at the first rollout; an unset
+    dtype is the checkpoint's and stays unset), the sampling (--rollout-temperature, --rollout-top-p, --rollout-top-k;
+    slime/utils/arguments.py defaults 1.0, 1.0, -1) and which log-probs SGLang returns: over the nucleus where slime
+    recorded one ('processed'), the logits before temperature with SGLANG_RETURN_ORIGINAL_LOGPROB set ('raw'),
+    else after temperature over the full vocabulary ('tempered', SGLang's default; docs/rollouts.md)."""
+    from .recorders import check_engine  # only when recording: it imports transformers
+
+    dtype, quant, kv = (_sglang_setting(args, f"sglang_{k}") for k in ("dtype", "quantization", "kv_cache_dtype"))
+    check_engine("slime's --sglang-* settings", dtype or "bfloat16", quant, kv)  # an unset dtype stays unset
+    original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").strip().lower() in ("1", "true")
+    top_k = int(getattr(args, "rollout_top_k", -1))
+    return Header(source="slime (phantomclip log_rollout)", model=str(getattr(args, "hf_checkpoint", None) or ""),
+                  engine=EngineInfo(name="sglang", dtype=dtype, quantization=quant, kv_cache_dtype=kv),
+                  logprobs="processed" if nucleus else "raw" if original else "tempered",
+                  sampling=RecordedSampling(temperature=float(getattr(args, "rollout_temperature", 1.0)),
+                                            top_p=float(getattr(args, "rollout_top_p", 1.0)), top_k=max(top_k, 0)),
+                  recorded_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def record_rollout(rollout_id: int, args, samples, out_dir) -> tuple[Path | None, int]:
+    """One rollout's samples as the rollout file `{out_dir}/step-{rollout_id:06d}.jsonl` (rollouts/record.py, written
+    atomically by write_records): per sample, as slime's dumps are read (rollouts.slime_dumps.slime_record, from
+    `Sample.to_dict()`), step = rollout_id, weight_version its last engine call's. A sample without log-probs is left
+    out (counted in rollout_figures), and so is one the record refuses (a positive or non-finite log-prob, no
+    response), as TRL's recorder leaves out rows it cannot record. Not filled: `advantage` (slime normalises the
+    rewards into advantages after this hook, in the trainer's conversion: slime/ray/rollout.py
+    `_convert_samples_to_train_data`). Returns (the file, or None where no sample was recorded; samples refused)."""
+    from .recorders import check_out_dir
+
+    check_out_dir(ROLLOUTS_ENV, out_dir)
+    records, refused = [], 0
+    for i, sample in enumerate(samples):
+        d = sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample))
+        if d.get("rollout_log_probs") is None or len(d["rollout_log_probs"]) == 0:
+            continue
+        try:
+            records.append(slime_record(d, f"rollout {rollout_id} sample {i}", int(rollout_id)))
+        except RecordError:
+            refused += 1
+    if not records:
+        return None, refused
+    header = rollout_header(args, nucleus=any(r.nucleus is not None for r in records))
+    path = Path(out_dir) / f"step-{int(rollout_id):06d}.jsonl"
+    write_records(path, header, records)
+    return path, refused
+
+
 def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
     """slime's --custom-rollout-log-function-path hook; returns False, so slime's own logging runs after it.
 
@@ -153,8 +219,12 @@ def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) 
     with its own (rollout_metrics.py: `log_dict = {**(rollout_extra_metrics or {})}`). Without one (None, the
     default of RolloutFnTrainOutput.metrics, slime/rollout/base_types.py), they are written the way slime writes its
     own: `log(args, figures, step_key="rollout/step")` at `compute_rollout_step(args, rollout_id)`, from the modules
-    LOGGERS names for the framework installed."""
+    LOGGERS names for the framework installed. With ROLLOUTS_ENV set, the rollout is written first
+    (`record_rollout`), and samples_not_recorded counts those with log-probs the record refused."""
     figures = rollout_figures(samples)
+    if os.environ.get(ROLLOUTS_ENV):
+        _, refused = record_rollout(rollout_id, args, samples, os.environ[ROLLOUTS_ENV])
+        figures[f"{_PREFIX}rollout/samples_not_recorded"] = refused
     if isinstance(rollout_extra_metrics, dict):
         rollout_extra_metrics.update(figures)
         return False

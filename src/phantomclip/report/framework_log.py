@@ -1,26 +1,19 @@
-"""What a verl run logged, drawn in the article's "Your framework" panel beside diagnose's figures (the file is read by
-`sources.read_verl_log`).
+"""What a verl run logged, drawn in the article's "Your framework" panel beside diagnose's figures.
 
-verl's `file` tracker (verl 0.9.1, verl/utils/tracking.py `FileLogger.log`; `trainer.logger=['console','file']`)
-writes one JSON object per step, `{"step": N, "data": {key: value, ...}}`, to $VERL_FILE_LOGGER_PATH, or to
-<VERL_FILE_LOGGER_ROOT>/<project>/<experiment>.jsonl. Kept from it: phantomclip's own figures logged from inside verl
-(`phantomclip/*`, docs/verl.md "Figures") and verl's mismatch diagnostics (`rollout_corr/*`), of which diagnose
-computes several for the same definitions (maths/frameworks.py `verl`), so the panel can put what the run logged
-beside what diagnose measured before training.
+The log is read by runs/framework_log.py (verl's file tracker, `trainer.logger=['console','file']`, one JSON object
+per step; `sources.collect` reads it wherever a .jsonl is found), which keeps phantomclip's
+own figures logged from inside verl (`phantomclip/*`, docs/verl.md "Figures") and verl's mismatch diagnostics
+(`rollout_corr/*`), of which diagnose computes several for the same definitions (maths/frameworks.py `verl`), so the
+panel can put what the run logged beside what diagnose measured before training.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
 
+from ..runs.framework_log import figure_series, finite_median
 from .escape import html_text
-
-
-def _median(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.median(finite) if finite else math.nan
 
 
 def _fmt(x: float | None) -> str:
@@ -39,9 +32,8 @@ def html_log_table(log: dict, diagnose: dict | None) -> str:
     predicted = {}
     if diagnose is not None:
         predicted = next(iter(diagnose["recipes"].values())).get("frameworks", {}).get("verl", {})
-    keys = sorted({k for s in steps for k in s["figures"]}, key=lambda k: (not k.startswith("phantomclip/"), k))
-    series = {k: [s["figures"][k] for s in steps if k in s["figures"]] for k in keys}  # each key's steps, in order
-    rows = "".join(f"<tr><td><code>{html_text(k)}</code></td><td>{_fmt(_median(v))}</td><td>{_fmt(v[-1])}</td>"
+    series = {k: [v for _, v in pairs] for k, pairs in figure_series(log).items()}  # each key's steps, in order
+    rows = "".join(f"<tr><td><code>{html_text(k)}</code></td><td>{_fmt(finite_median(v))}</td><td>{_fmt(v[-1])}</td>"
                    f"<td>{_fmt(predicted.get(k))}</td></tr>" for k, v in series.items())
     return (f"<p>What your verl run logged ({len(steps)} steps, from {html_text(Path(log['_path']).name)}; every "
             "figure: docs/verl.md), beside diagnose's value for the same definition where it computes one:</p>"

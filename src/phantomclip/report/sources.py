@@ -16,7 +16,6 @@ would otherwise silently lack what the user expects to see.
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -27,7 +26,9 @@ from .. import DIAGNOSE_SCHEMA, SCHEMA_VERSION
 from ..base.errors import PhantomclipError, PhantomclipWarning
 from ..base.files import InputError, json_reason, read_input
 from ..base.locks import writer_of
+from ..runs import framework_log
 from ..runs.checks import check_metrics_rows, check_run_ids
+from ..runs.framework_log import FrameworkLogError, looks_like_verl_log
 from ..runs.read import read_jsonl, run_id
 
 
@@ -55,7 +56,8 @@ class ReportData:
     moe_runs: list[dict] = field(default_factory=list)
     """the runs of a `moe-r3` experiment: another model's runs, kept out of `runs`."""
     verl_logs: list[dict] = field(default_factory=list)
-    """verl runs' file-tracker logs (`read_verl_log`): what the run logged, drawn in "Your framework"."""
+    """verl runs' file-tracker logs (runs/framework_log.py `read_verl_log`): what the run logged, drawn in "Your
+    framework"."""
 
     def files(self) -> list[Path]:
         """Every file the page draws from, in the order found: the JSON files, then each run's config, metrics and
@@ -261,7 +263,7 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
             seen.add(f)
             if f.suffix == ".jsonl":  # verl's file log; a run's own metrics/tokens .jsonl are read with its directory
                 if looks_like_verl_log(f):
-                    data.verl_logs.append(read_verl_log(f))
+                    data.verl_logs.append(_read_verl_log(f))
                 elif named:
                     raise ReportError(f"--from {src}: a .jsonl that is not verl's file log ({{\"step\", \"data\"}} per "
                                       "line); give a run directory for a run's metrics.jsonl")
@@ -288,56 +290,13 @@ def collect(sources: list[str | Path], skip: Path | None = None) -> ReportData:
     return data
 
 
-# verl's file tracker (verl 0.9.1 verl/utils/tracking.py FileLogger.log): one {"step": N, "data": {...}} per line;
-# drawn by framework_log.py.
-VERL_LOG_KEEP = ("phantomclip/", "rollout_corr/")
-"""the key prefixes read back from a verl log (docs/verl.md "Figures"; verl's rollout_corr/*); the rest is left out."""
-
-
-def looks_like_verl_log(path: Path) -> bool:
-    """True when the first non-blank line of `path` is a JSON object with an integer "step" and a "data" object."""
+def _read_verl_log(path: Path) -> dict:
+    """A verl log read back (runs/framework_log.py `read_verl_log`: {"_path", "format", "steps"}); a damaged one is a
+    ReportError naming the file and line."""
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    first = json.loads(line)
-                    return (isinstance(first, dict) and isinstance(first.get("step"), int)
-                            and isinstance(first.get("data"), dict))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return False
-
-
-def _logged_number(value) -> float | None:
-    """A logged figure as a float (null, as orjson writes NaN, is NaN); None for what is not a number."""
-    if value is None:
-        return math.nan
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def read_verl_log(path: Path) -> dict:
-    """{"_path", "steps": [{"step": N, "figures": {key: value}}]} with the VERL_LOG_KEEP keys of every line; a line
-    that is not verl's {"step", "data"} object is a ReportError naming the file and line."""
-    steps = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReportError(f"{path}:{n}: not JSON ({e.msg}): the verl log was cut or edited; pass the file "
-                                  "verl's file logger wrote") from None
-            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("data"), dict)):
-                raise ReportError(f"{path}:{n}: not a verl log line ({{\"step\": N, \"data\": {{...}}}}): pass the "
-                                  "file verl's file logger wrote")
-            kept = ((k, _logged_number(v)) for k, v in row["data"].items() if k.startswith(VERL_LOG_KEEP))
-            figures = {k: v for k, v in kept if v is not None}
-            if figures:
-                steps.append({"step": row["step"], "figures": figures})
-    return {"_path": str(path), "steps": steps}
+        return framework_log.read_verl_log(path)
+    except FrameworkLogError as e:
+        raise ReportError(str(e)) from None
 
 
 def demo_sources() -> list[Path]:

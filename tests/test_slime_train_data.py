@@ -149,6 +149,14 @@ def test_the_recorded_beta_and_the_gap_to_our_rescore(rows, tmp_path, tiny, caps
 
     assert "β as your trainer computed it (its log-probs − the engine's): mean |β| " in printed
     assert "fp32 re-scored here: mean |β|" in printed and "your trainer − this re-score: mean |Δ|" in printed
+    # the answer says both shares, and which one its status rests on when they fall on different sides of a bound
+    ans = res["answer"]
+    said = [r for r in ans["reasons"] if r.startswith("your trainer's own log-probs (recorded with the tokens) put ")]
+    mine = res["recipes"]["fp32"]["outside_trust_region"]
+    assert len(said) == 1 and f"{100 * outside / n:.2f}% of tokens outside" in said[0]
+    assert f"against {100 * mine:.2f}% for the fp32 re-score here" in said[0]
+    theirs_word = "will stall" if outside / n >= 0.10 else "at risk"  # 0 < outside: never ok
+    assert (f"on theirs alone the status would be {theirs_word.upper()}" in said[0]) == (ans["status"] != theirs_word)
 
 
 def test_beside_its_rollout_dump_a_train_dump_counts_each_sample_once(rows, tmp_path):

@@ -138,6 +138,26 @@ def run_status(result: dict) -> tuple[str, list[str]]:
     return worst["status"], [head, *found]
 
 
+def recorded_trainer_lines(result: dict, word: str) -> list[str]:
+    """Where the records carry the user's trainer's own log-probs (slime's --save-debug-train-data): the share of tokens
+    their β puts outside the trust region beside this run's re-score, and where the two shares fall on different sides
+    of a threshold, which one the status rests on: the re-score here (the status's own figure), never silently."""
+    rec = result.get("recorded_trainer")
+    if not rec or result.get("postmortem"):
+        return []
+    share = rec["beta"].get("outside_trust_region")
+    if share is None or not math.isfinite(share):
+        return []
+    mine = outside(result["recipes"][user_recipe(result)])
+    theirs = "will stall" if share >= STALL_SHARE else "at risk" if share > OK_SHARE else "ok"
+    line = (f"your trainer's own log-probs (recorded with the tokens) put {pct(share)} of tokens outside "
+            f"{region_text(result)} at α = 0, against {pct(mine)} for the {user_recipe(result)} re-score here")
+    if word not in LEVELS or LEVELS[word] is None or theirs == word:
+        return [line]
+    return [f"{line}: on theirs alone the status would be {theirs.upper()}; the status above is this machine's "
+            "re-score (its kernels, not your trainer's: the recorded gap is in the table below)"]
+
+
 def weights_lines(rows: list[dict]) -> list[str]:
     """What the post-mortem found of the weights behind each step's records, one line per step that was not simply
     its own checkpoint's (docs/rollouts.md, "Engine or learning")."""
@@ -365,7 +385,7 @@ def answer(result: dict) -> dict:
         reasons += list(STAND_IN)
     if result["engine"]["kind"] == "vllm" and stand_in_kernels(result):
         reasons += list(VLLM_CPU_STAND_IN)
-    reasons += bar_lines(result)
+    reasons += bar_lines(result) + recorded_trainer_lines(result, word)
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]

@@ -138,7 +138,7 @@ def run_status(result: dict) -> tuple[str, list[str]]:
     return worst["status"], [head, *found]
 
 
-def recorded_trainer_lines(result: dict, word: str) -> list[str]:
+def recorded_trainer_reasons(result: dict, word: str) -> list[str]:
     """Where the records carry the user's trainer's own log-probs (slime's --save-debug-train-data): the share of tokens
     their β puts outside the trust region beside this run's re-score, and where the two shares fall on different sides
     of a threshold, which one the status rests on: the re-score here (the status's own figure), never silently."""
@@ -385,7 +385,7 @@ def answer(result: dict) -> dict:
         reasons += list(STAND_IN)
     if result["engine"]["kind"] == "vllm" and stand_in_kernels(result):
         reasons += list(VLLM_CPU_STAND_IN)
-    reasons += bar_lines(result) + recorded_trainer_lines(result, word)
+    reasons += bar_lines(result) + recorded_trainer_reasons(result, word)
     if result.get("config", {}).get("unmapped"):  # no setting of the user's framework was mapped: phantomclip's own
         framework = ""
     tr, eng = result["trust_region"], result["engine"]

@@ -80,13 +80,18 @@ def read_slime(path: str) -> tuple[Header, Iterator[Located]]:
     name = printable(path)
     if "format_version" in data or "dp_shards" in data:
         return read_train_data(data, name)
+    return _dump_records(data, name, "slime/miles --save-debug-rollout-data", slime_record)
+
+
+def _dump_records(data: dict, name: str, source: str, to_record) -> tuple[Header, Iterator[Located]]:
+    """A dump's header and its samples as records (`to_record(sample, where, step)`): the step is the dump's
+    rollout_id; the log-probs are 'processed' where the first sample carries a top-p nucleus, else 'tempered'."""
     step = _plain(data.get("rollout_id"))
     step = step if isinstance(step, int) else None
     samples = data["samples"]
     nucleus = bool(samples) and isinstance(samples[0], dict) and samples[0].get("rollout_top_p_token_ids") is not None
-    header = Header(source="slime/miles --save-debug-rollout-data", logprobs="processed" if nucleus else "tempered",
-                    engine=EngineInfo(name="sglang"))
-    return header, (Located(f"{name} sample {i}", slime_record(s, f"{name} sample {i}", step))
+    header = Header(source=source, logprobs="processed" if nucleus else "tempered", engine=EngineInfo(name="sglang"))
+    return header, (Located(f"{name} sample {i}", to_record(s, f"{name} sample {i}", step))
                     for i, s in enumerate(samples))
 
 
@@ -141,14 +146,7 @@ def read_train_data(data: dict, name: str) -> tuple[Header, Iterator[Located]]:
         said = f"format_version {brief(version)}" if "format_version" in data else "no format_version"
         raise RecordError(f"{name}: a --save-debug-train-data dump with {said}: phantomclip reads format "
                           f"{TRAIN_FORMAT} (slime @624b824); give the run's --save-debug-rollout-data dump instead")
-    step = _plain(data.get("rollout_id"))
-    step = step if isinstance(step, int) else None
-    samples = data["samples"]
-    nucleus = bool(samples) and isinstance(samples[0], dict) and samples[0].get("rollout_top_p_token_ids") is not None
-    header = Header(source="slime --save-debug-train-data", logprobs="processed" if nucleus else "tempered",
-                    engine=EngineInfo(name="sglang"))
-    return header, (Located(f"{name} sample {i}", train_record(s, f"{name} sample {i}", step))
-                    for i, s in enumerate(samples))
+    return _dump_records(data, name, "slime --save-debug-train-data", train_record)
 
 
 def train_record(sample, where: str, step: int | None) -> Record:

@@ -424,9 +424,10 @@ def json_reason(e: Exception) -> str:
 
 def write_json(result: dict, path: str | Path) -> None:
     """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename). The text is
-    written as the encoder makes it, never held whole: a result's per-token arrays are most of it, and as one string
-    and its bytes they cost about 0.7 KB per token on top of the lists themselves (bench/RESULTS.md section 13). The
-    bytes are json.dumps(json_safe(result), indent=1, allow_nan=False)'s."""
+    written as the encoder makes it, never held whole: a diagnose result's per-token arrays are most of it (277
+    characters a token with the default recipes), and as one string and then its bytes they cost about 0.55 KB a token
+    on top of the lists themselves (bench/RESULTS.md section 13). The bytes are json.dumps(json_safe(result),
+    indent=1, allow_nan=False)'s."""
     encoder = json.JSONEncoder(indent=1, allow_nan=False)
     atomic_write_chunks(Path(path), encoder.iterencode(json_safe(result)))
 

@@ -111,12 +111,33 @@ def test_each_step_is_matched_to_its_own_checkpoint_and_equals_its_own_diagnose(
     assert not any(x.startswith("step ") for x in reasons)  # nothing found of the weights
 
 
-def test_a_whole_run_keeps_the_last_steps_per_token_arrays_and_a_row_of_scalars_per_step(run, tmp_path):
+def test_a_whole_run_keeps_the_last_steps_per_token_arrays_and_a_row_of_scalars_per_step(run, tmp_path,
+                                                                                          monkeypatch):
     """What a post-mortem keeps from step to step is its rows: scalars and one entry per candidate checkpoint, no
-    per-token array; the only per-token arrays of the result (what --json writes) are the last step's, equal to that
-    step's own diagnose run apart (so a kept array of another step, or of every step, would fail here)."""
+    per-token array; no step's whole result (every recipe's per-token arrays) is still alive when the next step
+    starts; the only per-token arrays of the result (what --json writes) are the last step's, equal to that step's
+    own diagnose run apart (so a kept array of another step, or of every step, would fail here)."""
+    import gc
+    import weakref
+
+    from phantomclip.diagnose import postmortem
+
+    class Result(dict):  # a dict a weak reference can follow
+        pass
+
+    real, alive = postmortem.diagnose_step, []
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        assert [r() for r in alive if r() is not None] == [], "a step's whole result outlived its row"
+        result = Result(real(*args, **kwargs))
+        alive.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(postmortem, "diagnose_step", tracked)
     ckpts, records = run
     d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints", str(ckpts))
+    assert len(alive) == len(STEPS)
 
     def arrays(x, where=""):  # every list (or tuple) inside x, by where it sits
         if isinstance(x, dict):

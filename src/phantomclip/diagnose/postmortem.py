@@ -93,6 +93,7 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
                                   [tokens[s] for s in order[1:]]), markup=False)
             rows[step] = {**step_row(step, matches[step], candidates, result), "canary": probe.get(step)}
             last = result if step == steps[-1] else last
+            del result  # the row is what the run keeps of a step: its per-token arrays go before the next step runs
     last["postmortem"] = {"steps": [rows[s] for s in steps], "checkpoints": cfg.checkpoints or None,
                           "recipe": next(iter(cfg.trainer))}
     return last

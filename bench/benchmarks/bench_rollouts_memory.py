@@ -102,10 +102,22 @@ def write_run(path: Path, header: str, records: list[dict], tokens: int, steps: 
     return written
 
 
-def peak(model: str, path: Path, out: Path) -> dict:
+def peak(model: str, path: Path, out: Path, extra: list[str]) -> dict:
     """One whole `diagnose --rollouts` in a fresh process: its peak resident memory (bytes) after its imports."""
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, "diagnose", "--model", model, "--rollouts", str(path), "--json", str(out)],
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            "diagnose",
+            "--model",
+            model,
+            "--rollouts",
+            str(path),
+            "--json",
+            str(out),
+            *extra,
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -124,7 +136,7 @@ def slope(xs: list[int], ys: list[float]) -> float:
 
 
 def measure(
-    model: str, header: str, records: list[dict], plan: list[tuple[int, int]], rounds: int, tmp: Path
+    model: str, header: str, records: list[dict], plan: list[tuple[int, int]], rounds: int, tmp: Path, extra: list[str]
 ) -> list[dict]:
     """For each (tokens, steps) of `plan`: the file, and the median peak of `rounds` runs (plans interleaved)."""
     files = []
@@ -135,7 +147,7 @@ def measure(
         )
     for _ in range(rounds):
         for f in files:
-            f["peaks"].append(peak(model, f["path"], tmp / "out.json")["peak"])
+            f["peaks"].append(peak(model, f["path"], tmp / "out.json", extra)["peak"])
     for f in files:
         f["median"] = statistics.median(f["peaks"])
     return files
@@ -164,19 +176,22 @@ def main() -> None:
     p.add_argument("--model", default="tiny-random:0")
     p.add_argument("--length", type=int, default=64, help="the sampled completions' --max-tokens")
     p.add_argument("--per-step", action="store_true", help="also grow the number of steps at a fixed step size")
+    p.add_argument("--no-batch-invariance", action="store_true", help="pass it to diagnose (no single-row pass)")
     args = p.parse_args()
+    extra = ["--no-batch-invariance"] if args.no_batch_invariance else []
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         header, records = sampled_records(args.model, args.length, Path(tmp))
-        grown = measure(args.model, header, records, [(s, args.steps) for s in sizes], args.rounds, Path(tmp))
+        grown = measure(args.model, header, records, [(s, args.steps) for s in sizes], args.rounds, Path(tmp), extra)
         if args.per_step:
             each = sizes[0] // args.steps
             steps = [args.steps, 2 * args.steps, 4 * args.steps]
-            more = measure(args.model, header, records, [(each * s, s) for s in steps], args.rounds, Path(tmp))
+            more = measure(args.model, header, records, [(each * s, s) for s in steps], args.rounds, Path(tmp), extra)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit.strip()}; model {args.model}, "
-        f"default recipes, {len(records)} sampled records of up to {args.length} tokens repeated; "
+        f"default recipes{' --no-batch-invariance' if extra else ''}, {len(records)} sampled records of up to "
+        f"{args.length} tokens repeated; "
         f"{args.rounds} rounds, a fresh process each"
     )
     table(f"whole run, {args.steps} steps, growing the steps' size:", grown)

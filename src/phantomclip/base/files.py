@@ -376,6 +376,7 @@ def atomic_write_chunks(path: Path, chunks: Iterable[str]) -> None:
 
 
 def _write_text(path: str, write: Callable) -> None:
+    """`write(f)` into a new text file at `path` (UTF-8, newlines as given)."""
     with open(path, "w", encoding="utf-8", newline="") as f:
         write(f)
 

@@ -148,6 +148,25 @@ def test_atomic_write_by_kind_of_target(tmp_path):
 
 
 @root
+def test_write_json_streams_json_dumps_bytes_and_a_failed_encode_leaves_the_old_file(tmp_path):
+    """--json is written as the encoder makes it (never held whole): the bytes are exactly json.dumps's of the
+    json_safe result (NaN and inf as null, non-ASCII escaped, indent 1), and an object the encoder refuses midway
+    leaves the old file and no temp file (the text is streamed into the temp file, renamed only when whole)."""
+    import math
+
+    from phantomclip.base.files import json_safe, write_json
+
+    result = {"β": {"beta": [i / 7 for i in range(5000)] + [math.nan, -math.inf], "t": (1, "ü")}, "n": None}
+    target = tmp_path / "out.json"
+    write_json(result, target)
+    assert target.read_bytes() == json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8")
+    assert json.loads(target.read_text())["β"]["beta"][-2:] == [None, None]
+    with pytest.raises(TypeError):
+        write_json({"a": list(range(5000)), "z": object()}, target)  # refused after the list is written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert json.loads(target.read_text())["n"] is None
+
+
 def test_json_into_device_nodes_writes_into_them_or_says_why(tmp_path, capsys):
     """A copy of /dev/null takes the JSON and stays a device; a copy of /dev/full is one line (no space), exit 2,
     and stays a device (it was replaced by a 431-byte file, exit 0)."""

@@ -23,6 +23,7 @@ from phantomclip.diagnose.which_weights import MATCH_FLOOR, MATCH_MARGIN, Match,
 from phantomclip.engines.local import LocalEngine
 from phantomclip.integrations.recorders import default_probe, read_canary, record_canary
 from phantomclip.models.load import load_model
+from phantomclip.rollouts.readers import read_rollouts
 
 STEPS = (0, 10, 20)
 ARGS = ["--trainer", "fp32"]
@@ -108,6 +109,49 @@ def test_each_step_is_matched_to_its_own_checkpoint_and_equals_its_own_diagnose(
     reasons = d["answer"]["reasons"]
     assert reasons[0].startswith("the worst of 3 steps measured at the weights that sampled them")
     assert not any(x.startswith("step ") for x in reasons)  # nothing found of the weights
+
+
+def test_a_whole_run_keeps_the_last_steps_per_token_arrays_and_a_row_of_scalars_per_step(run, tmp_path,
+                                                                                          monkeypatch):
+    """What a post-mortem keeps from step to step is its rows: scalars and one entry per candidate checkpoint, no
+    per-token array; no step's whole result (every recipe's per-token arrays) is still alive when the next step
+    starts; the only per-token arrays of the result (what --json writes) are the last step's, equal to that step's
+    own diagnose run apart (so a kept array of another step, or of every step, would fail here)."""
+    import gc
+    import weakref
+
+    from phantomclip.diagnose import postmortem
+
+    class Result(dict):  # a dict a weak reference can follow
+        pass
+
+    real, alive = postmortem.diagnose_step, []
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        assert [r() for r in alive if r() is not None] == [], "a step's whole result outlived its row"
+        result = Result(real(*args, **kwargs))
+        alive.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(postmortem, "diagnose_step", tracked)
+    ckpts, records = run
+    d = _postmortem(tmp_path, _steps_dir(tmp_path, records), "--checkpoints", str(ckpts))
+    assert len(alive) == len(STEPS)
+
+    def arrays(x, where=""):  # every list (or tuple) inside x, by where it sits
+        if isinstance(x, dict):
+            return [a for k, v in x.items() for a in arrays(v, f"{where}.{k}")]
+        return [(where, len(x))] if isinstance(x, (list, tuple)) else []
+
+    for r in _rows(d):
+        assert arrays(r) == [] and len(r["weights"]["medians"]) == len(STEPS)
+    alone = json.loads((ckpts.parent / f"d{STEPS[-1]}.json").read_text())
+    n = alone["engine"]["tokens"]
+    assert d["engine"]["tokens"] == n and {len(v) for k, v in d["tokens"].items() if k != "per_recipe"} == {n}
+    assert d["tokens"]["per_recipe"].keys() == {"fp32"}
+    for key, values in d["tokens"]["per_recipe"]["fp32"].items():
+        assert values == alone["tokens"]["per_recipe"]["fp32"][key], key
 
 
 def test_swapped_checkpoints_are_named_and_measured_against_the_weights_that_match(run, tmp_path):
@@ -298,11 +342,29 @@ def test_the_input_is_split_by_step_once(run, tmp_path):
     (tmp_path / "parts").mkdir()
     files, tokens = split_by_step(str(steps), list(STEPS), tmp_path / "parts")
     for step in STEPS:
-        lines = Path(files[step]).read_text().splitlines()
-        got = [json.loads(x) for x in lines[1:]]
-        assert len(got) == len(records[step]) - 1 and {r["step"] for r in got} == {step}
-        assert tokens[step] == sum(len(r["completion_ids"]) for r in got)
-        assert not any(r.get("canary") for r in got) and json.loads(lines[0])["engine"]["dtype"] == "bfloat16"
+        header, located = read_rollouts(files[step])
+        got = [x.record for x in located]
+        assert [r.completion_ids for r in got] == [json.loads(x)["completion_ids"] for x in records[step][1:]]
+        assert {r.step for r in got} == {step} and tokens[step] == sum(len(r.completion_ids) for r in got)
+        assert not any(r.canary for r in got) and header.engine.dtype == "bfloat16"
+
+
+def test_a_long_input_is_split_holding_a_bounded_number_of_records(run, tmp_path, monkeypatch):
+    """split_by_step never holds more than SPLIT_RECORDS records (here 4): each step's records reach its files in
+    pieces of at most 4, in the input's order, whatever the run's length."""
+    from phantomclip.diagnose import postmortem
+
+    ckpts, records = run
+    steps = _steps_dir(tmp_path, records)
+    monkeypatch.setattr(postmortem, "SPLIT_RECORDS", 4)
+    (tmp_path / "parts").mkdir()
+    files, _ = postmortem.split_by_step(str(steps), list(STEPS), tmp_path / "parts")
+    for step in STEPS:
+        parts = sorted(Path(files[step]).iterdir())
+        sizes = [len(p.read_text().splitlines()) - 1 for p in parts]  # records a piece, its header line off
+        assert len(parts) > 1 and max(sizes) <= 4 and sum(sizes) == len(records[step]) - 1
+        got = [x.record.completion_ids for x in read_rollouts(files[step])[1]]
+        assert got == [json.loads(x)["completion_ids"] for x in records[step][1:]]
 
 
 def test_evaluation_dumps_are_named_and_never_merged_into_a_step(run, tmp_path):

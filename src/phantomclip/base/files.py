@@ -14,7 +14,7 @@ import re
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -355,6 +355,32 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise write_error(Path(path), e) from None
 
 
+def atomic_write_chunks(path: Path, chunks: Iterable[str]) -> None:
+    """The text `chunks` (consumed once, as they come) into `path` as UTF-8, as atomic_write_bytes writes bytes:
+    atomically, or into this process's own descriptor after what it printed."""
+
+    def write(f) -> None:
+        for chunk in chunks:
+            f.write(chunk)
+
+    fd = _own_descriptor(Path(path))
+    if fd is None:
+        atomic_write(path, lambda tmp: _write_text(tmp, write))
+        return
+    try:
+        sys.stdout.flush()
+        with os.fdopen(os.dup(fd), "w", encoding="utf-8", newline="") as f:
+            write(f)
+    except OSError as e:
+        raise write_error(Path(path), e) from None
+
+
+def _write_text(path: str, write: Callable) -> None:
+    """`write(f)` into a new text file at `path` (UTF-8, newlines as given)."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        write(f)
+
+
 TEMP_SUFFIX = ".tmp"
 """atomic_write_bytes's temp files are `.<name>.<random>.tmp` beside the target; a kill can strand one."""
 
@@ -398,8 +424,13 @@ def json_reason(e: Exception) -> str:
 
 
 def write_json(result: dict, path: str | Path) -> None:
-    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename)."""
-    atomic_write_bytes(Path(path), json.dumps(json_safe(result), indent=1, allow_nan=False).encode("utf-8"))
+    """Write `result` to `path` as strict JSON (NaN/inf -> null), atomically (temp file, fsync, rename). The text is
+    written as the encoder makes it, never held whole: a diagnose result's per-token arrays are most of it (277
+    characters a token with the default recipes), and as one string and then its bytes they cost about 0.55 KB a token
+    on top of the lists themselves (bench/RESULTS.md section 13). The bytes are json.dumps(json_safe(result),
+    indent=1, allow_nan=False)'s."""
+    encoder = json.JSONEncoder(indent=1, allow_nan=False)
+    atomic_write_chunks(Path(path), encoder.iterencode(json_safe(result)))
 
 
 def content_hash(path: Path) -> str:

@@ -48,6 +48,11 @@ MAX_STEP_DIGITS = 12
 """a step number longer than this is refused (no run takes 10^12 optimizer steps; a 20-digit name is a typo)."""
 ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
 """config.json fields every checkpoint of one run shares."""
+SPLIT_RECORDS = 4096
+"""records `split_by_step` holds before writing them to their steps' files: at most about 30 MB of records of 64-token
+completions (60-110 bytes a completion token: 60 where the ids are Python's shared small ints, as tiny-random:0's),
+whatever the run's length; records arrive in step order in the files recorders write, so a flush writes one or two
+steps' files."""
 ROW_KEYS = ("beta_mean", "beta_abs_mean", "beta_abs_p99", "outside_trust_region", "phantom_share_at_alpha0")
 """the user's recipe's figures each step's row keeps (docs/metrics.md)."""
 
@@ -88,6 +93,7 @@ def run_rollouts(cfg: DiagnoseConfig, console: Console | None = None) -> dict:
                                   [tokens[s] for s in order[1:]]), markup=False)
             rows[step] = {**step_row(step, matches[step], candidates, result), "canary": probe.get(step)}
             last = result if step == steps[-1] else last
+            del result  # the row is what the run keeps of a step: its per-token arrays go before the next step runs
     last["postmortem"] = {"steps": [rows[s] for s in steps], "checkpoints": cfg.checkpoints or None,
                           "recipe": next(iter(cfg.trainer))}
     return last
@@ -108,21 +114,36 @@ class HeldModel:
 
 
 def split_by_step(path: str, steps: list[int], directory: Path) -> tuple[dict[int, str], dict[int, int]]:
-    """The run's records (not the canary's) of each step in a file of their own under `directory`, with the input's
-    header, in one read of the input (each record keeps the log-prob kind and sampling its own file gave it); and each
-    step's completion tokens."""
+    """The run's records (not the canary's) of each step in a directory of their own under `directory` (rollout files
+    with the input's header, read as one stream: readers.read_directory), in one read of the input (each record keeps
+    the log-prob kind and sampling its own file gave it); and each step's completion tokens. At most SPLIT_RECORDS
+    records are held at a time: the whole run's records would cost 60-110 bytes per completion token of the run, more
+    than one step's diagnose in a run of many steps (bench/RESULTS.md section 13)."""
     header, records = read_rollouts(path)
-    by_step: dict[int, list] = {s: [] for s in steps}
+    held: dict[int, list] = {s: [] for s in steps}
+    files = {s: directory / f"step-{s}" for s in steps}
+    tokens, parts = dict.fromkeys(steps, 0), dict.fromkeys(steps, 0)
+    for d in files.values():
+        d.mkdir()
+
+    def write_held() -> None:
+        for step, kept in held.items():
+            if kept:  # parts numbered in the order read_directory reads them back (rollout_files)
+                write_records(files[step] / f"part-{parts[step]}.jsonl", header, kept)
+                parts[step] += 1
+                kept.clear()
+
+    count = 0
     for located in records:
-        if not located.record.canary and record_step(located.record) in by_step:
-            by_step[record_step(located.record)].append(located.record)
-    files, tokens = {}, {}
-    for step, kept in by_step.items():
-        files[step] = str(directory / f"step-{step}.jsonl")
-        tokens[step] = sum(len(r.completion_ids) for r in kept)
-        write_records(files[step], header, kept)
-        by_step[step] = []  # written: let it go
-    return files, tokens
+        step = record_step(located.record)
+        if not located.record.canary and step in held:
+            held[step].append(located.record)
+            tokens[step] += len(located.record.completion_ids)
+            count += 1
+            if count % SPLIT_RECORDS == 0:
+                write_held()
+    write_held()
+    return {s: str(d) for s, d in files.items()}, tokens
 
 
 def remaining_seconds(first_s: float, first_tokens: int, rest_tokens: list[int]) -> tuple[float, float]:

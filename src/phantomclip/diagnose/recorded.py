@@ -194,9 +194,11 @@ def read_sampled(cfg: DiagnoseConfig, lm: LoadedModel) -> Sampled:
     batches = pack_records(records, header, record_shape(lm), cfg.batch_size, cfg.n)
     info = {**engine_info(cfg, header, len(batches.steps)), "logprobs": batches.logprobs}
     measured = cfg.logprobs_mode if cfg.sampling(0).truncated else None  # as diagnose.measured_column
-    return sampled_from_rollouts(batches.rollouts, lm.tokenizer.pad_token_id, measured, info,
-                                 time.perf_counter() - t0, trained=batches.trained, routes=batches.routes,
-                                 recorded=batches)
+    sampled = sampled_from_rollouts(batches.rollouts, lm.tokenizer.pad_token_id, measured, info,
+                                    time.perf_counter() - t0, trained=batches.trained, routes=batches.routes,
+                                    recorded=batches)
+    batches.rollouts = []  # packed: their token and log-prob lists (60-110 bytes a token) are not kept to the end
+    return sampled
 
 
 def record_step(r) -> int | None:

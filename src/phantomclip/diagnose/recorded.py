@@ -235,7 +235,8 @@ def recorded_trainer(cfg: DiagnoseConfig, sampled: Sampled,
     grids = sampled.recorded.logp_trainer_recorded if sampled.recorded is not None else None
     if grids is None:
         return None
-    theirs = concat_batches([g if g is not None else torch.full(p["input_ids"].shape, math.nan, dtype=torch.float64)
+    theirs = concat_batches([g if g is not None else torch.full(p["input_ids"].shape, math.nan, dtype=torch.float64,
+                                                                 device=p["input_ids"].device)
                              for g, p in zip(grids, sampled.packed)])  # [n, T] float64, NaN: not recorded
     engine = next(iter(pairs.values()))[1].double()  # [n, T] the column the engine recorded, the same for every recipe
     have = sampled.mask & torch.isfinite(theirs) & torch.isfinite(engine)  # [n, T]

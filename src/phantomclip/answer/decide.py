@@ -106,9 +106,15 @@ def status(result: dict) -> tuple[str, list[str]]:
     if mine["tokens"] == 0 or not math.isfinite(share):
         return "at risk", [f"no finite log-prob was measured for the {user_recipe(result)} trainer: nothing says "
                            "the run is safe (see the verdict below)"]
-    if share >= STALL_SHARE:
-        return "will stall", [f"{said} (stall ≥ {100 * STALL_SHARE:g}%)"]
-    return ("at risk" if share > OK_SHARE else "ok"), [f"{said} (ok ≤ {100 * OK_SHARE:g}%)"]
+    word = share_status(share)
+    bound = f"stall ≥ {100 * STALL_SHARE:g}%" if word == "will stall" else f"ok ≤ {100 * OK_SHARE:g}%"
+    return word, [f"{said} ({bound})"]
+
+
+def share_status(share: float) -> str:
+    """The status word of a share of tokens β touches: 'will stall' from STALL_SHARE, 'at risk' above OK_SHARE, else
+    'ok' (a finite share; the one rule the answer, the recorded trainer's line and a verl log's verdicts use)."""
+    return "will stall" if share >= STALL_SHARE else "at risk" if share > OK_SHARE else "ok"
 
 
 def judged_status(result: dict) -> tuple[str, float | None]:
@@ -149,7 +155,7 @@ def recorded_trainer_reasons(result: dict, word: str) -> list[str]:
     if share is None or not math.isfinite(share):
         return []
     mine = outside(result["recipes"][user_recipe(result)])
-    theirs = "will stall" if share >= STALL_SHARE else "at risk" if share > OK_SHARE else "ok"
+    theirs = share_status(share)
     line = (f"your trainer's own log-probs (recorded with the tokens) put {pct(share)} of tokens outside "
             f"{region_text(result)} at α = 0, against {pct(mine)} for the {user_recipe(result)} re-score here")
     if word not in LEVELS or LEVELS[word] is None or theirs == word:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..answer.decide import LEVELS, OK_SHARE, STALL_SHARE
+from ..answer.decide import LEVELS, OK_SHARE, STALL_SHARE, share_status
 from ..answer.exposure import pct
 from ..answer.verdict_text import FIXED_FROM
 from ..runs.framework_log import FrameworkLogError, figure_series, finite_median, read_verl_log
@@ -87,10 +87,9 @@ def finite_mean(values: list[float]) -> float:
 
 
 def level_word(share: float) -> str:
-    """A share of tokens β touches in the status words of diagnose's answer (answer/decide.py `status`); '-' for NaN."""
-    if not math.isfinite(share):
-        return "-"
-    return "will stall" if share >= STALL_SHARE else "at risk" if share > OK_SHARE else "ok"
+    """A share of tokens β touches in the status words of diagnose's answer (answer/decide.py `share_status`); '-'
+    for NaN."""
+    return share_status(share) if math.isfinite(share) else "-"
 
 
 def summarise(log: dict) -> dict:

@@ -1,6 +1,6 @@
 """What a verl run logged, read back: phantomclip's own figures logged from inside verl (`phantomclip/*`, docs/verl.md
 "Figures") and verl's mismatch diagnostics (`rollout_corr/*`), step by step. The report draws them in "Your
-framework" (report/framework_log.py) and `diagnose --from-verl-log` prints them (diagnose/framework_log.py); both read
+framework" (report/framework_log.py) and `diagnose --from-verl-log` prints them (diagnose/verl_log.py); both read
 them here, so neither imports the other.
 
 verl 0.9.1 hands one dict of metrics per step to every tracker named in `trainer.logger` (verl/utils/tracking.py
